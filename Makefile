@@ -1,0 +1,77 @@
+# The course's commands. Only python3 is needed: every target that runs Python first
+# makes the virtual environment in .venv (once; again when the requirements change).
+# `make help` lists the targets.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Number prefixes that limit execute/figures/nbval to some notebooks, e.g. NB="01 02".
+NB ?=
+# pytest-xdist workers for the notebook run.
+JOBS ?= 2
+# Same environment for the kernels that store outputs and for those that check them.
+export PYTHONHASHSEED := 0
+export MPLBACKEND := module://matplotlib_inline.backend_inline
+
+.DEFAULT_GOAL := help
+.PHONY: help setup lab test check lint sync links export execute figures nbval unit html clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
+
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@touch $@
+
+setup: $(STAMP)  ## create .venv with the pinned requirements and the package (editable)
+
+lab: $(STAMP)  ## open JupyterLab on notebooks/
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
+
+check: $(STAMP)  ## fast checks: ruff, pairs in sync and clean, src/ matches the export
+	$(BIN)/ruff check src tests tools notebooks
+	$(BIN)/ruff format --check tests tools
+	$(BIN)/python tools/notebooks.py check
+	$(BIN)/python tools/export.py --check
+
+lint: check
+
+sync: $(STAMP)  ## bring each .py/.ipynb pair together (the newer file wins) and fill in links
+	$(BIN)/jupytext --sync notebooks/[0-9][0-9]_*.ipynb
+	$(BIN)/python tools/notebooks.py links
+
+links: $(STAMP)
+	$(BIN)/python tools/notebooks.py links
+
+export: $(STAMP)  ## write src/transformer_from_scratch/ from the notebooks' export cells
+	$(BIN)/python tools/export.py
+
+execute: $(STAMP)  ## run notebooks (NB="01 02" for some) in fresh kernels and store outputs
+	$(BIN)/python tools/notebooks.py execute $(NB)
+
+figures: $(STAMP)  ## run notebooks without storing outputs, to refresh figures/
+	$(BIN)/python tools/notebooks.py figures $(NB)
+
+unit: $(STAMP)  ## unit tests of the package, notebook hygiene, site and browser checks
+	$(BIN)/python -m pytest tests
+
+nbval: $(STAMP)  ## re-execute every notebook and compare with its stored outputs (strict)
+	$(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-current-env \
+	  --nbval-sanitize-with tests/nbval_sanitize.cfg -n $(JOBS) --dist loadfile \
+	  $(if $(strip $(NB)),$(foreach n,$(NB),notebooks/$(n)_*.ipynb),notebooks/)
+
+test: check unit nbval  ## everything CI runs
+
+html: $(STAMP)  ## render the static site into site/ (offline: MathJax and widget JS vendored)
+	$(BIN)/python tools/build_site.py site
+
+clean:  ## remove the environment and everything built
+	rm -rf $(VENV) site test-artifacts build .pytest_cache .ruff_cache bench.json
+	find . -name __pycache__ -prune -exec rm -rf {} +
+	find . -name '*.egg-info' -prune -exec rm -rf {} +

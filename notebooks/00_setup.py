@@ -1,0 +1,305 @@
+# %% [markdown]
+# # 00 · Setup and conventions
+#
+# **What you will build:** nothing big yet, just the few helpers every later notebook starts
+# with: picking a device, seeding, adding a method to a class one cell at a time, and saving a
+# figure. On the way you will see how the course fits together: notebooks, the
+# `transformer_from_scratch` package they write, and the tests that keep both honest.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/00_setup.ipynb) · Assumes: Python and a little PyTorch (tensors, `nn.Module`, autograd).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %% [markdown]
+# ## How the course is put together
+#
+# Every notebook is a pair of files with the same cells: `NN_topic.py`, a plain Python script in
+# jupytext's *percent* format that is easy to review in a diff, and `NN_topic.ipynb`, the same
+# cells plus their outputs. Open either one in JupyterLab; saving one rewrites the other.
+#
+# Code that later notebooks need is written **once**, in a cell whose first line is `#| export`.
+# `make export` copies those cells into the package `src/transformer_from_scratch/`, so notebook
+# 03 can say `from transformer_from_scratch.attention import scaled_dot_product_attention`
+# instead of pasting notebook 01 again. A cell without the marker is teaching code: a first
+# version that a later cell replaces, a plot, a check.
+#
+# | you want to | run |
+# |---|---|
+# | read and run the notebooks | `make lab` |
+# | run every check CI runs | `make test` |
+# | bring a `.py`/`.ipynb` pair together after editing one | `make sync` |
+# | write the package from the notebooks | `make export` |
+# | re-run notebooks and store their outputs | `make execute NB="01"` |
+# | build the static site into `site/` | `make html` |
+#
+# CI re-executes every notebook with **nbval** and compares each output with the stored one, so
+# everything printed here must come out the same on every run. Three habits make that work:
+# fixed seeds, rounded prints, and an `assert` after anything that depends on the machine.
+#
+# This notebook writes the package's first module, `utils`:
+
+# %%
+#| default_exp utils
+
+# %%
+#| export
+"""Small helpers every notebook uses: device choice, seeding, add_to_class, saving figures."""
+
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# %% [markdown]
+# ## Versions
+#
+# A report of what you are running goes at the top of any bug report. It differs between
+# machines, so the cell is tagged `nbval-ignore-output`: CI runs it but does not compare what it
+# prints. The `assert` in the next cell checks the part that matters.
+
+# %% tags=["nbval-ignore-output"]
+import platform
+
+import matplotlib
+import numpy as np
+
+print(f"python      {platform.python_version()}")
+print(f"torch       {torch.__version__}")
+print(f"numpy       {np.__version__}")
+print(f"matplotlib  {matplotlib.__version__}")
+print(f"cuda        {torch.cuda.is_available()}")
+
+# %%
+torch_major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+assert torch_major_minor >= (2, 1), "the course needs torch 2.1 or newer"
+
+# %% [markdown]
+# ## Choosing a device
+#
+# The same notebooks run on a laptop CPU, on an Apple GPU (`mps`) and on Colab's NVIDIA GPU
+# (`cuda`). We ask for the best one available, in that order of preference: CUDA, then MPS, then
+# the CPU. Nothing else in the course names a device.
+
+# %%
+#| export
+def get_device(prefer: str | None = None) -> torch.device:
+    """The best available device: cuda, then mps, then cpu (or `prefer` if given)."""
+    if prefer is not None:
+        return torch.device(prefer)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+# %%
+device = get_device()
+assert device.type in {"cuda", "mps", "cpu"}
+assert get_device("cpu") == torch.device("cpu")
+
+# %% [markdown]
+# The printed device depends on your machine, so it is not compared either:
+
+# %% tags=["nbval-ignore-output"]
+print(device)
+
+# %% [markdown]
+# ## Seeding
+#
+# A neural network starts from random weights and is trained on random batches. To get the same
+# numbers twice we seed every generator we use: Python's `random`, NumPy's and PyTorch's (on
+# every device). `set_seed` returns a `torch.Generator` too, for code that should not disturb the
+# global stream.
+
+# %%
+#| export
+def set_seed(seed: int = 0) -> torch.Generator:
+    """Seed Python, NumPy and PyTorch (all devices); return a CPU generator seeded alike."""
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    random.seed(seed)
+    os.environ["PYTHONHASHSEED"] = str(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)  # noqa: NPY002 (the legacy global stream is what we seed)
+    except ImportError:  # numpy is optional for the package itself
+        pass
+    torch.manual_seed(seed)  # seeds CUDA and MPS too
+    return torch.Generator().manual_seed(seed)
+
+
+# %% [markdown]
+# **Check:** the same seed gives the same numbers, a different seed different ones.
+
+# %%
+set_seed(0)
+a = torch.randn(3)
+set_seed(0)
+b = torch.randn(3)
+set_seed(1)
+c = torch.randn(3)
+assert torch.equal(a, b) and not torch.equal(a, c)
+print(a.round(decimals=4))
+
+# %% [markdown]
+# The printed numbers are the same on every machine with this PyTorch version: the CPU generator
+# is specified bit for bit. (GPU generators are not the CPU one, which is why data for the
+# course is always drawn on the CPU and then moved.)
+#
+# ## Building a class one idea at a time
+#
+# A Transformer layer has a constructor, a forward pass and a few helpers. Written as one cell it
+# is a wall of code; the course adds one method per cell instead, with `add_to_class`, the trick
+# popularised by *Dive into Deep Learning*:
+
+# %%
+#| export
+def add_to_class(cls: type) -> Callable:
+    """Decorator: attach the decorated function to `cls` as a method of the same name."""
+
+    def attach(fn: Callable) -> Callable:
+        setattr(cls, fn.__name__, fn)
+        return fn
+
+    return attach
+
+
+# %%
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+
+@add_to_class(Counter)
+def step(self, k: int = 1) -> int:
+    self.n += k
+    return self.n
+
+
+counter = Counter()
+counter.step()
+assert counter.step(2) == 3
+print(counter.n)
+
+
+# %% [markdown]
+# When `make export` writes the package, it folds each `@add_to_class` method back into its class,
+# so `src/` reads as ordinary Python classes.
+#
+# ## Figures
+#
+# Every idea in the course comes with a picture. Figures that the README or the site reuse are
+# also saved as PNG files in `figures/` at the root of the repository. `save_figure` finds that
+# folder from wherever the notebook runs, and quietly does nothing where there is none (on Colab).
+
+# %%
+#| export
+def find_figures_dir(start: Path | None = None) -> Path | None:
+    """The repository's figures/ folder, found upwards from `start` (default: the cwd)."""
+    here = (start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / "figures").is_dir() and (folder / "pyproject.toml").is_file():
+            return folder / "figures"
+    return None
+
+
+def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -> Path | None:
+    """Save `fig` as figures/<name>.png in the repository; return the path (None if no repo)."""
+    if not name or "/" in name or name.endswith(".png"):
+        raise ValueError(f"name must be a bare file stem like 'softmax_saturation', got {name!r}")
+    directory = directory if directory is not None else find_figures_dir()
+    if directory is None:
+        return None
+    path = Path(directory) / f"{name}.png"
+    # Fixed metadata: the same figure gives the same bytes, so git sees no change.
+    fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata={"Software": None})
+    return path
+
+
+# %% [markdown]
+# A first figure, the course's colour convention: the same colour always means the same thing
+# (blue for queries and "ours", orange for keys and PyTorch's built-ins, green for values).
+
+# %%
+#| export
+COLORS = {"query": "#1f77b4", "key": "#ff7f0e", "value": "#2ca02c", "ours": "#1f77b4",
+          "torch": "#ff7f0e", "accent": "#d62728"}
+
+# %%
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(5, 1.6))
+for i, (role, color) in enumerate(COLORS.items()):
+    ax.barh(0, 1, left=i, color=color)
+    ax.text(i + 0.5, 0, role, ha="center", va="center", color="white", fontsize=9)
+ax.set_xlim(0, len(COLORS))
+ax.set_axis_off()
+ax.set_title("Colours used throughout the course")
+saved = save_figure(fig, "course_colors")
+plt.show()
+
+# %%
+assert saved is None or saved.stat().st_size > 0
+assert find_figures_dir(Path("/")) is None
+
+# %% [markdown]
+# ## Shapes and names
+#
+# The code uses the paper's names, and every reshape says what it does in a comment:
+#
+# | symbol | meaning |
+# |---|---|
+# | `B` | batch size |
+# | `T`, `T_q`, `T_k` | sequence length; of the queries and of the keys/values when they differ |
+# | `D`, `d_model` | width of the model (the vectors that flow between layers) |
+# | `d_k`, `d_v` | width of a query/key and of a value |
+# | `h`, `num_heads` | number of attention heads, each of width `d_k = d_model / h` |
+#
+# ## Recap
+#
+# | piece | where | what it gives |
+# |---|---|---|
+# | device choice | `get_device()` | `cuda` → `mps` → `cpu` |
+# | seeding | `set_seed(0)` | the same numbers on every run |
+# | a class across cells | `@add_to_class(C)` | one idea per cell, ordinary classes in `src/` |
+# | figures | `save_figure(fig, name)` | `figures/name.png`, reused by the README and site |
+#
+# ## Exercises
+#
+# 1. Call `set_seed(0)` and draw `torch.rand(2)` twice in a row. Are the two draws equal? Why?
+# 2. `add_to_class` returns the function it attaches. Why does that matter when you stack it
+#    with another decorator?
+#
+# **Solutions.**
+#
+# 1. No. Seeding fixes the *start* of the stream; each draw moves along it. Seed again before
+#    the second draw to repeat it:
+
+# %%
+set_seed(0)
+first, second = torch.rand(2), torch.rand(2)
+set_seed(0)
+again = torch.rand(2)
+assert not torch.equal(first, second) and torch.equal(first, again)
+
+# %% [markdown]
+# 2. A decorator stacked above it (say `@torch.no_grad()`) receives what `add_to_class` returns;
+#    returning the plain function keeps it usable both as a method and as a function.
+#
+# Next: [01 · Attention](01_attention.ipynb), where the weighted average at the heart of the
+# Transformer is built and its softmax taken apart.

@@ -1,0 +1,280 @@
+"""Write the library in src/ from the notebooks' export cells.
+
+Directives, on the first lines of a code cell (nbdev's spelling):
+
+    #| default_exp attention     this notebook exports to transformer_from_scratch/attention.py
+    #| export                    this cell goes into the notebook's default module
+    #| export masks              this cell goes into transformer_from_scratch/masks.py
+
+A method taught in its own cell with ``@add_to_class(SomeClass)`` is moved into the body
+of ``SomeClass`` in the exported module, so src/ reads as ordinary, complete classes.
+
+Usage:
+    python tools/export.py            write src/ from notebooks/*.py
+    python tools/export.py --check    exit 1 (with a diff) if src/ differs from the export
+
+nbdev's exporter was not used: it needs its own project settings, writes an index module
+(_modidx.py) into the package, and does not fold add_to_class methods back into classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jupytext
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+PACKAGE = "transformer_from_scratch"
+SRC = ROOT / "src" / PACKAGE
+DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
+MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class ExportError(ValueError):
+    pass
+
+
+@dataclass
+class Module:
+    name: str
+    sources: list[str] = field(default_factory=list)  # notebooks it comes from, in order
+    chunks: list[str] = field(default_factory=list)  # cell code, directives stripped
+
+
+def split_directives(source: str) -> tuple[list[tuple[str, str]], str]:
+    """Return the cell's leading ``#|`` directives and the code after them."""
+    lines = source.splitlines()
+    directives = []
+    while lines and lines[0].startswith("#|"):
+        match = DIRECTIVE.match(lines[0])
+        if match:
+            directives.append((match.group(1), match.group(2)))
+        lines.pop(0)
+    return directives, "\n".join(lines).strip("\n")
+
+
+def collect(notebook_paths: list[Path]) -> dict[str, Module]:
+    modules: dict[str, Module] = {}
+    for path in notebook_paths:
+        nb = jupytext.read(path)
+        default = None
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            directives, code = split_directives(cell.source)
+            for kind, arg in directives:
+                where = f"{path.name}, cell {index}"
+                if kind == "default_exp":
+                    if not MODULE_NAME.match(arg):
+                        raise ExportError(f"{where}: bad module name {arg!r} in default_exp")
+                    default = arg
+                    continue
+                target = arg or default
+                if target is None:
+                    raise ExportError(f"{where}: '#| export' before any '#| default_exp'")
+                if not MODULE_NAME.match(target):
+                    raise ExportError(f"{where}: bad module name {target!r}")
+                module = modules.setdefault(target, Module(target))
+                rel = path.relative_to(ROOT).as_posix()
+                if rel not in module.sources:
+                    module.sources.append(rel)
+                module.chunks.append(code)
+    return modules
+
+
+def _decorated_class(fn: ast.FunctionDef) -> str | None:
+    for dec in fn.decorator_list:
+        if (
+            isinstance(dec, ast.Call)
+            and isinstance(dec.func, ast.Name)
+            and dec.func.id == "add_to_class"
+            and len(dec.args) == 1
+            and isinstance(dec.args[0], ast.Name)
+        ):
+            return dec.args[0].id
+    return None
+
+
+def fold_methods(chunks: list[str], module: str) -> list[str]:
+    """Move ``@add_to_class(C)`` functions into the body of class ``C``."""
+    out: list[str] = []
+    class_index: dict[str, int] = {}
+    for chunk in chunks:
+        tree = ast.parse(chunk)
+        lines = chunk.splitlines()
+        kept: list[str] = []
+        cursor = 0
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and (cls := _decorated_class(node)):
+                if cls not in class_index:
+                    raise ExportError(
+                        f"{module}: add_to_class({cls}) for {node.name!r}, but class {cls} "
+                        "is not exported to the same module before it"
+                    )
+                start = min(d.lineno for d in node.decorator_list) - 1
+                # Comments directly above the decorator belong to the method.
+                while start > cursor and lines[start - 1].lstrip().startswith("#"):
+                    start -= 1
+                kept.extend(lines[cursor:start])
+                decorator_lines = {d.lineno for d in node.decorator_list}
+                body = [
+                    line
+                    for number, line in enumerate(lines[start : node.end_lineno], start=start + 1)
+                    if number not in decorator_lines
+                ]
+                method = textwrap.indent("\n".join(body), "    ")
+                target = class_index[cls]
+                out[target] = out[target].rstrip("\n") + "\n\n" + method
+                cursor = node.end_lineno
+        kept.extend(lines[cursor:])
+        rest = "\n".join(kept).strip("\n")
+        if rest:
+            out.append(rest)
+            # A class defined in this chunk lives at the index just appended.
+            for node in tree.body:
+                if isinstance(node, ast.ClassDef):
+                    class_index[node.name] = len(out) - 1
+    return out
+
+
+def public_names(code: str) -> list[str]:
+    names = []
+    for node in ast.parse(code).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                elts = target.elts if isinstance(target, ast.Tuple) else [target]
+                names += [t.id for t in elts if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.append(node.target.id)
+    return [n for n in names if not n.startswith("_") and n != "__all__"]
+
+
+def header(sources: list[str]) -> str:
+    where = ", ".join(sources)
+    return (
+        f"# Generated by `make export` from {where}.\n"
+        "# Do not edit this file: edit the notebook (or its .py pair), then run `make export`.\n"
+    )
+
+
+def render_module(module: Module) -> tuple[str, list[str]]:
+    chunks = fold_methods(module.chunks, module.name)
+    code = "\n\n\n".join(chunks)
+    names = public_names(code)
+    text = header(module.sources) + "\n" + code + "\n\n__all__ = " + _list_literal(names) + "\n"
+    ast.parse(text)  # fail here, not at import time, on a broken export
+    return text, names
+
+
+def _list_literal(names: list[str]) -> str:
+    quoted = [f'"{n}"' for n in names]
+    one_line = "[" + ", ".join(quoted) + "]"
+    if len(one_line) <= 80:
+        return one_line
+    return "[\n" + "".join(f"    {q},\n" for q in quoted) + "]"
+
+
+def _isort_key(name: str) -> tuple[int, str]:
+    # isort's "force_sort_within_sections" order, as ruff checks it: CONSTANTS, Classes, functions.
+    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
+    return kind, name
+
+
+def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> str:
+    sources = sorted({s for m in modules.values() for s in m.sources})
+    lines = [
+        header(sources),
+        '"""The Transformer from scratch: the library that the course\'s notebooks build."""',
+        "",
+        "from importlib.metadata import PackageNotFoundError, version",
+        "",
+    ]
+    all_names: list[str] = []
+    for name in modules:  # notebook order
+        names = exported[name]
+        if names:
+            lines.append(f"from .{name} import {', '.join(sorted(names, key=_isort_key))}")
+            all_names += names
+    lines += [
+        "",
+        "try:",
+        f'    __version__ = version("{PACKAGE.replace("_", "-")}")',
+        "except PackageNotFoundError:  # imported from a source tree that is not installed",
+        '    __version__ = "0+unknown"',
+        "",
+        "__all__ = " + _list_literal(all_names),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def build(notebook_paths: list[Path]) -> dict[Path, str]:
+    modules = collect(notebook_paths)
+    files: dict[Path, str] = {}
+    exported: dict[str, list[str]] = {}
+    seen: dict[str, str] = {}
+    for name, module in modules.items():
+        files[SRC / f"{name}.py"], exported[name] = render_module(module)
+        for symbol in exported[name]:
+            if symbol in seen:
+                raise ExportError(f"{symbol!r} is exported by both {seen[symbol]} and {name}")
+            seen[symbol] = name
+    files[SRC / "__init__.py"] = render_init(modules, exported)
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare, do not write")
+    args = parser.parse_args(argv)
+    notebooks = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    try:
+        files = build(notebooks)
+    except (ExportError, SyntaxError) as err:
+        print(f"export failed: {err}", file=sys.stderr)
+        return 2
+    on_disk = {p: p.read_text() for p in SRC.glob("*.py")}
+    stale = sorted(p for p in set(files) | set(on_disk) if files.get(p) != on_disk.get(p))
+    if args.check:
+        for path in stale:
+            rel = path.relative_to(ROOT)
+            diff = difflib.unified_diff(
+                on_disk.get(path, "").splitlines(),
+                files.get(path, "").splitlines(),
+                f"{rel} (in src/)",
+                f"{rel} (exported from the notebooks)",
+                lineterm="",
+            )
+            print("\n".join(list(diff)[:60]))
+        if stale:
+            print(
+                f"src/ is stale in {len(stale)} file(s): run `make export` "
+                "(and never edit src/ by hand).",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"src/ matches the export of {len(notebooks)} notebooks.")
+        return 0
+    SRC.mkdir(parents=True, exist_ok=True)
+    for path in stale:
+        if path in files:
+            path.write_text(files[path])
+            print(f"wrote {path.relative_to(ROOT)}")
+        else:
+            path.unlink()
+            print(f"removed {path.relative_to(ROOT)} (no notebook exports it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
