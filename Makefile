@@ -36,7 +36,7 @@ lab: $(STAMP)  ## open JupyterLab on notebooks/
 
 check: $(STAMP)  ## fast checks: ruff, pairs in sync and clean, src/ matches the export
 	$(BIN)/ruff check src tests tools notebooks
-	$(BIN)/ruff format --check tests tools
+	$(BIN)/ruff format --check src tests tools
 	$(BIN)/python tools/notebooks.py check
 	$(BIN)/python tools/export.py --check
 

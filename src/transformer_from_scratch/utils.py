@@ -70,8 +70,14 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
     return path
 
 
-COLORS = {"query": "#1f77b4", "key": "#ff7f0e", "value": "#2ca02c", "ours": "#1f77b4",
-          "torch": "#ff7f0e", "accent": "#d62728"}
+COLORS = {
+    "query": "#1f77b4",
+    "key": "#ff7f0e",
+    "value": "#2ca02c",
+    "ours": "#1f77b4",
+    "torch": "#ff7f0e",
+    "accent": "#d62728",
+}
 
 __all__ = [
     "get_device",
