@@ -31,7 +31,7 @@ if "google.colab" in sys.modules:
 # Code that later notebooks need is written **once**, in a cell whose first line is `#| export`.
 # `make export` copies those cells into the package `src/transformer_from_scratch/`, so notebook
 # 03 can say `from transformer_from_scratch.attention import scaled_dot_product_attention`
-# instead of pasting notebook 01 again. A cell without the marker is teaching code: a first
+# instead of pasting notebook 02 again. A cell without the marker is teaching code: a first
 # version that a later cell replaces, a plot, a check.
 #
 # | you want to | run |

@@ -84,7 +84,7 @@ def collect(notebook_paths: list[Path]) -> dict[str, Module]:
                 if not MODULE_NAME.match(target):
                     raise ExportError(f"{where}: bad module name {target!r}")
                 module = modules.setdefault(target, Module(target))
-                rel = path.relative_to(ROOT).as_posix()
+                rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
                 if rel not in module.sources:
                     module.sources.append(rel)
                 module.chunks.append(code)

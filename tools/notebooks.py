@@ -108,6 +108,10 @@ def execute(paths: list[Path], store: bool = True) -> None:
 
 
 def write_links() -> None:
+    text = README.read_text()
+    if readme_with_table(text) != text:
+        README.write_text(readme_with_table(text))
+        print("updated the table of notebooks in README.md")
     for py in sources():
         text = py.read_text()
         new = COLAB_LINK.sub(colab_url(py), text)
@@ -127,6 +131,32 @@ def write_links() -> None:
                 nbformat.write(nb, ipynb)
                 os.utime(py)
                 print(f"updated links in {ipynb.name}")
+
+
+README = ROOT / "README.md"
+TABLE_START, TABLE_END = "<!-- notebooks:start -->", "<!-- notebooks:end -->"
+
+
+def readme_table() -> str:
+    """The README's table of notebooks, made from their title cells."""
+    rows = ["| # | notebook | what you build | |", "|---|---|---|---|"]
+    for py in sources():
+        nb = jupytext.read(py)
+        first = nb.cells[0].source if nb.cells else ""
+        title = re.match(r"#\s*\d\d\s*·\s*(.+)", first.splitlines()[0] if first else "")
+        build = re.search(r"\*\*What you will build:\*\*\s*(.+?)(?:\n\n|$)", first, re.S)
+        summary = " ".join(build.group(1).split()) if build else ""
+        name = title.group(1).strip() if title else py.stem
+        rows.append(
+            f"| {py.name[:2]} | [{name}](notebooks/{py.stem}.ipynb) | {summary} "
+            f"| [Colab]({colab_url(py)}) |"
+        )
+    return "\n".join(rows)
+
+
+def readme_with_table(text: str) -> str:
+    start, end = text.index(TABLE_START), text.index(TABLE_END)
+    return text[: start + len(TABLE_START)] + "\n" + readme_table() + "\n" + text[end:]
 
 
 # ---------------------------------------------------------------- checks
@@ -203,6 +233,9 @@ def check(paths: list[Path]) -> int:
     problems = [p for path in paths for p in problems_in(path)]
     orphans = [p.name for p in NOTEBOOKS.glob("*.ipynb") if not p.with_suffix(".py").exists()]
     problems += [f"{o}: no .py pair" for o in orphans]
+    text = README.read_text()
+    if readme_with_table(text) != text:
+        problems.append("README.md: the table of notebooks is stale: run `make links`")
     for p in problems:
         print(p, file=sys.stderr)
     if not problems:

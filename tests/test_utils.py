@@ -1,0 +1,93 @@
+"""transformer_from_scratch.utils (notebook 00)."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from transformer_from_scratch import utils  # noqa: E402
+
+
+def test_get_device_prefers_what_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert utils.get_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert utils.get_device() == torch.device("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert utils.get_device() == torch.device("cuda")
+    assert utils.get_device("cpu") == torch.device("cpu")
+
+
+def test_set_seed_repeats_every_stream():
+    import random
+
+    import numpy as np
+
+    g1 = utils.set_seed(3)
+    a = (random.random(), np.random.rand(), torch.rand(2), torch.rand(2, generator=g1))
+    g2 = utils.set_seed(3)
+    b = (random.random(), np.random.rand(), torch.rand(2), torch.rand(2, generator=g2))
+    assert a[0] == b[0] and a[1] == b[1]
+    assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+    utils.set_seed(4)
+    assert not torch.equal(torch.rand(2), a[2])
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "0", None])
+def test_set_seed_rejects_bad_seeds(bad):
+    with pytest.raises(ValueError, match="non-negative int"):
+        utils.set_seed(bad)
+
+
+def test_add_to_class_attaches_and_returns_the_function():
+    class C:
+        pass
+
+    @utils.add_to_class(C)
+    def double(self, x):
+        return 2 * x
+
+    assert C().double(4) == 8
+    assert double(None, 5) == 10
+
+
+def test_save_figure_writes_png_and_is_reproducible(tmp_path):
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    first = utils.save_figure(fig, "line", directory=tmp_path)
+    data = first.read_bytes()
+    second = utils.save_figure(fig, "line", directory=tmp_path)
+    plt.close(fig)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert second.read_bytes() == data  # same figure, same bytes: no churn in git
+
+
+def test_save_figure_without_a_repository_does_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fig = plt.figure()
+    assert utils.save_figure(fig, "nothing") is None
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "x.png"])
+def test_save_figure_rejects_paths(bad, tmp_path):
+    fig = plt.figure()
+    with pytest.raises(ValueError, match="bare file stem"):
+        utils.save_figure(fig, bad, directory=tmp_path)
+    plt.close(fig)
+
+
+def test_find_figures_dir(tmp_path):
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "notebooks").mkdir()
+    assert utils.find_figures_dir(tmp_path / "notebooks") == tmp_path / "figures"
+    (tmp_path / "other").mkdir()
+    assert utils.find_figures_dir(tmp_path / "other") == tmp_path / "figures"
+
+
+def test_colors_are_hex():
+    assert all(c.startswith("#") and len(c) == 7 for c in utils.COLORS.values())

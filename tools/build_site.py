@@ -1,0 +1,221 @@
+"""Render the course as a static site that reads offline.
+
+    python tools/build_site.py OUT
+
+writes OUT/index.html (the parts of the course, each notebook with its title and summary),
+OUT/notebooks/NN_topic.html (every notebook with its stored outputs), OUT/figures/ and
+OUT/_static/ with the vendored JavaScript:
+
+- MathJax 2.7 from the PyPI package jupyter-server-mathjax (the version nbconvert's template
+  is written for);
+- require.js and the Jupyter widgets HTML manager from the npm registry (`npm pack` of the
+  pinned versions in tools/vendor/package.json, cached in build/vendor/), so saved widget state
+  renders without a kernel.
+
+No page refers to a CDN; tests/test_site.py checks that in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import nbformat
+from nbconvert import HTMLExporter
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+VENDOR_SPEC = ROOT / "tools" / "vendor" / "package.json"
+VENDOR_CACHE = ROOT / "build" / "vendor"
+MATHJAX_CONFIG = "TeX-AMS-MML_HTMLorMML-full,Safe"  # what the PyPI package ships
+COURSE_TITLE = "The Transformer from scratch"
+PARTS = [
+    ("I", "Attention", range(0, 4)),
+    ("II", "From a set to a sequence", range(4, 8)),
+    ("III", "The Transformer", range(8, 11)),
+    ("IV", "Training and generation", range(11, 13)),
+    ("V", "Into practice", range(13, 16)),
+]
+# jupyter-server-mathjax ships only the STIX-Web fonts; point MathJax's output at them.
+MATHJAX_FONTS = """<script type="text/x-mathjax-config">
+MathJax.Hub.Config({"HTML-CSS": {availableFonts: [], preferredFont: null, webFont: "STIX-Web",
+  imageFont: null}, SVG: {font: "STIX-Web"}});
+</script>"""
+# Hosts a page must never load from; the browser test also blocks every non-local request.
+CDN_HOSTS = ("cdnjs.cloudflare.com", "unpkg.com", "cdn.jsdelivr.net", "googleapis.com")
+
+
+def notebook_info(path: Path) -> dict:
+    """Number, title and one-line summary, read from the title cell."""
+    nb = nbformat.read(path, as_version=4)
+    first = nb.cells[0].source if nb.cells else ""
+    match = re.match(r"#\s*(\d\d)\s*·\s*(.+)", first.splitlines()[0] if first else "")
+    if not match:
+        raise ValueError(f"{path.name}: the first line must be '# NN · Title'")
+    summary = re.search(r"\*\*What you will build:\*\*\s*(.+?)(?:\n\n|$)", first, re.S)
+    text = " ".join(summary.group(1).split()) if summary else ""
+    return {"number": int(match.group(1)), "title": match.group(2).strip(), "summary": text}
+
+
+def vendor_npm(static: Path) -> None:
+    """Copy require.js and the widgets HTML manager (from npm tarballs) into static/."""
+    deps = json.loads(VENDOR_SPEC.read_text())["dependencies"]
+    VENDOR_CACHE.mkdir(parents=True, exist_ok=True)
+    tarballs = {}
+    for name, version in deps.items():
+        stem = f"{name.lstrip('@').replace('/', '-')}-{version}.tgz"
+        tarball = VENDOR_CACHE / stem
+        if not tarball.exists():
+            if shutil.which("npm") is None:
+                raise SystemExit("npm is needed once to fetch the site's JavaScript (apt: npm)")
+            subprocess.run(
+                ["npm", "pack", "--silent", f"{name}@{version}", "--pack-destination", "."],
+                cwd=VENDOR_CACHE,
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+        tarballs[name] = tarball
+    with tarfile.open(tarballs["requirejs"]) as tar:
+        member = tar.extractfile("package/require.js")
+        (static / "require.js").write_bytes(member.read())
+    manager = static / "html-manager"
+    manager.mkdir(exist_ok=True)
+    with tarfile.open(tarballs["@jupyter-widgets/html-manager"]) as tar:
+        for member in tar.getmembers():
+            name = member.name.removeprefix("package/dist/")
+            if member.isfile() and member.name.startswith("package/dist/") and "/" not in name:
+                if name.endswith(".map") or name.startswith("embed.js"):
+                    continue
+                (manager / name).write_bytes(tar.extractfile(member).read())
+
+
+def vendor_mathjax(static: Path) -> None:
+    import jupyter_server_mathjax
+
+    source = Path(jupyter_server_mathjax.__file__).parent / "static"
+    shutil.copytree(source, static / "mathjax", dirs_exist_ok=True)
+
+
+def exporter() -> HTMLExporter:
+    exp = HTMLExporter(template_name="lab")
+    exp.mathjax_url = f"../_static/mathjax/MathJax.js?config={MATHJAX_CONFIG}"
+    exp.require_js_url = "../_static/require.js"
+    exp.widget_renderer_url = "../_static/html-manager/embed-amd.js"
+    exp.jquery_url = ""
+    # The course draws no mermaid diagrams; keep the template from naming a CDN.
+    exp.mermaid_js_url = "../_static/no-mermaid.mjs"
+    exp.mermaid_layout_elk_js_url = ""
+    return exp
+
+
+def nav(info: dict, prev: dict | None, nxt: dict | None) -> str:
+    def link(item: dict | None, arrow: str) -> str:
+        if not item:
+            return "<span></span>"
+        label = f"{item['number']:02d} · {html.escape(item['title'])}"
+        text = f"{arrow} {label}" if arrow == "←" else f"{label} {arrow}"
+        return f'<a href="{item["stem"]}.html">{text}</a>'
+
+    return (
+        '<nav class="course-nav" style="display:flex;justify-content:space-between;gap:1em;'
+        "max-width:1100px;margin:0.5em auto;padding:0.5em 1em;font-family:sans-serif;"
+        'font-size:14px;border-bottom:1px solid #ddd">'
+        f"{link(prev, '←')}"
+        f'<a href="../index.html">{html.escape(COURSE_TITLE)}: contents</a>'
+        f"{link(nxt, '→')}</nav>"
+    )
+
+
+def render_notebook(path: Path, out: Path, info: dict, prev, nxt) -> None:
+    nb = nbformat.read(path, as_version=4)
+    body, _ = exporter().from_notebook_node(nb, resources={"metadata": {"name": info["title"]}})
+    # Links between notebooks point at the rendered pages.
+    body = re.sub(r'href="(\d\d_[a-z0-9_]+)\.ipynb', r'href="\1.html', body)
+    body = body.replace(
+        "<title>", f"<title>{info['number']:02d} · {html.escape(info['title'])} — ", 1
+    )
+    body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav(info, prev, nxt), body, count=1)
+    body = body.replace("</head>", MATHJAX_FONTS + "\n</head>", 1)
+    for host in CDN_HOSTS:
+        if host in body:
+            raise SystemExit(f"{path.name}: the rendered page still names {host}")
+    (out / f"{path.stem}.html").write_text(body)
+
+
+def render_index(out: Path, infos: list[dict]) -> None:
+    sections = []
+    for numeral, name, numbers in PARTS:
+        items = [i for i in infos if i["number"] in numbers]
+        if not items:
+            continue
+        rows = "".join(
+            f'<li><a href="notebooks/{i["stem"]}.html"><b>{i["number"]:02d} · '
+            f"{html.escape(i['title'])}</b></a><br><span>{html.escape(i['summary'])}</span></li>"
+            for i in items
+        )
+        sections.append(f"<h2>Part {numeral} — {html.escape(name)}</h2><ol class='nb'>{rows}</ol>")
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{html.escape(COURSE_TITLE)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 860px; margin: 2em auto; padding: 0 1em;
+       line-height: 1.5; color: #222; }}
+h1 {{ margin-bottom: 0.2em; }} h2 {{ margin-top: 1.6em; border-bottom: 1px solid #ddd; }}
+ol.nb {{ list-style: none; padding-left: 0; }} ol.nb li {{ margin: 0.8em 0; }}
+ol.nb span {{ color: #555; }} a {{ color: #1f5fa8; text-decoration: none; }}
+a:hover {{ text-decoration: underline; }}
+</style></head><body>
+<h1>{html.escape(COURSE_TITLE)}</h1>
+<p>The original encoder–decoder Transformer, built one component at a time in PyTorch. Every
+notebook is executed in CI; each component is checked against PyTorch's own. These pages show
+the stored outputs, so they read without a kernel and without a network connection.</p>
+<figure><img src="figures/course_colors.png" alt="The colours used throughout the course"
+ style="max-width:420px"></figure>
+{"".join(sections)}
+</body></html>
+"""
+    (out / "index.html").write_text(page)
+
+
+def build(out: Path) -> list[Path]:
+    out = out.resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    static = out / "_static"
+    (out / "notebooks").mkdir(parents=True)
+    static.mkdir()
+    vendor_mathjax(static)
+    vendor_npm(static)
+    shutil.copytree(ROOT / "figures", out / "figures")
+    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    infos = []
+    for path in paths:
+        info = notebook_info(path)
+        info["stem"] = path.stem
+        infos.append(info)
+    for k, (path, info) in enumerate(zip(paths, infos, strict=True)):
+        prev = infos[k - 1] if k else None
+        nxt = infos[k + 1] if k + 1 < len(infos) else None
+        render_notebook(path, out / "notebooks", info, prev, nxt)
+    render_index(out, infos)
+    return [out / "index.html", *(out / "notebooks" / f"{p.stem}.html" for p in paths)]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    pages = build(Path(argv[0]))
+    print(f"wrote {len(pages)} pages to {argv[0]}/ (open {argv[0]}/index.html)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
