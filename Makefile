@@ -14,9 +14,13 @@ JOBS ?= 2
 # Same environment for the kernels that store outputs and for those that check them.
 export PYTHONHASHSEED := 0
 export MPLBACKEND := module://matplotlib_inline.backend_inline
+# Kernels that store or compare outputs run on one thread each (tools/notebooks.py does the
+# same): reductions add up in the same order every time, and two nbval workers share two cores.
+execute figures nbval unit bench: export OMP_NUM_THREADS := 1
+execute figures nbval unit bench: export MKL_NUM_THREADS := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test check lint sync links export execute figures nbval unit html clean
+.PHONY: help setup lab test check lint sync links export execute figures nbval unit html bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
@@ -70,6 +74,9 @@ test: check unit nbval  ## everything CI runs
 
 html: $(STAMP)  ## render the static site into site/ (offline: MathJax and widget JS vendored)
 	$(BIN)/python tools/build_site.py site
+
+bench: $(STAMP)  ## side-by-side speed and memory measurements, written to bench.json
+	$(BIN)/python -m transformer_from_scratch.bench --threads 1 --out bench.json
 
 clean:  ## remove the environment and everything built
 	rm -rf $(VENV) site test-artifacts build .pytest_cache .ruff_cache bench.json

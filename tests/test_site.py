@@ -162,7 +162,7 @@ def test_notebook_page_in_chromium(browser, server, path):
             # MathJax 2 queues typesetting; wait for the queue to drain.
             page.wait_for_function("window.MathJax && MathJax.Hub", timeout=20_000)
             page.evaluate("new Promise(done => MathJax.Hub.Queue(() => done(true)))")
-            typeset = page.eval_on_selector_all(".MathJax, .MathJax_Display", "e => e.length")
+            typeset = page.eval_on_selector_all(".MathJax_CHTML, .MJXc-display", "e => e.length")
             assert typeset > 0, "math was not typeset"
         text = page.eval_on_selector_all(
             ".jp-MarkdownOutput", "els => els.map(e => e.innerText).join('\\n')"

@@ -6,11 +6,12 @@ writes OUT/index.html (the parts of the course, each notebook with its title and
 OUT/notebooks/NN_topic.html (every notebook with its stored outputs), OUT/figures/ and
 OUT/_static/ with the vendored JavaScript:
 
-- MathJax 2.7 from the PyPI package jupyter-server-mathjax (the version nbconvert's template
-  is written for);
-- require.js and the Jupyter widgets HTML manager from the npm registry (`npm pack` of the
-  pinned versions in tools/vendor/package.json, cached in build/vendor/), so saved widget state
-  renders without a kernel.
+- MathJax 2.7 (the version nbconvert's template is written for), with its TeX web fonts;
+- require.js and the Jupyter widgets HTML manager, so saved widget state renders without a
+  kernel.
+
+All three come from the npm registry: `npm pack` of the versions pinned in
+tools/vendor/package.json, cached in build/vendor/ (npm is needed once).
 
 No page refers to a CDN; tests/test_site.py checks that in headless Chromium.
 """
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 VENDOR_SPEC = ROOT / "tools" / "vendor" / "package.json"
 VENDOR_CACHE = ROOT / "build" / "vendor"
-MATHJAX_CONFIG = "TeX-AMS-MML_HTMLorMML-full,Safe"  # what the PyPI package ships
+MATHJAX_CONFIG = "TeX-AMS_CHTML-full,Safe"
 COURSE_TITLE = "The Transformer from scratch"
 PARTS = [
     ("I", "Attention", range(0, 4)),
@@ -42,11 +43,6 @@ PARTS = [
     ("IV", "Training and generation", range(11, 13)),
     ("V", "Into practice", range(13, 16)),
 ]
-# jupyter-server-mathjax ships only the STIX-Web fonts; point MathJax's output at them.
-MATHJAX_FONTS = """<script type="text/x-mathjax-config">
-MathJax.Hub.Config({"HTML-CSS": {availableFonts: [], preferredFont: null, webFont: "STIX-Web",
-  imageFont: null}, SVG: {font: "STIX-Web"}});
-</script>"""
 # Hosts a page must never load from; the browser test also blocks every non-local request.
 CDN_HOSTS = ("cdnjs.cloudflare.com", "unpkg.com", "cdn.jsdelivr.net", "googleapis.com")
 
@@ -63,14 +59,13 @@ def notebook_info(path: Path) -> dict:
     return {"number": int(match.group(1)), "title": match.group(2).strip(), "summary": text}
 
 
-def vendor_npm(static: Path) -> None:
-    """Copy require.js and the widgets HTML manager (from npm tarballs) into static/."""
+def npm_tarballs() -> dict[str, Path]:
+    """The pinned npm packages as tarballs in build/vendor/, fetched with `npm pack` once."""
     deps = json.loads(VENDOR_SPEC.read_text())["dependencies"]
     VENDOR_CACHE.mkdir(parents=True, exist_ok=True)
     tarballs = {}
     for name, version in deps.items():
-        stem = f"{name.lstrip('@').replace('/', '-')}-{version}.tgz"
-        tarball = VENDOR_CACHE / stem
+        tarball = VENDOR_CACHE / f"{name.lstrip('@').replace('/', '-')}-{version}.tgz"
         if not tarball.exists():
             if shutil.which("npm") is None:
                 raise SystemExit("npm is needed once to fetch the site's JavaScript (apt: npm)")
@@ -81,25 +76,58 @@ def vendor_npm(static: Path) -> None:
                 stdout=subprocess.DEVNULL,
             )
         tarballs[name] = tarball
-    with tarfile.open(tarballs["requirejs"]) as tar:
-        member = tar.extractfile("package/require.js")
-        (static / "require.js").write_bytes(member.read())
-    manager = static / "html-manager"
-    manager.mkdir(exist_ok=True)
-    with tarfile.open(tarballs["@jupyter-widgets/html-manager"]) as tar:
+    return tarballs
+
+
+def extract(tarball: Path, dest: Path, keep) -> int:
+    """Copy the files of an npm tarball for which keep(path inside the package) is true."""
+    count = 0
+    with tarfile.open(tarball) as tar:
         for member in tar.getmembers():
-            name = member.name.removeprefix("package/dist/")
-            if member.isfile() and member.name.startswith("package/dist/") and "/" not in name:
-                if name.endswith(".map") or name.startswith("embed.js"):
-                    continue
-                (manager / name).write_bytes(tar.extractfile(member).read())
+            inner = member.name.removeprefix("package/")
+            if member.isfile() and keep(inner):
+                target = dest / inner
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tar.extractfile(member).read())
+                count += 1
+    return count
 
 
-def vendor_mathjax(static: Path) -> None:
-    import jupyter_server_mathjax
+def _mathjax_file(path: str) -> bool:
+    # The packed build only, with the TeX fonts as woff and the English messages.
+    if path.startswith(("unpacked/", "test/", "docs/")):
+        return False
+    if path.startswith("fonts/"):
+        return path.startswith("fonts/HTML-CSS/TeX/woff/")
+    if path.startswith("localization/"):
+        return path.startswith("localization/en/")
+    return path.endswith(".js") or path == "LICENSE"
 
-    source = Path(jupyter_server_mathjax.__file__).parent / "static"
-    shutil.copytree(source, static / "mathjax", dirs_exist_ok=True)
+
+def _widget_file(path: str) -> bool:
+    name = path.removeprefix("dist/")
+    return (
+        path.startswith("dist/")
+        and "/" not in name
+        and not name.endswith(".map")
+        and (not name.startswith("embed.js"))
+    )
+
+
+def vendor(static: Path) -> None:
+    tarballs = npm_tarballs()
+    extract(tarballs["mathjax"], static / "mathjax", _mathjax_file)
+    extract(tarballs["requirejs"], static, lambda p: p == "require.js")
+    extract(
+        tarballs["@jupyter-widgets/html-manager"],
+        static / "html-manager",
+        _widget_file,
+    )
+    # extract() keeps the dist/ folder; the page loads html-manager/embed-amd.js.
+    dist = static / "html-manager" / "dist"
+    for item in dist.iterdir():
+        item.rename(static / "html-manager" / item.name)
+    dist.rmdir()
 
 
 def exporter() -> HTMLExporter:
@@ -141,7 +169,6 @@ def render_notebook(path: Path, out: Path, info: dict, prev, nxt) -> None:
         "<title>", f"<title>{info['number']:02d} · {html.escape(info['title'])} — ", 1
     )
     body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav(info, prev, nxt), body, count=1)
-    body = body.replace("</head>", MATHJAX_FONTS + "\n</head>", 1)
     for host in CDN_HOSTS:
         if host in body:
             raise SystemExit(f"{path.name}: the rendered page still names {host}")
@@ -191,8 +218,7 @@ def build(out: Path) -> list[Path]:
     static = out / "_static"
     (out / "notebooks").mkdir(parents=True)
     static.mkdir()
-    vendor_mathjax(static)
-    vendor_npm(static)
+    vendor(static)
     shutil.copytree(ROOT / "figures", out / "figures")
     paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     infos = []

@@ -33,8 +33,15 @@ ALLOWED_CELL_METADATA = {"tags"}
 KNOWN_TAGS = {"nbval-ignore-output", "nbval-skip", "raises-exception", "hide-input"}
 COLAB_LINK = re.compile(r"https://colab\.research\.google\.com/github/[^)\s\"']+")
 INSTALL_URL = re.compile(r"git\+https://github\.com/[^\s\"']+")
-# Environment of every kernel that produces or checks stored outputs.
-KERNEL_ENV = {"PYTHONHASHSEED": "0", "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+# Environment of every kernel that produces or checks stored outputs (the Makefile exports the
+# same): one thread per kernel, so that reductions add up in the same order every time and two
+# nbval workers share two cores without oversubscribing them.
+KERNEL_ENV = {
+    "PYTHONHASHSEED": "0",
+    "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 
 
 def settings() -> dict:

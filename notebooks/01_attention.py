@@ -1,0 +1,795 @@
+# %% [markdown]
+# # 01 · Attention
+#
+# **What you will build:** attention for a single query, written from scratch: scores, softmax,
+# weighted average. On the way you will derive the softmax's Jacobian and check it against
+# autograd, make the softmax numerically safe, and measure why the Transformer divides its
+# scores by $\sqrt{d_k}$: without it, the softmax saturates and its gradient vanishes as $d_k$
+# grows. A slider lets you watch that happen.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/01_attention.ipynb) · Assumes: [00 · Setup](00_setup.ipynb) (`set_seed`, `get_device`, `COLORS`, `save_figure`).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.colors import to_rgba
+
+from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
+
+set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# ## 1. The fixed-length bottleneck
+#
+# Before attention, neural machine translation used an **encoder–decoder** pair of recurrent
+# networks (Sutskever, Vinyals and Le, 2014, *Sequence to Sequence Learning with Neural
+# Networks*). The encoder reads the source sentence $x_1, \dots, x_T$ one token at a time,
+# updating a hidden state $h_t = f(h_{t-1}, x_t)$. Its last state becomes the summary
+# $c = h_T$, and the decoder writes the translation from $c$ alone.
+#
+# The trouble is the size of $c$: it is fixed before training, while sentences are not. A
+# five-word sentence and a fifty-word one must both fit into the same $d$ numbers. The
+# symptoms were visible at the time. Sutskever et al. found that *reversing* the source
+# sentence helped, because it put the first source words close to the first target words;
+# Cho et al. (2014, *On the Properties of Neural Machine Translation*) measured translation
+# quality falling quickly as sentences grew longer.
+#
+# **Attention** removes the bottleneck (Bahdanau, Cho and Bengio, 2014, *Neural Machine
+# Translation by Jointly Learning to Align and Translate*). The encoder keeps *all* its states
+# $h_1, \dots, h_T$. At every output step $t$ the decoder scores each of them against its own
+# state, turns the scores into weights $\alpha_{t1}, \dots, \alpha_{tT}$ that sum to one, and
+# reads a fresh context $c_t = \sum_j \alpha_{tj} h_j$. The memory now grows with the sentence,
+# and each output word can look at the source words it needs. Bahdanau et al. showed that
+# their model's quality no longer collapsed on long sentences, and that the weights
+# $\alpha_{tj}$ line up with a sensible word alignment.
+
+# %%
+def draw_node(ax, xy, label, color, fill_alpha=0.25):
+    """A rounded box with a math label, centred at xy."""
+    ax.text(*xy, label, ha="center", va="center", fontsize=12, zorder=3,
+            bbox=dict(boxstyle="round,pad=0.35", fc=to_rgba(color, fill_alpha), ec=color, lw=1.5))
+
+
+def draw_arrow(ax, start, end, color="0.35", lw=1.2, style="-|>"):
+    """An arrow from start to end that stops short of the boxes at both ends."""
+    ax.annotate("", xy=end, xytext=start, zorder=2,
+                arrowprops=dict(arrowstyle=style, color=color, lw=lw, shrinkA=14, shrinkB=14))
+
+
+fig, (ax_a, ax_b) = plt.subplots(1, 2, figsize=(13, 3.8))
+T_src = 5
+grey = "0.5"
+
+# (a) Encoder-decoder without attention: everything passes through one vector c.
+for j in range(T_src):
+    draw_node(ax_a, (j, 0), f"$x_{j + 1}$", grey, 0.1)
+    draw_node(ax_a, (j, 1), f"$h_{j + 1}$", COLORS["key"])
+    draw_arrow(ax_a, (j, 0), (j, 1))
+    if j > 0:
+        draw_arrow(ax_a, (j - 1, 1), (j, 1))
+draw_node(ax_a, (5.3, 1), "$c$", COLORS["accent"], 0.45)
+draw_arrow(ax_a, (T_src - 1, 1), (5.3, 1), COLORS["accent"], lw=2)
+for i in range(3):
+    draw_node(ax_a, (6.6 + i, 1), f"$s_{i + 1}$", COLORS["query"])
+    draw_node(ax_a, (6.6 + i, 2), f"$y_{i + 1}$", grey, 0.1)
+    draw_arrow(ax_a, (6.6 + i, 1), (6.6 + i, 2))
+    draw_arrow(ax_a, (5.3, 1) if i == 0 else (5.6 + i, 1), (6.6 + i, 1),
+               COLORS["accent"] if i == 0 else "0.35", lw=2 if i == 0 else 1.2)
+ax_a.text(5.3, 0.35, "fixed size $d$,\nwhatever $T$ is", ha="center", va="center",
+          fontsize=10, color=COLORS["accent"])
+ax_a.set_xlim(-0.6, 9.2)
+ax_a.set_ylim(-0.5, 2.9)
+ax_a.set_title("(a) Sutskever et al., 2014: the whole source squeezed into $c$")
+ax_a.set_axis_off()
+
+# (b) With attention: the decoder re-reads every encoder state, weighted by alpha.
+alpha = [0.05, 0.1, 0.6, 0.2, 0.05]
+for j in range(T_src):
+    draw_node(ax_b, (j, 0), f"$x_{j + 1}$", grey, 0.1)
+    draw_node(ax_b, (j, 1), f"$h_{j + 1}$", COLORS["key"])
+    draw_arrow(ax_b, (j, 0), (j, 1))
+    if j > 0:
+        draw_arrow(ax_b, (j - 1, 1), (j, 1))
+    # Line width proportional to the weight this output step gives to h_j.
+    draw_arrow(ax_b, (j, 1), (2, 2.5), COLORS["accent"], lw=0.5 + 10 * alpha[j], style="-")
+    ax_b.text(j, 1.45, rf"$\alpha_{{t{j + 1}}}$={alpha[j]:.2f}", fontsize=9, ha="center",
+              va="center", color=COLORS["accent"], zorder=4,
+              bbox=dict(boxstyle="round,pad=0.15", fc="white", ec="none"))
+draw_node(ax_b, (2, 2.5), r"$c_t = \sum_j \alpha_{tj} h_j$", COLORS["accent"], 0.45)
+draw_node(ax_b, (5.3, 2.5), "$s_{t-1}$", COLORS["query"])
+ax_b.annotate("", xy=(2.75, 2.5), xytext=(5.3, 2.5), zorder=2, arrowprops=dict(
+    arrowstyle="-|>", color=COLORS["query"], lw=1.5, shrinkA=16, shrinkB=0))
+ax_b.text(4.0, 2.68, "query: decoder state", ha="center", fontsize=10, color=COLORS["query"])
+ax_b.text(5.3, 1.0, "keys and values:\nencoder states $h_j$", ha="center", va="center",
+          fontsize=10, color=COLORS["key"])
+ax_b.set_xlim(-0.6, 6.2)
+ax_b.set_ylim(-0.5, 2.9)
+ax_b.set_title("(b) Bahdanau et al., 2014: a new weighted average $c_t$ per output step")
+ax_b.set_axis_off()
+fig.tight_layout()
+save_figure(fig, "01_bottleneck")
+plt.show()
+
+# %% [markdown]
+# The counting argument behind (a) is easy to make concrete. Take the simplest encoder, a
+# linear map $W \in \mathbb{R}^{d \times Tm}$ from $T$ tokens of $m$ numbers each to a summary of
+# $d$ numbers. When $Tm > d$ it has a null space, so two *different* inputs get the *same*
+# summary and no decoder, however clever, can tell them apart:
+
+# %%
+T_src, m, d = 8, 4, 16                     # 32 input numbers into a 16-number summary
+g = torch.Generator().manual_seed(0)
+W_enc = torch.randn(d, T_src * m, generator=g, dtype=torch.float64)
+sentence_1 = torch.randn(T_src * m, generator=g, dtype=torch.float64)
+# The last right-singular vectors of W span its null space (rank <= d < T_src * m).
+null_direction = torch.linalg.svd(W_enc).Vh[-1]        # (T_src * m,)
+sentence_2 = sentence_1 + 3.0 * null_direction
+
+# %% [markdown]
+# **Check:** the two inputs differ, their summaries do not.
+
+# %%
+assert (sentence_1 - sentence_2).norm() > 1.0
+torch.testing.assert_close(W_enc @ sentence_1, W_enc @ sentence_2)
+print("input distance:  ", round((sentence_1 - sentence_2).norm().item(), 4))
+print("summary distance:", round((W_enc @ sentence_1 - W_enc @ sentence_2).norm().item(), 4))
+
+# %% [markdown]
+# A recurrent encoder is not linear, but the point stands: $d$ numbers of finite precision hold
+# a fixed amount of information, and a long enough input exceeds it. Attention keeps the $T$
+# encoder states themselves, so the memory grows with $T$.
+#
+# **Takeaway: a fixed-length summary must forget once the input outgrows it; attention keeps
+# every encoder state and re-reads them at each step.**
+#
+# ## 2. Attention as a weighted average
+#
+# Strip away the recurrent networks and what remains is one operation. There is a **query**
+# $q$ (what we are looking for), and $T$ pairs of a **key** $k_j$ (what item $j$ is about) and a
+# **value** $v_j$ (what item $j$ carries). Attention scores each key against the query, turns
+# the scores into weights with a softmax, and returns the weighted average of the values:
+#
+# $$e_j = \operatorname{score}(q, k_j), \qquad
+#   \alpha = \operatorname{softmax}(e), \qquad
+#   \operatorname{attention}(q, K, V) = \sum_{j=1}^{T} \alpha_j v_j .$$
+#
+# The weights are positive and sum to one, so the output is a *convex combination* of the
+# values: it always lies inside their convex hull, pulled towards the values whose keys match
+# the query best. Different papers chose different scores:
+#
+# | score$(q, k)$ | name | paper |
+# |---|---|---|
+# | $w^\top \tanh(W_q q + W_k k)$ | additive | Bahdanau et al., 2014 |
+# | $q^\top k$ | dot product | Luong, Pham and Manning, 2015 |
+# | $q^\top k / \sqrt{d_k}$ | scaled dot product | Vaswani et al., 2017 |
+#
+# The Transformer uses the last one. With the keys stacked as rows of $K \in \mathbb{R}^{T\times
+# d_k}$ and the values as rows of $V \in \mathbb{R}^{T \times d_v}$, for one query
+# $q \in \mathbb{R}^{d_k}$:
+#
+# $$\operatorname{attention}(q, K, V) =
+#   \operatorname{softmax}\!\left(\frac{K q}{\sqrt{d_k}}\right)^{\!\top} V \in \mathbb{R}^{d_v}.$$
+#
+# Section 4 explains the $\sqrt{d_k}$. Here is the whole thing for a single query. It is a
+# teaching version: notebook 02 writes the batched one that the package exports.
+
+# %%
+def single_query_attention(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor):
+    """Scaled dot-product attention of one query: (d_k,), (T, d_k), (T, d_v) -> (d_v,), (T,)."""
+    d_k = q.shape[-1]
+    scores = K @ q / math.sqrt(d_k)         # (T, d_k) @ (d_k,) -> (T,)
+    weights = torch.softmax(scores, dim=0)  # (T,): positive, sums to 1
+    context = weights @ V                   # (T,) @ (T, d_v) -> (d_v,)
+    return context, weights
+
+
+# %% [markdown]
+# A small example we can do by hand. With $d_k = 4$ the scale is $\sqrt{4} = 2$; the query
+# $q = (2, 0, 2, 0)$ and three keys give the dot products $4, 0, 2$ and so the scores
+# $e = (2, 0, 1)$:
+#
+# $$\alpha = \frac{(e^2, e^0, e^1)}{e^2 + e^0 + e^1} \approx (0.6652,\ 0.0900,\ 0.2447).$$
+#
+# With values $v_1 = (1, 0)$, $v_2 = (0, 1)$ and $v_3 = (1, 1)$ the output is
+# $\alpha_1 v_1 + \alpha_2 v_2 + \alpha_3 v_3 = (\alpha_1 + \alpha_3,\ \alpha_2 + \alpha_3)
+# \approx (0.9100, 0.3348)$.
+
+# %%
+q = torch.tensor([2.0, 0.0, 2.0, 0.0], device=device)       # (d_k,) = (4,)
+K = torch.tensor([[1.0, 0.0, 1.0, 0.0],
+                  [0.0, 1.0, 0.0, 1.0],
+                  [1.0, 0.0, 0.0, 0.0]], device=device)     # (T, d_k) = (3, 4)
+V = torch.tensor([[1.0, 0.0],
+                  [0.0, 1.0],
+                  [1.0, 1.0]], device=device)                # (T, d_v) = (3, 2)
+
+context, weights = single_query_attention(q, K, V)
+print("weights:", weights.cpu().round(decimals=4))
+print("context:", context.cpu().round(decimals=4))
+
+# %% [markdown]
+# **Check** against the hand computation, and against PyTorch's own
+# `F.scaled_dot_product_attention`. The built-in works on batches of query sequences, so the
+# single query becomes a batch of one sequence of length one, shape `(1, 1, d_k)`.
+
+# %%
+exps = [math.exp(2), math.exp(0), math.exp(1)]
+by_hand = torch.tensor([x / sum(exps) for x in exps], device=device)
+torch.testing.assert_close(weights, by_hand)
+torch.testing.assert_close(context, torch.stack([by_hand[0] + by_hand[2], by_hand[1] + by_hand[2]]))
+
+builtin = F.scaled_dot_product_attention(q[None, None], K[None], V[None])  # (1, 1, d_v)
+torch.testing.assert_close(context, builtin[0, 0])
+
+# The same on random data: 9 keys, d_k = 16, d_v = 5.
+gen = torch.Generator().manual_seed(1)
+q_r = torch.randn(16, generator=gen).to(device)             # (d_k,)
+K_r = torch.randn(9, 16, generator=gen).to(device)          # (T, d_k)
+V_r = torch.randn(9, 5, generator=gen).to(device)           # (T, d_v)
+context_r, weights_r = single_query_attention(q_r, K_r, V_r)
+builtin_r = F.scaled_dot_product_attention(q_r[None, None], K_r[None], V_r[None])
+torch.testing.assert_close(context_r, builtin_r[0, 0])
+assert context_r.shape == (5,) and weights_r.shape == (9,)
+
+# %% [markdown]
+# **Check** the properties of a weighted average: the weights are positive and sum to one, the
+# output lies between the smallest and largest value in every coordinate, and shuffling the
+# key–value pairs (together) changes nothing, since a sum has no order.
+
+# %%
+assert (weights_r > 0).all()
+torch.testing.assert_close(weights_r.sum(), torch.tensor(1.0, device=device))
+assert (context_r >= V_r.min(dim=0).values).all() and (context_r <= V_r.max(dim=0).values).all()
+
+perm = torch.randperm(9, generator=gen).to(device)
+context_p, weights_p = single_query_attention(q_r, K_r[perm], V_r[perm])
+torch.testing.assert_close(context_p, context_r)
+torch.testing.assert_close(weights_p, weights_r[perm])
+
+# %% [markdown]
+# A picture in two dimensions ($d_k = d_v = 2$). Left: the query and five keys; each key is
+# labelled with its weight, and the keys most aligned with the query win. Right: the five
+# values, their convex hull, and the output, the weighted average, inside it.
+
+# %%
+q_2d = torch.tensor([1.6, 1.2])                                   # (d_k,) = (2,)
+K_2d = torch.tensor([[2.0, 1.0], [1.0, 2.0], [-1.5, 1.0],
+                     [-1.0, -1.5], [1.5, -1.5]])                  # (T, d_k) = (5, 2)
+V_2d = torch.tensor([[3.0, 1.0], [1.0, 3.0], [-2.0, 2.0],
+                     [-2.0, -2.0], [2.0, -2.5]])                  # (T, d_v) = (5, 2)
+out_2d, w_2d = single_query_attention(q_2d, K_2d, V_2d)
+
+fig, (ax_k, ax_v) = plt.subplots(1, 2, figsize=(11, 4.6))
+ax_k.annotate("", xy=q_2d.tolist(), xytext=(0, 0),
+              arrowprops=dict(arrowstyle="-|>", color=COLORS["query"], lw=2.5))
+ax_k.text(0.05, 0.3, "query $q$", color=COLORS["query"], fontsize=11, rotation=37)
+ax_k.scatter(K_2d[:, 0], K_2d[:, 1], s=3000 * w_2d + 30, color=COLORS["key"], alpha=0.7,
+             label="keys $k_j$ (area $\\propto \\alpha_j$)")
+for j, (x, y) in enumerate(K_2d.tolist()):
+    # Offset the label by roughly the marker's radius, which grows like sqrt(weight).
+    ax_k.text(x + 0.25 + 0.6 * w_2d[j].sqrt().item(), y, rf"$\alpha_{j + 1}={w_2d[j]:.2f}$",
+              fontsize=10, va="center")
+ax_k.set_title("Scores: how well each key matches the query")
+ax_k.set_xlabel("feature 1")
+ax_k.set_ylabel("feature 2")
+
+hull = V_2d.tolist() + [V_2d[0].tolist()]  # the five values are in convex position
+ax_v.fill(*zip(*hull, strict=True), color=COLORS["value"], alpha=0.12, label="convex hull")
+ax_v.scatter(V_2d[:, 0], V_2d[:, 1], s=3000 * w_2d + 30, color=COLORS["value"], alpha=0.7,
+             label="values $v_j$ (area $\\propto \\alpha_j$)")
+ax_v.scatter(*out_2d.tolist(), marker="*", s=350, color=COLORS["accent"], zorder=3,
+             label=r"output $\sum_j \alpha_j v_j$")
+ax_v.set_title("Output: the weighted average of the values")
+ax_v.set_xlabel("feature 1")
+ax_v.set_ylabel("feature 2")
+for ax in (ax_k, ax_v):
+    ax.set_xlim(-3.2, 4.0)
+    ax.set_ylim(-3.2, 3.8)
+    ax.set_aspect("equal")
+    ax.grid(alpha=0.3)
+    legend = ax.legend(loc="lower left", fontsize=9)
+    for handle in legend.legend_handles:  # one marker size in the legend, not the first point's
+        if hasattr(handle, "set_sizes"):
+            handle.set_sizes([80])
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Takeaway: attention is a weighted average of values, with weights from a softmax over
+# query–key scores; with one query it is three lines of code and matches PyTorch's built-in.**
+#
+# ## 3. The softmax
+#
+# The softmax turns any real vector $z \in \mathbb{R}^T$ (the *logits*) into a probability
+# vector:
+#
+# $$s_i = \operatorname{softmax}(z)_i = \frac{e^{z_i}}{\sum_{j=1}^{T} e^{z_j}} .$$
+#
+# Every $s_i$ is positive and they sum to one. Adding the same constant $c$ to every logit
+# changes nothing, since $e^{z_i + c} = e^c e^{z_i}$ and $e^c$ cancels. Scaling the logits does
+# change things: larger logits give a peakier distribution. That is the whole story of section 4.
+#
+# ### Numerical stability
+#
+# Written literally, the formula breaks in floating point. In float32, $e^{89}$ is already
+# infinite, and $\infty / \infty$ is NaN. Shift-invariance is the fix: subtract the largest
+# logit first. Then every exponent is $\le 0$, the largest term is exactly $e^0 = 1$, and the
+# sum lies between $1$ and $T$: no overflow, and no division by zero.
+
+# %%
+def softmax_naive(z: torch.Tensor) -> torch.Tensor:
+    """The softmax over the last dimension, exactly as the formula reads (unsafe)."""
+    e = z.exp()
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+def softmax(z: torch.Tensor) -> torch.Tensor:
+    """The softmax over the last dimension, with the max subtracted so exp() cannot overflow."""
+    e = (z - z.amax(dim=-1, keepdim=True)).exp()  # (..., T), largest entry exactly 1
+    return e / e.sum(dim=-1, keepdim=True)
+
+
+# %% [markdown]
+# **Check:** on ordinary logits all three agree; on large ones the naive formula returns NaN,
+# while ours still matches `torch.softmax`.
+
+# %%
+z_small = torch.randn(4, 7, generator=gen)                         # (batch, T)
+torch.testing.assert_close(softmax(z_small), torch.softmax(z_small, dim=-1))
+torch.testing.assert_close(softmax_naive(z_small), torch.softmax(z_small, dim=-1))
+
+z_large = torch.tensor([[1000.0, 1001.0, 1002.0], [-1000.0, -1001.0, -1002.0]])
+print("naive:", softmax_naive(z_large))
+print("ours: ", softmax(z_large).round(decimals=4))
+assert softmax_naive(z_large).isnan().all()
+torch.testing.assert_close(softmax(z_large), torch.softmax(z_large, dim=-1))
+# Shift invariance: both rows are the logits (2, 1, 0) shifted, reversed in the second.
+torch.testing.assert_close(softmax(z_large)[0], softmax(torch.tensor([2.0, 1.0, 0.0])).flip(0))
+
+# %% [markdown]
+# ### The Jacobian of the softmax
+#
+# To see how gradients pass through the softmax we need $\partial s_i / \partial z_j$. Write
+# $\Sigma = \sum_k e^{z_k}$, so $s_i = e^{z_i} / \Sigma$ and $\partial \Sigma / \partial z_j =
+# e^{z_j}$. The quotient rule gives
+#
+# $$\frac{\partial s_i}{\partial z_j}
+#   = \frac{\delta_{ij}\, e^{z_i}\, \Sigma - e^{z_i}\, e^{z_j}}{\Sigma^2}
+#   = \frac{e^{z_i}}{\Sigma}\left(\delta_{ij} - \frac{e^{z_j}}{\Sigma}\right)
+#   = s_i\,(\delta_{ij} - s_j),$$
+#
+# where $\delta_{ij}$ is 1 when $i = j$ and 0 otherwise. As a matrix,
+#
+# $$J = \frac{\partial s}{\partial z} = \operatorname{diag}(s) - s\, s^\top .$$
+#
+# Three facts can be read off. $J$ is symmetric. Each row sums to zero, $J\mathbf{1} = 0$,
+# because shifting all logits together changes nothing. And every entry carries a factor $s_i$:
+# when the softmax is **saturated**, one $s_i \approx 1$ and the rest $\approx 0$, so
+# $s_i(\delta_{ij} - s_j) \approx 0$ for *all* $i, j$, and no gradient gets through.
+
+# %%
+def softmax_jacobian(z: torch.Tensor) -> torch.Tensor:
+    """The softmax's Jacobian over the last dim: (..., T) -> (..., T, T), J[i, j] = ds_i/dz_j."""
+    s = softmax(z)                                          # (..., T)
+    # diag(s) - s s^T, batched: (..., T, T) - (..., T, 1) * (..., 1, T)
+    return torch.diag_embed(s) - s.unsqueeze(-1) * s.unsqueeze(-2)
+
+
+# %% [markdown]
+# **Check** against autograd, which knows nothing of our derivation:
+# `torch.autograd.functional.jacobian` builds the Jacobian of `torch.softmax` one row at a time
+# from PyTorch's own backward pass. We use float64 so the comparison is tight.
+
+# %%
+z = torch.randn(6, generator=gen, dtype=torch.float64)               # (T,)
+J_ours = softmax_jacobian(z)                                          # (T, T)
+J_autograd = torch.autograd.functional.jacobian(lambda x: torch.softmax(x, dim=-1), z)
+torch.testing.assert_close(J_ours, J_autograd)
+
+# Batched: a (3, 6) batch of logits gives a (3, 6, 6) batch of Jacobians.
+z_batch = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+J_batch = softmax_jacobian(z_batch)
+for b in range(3):
+    J_b = torch.autograd.functional.jacobian(lambda x: torch.softmax(x, dim=-1), z_batch[b])
+    torch.testing.assert_close(J_batch[b], J_b)
+
+# The three facts: symmetric, rows sum to zero, and positive semi-definite.
+torch.testing.assert_close(J_ours, J_ours.T)
+torch.testing.assert_close(J_ours.sum(dim=-1), torch.zeros(6, dtype=torch.float64))
+assert torch.linalg.eigvalsh(J_ours).min() > -1e-12
+print(J_ours.round(decimals=4))
+
+# %% [markdown]
+# In backpropagation we never build $J$: we need the product of an upstream gradient
+# $g = \partial L / \partial s$ with it. Because $J$ is symmetric,
+#
+# $$\frac{\partial L}{\partial z} = J^\top g = s \odot g - s\,(s^\top g) = s \odot \bigl(g - \langle s, g\rangle\bigr),$$
+#
+# which costs $O(T)$ instead of $O(T^2)$. **Check** it against autograd's backward pass:
+
+# %%
+def softmax_backward(s: torch.Tensor, grad_s: torch.Tensor) -> torch.Tensor:
+    """dL/dz from the softmax output s and dL/ds, both (..., T), without building J."""
+    return s * (grad_s - (s * grad_s).sum(dim=-1, keepdim=True))
+
+
+z_leaf = z_batch.clone().requires_grad_()
+upstream = torch.randn(3, 6, generator=gen, dtype=torch.float64)      # dL/ds, (batch, T)
+torch.softmax(z_leaf, dim=-1).backward(upstream)
+torch.testing.assert_close(softmax_backward(softmax(z_batch), upstream), z_leaf.grad)
+torch.testing.assert_close(softmax_backward(softmax(z_batch), upstream),
+                           (J_batch.mT @ upstream.unsqueeze(-1)).squeeze(-1))
+
+# %% [markdown]
+# A picture of the Jacobian, for the same six logits at two scales: as they are, and multiplied
+# by 8. Multiplying the logits is what happens when scores grow with $d_k$: the softmax becomes
+# nearly one-hot and the Jacobian nearly all zeros.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2))
+J_sharp = softmax_jacobian(8 * z)
+limit = J_ours.abs().max().item()
+for ax, J, title in zip(axes, (J_ours, J_sharp), ("logits $z$", "logits $8z$"), strict=True):
+    im = ax.imshow(J, cmap="RdBu_r", vmin=-limit, vmax=limit)
+    s_max = softmax(z if title == "logits $z$" else 8 * z).max().item()
+    ax.set_title(f"Jacobian for {title}\nmax $s_i$ = {s_max:.3f}, "
+                 f"$\\|J\\|_F$ = {torch.linalg.matrix_norm(J).item():.4f}")
+    ax.set_xlabel("$j$ (logit $z_j$)")
+    ax.set_ylabel("$i$ (weight $s_i$)")
+    ax.set_xticks(range(6), range(1, 7))
+    ax.set_yticks(range(6), range(1, 7))
+    fig.colorbar(im, ax=ax, label=r"$\partial s_i / \partial z_j$")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Takeaway: the softmax's Jacobian is $\operatorname{diag}(s) - ss^\top$; it vanishes as the
+# softmax approaches one-hot, so a saturated softmax passes almost no gradient.**
+#
+# ## 4. Softmax saturation, and why we divide by $\sqrt{d_k}$
+#
+# Why do scores get large? Vaswani et al. (2017, footnote 4) give the argument: if the
+# components of $q$ and $k$ are independent with mean 0 and variance 1, then $q \cdot k =
+# \sum_{i=1}^{d_k} q_i k_i$ has mean 0 and **variance $d_k$** (exercise 1 derives it). Its
+# typical size is $\sqrt{d_k}$. With $d_k = 64$, the per-head width of the original Transformer,
+# raw scores spread over a range of about $\pm 16$ (two standard deviations), and the softmax of
+# such logits is nearly one-hot. Dividing by $\sqrt{d_k}$ brings the variance back to 1 for
+# every $d_k$.
+#
+# We measure three things for $d_k = 1, 2, 4, \dots, 1024$, each over 1,000 random queries
+# with $T = 16$ keys apiece, all with independent unit-variance components:
+#
+# - **(a)** the variance of the scores $q \cdot k$, raw and divided by $\sqrt{d_k}$;
+# - **(b)** the largest softmax weight $\max_j \alpha_j$ (for uniform weights it would be $1/T$);
+# - **(c)** the size of the gradient through the softmax, the Frobenius norm $\|J\|_F$ of its
+#   Jacobian at the logits it actually receives. For an upstream gradient $g$ with independent
+#   unit-variance entries, $\mathbb{E}\,\|J^\top g\|^2 = \|J\|_F^2$, so $\|J\|_F$ is the typical
+#   size of what passes back (checked below).
+#
+# This is a measurement of random numbers rather than a model, so it runs on the CPU in
+# float64. In the saturated regime many queries have a largest weight closer to 1 than float32
+# can resolve (about $6 \times 10^{-8}$); float32 would round it to exactly 1 and report a
+# gradient of exactly 0.
+
+# %%
+D_K_VALUES = [2**p for p in range(11)]    # 1, 2, 4, ..., 1024
+NUM_QUERIES, NUM_KEYS = 1000, 16
+
+
+def saturation_stats(d_k: int) -> dict:
+    """Scores, max weights and Jacobian norms for random unit-variance q, k of width d_k."""
+    g = torch.Generator().manual_seed(d_k)  # one stream per d_k: results do not depend on order
+    q = torch.randn(NUM_QUERIES, 1, d_k, generator=g)                 # (N, 1, d_k)
+    K = torch.randn(NUM_QUERIES, NUM_KEYS, d_k, generator=g)          # (N, T, d_k)
+    raw = (q @ K.mT).squeeze(1).double()   # (N, 1, d_k) @ (N, d_k, T) -> (N, 1, T) -> (N, T)
+    stats = {"var_raw": raw.var().item(), "var_scaled": (raw / math.sqrt(d_k)).var().item()}
+    for name, logits in (("raw", raw), ("scaled", raw / math.sqrt(d_k))):
+        stats[f"max_weight_{name}"] = softmax(logits).amax(dim=-1)            # (N,)
+        stats[f"jac_norm_{name}"] = torch.linalg.matrix_norm(softmax_jacobian(logits))  # (N,)
+    return stats
+
+
+results = {d_k: saturation_stats(d_k) for d_k in D_K_VALUES}
+
+# %% [markdown]
+# A table of the measurements, with medians over the 1,000 queries:
+
+# %%
+print(f"{'d_k':>5} | {'Var raw':>8} {'Var/√d_k':>8} | {'max α raw':>9} {'scaled':>7} |"
+      f" {'‖J‖ raw':>9} {'scaled':>7}")
+for d_k, r in results.items():
+    print(f"{d_k:5d} | {r['var_raw']:8.2f} {r['var_scaled']:8.3f} |"
+          f" {r['max_weight_raw'].median().item():9.3f} {r['max_weight_scaled'].median().item():7.3f} |"
+          f" {r['jac_norm_raw'].median().item():9.2e} {r['jac_norm_scaled'].median().item():7.3f}")
+
+# %% [markdown]
+# **Check** the trends: the raw variance grows like $d_k$ (a log–log slope of 1, and within 10%
+# of $d_k$ at $d_k = 1024$), the scaled one stays near 1; at $d_k = 1024$ the raw softmax is
+# nearly one-hot while the scaled one is far from it; and the typical raw gradient is thousands
+# of times smaller than the scaled one.
+
+# %%
+var_raw = np.array([results[d]["var_raw"] for d in D_K_VALUES])
+var_scaled = np.array([results[d]["var_scaled"] for d in D_K_VALUES])
+slope = np.polyfit(np.log(D_K_VALUES), np.log(var_raw), 1)[0]
+assert 0.95 < slope < 1.05, slope
+assert 0.9 < var_raw[-1] / 1024 < 1.1
+assert np.all((0.9 < var_scaled) & (var_scaled < 1.1))
+
+last = results[1024]
+assert last["max_weight_raw"].median() > 0.9          # nearly one-hot
+assert last["max_weight_scaled"].median() < 0.5       # still spread over several keys
+assert last["max_weight_scaled"].median() < 0.5 * last["max_weight_raw"].median()
+
+jac_ratio = last["jac_norm_scaled"].median() / last["jac_norm_raw"].median()
+assert jac_ratio > 1e3, jac_ratio
+# With the scale, the gradient's size does not depend on d_k (within 25% of d_k = 1).
+jac_scaled = np.array([results[d]["jac_norm_scaled"].median().item() for d in D_K_VALUES])
+assert np.all(np.abs(jac_scaled / jac_scaled[0] - 1) < 0.25)
+print(f"log-log slope of Var(q·k) against d_k: {slope:.3f}")
+print(f"median ‖J‖_F at d_k = 1024, scaled / raw: {jac_ratio.item():.2e}")
+
+# %% [markdown]
+# **Check** that $\|J\|_F$ measures the gradient that passes back: over many random upstream
+# gradients $g$, the mean of $\|J^\top g\|^2$ matches $\|J\|_F^2$ (for eight logit vectors).
+
+# %%
+z_8 = torch.randn(8, NUM_KEYS, generator=gen, dtype=torch.float64)                  # (8, T)
+J_8 = softmax_jacobian(z_8)                                                          # (8, T, T)
+g_many = torch.randn(20_000, 8, NUM_KEYS, generator=gen, dtype=torch.float64)       # (S, 8, T)
+passed_back = softmax_backward(softmax(z_8), g_many)           # J^T g for each sample, (S, 8, T)
+mean_sq = passed_back.pow(2).sum(dim=-1).mean(dim=0)                                 # (8,)
+torch.testing.assert_close(mean_sq, torch.linalg.matrix_norm(J_8) ** 2, rtol=0.05, atol=0.0)
+
+# %% [markdown]
+# The three measurements in one figure. Lines are medians over the 1,000 queries; the shaded
+# bands span the middle half of them (25th to 75th percentile).
+
+# %%
+def median_and_quartiles(key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Median, 25th and 75th percentile of a per-query statistic, one entry per d_k."""
+    rows = torch.stack([results[d][key] for d in D_K_VALUES])          # (len(D_K_VALUES), N)
+    q25, q50, q75 = torch.quantile(rows, torch.tensor([0.25, 0.5, 0.75], dtype=rows.dtype), dim=1)
+    return q50.numpy(), q25.numpy(), q75.numpy()
+
+
+styles = {"raw": dict(color=COLORS["accent"], label=r"raw $q\cdot k$"),
+          "scaled": dict(color=COLORS["ours"], label=r"scaled $q\cdot k/\sqrt{d_k}$")}
+fig, (ax_a, ax_b, ax_c) = plt.subplots(1, 3, figsize=(16, 4.6))
+
+ax_a.loglog(D_K_VALUES, D_K_VALUES, "--", color="0.5", base=2, label="$y = d_k$")
+ax_a.loglog(D_K_VALUES, np.ones(len(D_K_VALUES)), ":", color="0.5", base=2, label="$y = 1$")
+ax_a.loglog(D_K_VALUES, var_raw, "o", ms=7, base=2, **styles["raw"])
+ax_a.loglog(D_K_VALUES, var_scaled, "s", ms=6, base=2, **styles["scaled"])
+ax_a.set_title("(a) Variance of the scores")
+ax_a.set_ylabel("measured variance over 16,000 scores")
+
+for name in ("raw", "scaled"):
+    mid, lo, hi = median_and_quartiles(f"max_weight_{name}")
+    ax_b.plot(D_K_VALUES, mid, "o-", **styles[name])
+    ax_b.fill_between(D_K_VALUES, lo, hi, color=styles[name]["color"], alpha=0.2)
+    mid, lo, hi = median_and_quartiles(f"jac_norm_{name}")
+    ax_c.plot(D_K_VALUES, mid, "o-", **styles[name])
+    ax_c.fill_between(D_K_VALUES, lo, hi, color=styles[name]["color"], alpha=0.2)
+ax_b.axhline(1 / NUM_KEYS, ls=":", color="0.5", label=f"uniform, $1/T$ = 1/{NUM_KEYS}")
+ax_b.axhline(1.0, ls="--", color="0.5", label="one-hot")
+ax_b.set_xscale("log", base=2)
+ax_b.set_ylim(0, 1.05)
+ax_b.set_title(f"(b) Largest softmax weight ($T$ = {NUM_KEYS} keys)")
+ax_b.set_ylabel(r"$\max_j \alpha_j$")
+ax_c.set_xscale("log", base=2)
+ax_c.set_yscale("log")
+ax_c.set_title("(c) Gradient through the softmax")
+ax_c.set_ylabel(r"$\|J\|_F$ at the softmax's input (log scale)")
+for ax in (ax_a, ax_b, ax_c):
+    ax.set_xlabel("$d_k$ (width of queries and keys)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=9)
+fig.suptitle(r"Softmax saturation: without the $1/\sqrt{d_k}$ scale the scores grow, "
+             "the softmax turns one-hot and its gradient vanishes", fontsize=12)
+fig.tight_layout()
+save_figure(fig, "softmax_saturation")
+plt.show()
+
+# %% [markdown]
+# Reading the figure from left to right. (a) The raw variance sits on the line $y = d_k$; the
+# scaled one stays at 1. (b) With raw scores the largest weight climbs towards 1 as $d_k$ grows:
+# the softmax picks one key and ignores the others. With the scale it stays put, far from
+# one-hot and far from uniform. (c) The consequence for learning: the typical gradient through
+# a raw softmax falls by orders of magnitude, because every entry of $J$ carries a factor
+# $s_i$ or $s_j$ that is nearly 0. Scaled, it does not depend on $d_k$ at all.
+#
+# The bands in (c) are wide for raw scores: a query whose two best keys happen to score almost
+# the same keeps a sizeable gradient, most queries get almost none. A network cannot rely on
+# such lucky near-ties. (The chain rule adds a factor $1/\sqrt{d_k}$ to the gradient with
+# respect to the raw scores, but that is polynomial, and the gradient with respect to $q$ gets a
+# factor $\|k\| \approx \sqrt{d_k}$ back; the exponential decay of the raw softmax is what
+# matters.)
+#
+# **Takeaway: raw dot products have variance $d_k$, which drives the softmax into saturation
+# and its gradient towards zero; dividing by $\sqrt{d_k}$ keeps the scores at unit variance and
+# the gradient the same size for every $d_k$.**
+#
+# ### Seeing it for one query
+#
+# The same effect for a single query and 16 keys. We draw one query and 16 keys of width 1024
+# once, and use their first $d_k$ coordinates, so that moving $d_k$ adds dimensions to the same
+# vectors rather than drawing new ones. (Another seed gives another picture; now and then two
+# keys nearly tie, the lucky case behind the wide bands in panel (c).) First a static figure
+# for three values of $d_k$:
+
+# %%
+g_demo = torch.Generator().manual_seed(5)
+q_demo = torch.randn(max(D_K_VALUES), generator=g_demo)                   # (1024,)
+K_demo = torch.randn(NUM_KEYS, max(D_K_VALUES), generator=g_demo)         # (T, 1024)
+
+
+def demo_weights(d_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The demo query's weights over the 16 keys from their first d_k coordinates: raw, scaled."""
+    raw = K_demo[:, :d_k] @ q_demo[:d_k]                 # (T, d_k) @ (d_k,) -> (T,)
+    return softmax(raw), softmax(raw / math.sqrt(d_k))
+
+
+def plot_weights(ax, d_k: int) -> None:
+    """Bar chart of the demo query's weights, raw against scaled, at width d_k."""
+    w_raw, w_scaled = demo_weights(d_k)
+    keys = np.arange(1, NUM_KEYS + 1)
+    ax.bar(keys - 0.2, w_scaled, width=0.4, color=COLORS["ours"], label=r"scaled, $/\sqrt{d_k}$")
+    ax.bar(keys + 0.2, w_raw, width=0.4, color=COLORS["accent"], label="raw")
+    ax.axhline(1 / NUM_KEYS, ls=":", color="0.5", label="uniform")
+    ax.set_ylim(0, 1.02)
+    ax.set_xticks(keys)
+    ax.set_xlabel("key $j$")
+    ax.set_ylabel(r"attention weight $\alpha_j$")
+    ax.set_title(f"$d_k$ = {d_k}: max weight raw {w_raw.max():.2f}, scaled {w_scaled.max():.2f}")
+    ax.legend(fontsize=9, loc="upper left")
+
+
+fig, axes = plt.subplots(1, 3, figsize=(16, 3.8), sharey=True)
+for ax, d_k in zip(axes, (4, 64, 1024), strict=True):
+    plot_weights(ax, d_k)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Check:** for this query too, raw weights are nearly one-hot at $d_k = 1024$, scaled ones
+# are not, and both agree at $d_k = 1$ where the scale is $\sqrt{1} = 1$.
+
+# %%
+w_raw_1024, w_scaled_1024 = demo_weights(1024)
+assert w_raw_1024.max() > 0.99 and w_scaled_1024.max() < 0.5
+torch.testing.assert_close(*demo_weights(1))
+
+# %% [markdown]
+# And a slider for $d_k$, if you run the notebook yourself (it needs a live kernel; the static
+# figure above stands in for it on the website):
+
+# %% tags=["nbval-ignore-output"]
+import ipywidgets as widgets
+from IPython.display import display
+
+
+def draw(d_k: int) -> None:
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    plot_weights(ax, d_k)
+    plt.show()
+
+
+slider = widgets.SelectionSlider(options=D_K_VALUES, value=64, description="d_k",
+                                 continuous_update=False)
+display(widgets.interactive(draw, d_k=slider))
+
+# %% [markdown]
+# ## Recap
+#
+# | concept | code | shape |
+# |---|---|---|
+# | query, keys, values | `q`, `K`, `V` | `(d_k,)`, `(T, d_k)`, `(T, d_v)` |
+# | scores | `K @ q / math.sqrt(d_k)` | `(T,)` |
+# | weights | `softmax(scores)`: subtract the max, exponentiate, normalise | `(T,)`, sum 1 |
+# | context | `weights @ V` | `(d_v,)` |
+# | built-in | `F.scaled_dot_product_attention(q[None, None], K[None], V[None])` | `(1, 1, d_v)` |
+# | softmax Jacobian | `softmax_jacobian(z)` $= \operatorname{diag}(s) - ss^\top$ | `(..., T, T)` |
+# | softmax backward | `softmax_backward(s, g)` $= s \odot (g - \langle s, g\rangle)$ | `(..., T)` |
+# | why $\sqrt{d_k}$ | $\operatorname{Var}(q\cdot k) = d_k$; scaled scores have variance 1 | |
+#
+# Next: [02 · Self-attention](02_self_attention.ipynb) gives every position its own query and
+# batches the whole computation into matrix products.
+#
+# ## Exercises
+#
+# 1. Show that if $q, k \in \mathbb{R}^{d_k}$ have independent components with mean 0 and
+#    variance 1, then $q \cdot k$ has mean 0 and variance $d_k$. What is the variance when the
+#    components of $q$ have variance $\sigma_q^2$ and those of $k$ variance $\sigma_k^2$? Check
+#    both answers empirically.
+# 2. The softmax with a **temperature** $\tau > 0$ is $\operatorname{softmax}(z / \tau)$. What
+#    happens as $\tau \to 0$ and as $\tau \to \infty$? Which temperature does the $1/\sqrt{d_k}$
+#    scale set? Check the limits in code.
+# 3. Nothing forces values to have the width of keys. Run single-query attention with
+#    $d_k = 8$ and $d_v = 3$. What is the output's shape, which width enters the scale, and does
+#    PyTorch's built-in agree?
+#
+# ### Solutions
+#
+# **1.** The terms $q_i k_i$ are independent, and $\mathbb{E}[q_i k_i] = \mathbb{E}[q_i]\,
+# \mathbb{E}[k_i] = 0$, so $\mathbb{E}[q \cdot k] = 0$. Variances of independent terms add, and
+# $\operatorname{Var}(q_i k_i) = \mathbb{E}[q_i^2 k_i^2] - 0 = \mathbb{E}[q_i^2]\,
+# \mathbb{E}[k_i^2] = 1 \cdot 1$. Hence $\operatorname{Var}(q\cdot k) = \sum_{i=1}^{d_k} 1 =
+# d_k$. With variances $\sigma_q^2$ and $\sigma_k^2$ each term has variance
+# $\sigma_q^2\sigma_k^2$, and the sum $d_k\,\sigma_q^2\sigma_k^2$. So $1/\sqrt{d_k}$ only
+# normalises the scores when $q$ and $k$ have unit-variance components, which is one reason
+# careful initialisation (notebook 03) and layer norm (notebook 06) matter.
+
+# %%
+g_ex = torch.Generator().manual_seed(1)
+lines = []
+for d_k, sigma_q, sigma_k in ((64, 1.0, 1.0), (64, 2.0, 0.5), (32, 1.5, 2.0)):
+    q_ex = sigma_q * torch.randn(100_000, d_k, generator=g_ex)      # (N, d_k)
+    k_ex = sigma_k * torch.randn(100_000, d_k, generator=g_ex)      # (N, d_k)
+    dots = (q_ex * k_ex).sum(dim=-1)                                # (N,)
+    predicted = d_k * sigma_q**2 * sigma_k**2
+    assert abs(dots.mean().item()) < 0.05 * math.sqrt(predicted)
+    assert abs(dots.var().item() / predicted - 1) < 0.03
+    lines.append(f"d_k={d_k:3d} σ_q={sigma_q} σ_k={sigma_k}: measured {dots.var().item():6.1f},"
+                 f" predicted {predicted:6.1f}")
+print("\n".join(lines))
+
+# %% [markdown]
+# **2.** Dividing the logits by $\tau$ multiplies every gap $z_i - z_j$ by $1/\tau$. As
+# $\tau \to 0$ the gaps blow up and the softmax tends to a one-hot vector on the largest logit
+# (the argmax); as $\tau \to \infty$ the gaps shrink to 0 and the softmax tends to the uniform
+# distribution $1/T$. The order of the weights never changes, only how peaked they are, and
+# the entropy grows with $\tau$. Dividing raw scores by $\sqrt{d_k}$ is a softmax with
+# temperature $\tau = \sqrt{d_k}$: the temperature that keeps the logits at unit variance.
+# Notebook 12 uses temperature again, to sample from a language model.
+
+# %%
+z_t = torch.tensor([2.0, 1.0, 0.5, -1.0], dtype=torch.float64)
+temperatures = [0.01, 0.1, 0.5, 1.0, 2.0, 10.0, 1e4]
+probs = torch.stack([softmax(z_t / tau) for tau in temperatures])          # (len(tau), T)
+entropy = -(probs * probs.log()).sum(dim=-1)                               # (len(tau),)
+
+torch.testing.assert_close(probs[0], F.one_hot(z_t.argmax(), 4).double())  # tau -> 0
+torch.testing.assert_close(probs[-1], torch.full((4,), 0.25, dtype=torch.float64),
+                           atol=1e-3, rtol=0)                             # tau -> infinity
+assert (entropy.diff() > 0).all()                                          # entropy grows
+assert all(torch.equal(p.argsort(), z_t.argsort()) for p in probs[:-1])    # order is kept
+print("\n".join(f"tau={tau:>7}: weights {p.numpy().round(3)}, entropy {h.item():.3f}"
+                for tau, p, h in zip(temperatures, probs, entropy, strict=True)))
+
+# %% [markdown]
+# **3.** The weights come from $q$ and $K$ alone, so their shape is $(T,)$ whatever $d_v$ is;
+# the output is a weighted average of rows of $V$ and has shape $(d_v,)$. The scale uses $d_k$:
+# it corrects the size of $q \cdot k$, a sum of $d_k$ products, and the values take no part in
+# it. PyTorch's built-in accepts $d_v \ne d_k$ and agrees:
+
+# %%
+q_v = torch.randn(8, generator=g_ex).to(device)            # (d_k,) = (8,)
+K_v = torch.randn(10, 8, generator=g_ex).to(device)        # (T, d_k) = (10, 8)
+V_v = torch.randn(10, 3, generator=g_ex).to(device)        # (T, d_v) = (10, 3)
+context_v, weights_v = single_query_attention(q_v, K_v, V_v)
+assert context_v.shape == (3,) and weights_v.shape == (10,)
+torch.testing.assert_close(context_v,
+                           F.scaled_dot_product_attention(q_v[None, None], K_v[None], V_v[None])[0, 0])
+# The weights do not depend on the values at all.
+_, weights_other_v = single_query_attention(q_v, K_v, torch.randn(10, 7, generator=g_ex).to(device))
+torch.testing.assert_close(weights_v, weights_other_v)
+print(tuple(context_v.shape), tuple(weights_v.shape))

@@ -1,0 +1,1279 @@
+# %% [markdown]
+# # 02 · Self-attention
+#
+# **What you will build:** attention for every query of a batch of sequences at once, as two
+# matrix products; self-attention, where queries, keys and values are three projections of the
+# same sequence; the course's `scaled_dot_product_attention` (masks, dropout, errors), equal to
+# PyTorch's own in values and gradients; a heatmap helper; and two facts about self-attention,
+# both checked: it has no idea of word order, and it costs $O(T^2)$ in time and memory.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/02_self_attention.ipynb) · Assumes: [00 · Setup](00_setup.ipynb) and [01 · Attention](01_attention.ipynb) (single-query attention and its softmax).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import json
+import math
+import tempfile
+from itertools import pairwise
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
+
+set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# This notebook writes three modules of the package: `attention` (the function at the heart of
+# the course; notebook 03 adds the multi-head module to it), `viz` (the attention heatmap) and
+# `bench` (the cost measurements behind `python -m transformer_from_scratch.bench`).
+
+# %%
+#| default_exp attention
+
+# %% [markdown]
+# ## 1. From one query to all of them
+#
+# Notebook 01 answered one query $q \in \mathbb{R}^{d_k}$ against $T_k$ keys
+# $K \in \mathbb{R}^{T_k \times d_k}$ and values $V \in \mathbb{R}^{T_k \times d_v}$:
+#
+# $$\alpha = \mathrm{softmax}\!\left(\frac{K q}{\sqrt{d_k}}\right) \in \mathbb{R}^{T_k}, \qquad
+#   \mathrm{context} = \alpha^\top V \in \mathbb{R}^{d_v}.$$
+#
+# In a sequence model every position asks a question, so there are $T_q$ queries. Nothing in the
+# formula couples one query to another, so we can stack them as the rows of
+# $Q \in \mathbb{R}^{T_q \times d_k}$ and do all the dot products in one matrix product:
+# $(QK^\top)_{ij} = q_i \cdot k_j$ is the score of query $i$ for key $j$. The softmax runs along
+# each row, and one more product forms every weighted average:
+#
+# $$\mathrm{Attention}(Q, K, V) = \underbrace{\mathrm{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}}\right)}_{A \,\in\, \mathbb{R}^{T_q \times T_k}} V \;\in\; \mathbb{R}^{T_q \times d_v}
+# \qquad \text{(Vaswani et al., 2017, eq. 1)}.$$
+#
+# First the single-query version again, as the reference to check against:
+
+# %%
+def single_query_attention(q, K, V):
+    """Single-query attention from notebook 01: q (d_k,), K (T_k, d_k), V (T_k, d_v)."""
+    scores = K @ q / math.sqrt(q.size(-1))  # (T_k, d_k) @ (d_k,) -> (T_k,)
+    weights = torch.softmax(scores, dim=-1)  # (T_k,)
+    return weights @ V, weights  # (T_k,) @ (T_k, d_v) -> (d_v,)
+
+
+# %% [markdown]
+# Now all queries at once. `K.transpose(-2, -1)` swaps only the last two axes, so the same line
+# works whatever sits in front of them (batches, later heads):
+
+# %%
+def batched_attention(Q, K, V):
+    """All queries at once: softmax(Q K^T / sqrt(d_k)) V over the last two axes."""
+    d_k = Q.size(-1)
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)  # (..., T_q, d_k) @ (..., d_k, T_k) -> (..., T_q, T_k)
+    weights = torch.softmax(scores, dim=-1)  # row i: query i's distribution over the keys
+    return weights @ V, weights  # (..., T_q, T_k) @ (..., T_k, d_v) -> (..., T_q, d_v)
+
+
+# %% [markdown]
+# **Check:** the matrix form gives, row for row, what a loop over single queries gives.
+
+# %%
+gen = torch.Generator().manual_seed(0)
+T_q, T_k, d_k, d_v = 4, 6, 8, 3
+Q = torch.randn(T_q, d_k, generator=gen).to(device)
+K = torch.randn(T_k, d_k, generator=gen).to(device)
+V = torch.randn(T_k, d_v, generator=gen).to(device)
+
+context, weights = batched_attention(Q, K, V)
+rows = [single_query_attention(q, K, V) for q in Q]  # one query at a time
+torch.testing.assert_close(context, torch.stack([c for c, _ in rows]))
+torch.testing.assert_close(weights, torch.stack([w for _, w in rows]))
+print("context", tuple(context.shape), "weights", tuple(weights.shape))
+
+# %% [markdown]
+# A batch of sequences adds a leading axis $B$: `Q` is $(B, T_q, d_k)$. The `@` operator treats
+# every axis but the last two as a batch axis, so `batched_attention` needs no change.
+#
+# **Check:** the batched call equals a loop over the batch.
+
+# %%
+B = 3
+Qb = torch.randn(B, T_q, d_k, generator=gen).to(device)
+Kb = torch.randn(B, T_k, d_k, generator=gen).to(device)
+Vb = torch.randn(B, T_k, d_v, generator=gen).to(device)
+
+context_b, weights_b = batched_attention(Qb, Kb, Vb)  # (B, T_q, d_v), (B, T_q, T_k)
+for b in range(B):
+    c, w = batched_attention(Qb[b], Kb[b], Vb[b])  # one sequence: (T_q, d_v), (T_q, T_k)
+    torch.testing.assert_close(context_b[b], c)
+    torch.testing.assert_close(weights_b[b], w)
+print("context", tuple(context_b.shape), "weights", tuple(weights_b.shape))
+
+# %% [markdown]
+# ### Looking at the weights
+#
+# The weights $A$ form a $T_q \times T_k$ table: one row per query, one column per key, each row
+# a probability distribution. A heatmap is the natural picture, and every later notebook draws
+# one, so the helper goes into the package (module `viz`). It takes one 2-D matrix (pick the
+# example and the head first), puts the queries down and the keys across, and always draws a
+# colorbar unless asked not to.
+
+# %%
+#| export viz
+"""Pictures of attention: the heatmap every notebook of the course draws."""
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from matplotlib.axes import Axes
+from matplotlib.ticker import MaxNLocator
+
+
+def plot_attention(
+    weights,
+    x_labels=None,
+    y_labels=None,
+    ax: Axes | None = None,
+    title: str | None = None,
+    cmap: str = "Blues",
+    colorbar: bool = True,
+    annotate: bool = False,
+    vmin: float | None = 0.0,
+    vmax: float | None = None,
+    label: str = "attention weight",
+    fmt: str = "{:.2f}",
+) -> Axes:
+    """Heatmap of a (T_q, T_k) attention matrix: queries down, keys across; returns the Axes."""
+    if isinstance(weights, torch.Tensor):
+        data = weights.detach().to("cpu", torch.float64).numpy()
+    else:
+        data = np.asarray(weights, dtype=np.float64)
+    if data.ndim != 2:
+        raise ValueError(
+            f"weights must be 2-D (T_q, T_k), got shape {tuple(data.shape)}; "
+            "select one example and head first, e.g. attn[0, h]"
+        )
+    T_q, T_k = data.shape
+    if y_labels is None and x_labels is not None and T_q == T_k:
+        y_labels = x_labels  # self-attention: the same tokens on both axes
+    for name, labels, size, axis in (("x_labels", x_labels, T_k, "keys"),
+                                     ("y_labels", y_labels, T_q, "queries")):
+        if labels is not None and len(labels) != size:
+            raise ValueError(
+                f"{name} has {len(labels)} entries but weights of shape {(T_q, T_k)} "
+                f"have {size} {axis}"
+            )
+    if ax is None:
+        size_in = (min(max(0.55 * T_k + 2.0, 3.5), 11.0), min(max(0.5 * T_q + 1.2, 2.5), 10.0))
+        _, ax = plt.subplots(figsize=size_in)
+    image = ax.imshow(data, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+    if x_labels is not None:
+        ax.set_xticks(range(T_k), [str(s) for s in x_labels], rotation=45, ha="right",
+                      rotation_mode="anchor")
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if y_labels is not None:
+        ax.set_yticks(range(T_q), [str(s) for s in y_labels])
+    else:
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("key (attended to)")
+    ax.set_ylabel("query (attending)")
+    if title:
+        ax.set_title(title)
+    if colorbar:
+        ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label=label)
+    if annotate:
+        low, high = image.get_clim()
+        for i in range(T_q):
+            for j in range(T_k):
+                value = data[i, j]
+                if np.isfinite(value):
+                    dark = (value - low) > 0.6 * (high - low)  # white text on dark cells
+                    ax.text(j, i, fmt.format(value), ha="center", va="center", fontsize=8,
+                            color="white" if dark else "black")
+    return ax
+
+
+# %% [markdown]
+# The weights of the first sequence of the batch above: four queries, six keys.
+
+# %%
+fig, ax = plt.subplots(figsize=(5.4, 3.2))
+plot_attention(weights_b[0], x_labels=[f"k{j}" for j in range(T_k)],
+               y_labels=[f"q{i}" for i in range(T_q)], ax=ax, annotate=True,
+               title="All queries at once: one softmax per row")
+plt.show()
+
+# %%
+assert torch.allclose(weights_b.sum(dim=-1), torch.ones(B, T_q, device=device))
+assert len(ax.images) == 1 and len(fig.axes) == 2  # the heatmap and its colorbar
+assert [t.get_text() for t in ax.get_xticklabels()] == [f"k{j}" for j in range(T_k)]
+
+# %% [markdown]
+# **Takeaway: attention for all queries is two matrix products and a row-wise softmax; leading
+# axes are batch axes for free.**
+#
+# ## 2. Self-attention: queries, keys and values from one sequence
+#
+# In *self*-attention the queries, the keys and the values all come from the same sequence
+# $X \in \mathbb{R}^{T \times d_{\text{model}}}$ (one row per token). Each is a linear projection
+# of it, with its own matrix:
+#
+# $$Q = X W_q, \quad K = X W_k, \quad V = X W_v, \qquad
+#   W_q, W_k \in \mathbb{R}^{d_{\text{model}} \times d_k},\; W_v \in \mathbb{R}^{d_{\text{model}} \times d_v}.$$
+#
+# The same row $x_t$ therefore plays three roles: as $x_t W_q$ it asks a question, as $x_t W_k$
+# it advertises what it contains, as $x_t W_v$ it is what gets copied out. Nothing in $X$ marks a
+# row as a query or a key; the three matrices make the difference, and training chooses them.
+# Cross-attention (the decoder looking at the encoder, notebook 08) takes $Q$ from one sequence
+# and $K, V$ from another, so there $T_q \ne T_k$.
+
+# %%
+gen = torch.Generator().manual_seed(1)
+B, T, d_model, d_k, d_v = 2, 5, 16, 8, 8
+X = torch.randn(B, T, d_model, generator=gen).to(device)
+# Scaled by 1/sqrt(d_model) so that the entries of Q, K, V have variance about 1.
+W_q = (torch.randn(d_model, d_k, generator=gen) / math.sqrt(d_model)).to(device)
+W_k = (torch.randn(d_model, d_k, generator=gen) / math.sqrt(d_model)).to(device)
+W_v = (torch.randn(d_model, d_v, generator=gen) / math.sqrt(d_model)).to(device)
+
+Q = X @ W_q  # (B, T, d_model) @ (d_model, d_k) -> (B, T, d_k)
+K = X @ W_k  # (B, T, d_model) @ (d_model, d_k) -> (B, T, d_k)
+V = X @ W_v  # (B, T, d_model) @ (d_model, d_v) -> (B, T, d_v)
+context, weights = batched_attention(Q, K, V)  # (B, T, d_v), (B, T, T)
+print("X", tuple(X.shape), "-> Q, K", tuple(Q.shape), "V", tuple(V.shape))
+print("context", tuple(context.shape), "weights", tuple(weights.shape))
+
+# %% [markdown]
+# In a model these matrices are `nn.Linear` layers. `nn.Linear(d_model, d_k, bias=False)` stores
+# its weight as $(d_k, d_{\text{model}})$ and computes $x W^\top$, so its `weight` is our
+# $W_q^\top$.
+#
+# **Check:** a bias-free `nn.Linear` holding $W_q^\top$ computes exactly $X W_q$.
+
+# %%
+proj_q = nn.Linear(d_model, d_k, bias=False).to(device)
+with torch.no_grad():
+    proj_q.weight.copy_(W_q.T)  # (d_k, d_model): nn.Linear computes x @ weight.T
+torch.testing.assert_close(proj_q(X), Q)
+print("nn.Linear weight", tuple(proj_q.weight.shape), "== W_q.T")
+
+# %% [markdown]
+# **Takeaway: self-attention is attention where $Q$, $K$ and $V$ are three learned projections of
+# the same $X$; the projections, not the data, decide who asks and who answers.**
+#
+# ## 3. The course's `scaled_dot_product_attention`
+#
+# The function every later notebook calls adds two things to `batched_attention`: a **mask**
+# that forbids some query–key pairs (padding, or the future in a decoder; notebook 05 is about
+# them), and **dropout** on the attention weights during training. We build it one step at a
+# time on a small example, then write it out once, with checks of its inputs.
+#
+# **Step 1, scores.** $S = QK^\top/\sqrt{d_k}$, shape $(\dots, T_q, T_k)$.
+
+# %%
+gen = torch.Generator().manual_seed(2)
+T, d_k, d_v = 5, 4, 3
+Q = torch.randn(T, d_k, generator=gen).to(device)
+K = torch.randn(T, d_k, generator=gen).to(device)
+V = torch.randn(T, d_v, generator=gen).to(device)
+
+scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)  # (T, d_k) @ (d_k, T) -> (T, T)
+print(scores.cpu().round(decimals=2))
+
+# %% [markdown]
+# **Step 2, mask.** A boolean mask says which pairs are allowed (`True` = "may attend", the
+# course's convention and `F.scaled_dot_product_attention`'s). A forbidden score becomes
+# $-\infty$, because $e^{-\infty} = 0$: the key then gets weight exactly zero. As an example, the
+# *causal* mask of a decoder: query $t$ may look at keys $0, \dots, t$ only. The same effect comes
+# from a float mask of $0$ and $-\infty$ *added* to the scores; the function accepts both kinds.
+
+# %%
+causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T), True on and below the diagonal
+masked = scores.masked_fill(~causal, float("-inf"))  # (T, T)
+additive = torch.zeros(T, T, device=device).masked_fill(~causal, float("-inf"))  # 0 / -inf
+assert torch.equal(masked, scores + additive)  # the two kinds of mask agree
+print(masked.cpu().round(decimals=2))
+
+# %% [markdown]
+# **Step 3, softmax** along each row (over the keys).
+
+# %%
+attn = torch.softmax(masked, dim=-1)  # (T, T), each row sums to one
+print(attn.cpu().round(decimals=3))
+assert torch.allclose(attn.sum(dim=-1), torch.ones(T, device=device))
+assert torch.all(attn[~causal] == 0)  # forbidden pairs get exactly zero weight
+
+# %% [markdown]
+# One row needs a decision. If a query has *no* allowed key (a row of the mask all `False`, which
+# happens with some padding layouts), its softmax is $e^{-\infty} / \sum e^{-\infty} = 0/0$:
+
+# %%
+print(torch.softmax(torch.full((3,), float("-inf")), dim=-1))
+
+# %% [markdown]
+# A single NaN spreads through every later layer and into the loss. The course's **policy** for
+# such a row: all its weights are zero and its context vector is zero, and neither the forward nor
+# the backward pass produces a NaN. The function fills such a row's scores with $0$ before the
+# softmax (so no $0/0$ is ever computed, not even in the backward pass) and zeroes its weights
+# after. Notebook 05 compares this with what PyTorch's built-ins do.
+#
+# **Step 4, dropout** on the weights, in training only. The paper drops each sub-layer's output
+# with $P_{\text{drop}} = 0.1$ (Vaswani et al., 2017, §5.4); dropping attention weights too is a
+# common addition (it is the `dropout` argument of PyTorch's `nn.MultiheadAttention`). Each
+# weight is zeroed with probability $p$ and the survivors are
+# multiplied by $1/(1-p)$ ("inverted" dropout), so that every weight keeps its expected value and
+# nothing needs rescaling at evaluation time. A row no longer sums to exactly one, only on
+# average. Notebook 06 takes dropout apart.
+
+# %%
+set_seed(0)
+dropped = F.dropout(attn, p=0.5, training=True)  # (T, T); survivors scaled by 1 / (1 - 0.5) = 2
+print(dropped.cpu().round(decimals=3))
+kept = dropped != 0
+torch.testing.assert_close(dropped[kept], 2 * attn[kept])
+
+# %% [markdown]
+# **Step 5, weighted sum** of the values: $\mathrm{context} = AV$, one row per query.
+
+# %%
+context = attn @ V  # (T, T) @ (T, d_v) -> (T, d_v)
+torch.testing.assert_close(context[0], V[0])  # query 0 may only see key 0: it copies value 0
+print(context.cpu().round(decimals=3))
+
+# %% [markdown]
+# ### The function
+#
+# Here are the five steps as the package's function. Its first lines check the inputs: a mistake
+# in shapes should stop with a message that names the shapes, not surface three layers later as a
+# broadcasting error deep inside `matmul`, or never surface at all as a silently wrong result.
+# The module begins with its docstring and imports:
+
+# %%
+#| export
+"""Attention: scaled dot-product attention (notebook 02) and multi-head attention (notebook 03)."""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+# %%
+#| export
+def _check_attention_inputs(
+    Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, dropout_p: float
+) -> None:
+    """Raise a TypeError/ValueError naming the shapes when attention cannot take these inputs."""
+    for name, t in (("Q", Q), ("K", K), ("V", V)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dims (..., T, d), got shape {tuple(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if not Q.dtype == K.dtype == V.dtype:
+        raise TypeError(f"Q, K, V must share one dtype, got {Q.dtype}, {K.dtype}, {V.dtype}")
+    shapes = f"Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}"
+    if Q.size(-1) != K.size(-1):
+        raise ValueError(f"Q and K must have the same last dim d_k, got {shapes}")
+    if K.size(-2) != V.size(-2):
+        raise ValueError(f"K and V must have the same number of keys T_k (dim -2), got {shapes}")
+    try:
+        batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
+    except RuntimeError:
+        raise ValueError(f"the batch dims (all but the last 2) do not broadcast: {shapes}") from None
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(
+                f"mask must be bool (True = may attend) or floating (added to the scores), "
+                f"got dtype {mask.dtype}"
+            )
+        scores_shape = (*batch, Q.size(-2), K.size(-2))
+        try:
+            fits = torch.broadcast_shapes(mask.shape, scores_shape) == scores_shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
+                f"{scores_shape} = (..., T_q, T_k) for {shapes}"
+            )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+# %% [markdown]
+# And the function itself, the five steps in order:
+
+# %%
+#| export
+def scaled_dot_product_attention(
+    Q: Tensor,  # (..., T_q, d_k)
+    K: Tensor,  # (..., T_k, d_k)
+    V: Tensor,  # (..., T_k, d_v)
+    mask: Tensor | None = None,  # bool (True = may attend) or float (added); (..., T_q, T_k)
+    dropout_p: float = 0.0,
+    training: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """softmax(Q K^T / sqrt(d_k) + mask) V, dropout on the weights; returns (context, attn)."""
+    _check_attention_inputs(Q, K, V, mask, dropout_p)
+    d_k = Q.size(-1)
+    # 1) Scores of every query against every key.
+    # (..., T_q, d_k) @ (..., d_k, T_k) -> (..., T_q, T_k)
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)
+    # 2) Mask: a forbidden pair scores -inf, so its weight is exactly 0.
+    no_key = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.to(scores.dtype)
+        # A query with no allowed key would be softmax(-inf, ..., -inf) = 0/0 = NaN. Policy: zero
+        # weights and zero context. Setting its scores to 0 first keeps NaN out of the backward
+        # pass as well.
+        no_key = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (..., T_q, 1)
+        scores = scores.masked_fill(no_key, 0.0)
+    # 3) Softmax over the keys: each row becomes a distribution.
+    attn = torch.softmax(scores, dim=-1)  # (..., T_q, T_k)
+    if no_key is not None:
+        attn = attn.masked_fill(no_key, 0.0)
+    # 4) Dropout on the weights, in training only; survivors are scaled by 1 / (1 - dropout_p).
+    if training and dropout_p > 0.0:
+        attn = F.dropout(attn, p=dropout_p)
+    # 5) Weighted sum of the values.
+    context = attn @ V  # (..., T_q, T_k) @ (..., T_k, d_v) -> (..., T_q, d_v)
+    return context, attn
+
+
+# %% [markdown]
+# ### Checks
+#
+# **Check 1, parity with PyTorch.** `F.scaled_dot_product_attention` computes the same thing
+# (it returns the context only). We compare values *and* gradients with respect to $Q$, $K$ and
+# $V$ across shapes: self- and cross-attention ($T_q \ne T_k$, $d_v \ne d_k$), 2-D, 3-D and
+# 4-D $(B, h, T, d_k)$ inputs, a causal and a padding mask (boolean) and an additive float mask.
+
+# %%
+def random_inputs(shape_q, shape_k, shape_v, seed):
+    """Q, K, V drawn on the CPU (reproducible), moved to the device, tracking gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(device).requires_grad_() for s in (shape_q, shape_k, shape_v)]
+
+
+gen = torch.Generator().manual_seed(3)
+padding = torch.arange(6) < torch.tensor([6, 4]).view(2, 1, 1, 1)  # (2, 1, 1, 6): lengths 6 and 4
+additive = torch.randn(5, 7, generator=gen)  # (T_q, T_k) float mask: a learned-looking bias ...
+additive[torch.rand(5, 7, generator=gen) < 0.3] = float("-inf")  # ... that also forbids some pairs
+additive[:, 0] = 0.0  # every query keeps at least one key
+cases = {  # name: (Q shape, K shape, V shape, mask)
+    "self-attention (B, T, d)": ((2, 6, 8), (2, 6, 8), (2, 6, 8), None),
+    "cross-attention T_q != T_k, d_v != d_k": ((2, 5, 8), (2, 7, 8), (2, 7, 3), None),
+    "2-D (T, d)": ((6, 8), (6, 8), (6, 8), None),
+    "4-D (B, h, T, d_k)": ((2, 4, 6, 8), (2, 4, 6, 8), (2, 4, 6, 8), None),
+    "causal bool mask (T, T)": ((2, 6, 8), (2, 6, 8), (2, 6, 8), torch.ones(6, 6, dtype=torch.bool).tril()),
+    "padding bool mask (B, 1, 1, T_k)": ((2, 4, 6, 8), (2, 4, 6, 8), (2, 4, 6, 8), padding),
+    "additive float mask, cross": ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 4), additive),
+}
+for seed, (name, (shape_q, shape_k, shape_v, mask)) in enumerate(cases.items()):
+    Q, K, V = random_inputs(shape_q, shape_k, shape_v, seed)
+    mask = None if mask is None else mask.to(device)
+    ours, _ = scaled_dot_product_attention(Q, K, V, mask=mask)
+    theirs = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask)
+    torch.testing.assert_close(ours, theirs)
+    upstream = torch.randn(ours.shape, generator=gen).to(device)  # the same upstream gradient for both
+    grads_ours = torch.autograd.grad(ours, (Q, K, V), upstream)
+    grads_theirs = torch.autograd.grad(theirs, (Q, K, V), upstream)
+    for g_ours, g_theirs in zip(grads_ours, grads_theirs, strict=True):
+        torch.testing.assert_close(g_ours, g_theirs)
+    print(f"{name:<40} context {str(tuple(ours.shape)):<15} values and gradients match")
+
+# %% [markdown]
+# **Check 2, rows sum to one**, masked or not, and a forbidden pair has weight exactly zero.
+
+# %%
+Q, K, V = random_inputs((2, 4, 6, 8), (2, 4, 6, 8), (2, 4, 6, 8), seed=10)
+_, attn = scaled_dot_product_attention(Q, K, V, mask=padding.to(device))  # attn: (2, 4, 6, 6)
+torch.testing.assert_close(attn.sum(dim=-1), torch.ones(2, 4, 6, device=device))
+assert torch.all(attn[1, :, :, 4:] == 0)  # the second sequence has length 4: keys 4 and 5 are padding
+print("rows sum to one; largest weight on padding:", attn[1, :, :, 4:].max().item())
+
+# %% [markdown]
+# **Check 3, the fully masked row.** Query 0 may see no key. Its weights and its context are zero,
+# the other rows are untouched, and the gradients are finite.
+
+# %%
+Q, K, V = random_inputs((4, 8), (5, 8), (5, 3), seed=11)
+no_keys = torch.ones(4, 5, dtype=torch.bool, device=device)
+no_keys[0] = False  # query 0: every key forbidden
+context, attn = scaled_dot_product_attention(Q, K, V, mask=no_keys)
+context.sum().backward()
+assert torch.all(attn[0] == 0) and torch.all(context[0] == 0)
+torch.testing.assert_close(attn[1:], scaled_dot_product_attention(Q[1:], K, V)[1])
+assert all(torch.isfinite(t.grad).all() for t in (Q, K, V))
+assert torch.all(Q.grad[0] == 0)  # nothing flows back through the empty row
+print("row 0 weights:", attn[0].tolist(), "| context:", context[0].tolist())
+
+# %% [markdown]
+# **Check 4, dropout.** In evaluation (`training=False`) dropout does nothing. In training about a
+# fraction $p$ of the weights is zeroed and each survivor is exactly $1/(1-p)$ times its
+# undropped value, so the row sums still average one.
+
+# %%
+Q, K, V = random_inputs((8, 64, 16), (8, 64, 16), (8, 64, 16), seed=12)
+p = 0.1
+plain_context, plain = scaled_dot_product_attention(Q, K, V)  # (8, 64, 64)
+eval_context, eval_attn = scaled_dot_product_attention(Q, K, V, dropout_p=p, training=False)
+assert torch.equal(eval_attn, plain) and torch.equal(eval_context, plain_context)
+
+set_seed(0)
+_, train_attn = scaled_dot_product_attention(Q, K, V, dropout_p=p, training=True)
+kept = train_attn != 0
+torch.testing.assert_close(train_attn[kept], plain[kept] / (1 - p))
+zeroed = 1 - kept.float().mean().item()
+mean_row_sum = train_attn.sum(dim=-1).mean().item()
+assert abs(zeroed - p) < 0.01 and abs(mean_row_sum - 1) < 0.02
+print(f"fraction zeroed {zeroed:.3f} (p = {p}), mean row sum {mean_row_sum:.3f}")
+
+# %% [markdown]
+# **Check 5, bad input stops with a message that names the shapes.** A few of them (the unit tests
+# in `tests/test_attention.py` go through every case):
+
+# %%
+Q, K, V = torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 4)
+bad_calls = {
+    "d_k differs": lambda: scaled_dot_product_attention(Q, K[..., :6], V),
+    "T_k differs": lambda: scaled_dot_product_attention(Q, K, V[:, :6]),
+    "mask too big": lambda: scaled_dot_product_attention(Q, K, V, mask=torch.ones(5, 5, dtype=torch.bool)),
+    "int mask": lambda: scaled_dot_product_attention(Q, K, V, mask=torch.ones(5, 7, dtype=torch.int64)),
+    "dropout_p = 1": lambda: scaled_dot_product_attention(Q, K, V, dropout_p=1.0),
+}
+for name, call in bad_calls.items():
+    try:
+        call()
+    except (ValueError, TypeError) as err:
+        print(f"{name:<14} {type(err).__name__}: {err}")
+    else:
+        raise AssertionError(f"{name}: no error raised")
+
+# %% [markdown]
+# ### Picture: the steps on one example
+#
+# The causal example of steps 1–3: raw scores, the scores after the mask (forbidden cells blank),
+# and the weights.
+
+# %%
+gen = torch.Generator().manual_seed(2)
+Q, K, V = (torch.randn(5, s, generator=gen).to(device) for s in (4, 4, 3))  # the example of step 1
+_, attn = scaled_dot_product_attention(Q, K, V, mask=causal)
+scores = Q @ K.T / math.sqrt(4)  # (T, T)
+limit = scores.abs().max().item()
+positions = [str(t) for t in range(5)]
+
+fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), constrained_layout=True)
+plot_attention(scores, positions, ax=axes[0], cmap="RdBu_r", vmin=-limit, vmax=limit,
+               label="score", annotate=True, title="1. scores $QK^T/\\sqrt{d_k}$")
+plot_attention(scores.masked_fill(~causal, float("nan")), positions, ax=axes[1], cmap="RdBu_r",
+               vmin=-limit, vmax=limit, label="score", annotate=True,
+               title="2. causal mask: $-\\infty$ (blank)")
+plot_attention(attn, positions, ax=axes[2], vmin=0, vmax=1, annotate=True,
+               title="3. softmax over each row")
+save_figure(fig, "02_attention_steps")
+plt.show()
+
+# %%
+torch.testing.assert_close(attn, torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1))
+
+# %% [markdown]
+# **Takeaway: `scaled_dot_product_attention` is scores → mask → softmax → dropout → weighted sum;
+# it matches PyTorch's values and gradients, and a query with no key gets zeros, not NaN.**
+#
+# ## 4. Attention over a sentence
+#
+# What does a useful pattern of attention look like? Trained models learn heads that follow
+# grammar: Clark et al. (2019, *What Does BERT Look At?*) found heads of BERT in which
+# determiners attend to their nouns and verbs to their objects. We build such a head by hand, so
+# that every weight can be explained.
+#
+# The toy embedding knows one thing about a word, its class: the rows of $X$ are one-hot over
+# (determiner, adjective, noun, verb), so words of the same class share a direction. Keys announce
+# the class ($W_k = I$). Queries ask for classes: row $c$ of $W_q$ says how strongly a word of
+# class $c$ looks for each class. The score of query $i$ for key $j$ is then
+# $x_i W_q W_k^\top x_j^\top / \sqrt{d_k} = (W_q)_{c_i c_j}/2$.
+
+# %%
+tokens = ["the", "hungry", "cat", "chased", "a", "small", "grey", "mouse"]
+word_class = {"the": "det", "a": "det", "hungry": "adj", "small": "adj", "grey": "adj",
+              "cat": "noun", "mouse": "noun", "chased": "verb"}
+classes = ["det", "adj", "noun", "verb"]
+looks_for = {  # query class -> {key class: strength}
+    "det": {"noun": 6.0},  # a determiner looks for its noun
+    "adj": {"noun": 6.0},  # so does an adjective
+    "noun": {"verb": 6.0, "det": 2.0, "adj": 2.0},  # a noun looks for its verb, a little for modifiers
+    "verb": {"noun": 6.0},  # a verb looks for its subject and object
+}
+
+d_model = d_k = d_v = len(classes)
+X_sentence = torch.zeros(1, len(tokens), d_model)  # (B=1, T, d_model), one-hot word classes
+for t, token in enumerate(tokens):
+    X_sentence[0, t, classes.index(word_class[token])] = 1.0
+W_q_sentence = torch.zeros(d_model, d_k)  # (d_model, d_k)
+for c_query, wanted in looks_for.items():
+    for c_key, strength in wanted.items():
+        W_q_sentence[classes.index(c_query), classes.index(c_key)] = strength
+W_k_sentence = W_v_sentence = torch.eye(d_model)  # keys and values: the class itself
+X_sentence, W_q_sentence, W_k_sentence, W_v_sentence = (
+    t.to(device) for t in (X_sentence, W_q_sentence, W_k_sentence, W_v_sentence))
+
+Q, K, V = X_sentence @ W_q_sentence, X_sentence @ W_k_sentence, X_sentence @ W_v_sentence  # (1, T, 4) each
+context_sentence, attn_sentence = scaled_dot_product_attention(Q, K, V)  # (1, T, 4), (1, T, T)
+
+fig, ax = plt.subplots(figsize=(7.2, 5.6))
+plot_attention(attn_sentence[0], tokens, ax=ax, annotate=True, vmax=1.0,
+               title="A hand-built 'grammar' head: who looks at whom")
+save_figure(fig, "02_self_attention_heatmap")
+plt.show()
+
+# %% [markdown]
+# Read it row by row. "the", "hungry", "a", "small" and "grey" put 0.435 on each noun (0.44 in
+# the picture, rounded); "chased" does the same; the nouns put 0.56 on the verb and spread most
+# of the rest over the determiners and adjectives.
+#
+# **Check:** the weights are what the table predicts. A determiner's row has two scores of
+# $6/2 = 3$ (the nouns) and six of $0$, so the nouns get $e^3/(2e^3 + 6)$ each.
+
+# %%
+position = {token: t for t, token in enumerate(tokens)}
+expected = math.exp(3) / (2 * math.exp(3) + 6)
+row_the = attn_sentence[0, position["the"]]
+assert math.isclose(row_the[position["cat"]].item(), expected, rel_tol=1e-5)
+assert math.isclose(row_the[position["mouse"]].item(), expected, rel_tol=1e-5)
+assert attn_sentence[0, position["cat"]].argmax().item() == position["chased"]
+# What "the" gathers is mostly noun: its context vector, over (det, adj, noun, verb).
+print(f"e^3 / (2 e^3 + 6) = {expected:.4f}")
+print("context of 'the':", [round(v, 3) for v in context_sentence[0, position["the"]].tolist()])
+
+# %% [markdown]
+# Note what the head *cannot* do. "hungry" belongs to "cat" and "small grey" to "mouse", yet each
+# adjective splits its attention evenly between the two nouns, and "the" and "a" have identical
+# rows. Nothing in $X$ says where a word stands, so nothing can prefer the *nearer* noun. The next
+# section makes this precise.
+#
+# **Takeaway: a heatmap row is one word's distribution over the sentence; $W_q$ and $W_k$
+# decide which classes of word find each other.**
+#
+# ## 5. Self-attention ignores order: permutation equivariance
+#
+# Shuffle the tokens of $X$ with a permutation matrix $P$ (row $i$ of $PX$ is row $\pi(i)$ of
+# $X$). Then $Q, K, V$ are shuffled the same way, and since $P^\top P = I$ and a row-wise softmax
+# does not care in which order a row lists its entries,
+#
+# $$\mathrm{softmax}\!\left(\frac{PQ\,(PK)^\top}{\sqrt{d_k}}\right)PV
+#   = P\,\mathrm{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}}\right)P^\top P V
+#   = P\,\mathrm{Attention}(Q, K, V).$$
+#
+# Permuting the input permutes the output rows in the same way, and nothing else changes:
+# self-attention is **permutation equivariant**. To the layer, a sentence is a bag of words.
+
+# %%
+def self_attention(X, W_q, W_k, W_v, mask=None):
+    """One head of self-attention: Q, K and V all projected from the same X."""
+    Q, K, V = X @ W_q, X @ W_k, X @ W_v  # (B, T, d_model) @ (d_model, d_k) -> (B, T, d_k); V: (B, T, d_v)
+    return scaled_dot_product_attention(Q, K, V, mask=mask)  # (B, T, d_v), (B, T, T)
+
+
+# %% [markdown]
+# **Check:** for random inputs, random projections and a random permutation, permuting the input
+# rows gives the permuted output rows, and the weights are permuted along both axes,
+# $A' = PAP^\top$.
+
+# %%
+gen = torch.Generator().manual_seed(4)
+B, T, d_model, d_k, d_v = 2, 10, 16, 8, 8
+X = torch.randn(B, T, d_model, generator=gen).to(device)
+W_q, W_k, W_v = ((torch.randn(d_model, d, generator=gen) / math.sqrt(d_model)).to(device) for d in (d_k, d_k, d_v))
+perm = torch.randperm(T, generator=gen).to(device)
+P = torch.eye(T, device=device)[perm]  # (T, T) permutation matrix: (P @ X)[:, i] = X[:, perm[i]]
+
+out, attn = self_attention(X, W_q, W_k, W_v)
+out_perm, attn_perm = self_attention(P @ X, W_q, W_k, W_v)  # the shuffled sentence
+torch.testing.assert_close(out_perm, P @ out)  # output rows shuffled the same way
+torch.testing.assert_close(attn_perm, P @ attn @ P.T)  # weights shuffled along both axes
+torch.testing.assert_close(out_perm, out[:, perm])  # the same, with indexing instead of P
+print("permutation:", perm.tolist())
+
+# %% [markdown]
+# The assertion has teeth: give every position its own vector (any fixed pattern, here a random
+# one; notebook 04 uses sinusoids) and add it to $X$. The order is then part of the input, and
+# shuffling the tokens no longer just shuffles the output.
+
+# %%
+pos_vectors = 0.5 * torch.randn(T, d_model, generator=gen).to(device)  # (T, d_model), one per position
+out_pos, _ = self_attention(X + pos_vectors, W_q, W_k, W_v)
+out_pos_perm, _ = self_attention(P @ X + pos_vectors, W_q, W_k, W_v)  # shuffled tokens, same positions
+gap = (out_pos_perm - P @ out_pos).abs().max().item()
+assert gap > 1e-2
+print(f"with positions, largest difference from P @ output: {gap:.3f}")
+
+# %% [markdown]
+# **Picture:** the sentence of section 4 before and after a random shuffle. Every number of the
+# left map appears in the right one, moved to the new positions of its query and its key.
+
+# %%
+gen = torch.Generator().manual_seed(5)
+perm_sentence = torch.randperm(len(tokens), generator=gen)
+shuffled = [tokens[i] for i in perm_sentence]
+_, attn_shuffled = self_attention(X_sentence[:, perm_sentence.to(device)], W_q_sentence,
+                                  W_k_sentence, W_v_sentence)
+
+fig, axes = plt.subplots(1, 2, figsize=(14, 5.6), constrained_layout=True)
+plot_attention(attn_sentence[0], tokens, ax=axes[0], annotate=True, vmax=1.0,
+               title="original order")
+plot_attention(attn_shuffled[0], shuffled, ax=axes[1], annotate=True, vmax=1.0,
+               title="tokens shuffled: the same weights, moved")
+save_figure(fig, "02_permutation_equivariance")
+plt.show()
+
+# %%
+index = perm_sentence.to(device)
+torch.testing.assert_close(attn_shuffled[0], attn_sentence[0][index][:, index])
+print(" ".join(shuffled))
+
+# %% [markdown]
+# **Takeaway: without positional information, self-attention sees a set, not a sequence;
+# notebook 04 adds the order back.**
+#
+# ## 6. The cost: $O(T^2)$ in time and memory
+#
+# For self-attention over $T$ tokens the weights are a $T \times T$ matrix per sequence and head.
+# Computing it takes $T^2 d_k$ multiply-adds for $QK^\top$ and another $T^2 d_v$ for $AV$:
+#
+# $$\text{FLOPs} = 2\,T^2\,(d_k + d_v) \text{ per head}, \qquad
+#   \text{memory of } A = B \cdot h \cdot T^2 \cdot (\text{bytes per number}).$$
+#
+# The projections cost $2\,T\,d_{\text{model}}\,(2d_k + d_v)$, linear in $T$, so for long
+# sequences the quadratic term wins. Doubling $T$ quadruples both the work and the memory of the
+# weights. At $T = 32{,}768$ one head's weights in float32 take $4\,\text{GiB}$; that is why long
+# contexts are expensive, and why FlashAttention (Dao et al., 2022) computes attention without ever
+# storing $A$ (notebook 14).
+#
+# The measuring code goes into the package's `bench` module, so that `python -m
+# transformer_from_scratch.bench` can run the same measurements side by side with PyTorch's
+# `F.scaled_dot_product_attention` and write them to a JSON file. Its inputs are random
+# $(B, h, T, d_k)$ tensors, drawn on the CPU:
+
+# %%
+#| export bench
+"""Measure the O(T^2) cost of attention (time, memory, FLOPs); run as a command-line benchmark."""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.flop_counter import FlopCounterMode
+
+from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.utils import get_device
+
+
+def _ours(Q: Tensor, K: Tensor, V: Tensor) -> Tensor:
+    """The course's attention, returning the context only (as PyTorch's does)."""
+    return scaled_dot_product_attention(Q, K, V)[0]
+
+
+_IMPLEMENTATIONS = {"ours": _ours, "torch": F.scaled_dot_product_attention}
+
+
+def _implementation(impl: str):
+    """The attention function called `impl`, or a ValueError listing the choices."""
+    if impl not in _IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {sorted(_IMPLEMENTATIONS)}, got {impl!r}")
+    return _IMPLEMENTATIONS[impl]
+
+
+def _check_sizes(**sizes: int) -> None:
+    """Raise a ValueError unless every size is a positive int."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def make_qkv(
+    T: int,
+    d_k: int = 64,
+    batch: int = 1,
+    num_heads: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Random (batch, num_heads, T, d_k) queries, keys and values, drawn on the CPU and moved."""
+    _check_sizes(T=T, d_k=d_k, batch=batch, num_heads=num_heads)
+    device = torch.device(device) if device is not None else get_device()
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, num_heads, T, d_k)
+    Q, K, V = (torch.randn(shape, generator=gen, dtype=dtype).to(device) for _ in range(3))
+    return Q, K, V
+
+
+# %% [markdown]
+# **Time.** One forward pass without gradients, timed with `time.perf_counter` (after a
+# synchronize on a GPU, whose kernels run asynchronously). We keep the *best* of several runs:
+# other programs can only make a run slower, never faster, so the minimum is the least noisy
+# estimate. Short runs are repeated until they add up to `min_time_s`, which gives the small
+# sizes many more chances at an undisturbed run for almost no extra time. `threads` sets how many
+# CPU threads PyTorch may use while timing (`None` leaves the setting alone); see below why the
+# notebook times on one.
+
+# %%
+#| export bench
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_attention(
+    T: int,
+    d_k: int = 64,
+    batch: int = 1,
+    num_heads: int = 1,
+    impl: str = "ours",
+    repeats: int = 5,
+    warmup: int = 1,
+    min_time_s: float = 0.02,
+    threads: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> float:
+    """Best wall-clock seconds of one forward pass (no grad) of `impl` over the timed runs."""
+    fn = _implementation(impl)
+    if repeats < 1 or warmup < 0 or min_time_s < 0:
+        raise ValueError(
+            f"need repeats >= 1, warmup >= 0 and min_time_s >= 0, "
+            f"got {repeats}, {warmup} and {min_time_s}"
+        )
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+        raise ValueError(f"threads must be a positive int or None, got {threads!r}")
+    Q, K, V = make_qkv(T, d_k, batch, num_heads, dtype=dtype, device=device)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    best, spent, runs = math.inf, 0.0, 0
+    try:
+        with torch.no_grad():
+            for _ in range(warmup):
+                fn(Q, K, V)
+            # At least `repeats` runs; more (up to 100x) while they add up to less than min_time_s.
+            while runs < repeats or (spent < min_time_s and runs < 100 * repeats):
+                _synchronize(Q.device)
+                start = time.perf_counter()
+                fn(Q, K, V)
+                _synchronize(Q.device)
+                elapsed = time.perf_counter() - start
+                best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
+    finally:
+        torch.set_num_threads(previous_threads)
+    return best
+
+
+# %% [markdown]
+# **Memory.** We measure the tensor our function actually allocates for the weights: the size in
+# bytes of the storage behind `attn`, which is all of it, not a view or an expanded stride trick.
+# On a GPU the allocator also reports the peak memory of the whole call (scores, weights and
+# output), for our function and PyTorch's.
+
+# %%
+#| export bench
+def attention_memory(
+    T: int,
+    d_k: int = 64,
+    batch: int = 1,
+    num_heads: int = 1,
+    impl: str = "ours",
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> dict[str, int | None]:
+    """Bytes allocated for the (B, h, T, T) weights (ours only) and, on CUDA, the call's peak."""
+    fn = _implementation(impl)
+    Q, K, V = make_qkv(T, d_k, batch, num_heads, dtype=dtype, device=device)
+    on_cuda = Q.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.synchronize(Q.device)
+        torch.cuda.reset_peak_memory_stats(Q.device)
+        before = torch.cuda.memory_allocated(Q.device)
+    with torch.no_grad():
+        if impl == "ours":
+            _, attn = scaled_dot_product_attention(Q, K, V)  # (B, h, T, T)
+            weights_bytes = attn.untyped_storage().nbytes()
+        else:
+            fn(Q, K, V)  # PyTorch's function never hands its weights back
+            weights_bytes = None
+    peak_bytes = None
+    if on_cuda:
+        torch.cuda.synchronize(Q.device)
+        peak_bytes = torch.cuda.max_memory_allocated(Q.device) - before
+    return {"weights_bytes": weights_bytes, "peak_bytes": peak_bytes}
+
+
+# %% [markdown]
+# **FLOPs.** PyTorch can count them: `FlopCounterMode` records every matrix product. On the
+# `meta` device tensors have shapes but no data, so the count is exact and costs nothing, even for
+# a $T$ that would not fit in memory.
+
+# %%
+#| export bench
+def attention_flops(T: int, d_k: int = 64, batch: int = 1, num_heads: int = 1,
+                    impl: str = "ours") -> int:
+    """Floating-point operations of one forward pass, counted by PyTorch on the meta device."""
+    fn = _implementation(impl)
+    _check_sizes(T=T, d_k=d_k, batch=batch, num_heads=num_heads)
+    Q, K, V = (torch.empty(batch, num_heads, T, d_k, device="meta") for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        fn(Q, K, V)
+    return counter.get_total_flops()
+
+
+def fit_slope(xs, ys) -> float:
+    """Least-squares slope of log(y) against log(x): the exponent k of y ~ x^k."""
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(f"need two sequences of one length >= 2, got {len(xs)} and {len(ys)}")
+    if min(xs) <= 0 or min(ys) <= 0:
+        raise ValueError("fit_slope needs positive values (it fits on a log-log scale)")
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    spread = sum((x - mx) ** 2 for x in lx)
+    if spread == 0:
+        raise ValueError("fit_slope needs at least two different x values")
+    return sum((x - mx) * (y - my) for x, y in zip(lx, ly, strict=True)) / spread
+
+
+# %% [markdown]
+# **Check:** the counted FLOPs are exactly $2 \cdot B h \cdot T^2 (d_k + d_v)$, for ours and for
+# PyTorch's, and they quadruple when $T$ doubles.
+
+# %%
+for T in (256, 512, 1024, 32768):
+    for impl in ("ours", "torch"):
+        assert attention_flops(T, d_k=64, batch=2, num_heads=4, impl=impl) == 2 * 2 * 4 * T**2 * (64 + 64)
+flops = [attention_flops(T) for T in (512, 1024)]
+assert flops[1] == 4 * flops[0]
+print(f"one head, d_k = d_v = 64: T = 512 -> {flops[0] / 1e6:.0f} MFLOP, T = 1024 -> {flops[1] / 1e6:.0f} MFLOP")
+print(f"T = 32768: {attention_flops(32768) / 1e12:.2f} TFLOP per head")
+
+# %% [markdown]
+# The suite runs ours and PyTorch's side by side at each $T$ (interleaved, so that both see the
+# same machine load), records the weights' memory and the FLOPs, and fits the log-log slope over
+# the larger half of the lengths, where the fixed cost of launching the operations no longer
+# dominates.
+
+# %%
+#| export bench
+def run_suite(
+    Ts=(64, 128, 256, 512, 1024, 2048),
+    d_k: int = 64,
+    batch: int = 1,
+    num_heads: int = 1,
+    repeats: int = 5,
+    threads: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> dict:
+    """Time, memory and FLOPs of ours and PyTorch's attention at each T, and log-log slopes."""
+    Ts = sorted(Ts)
+    if len(Ts) < 2 or len(set(Ts)) != len(Ts):
+        raise ValueError(f"need at least two different sequence lengths, got {Ts}")
+    device = torch.device(device) if device is not None else get_device()
+    size = {"d_k": d_k, "batch": batch, "num_heads": num_heads}
+    timing = {"repeats": repeats, "threads": threads, "dtype": dtype, "device": device}
+    rows = []
+    for T in Ts:
+        ours_s = time_attention(T, **size, impl="ours", **timing)
+        torch_s = time_attention(T, **size, impl="torch", **timing)
+        memory = attention_memory(T, **size, impl="ours", dtype=dtype, device=device)
+        memory_torch = (  # PyTorch's function only has a measurable peak on CUDA
+            attention_memory(T, **size, impl="torch", dtype=dtype, device=device)
+            if device.type == "cuda" else {"peak_bytes": None})
+        rows.append({
+            "T": T,
+            "ours_s": ours_s,
+            "torch_s": torch_s,
+            "ours_over_torch": ours_s / torch_s,
+            "weights_bytes": memory["weights_bytes"],
+            "peak_bytes_ours": memory["peak_bytes"],
+            "peak_bytes_torch": memory_torch["peak_bytes"],
+            "flops": attention_flops(T, **size),
+        })
+    upper = rows[len(rows) // 2 :] if len(rows) >= 4 else rows  # where the T^2 term dominates
+    Ts_upper = [r["T"] for r in upper]
+    slopes = {key: fit_slope(Ts_upper, [r[key] for r in upper])
+              for key in ("ours_s", "torch_s", "weights_bytes", "flops")}
+    config = {**size, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+              "threads": threads or torch.get_num_threads(), "repeats": repeats,
+              "torch": torch.__version__}
+    return {"config": config, "rows": rows, "slopes": slopes, "slope_from_T": Ts_upper[0]}
+
+
+def format_suite(suite: dict) -> str:
+    """The suite's results as a plain-text table."""
+    c = suite["config"]
+    lines = [
+        f"attention, B={c['batch']} h={c['num_heads']} d_k={c['d_k']} {c['dtype']} on "
+        f"{c['device']}, threads={c['threads']}, best of >= {c['repeats']} runs, "
+        f"torch {c['torch']}",
+        f"{'T':>6} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>10} {'weights MiB':>12}",
+    ]
+    for r in suite["rows"]:
+        lines.append(f"{r['T']:>6} {1e3 * r['ours_s']:>9.3f} {1e3 * r['torch_s']:>9.3f} "
+                     f"{r['ours_over_torch']:>10.2f} {r['weights_bytes'] / 2**20:>12.3f}")
+    s = suite["slopes"]
+    lines.append(f"log-log slope for T >= {suite['slope_from_T']}: time ours {s['ours_s']:.2f}, "
+                 f"torch {s['torch_s']:.2f}; weights {s['weights_bytes']:.2f}; FLOPs {s['flops']:.2f}")
+    return "\n".join(lines)
+
+
+# %% [markdown]
+# The measurement takes a couple of seconds. On a CPU we time **one thread**: with several, every
+# operation ends in a barrier where the threads wait for each other, and on a busy machine (CI
+# runs two notebooks at once on two cores) that wait, not the arithmetic, can dominate, at every
+# size alike. The numbers depend on the machine, so CI does not compare this cell's output; the
+# cell after it asserts what does not depend on the machine.
+
+# %% tags=["nbval-ignore-output"]
+Ts = [64, 128, 256, 512, 1024, 2048]
+suite = run_suite(Ts, d_k=64, batch=1, num_heads=1, repeats=3, threads=1, device=device)
+print(format_suite(suite))
+
+# %% [markdown]
+# **Check:** the weights of one head take exactly $T^2 \times 4$ bytes in float32, so their memory
+# grows exactly fourfold each time $T$ doubles (slope 2 on the log-log plot), and so do the
+# FLOPs. The timings themselves are not asserted: on a shared machine (CI runs two notebooks at
+# once on two cores) a single point can come out several times too slow.
+
+# %%
+rows = suite["rows"]
+assert [r["T"] for r in rows] == Ts
+assert all(r["weights_bytes"] == r["T"] ** 2 * 4 for r in rows)
+assert all(b["weights_bytes"] == 4 * a["weights_bytes"] for a, b in pairwise(rows))
+assert all(b["flops"] == 4 * a["flops"] for a, b in pairwise(rows))
+assert math.isclose(suite["slopes"]["weights_bytes"], 2.0) and math.isclose(suite["slopes"]["flops"], 2.0)
+assert all(0 < r["ours_s"] < math.inf and 0 < r["torch_s"] < math.inf for r in rows)
+print(f"weights at T = {rows[-1]['T']}: {rows[-1]['weights_bytes'] / 2**20:.0f} MiB")
+
+# %% [markdown]
+# **Picture:** time and memory against $T$ on log-log axes, where a power law $T^k$ is a straight
+# line of slope $k$. The dashed line has slope 2.
+
+# %%
+T_values = [r["T"] for r in rows]
+fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
+slopes = suite["slopes"]
+ax_time.plot(T_values, [1e3 * r["ours_s"] for r in rows], "o-", color=COLORS["ours"],
+             label=f"ours (slope {slopes['ours_s']:.2f} for T ≥ {suite['slope_from_T']})")
+ax_time.plot(T_values, [1e3 * r["torch_s"] for r in rows], "s-", color=COLORS["torch"],
+             label=f"F.scaled_dot_product_attention (slope {slopes['torch_s']:.2f})")
+last_ms = 1e3 * rows[-1]["ours_s"]
+ax_time.plot(T_values, [last_ms * (T / T_values[-1]) ** 2 for T in T_values], "--",
+             color=COLORS["accent"], label="$\\propto T^2$ (through the last point)")
+ax_time.set_title(f"Time of one forward pass ({suite['config']['device']}, "
+                  f"threads={suite['config']['threads']})")
+ax_time.set_ylabel("time per call (ms, best run)")
+
+mib = [r["weights_bytes"] / 2**20 for r in rows]
+ax_mem.plot(T_values, mib, "o", color=COLORS["ours"], markersize=8,
+            label="measured: bytes of the storage of attn")
+ax_mem.plot(T_values, [T**2 * 4 / 2**20 for T in T_values], "--", color=COLORS["accent"],
+            label="$T^2 \\times 4$ bytes (float32)")
+if rows[0]["peak_bytes_ours"] is not None:  # CUDA only: the whole call's peak
+    ax_mem.plot(T_values, [r["peak_bytes_ours"] / 2**20 for r in rows], "^-", color=COLORS["ours"],
+                alpha=0.6, label="peak of the call, ours")
+    ax_mem.plot(T_values, [r["peak_bytes_torch"] / 2**20 for r in rows], "v-",
+                color=COLORS["torch"], alpha=0.6, label="peak of the call, PyTorch's")
+ax_mem.set_title("Memory of the attention weights (one head)")
+ax_mem.set_ylabel("memory (MiB)")
+for ax in (ax_time, ax_mem):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(T_values, [str(T) for T in T_values])
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# How to read the time curve:
+#
+# - At small $T$ it is flatter than $T^2$: launching a handful of operations costs a fixed few
+#   microseconds whatever the size.
+# - From a few hundred tokens on, the quadratic term takes over. On a CPU the measured slope can
+#   even read *above* 2 for a while: a $512 \times 512$ float32 matrix (1 MiB) still fits in a
+#   core's cache, a $1024 \times 1024$ one (4 MiB) usually does not, and from then on every pass
+#   over it waits for main memory. Once the matrix is far bigger than any cache the slope
+#   settles back towards 2.
+# - PyTorch's fused function does the same arithmetic, so it grows the same way; it wins a
+#   constant factor by not making separate passes over the $T \times T$ matrix for the scaling,
+#   the softmax and the product.
+#
+# Time is what we care about but cannot assert on; the FLOPs and the bytes, which are exactly
+# quadratic, are what the checks above pin down.
+#
+# The same comparison runs from the command line and writes its numbers to a JSON file:
+#
+# ```bash
+# python -m transformer_from_scratch.bench --out bench.json
+# python -m transformer_from_scratch.bench --T 256 512 1024 2048 4096 --heads 8 --repeats 10
+# ```
+
+# %%
+#| export bench
+def main(argv: list[str] | None = None) -> int:
+    """Command line: run the suite, print the table, write the results as JSON to --out."""
+    parser = argparse.ArgumentParser(
+        prog="python -m transformer_from_scratch.bench",
+        description="Time and memory of our attention against F.scaled_dot_product_attention.",
+    )
+    parser.add_argument("--T", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048],
+                        help="sequence lengths")
+    parser.add_argument("--d-k", type=int, default=64, help="width of a query and a key")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per length (best kept)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best)")
+    parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON file to write")
+    args = parser.parse_args(argv)
+    suite = run_suite(args.T, d_k=args.d_k, batch=args.batch, num_heads=args.heads,
+                      repeats=args.repeats, threads=args.threads, device=args.device)
+    print(format_suite(suite))
+    args.out.write_text(json.dumps(suite, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__" and "__file__" in globals():  # run as a script, not inside a notebook
+    raise SystemExit(main())
+
+# %% [markdown]
+# A tiny run of the command line, writing to a temporary file:
+
+# %% tags=["nbval-ignore-output"]
+with tempfile.TemporaryDirectory() as tmp:
+    out_file = Path(tmp) / "bench.json"
+    exit_code = main(["--T", "128", "256", "512", "--repeats", "2", "--threads", "1",
+                      "--out", str(out_file), "--device", str(device)])
+    saved = json.loads(out_file.read_text())
+
+# %%
+assert exit_code == 0
+assert [r["T"] for r in saved["rows"]] == [128, 256, 512]
+assert math.isclose(saved["slopes"]["weights_bytes"], 2.0) and saved["config"]["device"] == str(device)
+
+# %% [markdown]
+# **Takeaway: double the sequence and attention's work and the memory of its weights both grow
+# fourfold; measured, the memory is exactly $4T^2$ bytes per head in float32.**
+#
+# ## Recap
+#
+# | idea | code | shape |
+# |---|---|---|
+# | all queries at once | `scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)` | $(\dots, T_q, T_k)$ |
+# | self-attention projections | `Q, K, V = X @ W_q, X @ W_k, X @ W_v` | $(B, T, d_k)$, $(B, T, d_k)$, $(B, T, d_v)$ |
+# | mask | bool (`True` = may attend) or float (added to the scores) | broadcast to $(\dots, T_q, T_k)$ |
+# | weights | `attn = torch.softmax(scores, dim=-1)` | $(\dots, T_q, T_k)$, rows sum to 1 (0 if fully masked) |
+# | dropout | `F.dropout(attn, p)` in training: zero with prob. $p$, rest $\times 1/(1-p)$ | unchanged |
+# | context | `context = attn @ V` | $(\dots, T_q, d_v)$ |
+# | the function | `scaled_dot_product_attention(Q, K, V, mask, dropout_p, training)` | `(context, attn)` |
+# | heatmap | `plot_attention(attn[0], tokens, annotate=True)` | one $(T_q, T_k)$ matrix |
+# | equivariance | `f(X[:, perm]) == f(X)[:, perm]` | order is invisible |
+# | cost | `run_suite(...)`, `python -m transformer_from_scratch.bench` | $2T^2(d_k + d_v)$ FLOPs, $T^2$ weights per head |
+#
+# ## Exercises
+#
+# 1. **Keys are a set too.** In cross-attention ($T_q \ne T_k$), shuffle the keys and the values
+#    *together*. What happens to the output? And if you shuffle only the keys?
+# 2. **Does a causal mask keep the equivariance?** Repeat the check of section 5 with the causal
+#    mask of section 3 (on the original and on the shuffled sequence). Predict first.
+# 3. **A memory budget.** A layer runs 8 heads over a batch of 8 sequences in float32. What is
+#    the longest sequence whose attention weights fit in 16 GiB? Check your formula against a
+#    measurement at a small $T$.
+#
+# **Solutions.**
+#
+# 1. The output does not change at all: the weighted sum $\sum_j \alpha_j v_j$ runs over the
+#    pairs $(k_j, v_j)$ in any order, so attention is permutation *invariant* in its keys and
+#    values. Shuffling only the keys breaks the pairs, so each value gets another key's weight:
+
+# %%
+gen = torch.Generator().manual_seed(6)
+Q = torch.randn(2, 3, 8, generator=gen).to(device)  # (B, T_q, d_k)
+K = torch.randn(2, 7, 8, generator=gen).to(device)  # (B, T_k, d_k)
+V = torch.randn(2, 7, 4, generator=gen).to(device)  # (B, T_k, d_v)
+shuffle = torch.randperm(7, generator=gen).to(device)
+out, _ = scaled_dot_product_attention(Q, K, V)
+out_pairs, _ = scaled_dot_product_attention(Q, K[:, shuffle], V[:, shuffle])
+out_keys_only, _ = scaled_dot_product_attention(Q, K[:, shuffle], V)
+torch.testing.assert_close(out_pairs, out)  # invariant
+assert not torch.allclose(out_keys_only, out, atol=1e-3)  # pairs broken
+print("keys and values shuffled together: unchanged; keys alone: changed")
+
+# %% [markdown]
+# 2. No. The mask is a function of positions: query $t$ sees keys $\le t$. Shuffle the tokens and
+#    each one sees a different set of neighbours, so the output is no longer a shuffle of the old
+#    one. (That is why a decoder with a causal mask can pick up some sense of order even without
+#    positional encodings; Haviv et al., 2022.) One row is easy to predict: query 0 sees only
+#    itself, so its output is its own value, whichever token lands there.
+
+# %%
+T_x = X.size(1)  # the T = 10 tokens of section 5
+causal_T = torch.ones(T_x, T_x, dtype=torch.bool, device=device).tril()  # (T, T)
+out_c, _ = self_attention(X, W_q, W_k, W_v, mask=causal_T)
+out_c_perm, _ = self_attention(P @ X, W_q, W_k, W_v, mask=causal_T)
+gap_causal = (out_c_perm - P @ out_c).abs().max().item()
+assert gap_causal > 1e-2
+torch.testing.assert_close(out_c_perm[:, 0], (P @ X @ W_v)[:, 0])  # query 0 copies its own value
+print(f"causal mask: largest difference from P @ output: {gap_causal:.3f}")
+
+# %% [markdown]
+# 3. The weights take $B \cdot h \cdot T^2 \cdot 4$ bytes. Solve
+#    $8 \cdot 8 \cdot T^2 \cdot 4 \le 16 \cdot 2^{30}$: $T^2 \le 2^{34}/2^{8} = 2^{26}$, so
+#    $T = 2^{13} = 8192$ tokens, and that is the weights of one layer alone. Measured at
+#    $T = 256$ and scaled by $(8192/256)^2$:
+
+# %%
+measured = attention_memory(256, d_k=16, batch=8, num_heads=8, device=device)["weights_bytes"]
+T_max = math.isqrt(16 * 2**30 // (8 * 8 * 4))
+assert T_max == 8192
+assert measured * (T_max // 256) ** 2 == 16 * 2**30
+print(f"T = 256: {measured / 2**20:.0f} MiB; T = {T_max}: {measured * (T_max // 256) ** 2 / 2**30:.0f} GiB")
+
+# %% [markdown]
+# Next: [03 · Multi-head attention](03_multi_head_attention.ipynb), which runs several of these
+# heads side by side, each with its own $W_q$, $W_k$, $W_v$, and joins their outputs.

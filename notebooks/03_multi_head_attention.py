@@ -1,0 +1,1091 @@
+# %% [markdown]
+# # 03 · Multi-head attention
+#
+# **What you will build:** `MultiHeadAttention`, the layer the Transformer uses everywhere: $h$
+# small attentions that run side by side, each with its own learned projections, concatenated
+# and mixed again. It goes into the package next to notebook 02's
+# `scaled_dot_product_attention`. On the way you will see why the projections start from Xavier
+# initialisation, draw what each head attends to, match PyTorch's `nn.MultiheadAttention` and
+# `F.scaled_dot_product_attention` number for number (gradients too), and find out what goes
+# wrong if queries and keys share one projection.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/03_multi_head_attention.ipynb) · Assumes: [01 · Attention](01_attention.ipynb) (why scores are divided by $\sqrt{d_k}$) and [02 · Self-attention](02_self_attention.ipynb) (`scaled_dot_product_attention` on batched tensors, masks where `True` means "may attend").
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+from transformer_from_scratch.viz import plot_attention
+
+set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# ## Why more than one head
+#
+# One attention head gives each query **one** probability distribution over the keys and hands
+# back **one** weighted average of the values. That is a problem as soon as a word needs two
+# different things from its context. In "the cat sat on the mat", the verb *sat* would like to
+# know its subject (*cat*) and where the sitting happened (*on the mat*). A single head has to
+# split its weight between them and returns a blend such as $\tfrac12 v_{\text{cat}} +
+# \tfrac12 v_{\text{on}}$; the blend no longer says which word played which part.
+#
+# Multi-head attention (Vaswani et al., 2017) runs $h$ attentions in parallel. Head $i$ has its own
+# projections $W_i^Q, W_i^K, W_i^V \in \mathbb{R}^{d_{\text{model}} \times d_k}$, so it compares
+# tokens in its own $d_k$-dimensional subspace and can pick out its own relation:
+#
+# $$\mathrm{head}_i = \mathrm{Attention}\big(X_q W_i^Q,\; X_k W_i^K,\; X_v W_i^V\big) \in \mathbb{R}^{T_q \times d_k}.$$
+#
+# The heads' outputs are **concatenated**, so each keeps its own coordinates, and a last
+# projection $W^O \in \mathbb{R}^{h d_k \times d_{\text{model}}}$ mixes them:
+#
+# $$\mathrm{MultiHead}(X_q, X_k, X_v) = \mathrm{Concat}(\mathrm{head}_1, \dots, \mathrm{head}_h)\, W^O .$$
+#
+# The paper takes $d_{\text{model}} = 512$, $h = 8$ and $d_k = d_v = d_{\text{model}}/h = 64$:
+# eight narrow heads cost about as much as one wide one.
+#
+# ### Packed projections
+#
+# Nobody runs $h$ separate matrix products. Stack the heads' matrices side by side,
+# $W^Q = [W_1^Q \,|\, W_2^Q \,|\, \cdots \,|\, W_h^Q] \in \mathbb{R}^{d_{\text{model}} \times h d_k}$,
+# and one product $X W^Q$ computes every head's queries at once: head $i$'s queries are columns
+# $i d_k$ to $(i+1) d_k - 1$ of the result. With $h d_k = d_{\text{model}}$ this is a single
+# `nn.Linear(d_model, d_model)`. PyTorch stores a `Linear`'s weight transposed, as
+# (out_features, in_features), so head $i$ owns **rows** $i d_k, \dots, (i+1) d_k - 1$ of
+# `weight`.
+#
+# **Check:** one packed `Linear` gives exactly what $h$ separate per-head projections give.
+
+# %%
+d_model, num_heads = 12, 3
+d_k = d_model // num_heads
+X = torch.randn(5, d_model)  # (T, d_model): five tokens
+W_packed = nn.Linear(d_model, d_model, bias=False)
+Q_packed = W_packed(X)  # (T, d_model) = (T, h * d_k)
+
+for i in range(num_heads):
+    W_i = W_packed.weight[i * d_k : (i + 1) * d_k]  # head i's rows: (d_k, d_model)
+    torch.testing.assert_close(Q_packed[:, i * d_k : (i + 1) * d_k], X @ W_i.T)
+
+# %% [markdown]
+# The picture: the packed weight, with the rows that belong to each head marked, and the
+# queries it produces, whose columns fall into the same $h$ blocks.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [1, 1.1]})
+panels = [
+    (W_packed.weight.detach(), "packed weight W_q.weight: (h·d_k, d_model)",
+     "input channel", "output channel (rows)"),
+    (Q_packed.detach(), "queries Q = X W_qᵀ: (T, h·d_k)", "query channel (columns)", "token"),
+]
+for ax, (values, title, xlabel, ylabel) in zip(axes, panels, strict=True):
+    im = ax.imshow(values.numpy(), cmap="RdBu_r", vmin=-values.abs().max(), vmax=values.abs().max())
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="value")
+for i in range(1, num_heads):
+    axes[0].axhline(i * d_k - 0.5, color="black", lw=2)
+    axes[1].axvline(i * d_k - 0.5, color="black", lw=2)
+centres = [i * d_k + (d_k - 1) / 2 for i in range(num_heads)]
+for i, centre in enumerate(centres):  # name each block of d_k = 4 channels after its head
+    axes[0].text(-1.2, centre, f"head {i}", ha="right", va="center", fontsize=9, weight="bold")
+    axes[1].text(centre, 5.3, f"head {i}", ha="center", va="top", fontsize=9, weight="bold")
+axes[0].set_ylabel("output channel (rows)", labelpad=48)
+axes[1].set_xlabel("query channel (columns)", labelpad=18)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Takeaway: $h$ heads of width $d_k = d_{\text{model}}/h$ are one `Linear(d_model, d_model)`
+# whose output channels are read in $h$ blocks.**
+#
+# ## The module, one method at a time
+#
+# The class goes into the package's `attention` module, where notebook 02 put
+# `scaled_dot_product_attention`. The forward pass calls that function; it is not written again.
+
+# %%
+#| default_exp attention
+
+# %%
+#| export
+import torch
+from torch import nn
+
+# %% [markdown]
+# The constructor holds the four packed projections, named after the paper's matrices, and
+# refuses a `d_model` that the heads cannot share equally.
+
+# %%
+#| export
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (Vaswani et al., 2017) with packed projections W_q, W_k, W_v, W_o."""
+
+    def __init__(self, d_model: int, num_heads: int, dropout_p: float = 0.0, bias: bool = True):
+        super().__init__()
+        for name, value in (("d_model", d_model), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if d_model % num_heads != 0:
+            raise ValueError(
+                f"d_model={d_model} is not divisible by num_heads={num_heads}: "
+                "every head needs the same width d_k = d_model / num_heads"
+            )
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        self.d_model = d_model
+        self.num_heads = num_heads
+        self.d_k = d_model // num_heads  # width of one head (d_v = d_k as well)
+        self.dropout_p = float(dropout_p)
+        # Each Linear computes all h heads at once: output channels i*d_k .. (i+1)*d_k - 1
+        # belong to head i.
+        self.W_q = nn.Linear(d_model, d_model, bias=bias)
+        self.W_k = nn.Linear(d_model, d_model, bias=bias)
+        self.W_v = nn.Linear(d_model, d_model, bias=bias)
+        self.W_o = nn.Linear(d_model, d_model, bias=bias)  # mixes the concatenated heads
+        self._reset_parameters()
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, "
+            f"dropout_p={self.dropout_p}"
+        )
+
+
+# %% [markdown]
+# ## Initialisation: Xavier, and why
+#
+# Take one output of a projection, $y_j = \sum_{i=1}^{n_{\text{in}}} W_{ji} x_i$, with weights and
+# inputs independent and of mean zero. Its variance is
+#
+# $$\operatorname{Var}(y_j) = n_{\text{in}} \operatorname{Var}(W) \operatorname{Var}(x).$$
+#
+# The activations keep their scale on the way forward if $\operatorname{Var}(W) = 1/n_{\text{in}}$;
+# the same argument for the gradients on the way back asks for $1/n_{\text{out}}$. Glorot and
+# Bengio (2010) split the difference, $\operatorname{Var}(W) = 2/(n_{\text{in}} + n_{\text{out}})$,
+# drawn uniformly from $[-a, a]$ with $a = \sqrt{6/(n_{\text{in}} + n_{\text{out}})}$ (a uniform
+# distribution on $[-a, a]$ has variance $a^2/3$). Our four projections are square, so
+# $n_{\text{in}} = n_{\text{out}} = d_{\text{model}}$ and Xavier gives exactly
+# $1/d_{\text{model}}$: the scale is preserved in **both** directions.
+#
+# PyTorch's default for `nn.Linear` is different: uniform on $[-1/\sqrt{n_{\text{in}}},
+# 1/\sqrt{n_{\text{in}}}]$, a variance of $1/(3 n_{\text{in}})$, so each projection shrinks the
+# variance of its input by a factor of three. For attention that matters twice. The scores
+# $q \cdot k / \sqrt{d_k}$ have variance $\operatorname{Var}(q)\operatorname{Var}(k)$, and
+# notebook 01's argument for dividing by $\sqrt{d_k}$ assumed unit-variance queries and keys.
+# With the default init they have variance $1/3$ each, the scores $1/9$, and every head starts
+# out attending almost uniformly.
+#
+# Our module uses Xavier-uniform weights and zero biases:
+
+# %%
+#| export
+@add_to_class(MultiHeadAttention)
+def _reset_parameters(self) -> None:
+    """Xavier-uniform weights and zero biases: projections that keep the variance of x."""
+    for proj in (self.W_q, self.W_k, self.W_v, self.W_o):
+        nn.init.xavier_uniform_(proj.weight)
+        if proj.bias is not None:
+            nn.init.zeros_(proj.bias)
+
+
+# %% [markdown]
+# **Check:** feed unit-variance inputs through one projection of width 256 initialised each way,
+# and compare the output variance with the prediction ($1$ for Xavier, $1/3$ for the default).
+# Then the scores of one head of width 256: variance $1$ against $1/9$.
+
+# %%
+def projection(init: str, n: int, bias: bool = True) -> nn.Linear:
+    """A square nn.Linear with PyTorch's default init, or with Xavier weights and zero bias."""
+    layer = nn.Linear(n, n, bias=bias)
+    if init == "xavier":
+        nn.init.xavier_uniform_(layer.weight)
+        if bias:
+            nn.init.zeros_(layer.bias)
+    return layer
+
+
+d = 256
+x = torch.randn(8192, d)  # (N, d): unit-variance inputs, one row per token
+tokens = torch.randn(256, d)  # (T, d): the input of one head of width d_k = d
+out_var, scores = {}, {}
+with torch.no_grad():
+    for init in ("xavier", "default"):
+        out_var[init] = projection(init, d)(x).var().item()
+        q, k = projection(init, d)(tokens), projection(init, d)(tokens)  # (T, d_k) each
+        scores[init] = q @ k.T / math.sqrt(d)  # (T, T)
+
+print(f"output variance   Xavier {out_var['xavier']:.2f}   default {out_var['default']:.2f}   (theory 1 and 0.33)")
+print(f"score variance    Xavier {scores['xavier'].var():.2f}   default {scores['default'].var():.2f}   (theory 1 and 0.11)")
+assert abs(out_var["xavier"] - 1.0) < 0.05 and abs(out_var["default"] - 1 / 3) < 0.03
+assert abs(scores["xavier"].var() - 1.0) < 0.15 and abs(scores["default"].var() - 1 / 9) < 0.03
+
+# %% [markdown]
+# The picture: the variance through a stack of bias-free projections (no nonlinearity and no bias,
+# so only the weights act on the scale), and the distribution of the head's scores from the check.
+# Inside a real Transformer, residual connections and layer norm (notebooks 06 and 08) stop the
+# shrinking from compounding layer after layer; the stack only makes the per-projection factor
+# visible.
+
+# %%
+depth = 10
+variances = {}
+with torch.no_grad():
+    for init in ("xavier", "default"):
+        act, variances[init] = x, [1.0]
+        for _ in range(depth):
+            act = projection(init, d, bias=False)(act)  # (N, d) -> (N, d)
+            variances[init].append(act.var().item())
+
+layers = np.arange(depth + 1)
+labels = {"xavier": "Xavier uniform (ours)", "default": "nn.Linear default"}
+colors = {"xavier": COLORS["ours"], "default": COLORS["torch"]}
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
+for init, marker in (("xavier", "o-"), ("default", "s-")):
+    ax1.semilogy(layers, variances[init], marker, color=colors[init], label=labels[init])
+    ax2.hist(scores[init].flatten().numpy(), bins=80, range=(-4, 4), density=True, alpha=0.6,
+             color=colors[init], label=f"{labels[init]}: variance {scores[init].var():.2f}")
+ax1.semilogy(layers, 3.0**-layers, ":", color="black", lw=2, zorder=3,
+             label="theory for the default: $3^{-L}$")
+ax1.set_xlabel("number of projections L")
+ax1.set_ylabel("variance of the activations")
+ax1.set_title(f"Unit-variance input through L projections (d = {d})")
+ax1.legend()
+ax2.set_xlabel("score $q \\cdot k / \\sqrt{d_k}$")
+ax2.set_ylabel("density")
+ax2.set_title(f"One head's scores at initialisation ($d_k$ = {d})")
+ax2.legend()
+fig.tight_layout()
+save_figure(fig, "mha_xavier_init")
+plt.show()
+
+# %%
+assert all(abs(v - 1.0) < 0.1 for v in variances["xavier"])
+assert abs(variances["default"][-1] / 3.0**-depth - 1.0) < 0.2  # shrinks like 3^-L
+
+# %% [markdown]
+# `nn.MultiheadAttention` uses Xavier too, but on its packed $(3 d_{\text{model}},
+# d_{\text{model}})$ input matrix as a whole: $n_{\text{out}} = 3 d_{\text{model}}$ gives a
+# weight variance of $2/(4 d_{\text{model}})$, half of ours, while its output projection keeps the
+# `Linear` default. The two modules start from different weights, which is one more reason the
+# parity checks below copy weights instead of comparing fresh modules.
+
+# %%
+theirs = nn.MultiheadAttention(512, 8)
+in_var = theirs.in_proj_weight.var().item() * 512
+out_var = theirs.out_proj.weight.var().item() * 512
+ours_var = MultiHeadAttention(512, 8).W_q.weight.var().item() * 512
+print(f"d_model x Var(W):  ours {ours_var:.2f}   their in_proj {in_var:.2f}   their out_proj {out_var:.2f}")
+assert abs(ours_var - 1) < 0.03 and abs(in_var - 0.5) < 0.02 and abs(out_var - 1 / 3) < 0.02
+
+# %% [markdown]
+# **Takeaway: for a square projection, Xavier's variance $1/d_{\text{model}}$ keeps unit-variance
+# inputs at unit variance, which is what the $1/\sqrt{d_k}$ scaling of the scores assumes;
+# PyTorch's `Linear` default would shrink them by three at every projection.**
+#
+# ## Splitting and combining heads
+#
+# After the packed projection, a tensor of shape $(B, T, d_{\text{model}})$ holds all heads side by
+# side in its last axis. `_split_heads` reshapes the last axis into $(h, d_k)$ and moves the head
+# axis forward, to $(B, h, T, d_k)$: the head axis then behaves like a second batch axis, and one
+# call to `scaled_dot_product_attention` runs every head at once. `_combine_heads` is the inverse
+# (the "Concat" of the formula).
+
+# %%
+#| export
+@add_to_class(MultiHeadAttention)
+def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+    """(B, T, d_model) -> (B, h, T, d_k): head i gets channels i*d_k .. (i+1)*d_k - 1."""
+    B, T, _ = x.shape
+    x = x.view(B, T, self.num_heads, self.d_k)  # (B, T, d_model) -> (B, T, h, d_k)
+    return x.transpose(1, 2)  # (B, T, h, d_k) -> (B, h, T, d_k)
+
+
+@add_to_class(MultiHeadAttention)
+def _combine_heads(self, x: torch.Tensor) -> torch.Tensor:
+    """(B, h, T, d_k) -> (B, T, d_model): concatenate the heads' outputs again."""
+    B, h, T, d_k = x.shape
+    x = x.transpose(1, 2)  # (B, h, T, d_k) -> (B, T, h, d_k)
+    # reshape, not view: after the transpose the memory is no longer in (B, T, h, d_k) order.
+    return x.reshape(B, T, h * d_k)  # (B, T, h, d_k) -> (B, T, d_model)
+
+
+# %% [markdown]
+# **Check:** combining undoes splitting exactly, head $i$ of the split is channel block $i$, and
+# the split is free (a view of the same memory), while combining makes one copy.
+
+# %%
+mha = MultiHeadAttention(d_model=12, num_heads=3)
+x = torch.randn(2, 5, 12)  # (B, T, d_model)
+split = mha._split_heads(x)  # (B, h, T, d_k)
+
+assert split.shape == (2, 3, 5, 4)
+assert torch.equal(mha._combine_heads(split), x)  # exact round trip
+for i in range(mha.num_heads):
+    assert torch.equal(split[:, i], x[..., i * mha.d_k : (i + 1) * mha.d_k])
+assert split.data_ptr() == x.data_ptr() and not split.is_contiguous()  # a view: no copy
+print(tuple(x.shape), "->", tuple(split.shape), "->", tuple(mha._combine_heads(split).shape))
+
+# %% [markdown]
+# The picture: one sequence of $T = 5$ tokens with $d_{\text{model}} = 12$ channels, each cell
+# coloured by the head that owns it and labelled with its channel number; after the split, each
+# head is a $(T, d_k)$ matrix of its own.
+
+# %%
+from matplotlib.colors import ListedColormap
+
+head_colors = ListedColormap([COLORS["query"], COLORS["key"], COLORS["value"]])
+channel = np.tile(np.arange(12), (5, 1))  # (T, d_model): channel number of every cell
+owner = channel // mha.d_k  # (T, d_model): which head owns the cell
+
+fig = plt.figure(figsize=(11, 2.6))
+grid = fig.add_gridspec(1, 4, width_ratios=[12, 4, 4, 4], wspace=0.35)
+panels = [(owner, channel, "x: (T, d_model)")]
+with torch.no_grad():
+    split_channel = mha._split_heads(torch.as_tensor(channel)[None].float())[0]  # (h, T, d_k)
+for i in range(mha.num_heads):
+    panels.append((np.full((5, 4), i), split_channel[i].int().numpy(), f"head {i}: (T, d_k)"))
+for g, (colours, labels, title) in enumerate(panels):
+    ax = fig.add_subplot(grid[g])
+    ax.imshow(colours, cmap=head_colors, vmin=0, vmax=2)
+    for (t, c), label in np.ndenumerate(labels):
+        ax.text(c, t, str(label), ha="center", va="center", color="white", fontsize=9)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("channel" if g == 0 else "")
+    ax.set_xticks([])
+    ax.set_yticks(range(5))
+    ax.set_ylabel("token" if g == 0 else "")
+fig.suptitle("_split_heads: the channel axis is cut into h = 3 blocks of d_k = 4", y=1.04)
+plt.show()
+
+# %% [markdown]
+# **Takeaway: splitting is a reshape and a transpose, no arithmetic; the heads never mix until
+# $W^O$.**
+#
+# ## Input checks
+#
+# A broadcasting mistake in attention rarely crashes: a wrong mask or a swapped axis usually
+# broadcasts into *something* and silently attends to the wrong tokens. So the forward pass checks
+# its inputs first and names the offending shape. A mask must broadcast to $(B, h, T_q, T_k)$;
+# the common ones are $(1, 1, T_q, T_k)$ (the same for every sequence, like a causal mask) and
+# $(B, 1, 1, T_k)$ (padding, per sequence). Its dtype is checked by
+# `scaled_dot_product_attention` itself.
+
+# %%
+#| export
+@add_to_class(MultiHeadAttention)
+def _check_inputs(
+    self,
+    x_q: torch.Tensor,
+    x_k: torch.Tensor,
+    x_v: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> None:
+    """Raise a ValueError naming the shapes if the inputs cannot be attended together."""
+    for name, x in (("x_q", x_q), ("x_k", x_k), ("x_v", x_v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (B, T, d_model), got shape {tuple(x.shape)}")
+        if x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}: last dimension {x.shape[-1]} "
+                f"!= d_model={self.d_model}"
+            )
+    if not x_q.shape[0] == x_k.shape[0] == x_v.shape[0]:
+        raise ValueError(
+            f"batch sizes differ: x_q {tuple(x_q.shape)}, x_k {tuple(x_k.shape)}, "
+            f"x_v {tuple(x_v.shape)}"
+        )
+    if x_k.shape[1] != x_v.shape[1]:
+        raise ValueError(
+            f"x_k {tuple(x_k.shape)} and x_v {tuple(x_v.shape)} must have the same length T_k"
+        )
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        target = (x_q.shape[0], self.num_heads, x_q.shape[1], x_k.shape[1])
+        try:
+            fits = torch.broadcast_shapes(mask.shape, target) == target
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to "
+                f"(B, h, T_q, T_k) = {target}"
+            )
+
+
+# %% [markdown]
+# ## The forward pass
+#
+# Three steps, as in the formula: project and split, attend in every head, concatenate and mix.
+# Dropout, when the module has it, acts on the attention weights inside
+# `scaled_dot_product_attention`, and only in training mode: `self.training` is passed down, so
+# `model.eval()` switches it off. Without `x_k` and `x_v` the module does self-attention; with a
+# different `x_k` (and `x_v`, which defaults to `x_k`) it does cross-attention, where the
+# decoder's $T_q$ queries read an encoder output of length $T_k$.
+
+# %%
+#| export
+@add_to_class(MultiHeadAttention)
+def forward(
+    self,
+    x_q: torch.Tensor,  # (B, T_q, d_model)
+    x_k: torch.Tensor | None = None,  # (B, T_k, d_model); None: x_q (self-attention)
+    x_v: torch.Tensor | None = None,  # (B, T_k, d_model); None: x_k
+    mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_q, T_k); True = may attend
+    return_attn: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attend from x_q to x_k/x_v with h heads: out (B, T_q, d_model), attn (B, h, T_q, T_k)."""
+    x_k = x_q if x_k is None else x_k
+    x_v = x_k if x_v is None else x_v
+    self._check_inputs(x_q, x_k, x_v, mask)
+    # 1) Project with the packed matrices, then split into h heads of width d_k.
+    Q = self._split_heads(self.W_q(x_q))  # (B, T_q, d_model) -> (B, h, T_q, d_k)
+    K = self._split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+    V = self._split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+    # 2) Attend in all heads at once: the head axis is one more batch axis.
+    context, attn = scaled_dot_product_attention(
+        Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
+    )  # context (B, h, T_q, d_k), attn (B, h, T_q, T_k)
+    # 3) Concatenate the heads and mix them with W_o.
+    out = self.W_o(self._combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
+    return (out, attn) if return_attn else out
+
+
+# %% [markdown]
+# **Check:** shapes for self- and cross-attention, attention rows that sum to one, and a padding
+# mask of shape $(B, 1, 1, T_k)$ that gives the hidden keys exactly zero weight.
+
+# %%
+set_seed(0)
+mha = MultiHeadAttention(d_model=32, num_heads=4).to(device)
+print(mha)
+
+x = torch.randn(2, 6, 32).to(device)  # (B, T, d_model)
+memory = torch.randn(2, 9, 32).to(device)  # (B, T_k, d_model), e.g. an encoder output
+
+out, attn = mha(x, return_attn=True)  # self-attention
+assert out.shape == (2, 6, 32) and attn.shape == (2, 4, 6, 6)
+out, attn = mha(x, memory, return_attn=True)  # cross-attention: T_q = 6, T_k = 9
+assert out.shape == (2, 6, 32) and attn.shape == (2, 4, 6, 9)
+torch.testing.assert_close(attn.sum(-1), torch.ones(2, 4, 6, device=device))
+
+lengths = torch.tensor([9, 4])  # the second memory has 5 padding positions
+keep = (torch.arange(9)[None, :] < lengths[:, None])[:, None, None, :].to(device)  # (B, 1, 1, T_k)
+out, attn = mha(x, memory, mask=keep, return_attn=True)
+assert torch.all(attn[1, :, :, 4:] == 0)
+print("self:", tuple(mha(x).shape), " cross:", tuple(out.shape), " attn:", tuple(attn.shape))
+
+# %% [markdown]
+# **Check:** dropout on the attention weights. In training mode it zeroes weights and scales the
+# rest by $1/(1-p)$, so rows no longer sum to one; in eval mode the module is exactly the same
+# module without dropout.
+
+# %%
+set_seed(0)
+with_dropout = MultiHeadAttention(32, 4, dropout_p=0.5).to(device)
+without = MultiHeadAttention(32, 4).to(device)
+without.load_state_dict(with_dropout.state_dict())
+
+with_dropout.train()
+_, attn_train = with_dropout(x, return_attn=True)
+with_dropout.eval()
+_, attn_eval = with_dropout(x, return_attn=True)
+assert not torch.allclose(attn_train.sum(-1), torch.ones(2, 4, 6, device=device))
+# every weight is either dropped or kept and scaled by 1 / (1 - p) = 2
+assert torch.all((attn_train == 0) | torch.isclose(attn_train, 2 * attn_eval))
+assert 0.4 < (attn_train == 0).float().mean().item() < 0.6
+
+torch.testing.assert_close(with_dropout(x), without(x), rtol=0, atol=0)
+print("eval mode: identical to the module without dropout")
+
+# %% [markdown]
+# **Check:** every kind of bad input fails with a message that names the shapes.
+
+# %%
+bad_calls = {
+    "d_model % num_heads != 0": lambda: MultiHeadAttention(10, 3),
+    "dropout_p = 1": lambda: MultiHeadAttention(32, 4, dropout_p=1.0),
+    "2-D input": lambda: mha(torch.randn(6, 32, device=device)),
+    "wrong d_model in x_q": lambda: mha(torch.randn(2, 6, 16, device=device)),
+    "wrong d_model in x_k": lambda: mha(x, torch.randn(2, 9, 16, device=device)),
+    "batch sizes differ": lambda: mha(x, torch.randn(3, 9, 32, device=device)),
+    "T_k of x_k != T_k of x_v": lambda: mha(x, memory, memory[:, :5]),
+    "mask (B, 1, 1, T_q)": lambda: mha(x, memory, mask=keep[..., :6]),
+    "mask (B, 2, T_q, T_k)": lambda: mha(x, memory, mask=keep.expand(2, 2, 6, 9)),
+}
+for what, call in bad_calls.items():
+    try:
+        call()
+    except ValueError as err:
+        print(f"{what:<26} ValueError: {err}")
+    else:
+        raise AssertionError(f"{what}: no error raised")
+
+# %% [markdown]
+# **Takeaway: `MultiHeadAttention` is three lines of work (project and split, attend, combine and
+# mix) behind checks that turn shape mistakes into readable errors.**
+#
+# ## What the heads can do: four relations at once
+#
+# A freshly initialised module attends without a pattern that means anything; what heads attend to
+# is learned. To see
+# that the module *can* keep several relations apart, we set its weights by hand. Each token of
+# "the cat sat on the mat" is a vector that holds a one-hot **position** (channels 0–7) and a
+# one-hot **word** (channels 8–15). With $d_{\text{model}} = 32$ and $h = 4$ heads of
+# $d_k = 8$, we write four relations into the four blocks of `W_q` and `W_k`:
+#
+# | head | query reads | key reads | attends to |
+# |---|---|---|---|
+# | 0 | my position $t$ | position $s + 1$ | the previous token ($s = t - 1$) |
+# | 1 | my position $t$ | position $s - 1$ | the next token ($s = t + 1$) |
+# | 2 | my word | its word | tokens with the same word (and itself) |
+# | 3 | a constant (the bias) | "is a noun" | the nouns, from every token |
+#
+# A match gives a score of $\beta/\sqrt{d_k}$ and a mismatch $0$; with $\beta = 8\sqrt{d_k}$ a
+# single match takes 99.8% of a row; a query with no match at all (the first token has no previous
+# token, the last no next one) scores every key $0$ and spreads its weight evenly. Every head's value
+# copies the word, and $W^O$ is the identity, so block $i$ of the output holds the words head $i$
+# found.
+
+# %%
+words = ["the", "cat", "sat", "on", "the", "mat"]
+vocab = sorted(set(words))  # ['cat', 'mat', 'on', 'sat', 'the']
+word_id = torch.tensor([vocab.index(w) for w in words])
+T, d_model, num_heads, d_k = len(words), 32, 4, 8
+POS, WORD = 0, 8  # first channel of the position and of the word one-hots
+
+tokens = torch.zeros(1, T, d_model)  # (B=1, T, d_model)
+tokens[0, torch.arange(T), POS + torch.arange(T)] = 1.0
+tokens[0, torch.arange(T), WORD + word_id] = 1.0
+
+beta = 8 * math.sqrt(d_k)
+hand = MultiHeadAttention(d_model, num_heads)
+with torch.no_grad():
+    for p in hand.parameters():
+        p.zero_()
+    Wq, Wk, Wv, bq = hand.W_q.weight, hand.W_k.weight, hand.W_v.weight, hand.W_q.bias
+    for j in range(d_k):  # rows of head i are i * d_k + j
+        Wq[0 * d_k + j, POS + j] = beta  # head 0 query: my position
+        Wq[1 * d_k + j, POS + j] = beta  # head 1 query: my position
+        Wq[2 * d_k + j, WORD + j] = beta  # head 2 query: my word
+        Wk[2 * d_k + j, WORD + j] = 1.0  # head 2 key: its word
+        for i in range(num_heads):
+            Wv[i * d_k + j, WORD + j] = 1.0  # every head's value: its word
+    for j in range(d_k - 1):
+        Wk[0 * d_k + j + 1, POS + j] = 1.0  # head 0 key: position s + 1
+        Wk[1 * d_k + j, POS + j + 1] = 1.0  # head 1 key: position s - 1
+    bq[3 * d_k] = beta  # head 3 query: the same for every token
+    for noun in ("cat", "mat"):
+        Wk[3 * d_k, WORD + vocab.index(noun)] = 1.0  # head 3 key: "I am a noun"
+    hand.W_o.weight.copy_(torch.eye(d_model))
+
+hand = hand.to(device)
+with torch.no_grad():
+    out, attn = hand(tokens.to(device), return_attn=True)  # (1, T, 32), (1, h, T, T)
+out, attn = out[0].cpu(), attn[0].cpu()
+
+# %% [markdown]
+# **Check:** each head attends where the table says, and the output keeps the previous and the
+# next word in separate blocks: block 0 of token $t$ decodes to word $t-1$, block 1 to word
+# $t+1$.
+
+# %%
+prev_found = [vocab[i] for i in out[1:, 0 * d_k : 0 * d_k + len(vocab)].argmax(-1)]
+next_found = [vocab[i] for i in out[:-1, 1 * d_k : 1 * d_k + len(vocab)].argmax(-1)]
+assert prev_found == words[:-1] and next_found == words[1:]
+assert torch.equal(attn[0, 1:].argmax(-1), torch.arange(T - 1))  # previous token
+assert torch.equal(attn[1, :-1].argmax(-1), torch.arange(1, T))  # next token
+torch.testing.assert_close(attn[2, 0, [0, 4]], torch.tensor([0.5, 0.5]), atol=1e-3, rtol=0)
+nouns = [words.index("cat"), words.index("mat")]
+torch.testing.assert_close(attn[3][:, nouns].sum(-1), torch.ones(T), atol=1e-2, rtol=0)
+for t, word in enumerate(words):
+    before = prev_found[t - 1] if t > 0 else "-"
+    after = next_found[t] if t < T - 1 else "-"
+    print(f"{word:>4}   block 0 (previous): {before:<4} block 1 (next): {after}")
+
+# %% [markdown]
+# Compare one head that must find both neighbours (its key matches position $s + 1$ **and**
+# $s - 1$): for *sat* it returns half *cat* plus half *on*, the same blend it would return if the
+# two words were swapped. Two heads keep "before" and "after" apart; one head cannot.
+
+# %%
+one_head = MultiHeadAttention(d_model, 1)
+with torch.no_grad():
+    for p in one_head.parameters():
+        p.zero_()
+    # the same score, 8, per match as before, now that the head is d_model = 32 wide
+    one_head.W_q.weight[POS : POS + d_k, POS : POS + d_k] = 8 * math.sqrt(d_model) * torch.eye(d_k)
+    for j in range(d_k - 1):
+        one_head.W_k.weight[POS + j + 1, POS + j] = 1.0  # matches position s + 1 ...
+        one_head.W_k.weight[POS + j, POS + j + 1] = 1.0  # ... and position s - 1
+    one_head.W_v.weight[:d_k, WORD : WORD + d_k] = torch.eye(d_k)
+    one_head.W_o.weight.copy_(torch.eye(d_model))
+    blend = one_head(tokens)[0, words.index("sat"), : len(vocab)]  # (vocab,)
+
+expected = torch.zeros(len(vocab))
+expected[[vocab.index("cat"), vocab.index("on")]] = 0.5
+torch.testing.assert_close(blend, expected, atol=1e-2, rtol=0)
+print("one head, token 'sat':", dict(zip(vocab, blend.round(decimals=2).tolist(), strict=True)))
+
+# %% [markdown]
+# The picture: the four hand-set heads (bottom row) next to the four heads of a freshly initialised
+# module on the same tokens (top row). Before training, heads differ only by chance and spread their
+# weight; the structure comes from the weights, which training has to find.
+
+# %%
+set_seed(0)
+fresh = MultiHeadAttention(d_model, num_heads).to(device)
+embeddings = torch.randn(len(vocab), d_model)[word_id][None]  # (1, T, d_model): a random table
+with torch.no_grad():
+    _, fresh_attn = fresh(embeddings.to(device), return_attn=True)
+fresh_attn = fresh_attn[0].cpu()  # (h, T, T)
+
+titles = ["previous token", "next token", "same word", "the nouns"]
+fig, axes = plt.subplots(2, num_heads, figsize=(13, 6.6), layout="constrained")
+for i in range(num_heads):
+    for row, (weights, name) in enumerate([(fresh_attn[i], "fresh init"), (attn[i], titles[i])]):
+        ax = plot_attention(weights, words, ax=axes[row, i], colorbar=False, vmin=0, vmax=1)
+        ax.set_title(f"head {i}: {name}", fontsize=10)
+        if i > 0:
+            ax.set_ylabel("")
+        if row == 0:
+            ax.set_xlabel("")
+fig.colorbar(axes[0, 0].images[0], ax=axes, shrink=0.8, label="attention weight")
+fig.suptitle("Per-head attention weights: a fresh module (top) and hand-set heads (bottom)")
+save_figure(fig, "mha_heads")
+plt.show()
+
+# %% [markdown]
+# **Takeaway: each head has its own query–key subspace, so one layer can follow several
+# relations at once, and concatenation keeps their answers apart for $W^O$.**
+#
+# ## Parity with `nn.MultiheadAttention`
+#
+# PyTorch's module computes the same function with the same parameters, stored differently:
+#
+# | ours | `nn.MultiheadAttention` |
+# |---|---|
+# | `W_q.weight`, `W_k.weight`, `W_v.weight`, each $(d, d)$ | `in_proj_weight`, $(3d, d)$: the three stacked |
+# | `W_q.bias`, `W_k.bias`, `W_v.bias` | `in_proj_bias`, $(3d,)$ |
+# | `W_o` | `out_proj` |
+# | input $(B, T, d)$ | input $(B, T, d)$ with `batch_first=True` (the default is $(T, B, d)$) |
+# | `mask`: `True` = **may attend** | `key_padding_mask`, `attn_mask`: `True` = **ignore** |
+# | `attn` $(B, h, T_q, T_k)$ | `need_weights=True, average_attn_weights=False` |
+#
+# We copy our weights into a fresh `nn.MultiheadAttention`; give the biases random values first,
+# since Xavier leaves them at zero and zeros would not test them.
+
+# %%
+def load_into_torch_mha(ours: MultiHeadAttention) -> nn.MultiheadAttention:
+    """A batch_first nn.MultiheadAttention holding the same weights as `ours`."""
+    bias = ours.W_q.bias is not None
+    theirs = nn.MultiheadAttention(ours.d_model, ours.num_heads, bias=bias, batch_first=True)
+    theirs = theirs.to(ours.W_q.weight.device)
+    with torch.no_grad():
+        # (3 * d_model, d_model): W_q, W_k, W_v stacked along the output axis
+        theirs.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
+        theirs.out_proj.weight.copy_(ours.W_o.weight)
+        if bias:
+            theirs.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
+            theirs.out_proj.bias.copy_(ours.W_o.bias)
+    return theirs
+
+
+def assert_grads_match(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
+    """Every parameter gradient of `ours` equals the matching slice of `theirs`."""
+    d = ours.d_model
+    for i, proj in enumerate((ours.W_q, ours.W_k, ours.W_v)):
+        torch.testing.assert_close(proj.weight.grad, theirs.in_proj_weight.grad[i * d : (i + 1) * d])
+        torch.testing.assert_close(proj.bias.grad, theirs.in_proj_bias.grad[i * d : (i + 1) * d])
+    torch.testing.assert_close(ours.W_o.weight.grad, theirs.out_proj.weight.grad)
+    torch.testing.assert_close(ours.W_o.bias.grad, theirs.out_proj.bias.grad)
+
+
+set_seed(0)
+ours = MultiHeadAttention(d_model=32, num_heads=4).to(device)
+with torch.no_grad():
+    for proj in (ours.W_q, ours.W_k, ours.W_v, ours.W_o):
+        proj.bias.copy_(0.1 * torch.randn(32))
+theirs = load_into_torch_mha(ours)
+
+# %% [markdown]
+# **Check 1, self-attention:** outputs, per-head weights, and the gradients of the input and of
+# every parameter, for a loss $\sum_{b,t,c} g_{btc}\, y_{btc}$ with a fixed random $g$.
+
+# %%
+x = torch.randn(3, 7, 32).to(device).requires_grad_()  # (B, T, d_model)
+g = torch.randn(3, 7, 32).to(device)  # weights of the test loss
+
+y_ours, a_ours = ours(x, return_attn=True)
+y_theirs, a_theirs = theirs(x, x, x, need_weights=True, average_attn_weights=False)
+torch.testing.assert_close(y_ours, y_theirs)
+torch.testing.assert_close(a_ours, a_theirs)  # (B, h, T, T)
+
+(grad_ours,) = torch.autograd.grad((y_ours * g).sum(), x, retain_graph=True)
+(y_ours * g).sum().backward()
+(grad_theirs,) = torch.autograd.grad((y_theirs * g).sum(), x, retain_graph=True)
+(y_theirs * g).sum().backward()
+torch.testing.assert_close(grad_ours, grad_theirs)
+assert_grads_match(ours, theirs)
+print("self-attention: outputs, weights and gradients match")
+
+# %% [markdown]
+# The loss is computed twice per module above: `autograd.grad` returns the input gradient
+# without touching `.grad`, and `backward()` then fills the parameters' `.grad`.
+#
+# **Check 2, cross-attention** with $T_q = 4 \ne T_k = 9$, and different keys and values.
+
+# %%
+for module in (ours, theirs):
+    module.zero_grad()
+x_q = torch.randn(3, 4, 32).to(device).requires_grad_()  # (B, T_q, d_model)
+x_k = torch.randn(3, 9, 32).to(device).requires_grad_()  # (B, T_k, d_model)
+x_v = torch.randn(3, 9, 32).to(device).requires_grad_()  # (B, T_k, d_model)
+g = torch.randn(3, 4, 32).to(device)
+
+y_ours, a_ours = ours(x_q, x_k, x_v, return_attn=True)
+y_theirs, a_theirs = theirs(x_q, x_k, x_v, need_weights=True, average_attn_weights=False)
+torch.testing.assert_close(y_ours, y_theirs)
+torch.testing.assert_close(a_ours, a_theirs)  # (B, h, T_q, T_k)
+
+inputs = (x_q, x_k, x_v)
+grads_ours = torch.autograd.grad((y_ours * g).sum(), inputs, retain_graph=True)
+grads_theirs = torch.autograd.grad((y_theirs * g).sum(), inputs, retain_graph=True)
+for a, b in zip(grads_ours, grads_theirs, strict=True):
+    torch.testing.assert_close(a, b)
+(y_ours * g).sum().backward()
+(y_theirs * g).sum().backward()
+assert_grads_match(ours, theirs)
+print("cross-attention: outputs, weights and gradients match; attn", tuple(a_ours.shape))
+
+# %% [markdown]
+# **Check 3, key padding.** `nn.MultiheadAttention` takes a `key_padding_mask` of shape
+# $(B, T_k)$ whose `True` entries are keys to **ignore**. Ours says the opposite, `True` = may
+# attend, and is shaped to broadcast over heads and queries, $(B, 1, 1, T_k)$. The conversion is a
+# negation and two new axes:
+#
+# $$\texttt{mask} = \lnot\,\texttt{key\_padding\_mask}[:, \texttt{None}, \texttt{None}, :].$$
+
+# %%
+for module in (ours, theirs):
+    module.zero_grad()
+lengths = torch.tensor([9, 6, 3])  # real keys per sequence; the rest is padding
+key_padding_mask = torch.arange(9)[None, :] >= lengths[:, None]  # (B, T_k), True = ignore
+mask = ~key_padding_mask[:, None, None, :]  # (B, T_k) -> (B, 1, 1, T_k), True = attend
+key_padding_mask, mask = key_padding_mask.to(device), mask.to(device)
+print("key_padding_mask (PyTorch, True = ignore):\n", key_padding_mask.int().cpu())
+print("mask (ours, True = attend), squeezed to (B, T_k):\n", mask[:, 0, 0].int().cpu())
+
+y_ours, a_ours = ours(x_q, x_k, x_v, mask=mask, return_attn=True)
+y_theirs, a_theirs = theirs(
+    x_q, x_k, x_v, key_padding_mask=key_padding_mask, need_weights=True, average_attn_weights=False
+)
+torch.testing.assert_close(y_ours, y_theirs)
+torch.testing.assert_close(a_ours, a_theirs)
+assert torch.all(a_ours.masked_select(key_padding_mask[:, None, None, :]) == 0)
+
+grads_ours = torch.autograd.grad((y_ours * g).sum(), inputs, retain_graph=True)
+grads_theirs = torch.autograd.grad((y_theirs * g).sum(), inputs, retain_graph=True)
+for a, b in zip(grads_ours, grads_theirs, strict=True):
+    torch.testing.assert_close(a, b)
+assert torch.all(grads_ours[1][key_padding_mask] == 0)  # padded keys get no gradient
+(y_ours * g).sum().backward()
+(y_theirs * g).sum().backward()
+assert_grads_match(ours, theirs)
+
+# %% [markdown]
+# The picture: the two masks, and head 0's weights for the third sequence (3 real keys) from both
+# modules.
+
+# %%
+fig, axes = plt.subplots(2, 2, figsize=(11, 5.6), layout="constrained")
+masks = [(key_padding_mask, "PyTorch: key_padding_mask, True = ignore"),
+         (mask[:, 0, 0], "ours: mask[:, 0, 0], True = may attend")]
+for ax, (m, title) in zip(axes[0], masks, strict=True):
+    im = ax.imshow(m.int().cpu().numpy(), cmap="Greys", vmin=0, vmax=1)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("key position")
+    ax.set_ylabel("sequence in batch")
+    ax.set_yticks(range(3))
+fig.colorbar(im, ax=axes[0], ticks=[0, 1], label="0 = False, 1 = True", shrink=0.8)
+weights = [(a_ours, "ours"), (a_theirs, "nn.MultiheadAttention")]
+for ax, (a, title) in zip(axes[1], weights, strict=True):
+    plot_attention(a[2, 0], ax=ax, colorbar=False, vmin=0, vmax=1)
+    ax.set_title(f"{title}: sequence 2 (3 real keys), head 0", fontsize=10)
+fig.colorbar(axes[1, 0].images[0], ax=axes[1], label="attention weight", shrink=0.8)
+plt.show()
+
+# %% [markdown]
+# **Takeaway: with the weights copied and the mask negated, our module and
+# `nn.MultiheadAttention` agree in outputs, attention weights and gradients, for self-attention,
+# cross-attention and padding.**
+#
+# ## Parity with `F.scaled_dot_product_attention`, head by head
+#
+# Inside the module, step 2 is plain scaled dot-product attention on $(B, h, T, d_k)$ tensors.
+# PyTorch's fused `F.scaled_dot_product_attention` does that step (it picks a fast kernel where one
+# exists, but does not return the weights). Its boolean `attn_mask` uses **our** convention:
+# `True` means the key takes part. So we can swap it in for step 2 and must get the module's
+# output back.
+
+# %%
+with torch.no_grad():
+    Q = ours._split_heads(ours.W_q(x_q))  # (B, h, T_q, d_k)
+    K = ours._split_heads(ours.W_k(x_k))  # (B, h, T_k, d_k)
+    V = ours._split_heads(ours.W_v(x_v))  # (B, h, T_k, d_k)
+Q, K, V = (t.clone().requires_grad_() for t in (Q, K, V))
+
+ctx_torch = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask)  # (B, h, T_q, d_k)
+ctx_ours, _ = scaled_dot_product_attention(Q, K, V, mask=mask)
+torch.testing.assert_close(ctx_ours, ctx_torch)
+
+g_ctx = torch.randn(ctx_ours.shape).to(device)
+grads_ours = torch.autograd.grad((ctx_ours * g_ctx).sum(), (Q, K, V))
+grads_torch = torch.autograd.grad((ctx_torch * g_ctx).sum(), (Q, K, V))
+for a, b in zip(grads_ours, grads_torch, strict=True):
+    torch.testing.assert_close(a, b)
+
+with torch.no_grad():  # the whole module with the fused kernel as step 2
+    y_fused = ours.W_o(ours._combine_heads(ctx_torch))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
+    torch.testing.assert_close(y_fused, ours(x_q, x_k, x_v, mask=mask))
+print("per-head context and its gradients match F.scaled_dot_product_attention")
+
+# %% [markdown]
+# **Takeaway: a multi-head layer is projections around one batched scaled dot-product attention;
+# the fused kernel can replace ours in step 2 without changing a number.**
+#
+# ## Why queries and keys need separate projections
+#
+# Suppose one matrix did both jobs, $W^Q = W^K = W$. Then for every head
+#
+# $$S = \frac{(XW)(XW)^\top}{\sqrt{d_k}} = \frac{X\, W W^\top X^\top}{\sqrt{d_k}},
+# \qquad S^\top = S .$$
+#
+# Two consequences, both bad for a language model:
+#
+# 1. **Relations become mutual.** The score of $i \to j$ equals the score of $j \to i$, so
+#    "the verb looks for its subject" comes with "the subject looks for its verb" at the same
+#    strength. The weights are tied too: with row sums $Z_i = \sum_k e^{S_{ik}}$,
+#    $A_{ij} Z_i = e^{S_{ij}} = A_{ji} Z_j$. Relations such as "previous token" or "my head
+#    noun" are directed.
+# 2. **Every token favours itself.** $S_{ii} = \lVert x_i W \rVert^2 / \sqrt{d_k} \ge 0$, and by
+#    Cauchy–Schwarz $S_{ij} \le \sqrt{S_{ii} S_{jj}} \le \max(S_{ii}, S_{jj})$: of any two tokens,
+#    at least one scores itself at least as high as the other. When the projected vectors have
+#    similar lengths, the diagonal wins every row and heads waste their attention on the token
+#    they already are.
+#
+# With two matrices, $W^Q W^{K\top}$ is any $d_{\text{model}} \times d_{\text{model}}$ matrix of
+# rank at most $d_k$, not necessarily symmetric; with one it is forced to be symmetric and
+# positive semi-definite. We tie the projections of a module by pointing `W_k` at `W_q`.
+
+# %%
+def head_scores(module: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
+    """Pre-softmax scores of every head: (B, T, d_model) -> (B, h, T, T)."""
+    Q = module._split_heads(module.W_q(x))  # (B, h, T, d_k)
+    K = module._split_heads(module.W_k(x))  # (B, h, T, d_k)
+    return Q @ K.transpose(-2, -1) / math.sqrt(module.d_k)  # (B, h, T, T)
+
+
+set_seed(0)
+separate = MultiHeadAttention(32, 4).to(device)
+shared = MultiHeadAttention(32, 4).to(device)
+shared.W_k = shared.W_q  # one projection for queries and keys
+
+xs = torch.randn(16, 24, 32).to(device)  # (B, T, d_model): 16 random sequences
+with torch.no_grad():
+    S_shared, S_separate = head_scores(shared, xs), head_scores(separate, xs)
+
+# %% [markdown]
+# **Check:** the shared scores are symmetric and obey the Cauchy–Schwarz bound; the separate ones
+# are not symmetric; and the share of queries whose largest weight is on themselves.
+
+# %%
+torch.testing.assert_close(S_shared, S_shared.transpose(-2, -1))
+assert not torch.allclose(S_separate, S_separate.transpose(-2, -1), atol=1e-2)
+diag = S_shared.diagonal(dim1=-2, dim2=-1)  # (B, h, T)
+bound = torch.maximum(diag[..., :, None], diag[..., None, :])  # (B, h, T, T)
+assert torch.all(S_shared <= bound + 1e-5)
+assert torch.all(diag >= 0)
+
+eye = torch.arange(24, device=device)
+self_share = {
+    name: (S.argmax(-1) == eye).float().mean().item()
+    for name, S in (("shared", S_shared), ("separate", S_separate))
+}
+print(f"queries attending most to themselves: shared {self_share['shared']:.2f}, "
+      f"separate {self_share['separate']:.2f} (chance 1/24 = {1 / 24:.2f})")
+assert self_share["shared"] > 0.5 > 0.2 > self_share["separate"]
+
+# %% [markdown]
+# The hand-set "previous token" head from above is directed, so it is far from symmetric, and its
+# diagonal is not where its weight goes:
+
+# %%
+with torch.no_grad():
+    S_prev = head_scores(hand, tokens.to(device))[0, 0].cpu()  # (T, T), head 0
+assert not torch.allclose(S_prev, S_prev.T)
+assert torch.all(S_prev[1:].argmax(-1) != torch.arange(1, T))
+
+# %% [markdown]
+# The picture: the scores and weights of head 0 on "the cat sat on the mat", with the random word
+# table from before, for a module with separate projections and one with a shared projection.
+
+# %%
+with torch.no_grad():
+    emb = embeddings.to(device)  # (1, T, d_model)
+    rows = []
+    for module in (separate, shared):
+        _, w = module(emb, return_attn=True)
+        rows.append((head_scores(module, emb)[0, 0].cpu(), w[0, 0].cpu()))
+
+fig, axes = plt.subplots(2, 2, figsize=(10, 8.2), layout="constrained")
+lim = max(S.abs().max().item() for S, _ in rows)  # one colour scale for both score maps
+for r, (name, (S, A)) in enumerate(zip(["separate W_q, W_k", "shared W_q = W_k"], rows, strict=True)):
+    for c, (values, kind, cmap, vmin, vmax, label) in enumerate([
+        (S, "scores", "RdBu_r", -lim, lim, "score $q \\cdot k / \\sqrt{d_k}$"),
+        (A, "attention weights", "Blues", 0, 1, "attention weight"),
+    ]):
+        plot_attention(values, words, ax=axes[r, c], cmap=cmap, vmin=vmin, vmax=vmax, label=label,
+                       title=f"{name}: {kind} (head 0)")
+save_figure(fig, "mha_shared_qk")
+plt.show()
+
+# %% [markdown]
+# With a shared projection the score matrix is a mirror image of itself and its diagonal is bright:
+# each word mostly finds itself (and the other *the*, which is the same vector). With separate
+# projections the pattern has a direction.
+#
+# **Takeaway: separate $W^Q$ and $W^K$ let "who looks at whom" be asymmetric; one shared
+# projection forces symmetric scores and pulls every token's attention towards itself.**
+#
+# ## How many parameters
+#
+# Four $d_{\text{model}} \times d_{\text{model}}$ matrices and four bias vectors:
+# $4 d_{\text{model}}^2 + 4 d_{\text{model}}$, whatever the number of heads, because more heads
+# only cut the same matrices into thinner blocks. For the paper's base model ($d_{\text{model}} =
+# 512$, $h = 8$) that is 1,050,624 per attention layer. We count the real modules.
+
+# %%
+def count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+d = 512
+n_ours = count(MultiHeadAttention(d, 8))
+n_no_bias = count(MultiHeadAttention(d, 8, bias=False))
+n_torch = count(nn.MultiheadAttention(d, 8))
+print(f"{'module':<42}{'parameters':>12}")
+print(f"{'MultiHeadAttention(512, 8)':<42}{n_ours:>12,}")
+print(f"{'MultiHeadAttention(512, 8, bias=False)':<42}{n_no_bias:>12,}")
+print(f"{'nn.MultiheadAttention(512, 8)':<42}{n_torch:>12,}")
+for h in (1, 2, 4, 8, 16, 64):
+    assert count(MultiHeadAttention(d, h)) == n_ours  # independent of the number of heads
+assert n_ours == 4 * d**2 + 4 * d == 1_050_624 == n_torch
+assert n_no_bias == 4 * d**2
+assert count(shared) == count(separate) - (32 * 32 + 32)  # tying removes one projection
+
+# %% [markdown]
+# **Takeaway: heads are free in parameters: $4 d_{\text{model}}^2 + 4 d_{\text{model}}$ for any
+# $h$ that divides $d_{\text{model}}$.**
+#
+# ## Recap
+#
+# | concept | code | shape |
+# |---|---|---|
+# | packed projections $XW^Q, XW^K, XW^V$ | `self.W_q(x_q)`, `self.W_k(x_k)`, `self.W_v(x_v)` | $(B, T, d_{\text{model}})$ |
+# | split into heads | `self._split_heads(...)` | $(B, T, d_{\text{model}}) \to (B, h, T, d_k)$ |
+# | attention in every head | `scaled_dot_product_attention(Q, K, V, mask, ...)` | context $(B, h, T_q, d_k)$, weights $(B, h, T_q, T_k)$ |
+# | Concat | `self._combine_heads(context)` | $(B, h, T_q, d_k) \to (B, T_q, d_{\text{model}})$ |
+# | $W^O$ | `self.W_o(...)` | $(B, T_q, d_{\text{model}})$ |
+# | mask (True = may attend) | `mask=` | broadcastable to $(B, h, T_q, T_k)$, e.g. $(B, 1, 1, T_k)$ |
+# | Xavier init | `_reset_parameters()` | $\operatorname{Var}(W) = 1/d_{\text{model}}$, biases $0$ |
+# | parameters | `sum(p.numel() ...)` | $4 d_{\text{model}}^2 + 4 d_{\text{model}}$ |
+# | PyTorch's equivalent | `nn.MultiheadAttention(..., batch_first=True)` | its masks: True = ignore |
+#
+# ## Exercises
+#
+# 1. With `num_heads=1`, show that the module is plain scaled dot-product attention of width
+#    $d_{\text{model}}$ between the projections.
+# 2. Show that "concatenate, then $W^O$" equals a **sum over heads**: head $i$ writes into the
+#    output through its own block of columns $W^O_i$ of `W_o.weight`.
+# 3. Heads have no order. Permute the heads of a module (the row blocks of `W_q`, `W_k`, `W_v` and
+#    the column blocks of `W_o`) and check that the output does not change, while the attention
+#    weights come back permuted.
+#
+# **Solutions.**
+#
+# 1. With $h = 1$, $d_k = d_{\text{model}}$, the split only adds a head axis of size one.
+
+# %%
+set_seed(0)
+single = MultiHeadAttention(32, 1).to(device)
+x = torch.randn(2, 6, 32).to(device)  # (B, T, d_model)
+with torch.no_grad():
+    Q, K, V = single.W_q(x), single.W_k(x), single.W_v(x)  # (B, T, d_model) each
+    context, _ = scaled_dot_product_attention(Q, K, V)  # (B, T, d_model), no head axis
+    torch.testing.assert_close(single(x), single.W_o(context))
+
+# %% [markdown]
+# 2. $\mathrm{Concat}(c_1, \dots, c_h)\, W^O = \sum_i c_i W^O_i$, where $W^O_i$ is the block of
+#    $W^O$ that multiplies head $i$'s channels. In `nn.Linear`'s transposed storage, that block is
+#    *columns* $i d_k, \dots, (i+1) d_k - 1$ of `W_o.weight`.
+
+# %%
+with torch.no_grad():
+    Q, K, V = (ours._split_heads(W(x)) for W in (ours.W_q, ours.W_k, ours.W_v))  # (B, h, T, d_k)
+    context, _ = scaled_dot_product_attention(Q, K, V)  # (B, h, T, d_k)
+    d_k = ours.d_k
+    per_head = [
+        context[:, i] @ ours.W_o.weight[:, i * d_k : (i + 1) * d_k].T  # (B, T, d_k) -> (B, T, d_model)
+        for i in range(ours.num_heads)
+    ]
+    torch.testing.assert_close(sum(per_head) + ours.W_o.bias, ours(x))
+
+# %% [markdown]
+# 3. Reorder the head blocks with one permutation everywhere: rows of the three input projections
+#    (weights and biases), columns of `W_o.weight`. The output is unchanged; head $i$ of the
+#    permuted module is head `perm[i]` of the original.
+
+# %%
+perm = [2, 0, 3, 1]
+channels = torch.cat([torch.arange(p * d_k, (p + 1) * d_k) for p in perm]).to(device)  # (d_model,)
+permuted = MultiHeadAttention(32, 4).to(device)
+with torch.no_grad():
+    for mine, orig in ((permuted.W_q, ours.W_q), (permuted.W_k, ours.W_k), (permuted.W_v, ours.W_v)):
+        mine.weight.copy_(orig.weight[channels])  # permute output channels (rows)
+        mine.bias.copy_(orig.bias[channels])
+    permuted.W_o.weight.copy_(ours.W_o.weight[:, channels])  # permute input channels (columns)
+    permuted.W_o.bias.copy_(ours.W_o.bias)
+    y_perm, a_perm = permuted(x, return_attn=True)
+    y, a = ours(x, return_attn=True)
+torch.testing.assert_close(y_perm, y)
+torch.testing.assert_close(a_perm, a[:, perm])
+
+# %% [markdown]
+# Next: [04 · Positional encoding](04_positional_encoding.ipynb). Everything so far treats the
+# input as a set: shuffle the tokens and the outputs shuffle with them. Positions have to be added
+# to the vectors themselves.

@@ -1,0 +1,1043 @@
+# %% [markdown]
+# # 04 · Positional encoding
+#
+# **What you will build:** the three ways a Transformer learns where a token sits: the fixed
+# sinusoidal table of the original paper (`PositionalEncoding`), a trained table
+# (`LearnedPositionalEmbedding`) and rotary embeddings (`RotaryEmbedding`, RoPE). On the way
+# you will check that attention on its own cannot tell "dog bites man" from "man bites dog",
+# that shifting a sinusoidal code by $k$ positions is one fixed rotation, and that RoPE makes
+# attention scores depend on the *offset* between two tokens only; then you will train a
+# one-layer model with each scheme and see which ones cope with sequences longer than any it
+# was trained on.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/04_positional_encoding.ipynb) · Assumes: [02 · Self-attention](02_self_attention.ipynb) (attention over a batch of sequences) and [03 · Multi-head attention](03_multi_head_attention.ipynb) (the projections $W_q, W_k, W_v$).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+
+set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# ## 1. Attention is blind to order
+#
+# Self-attention turns a sequence $X \in \mathbb{R}^{T \times d}$ into
+#
+# $$\operatorname{Attn}(X) = \operatorname{softmax}\!\left(\frac{XW_q\,(XW_k)^\top}{\sqrt{d_k}}\right) XW_v .$$
+#
+# Nothing in that formula mentions *where* a row of $X$ sits. Reorder the tokens with a
+# permutation matrix $P$: the scores become $P\,(XW_q)(XW_k)^\top P^\top$, the same numbers with
+# rows and columns shuffled alike. A row-wise softmax does not care about the order of the
+# entries in a row, and $P^\top P = I$ cancels on the way to the values, so
+#
+# $$\operatorname{Attn}(PX) = P\,\operatorname{Attn}(X).$$
+#
+# Attention is *permutation-equivariant*: shuffle the input and you get the same output vectors,
+# shuffled. Notebook 02 checked this on a shuffled sentence. The feed-forward layers of notebook
+# 07 act on each position separately, so a whole Transformer without position information
+# inherits the property. Here we look at what that costs, on three words with random
+# embeddings and projections.
+
+# %%
+d_model = 16
+vocab = {"dog": 0, "bites": 1, "man": 2}
+embed = nn.Embedding(len(vocab), d_model).to(device)
+W_q, W_k, W_v = (nn.Linear(d_model, d_model, bias=False).to(device) for _ in range(3))
+
+
+def self_attention(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One head of self-attention over (B, T, d_model); returns the context and the weights."""
+    q, k, v = W_q(x), W_k(x), W_v(x)  # (B, T, d_model) each
+    weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d_model), dim=-1)  # (B, T, T)
+    return F.scaled_dot_product_attention(q, k, v), weights
+
+
+def encode(sentence: str) -> torch.Tensor:
+    ids = torch.tensor([[vocab[w] for w in sentence.split()]], device=device)  # (1, T)
+    return embed(ids)  # (1, T, d_model)
+
+
+with torch.no_grad():
+    out_dbm, attn_dbm = self_attention(encode("dog bites man"))
+    out_mbd, attn_mbd = self_attention(encode("man bites dog"))
+print(out_dbm.shape, attn_dbm.shape)
+
+# %% [markdown]
+# **Check.** "man bites dog" is "dog bites man" under the permutation that swaps the first and
+# last word. The outputs and the attention weights must be the old ones, rows (and, for the
+# weights, columns) permuted. We also confirm that our weights reproduce PyTorch's
+# `F.scaled_dot_product_attention`, and repeat the test on a random batch and a random
+# permutation, where nothing is special about the sentence.
+
+# %%
+perm = torch.tensor([2, 1, 0], device=device)  # "man bites dog" = "dog bites man"[perm]
+assert_close(out_mbd, out_dbm[:, perm])
+assert_close(attn_mbd, attn_dbm[:, perm][:, :, perm])
+assert_close(attn_dbm @ W_v(encode("dog bites man")), out_dbm)  # weights @ V is the context
+
+# The same on a random batch: (B, T, d_model) with a random order of the T positions.
+x = torch.randn(4, 9, d_model).to(device)
+shuffle = torch.randperm(9).to(device)
+with torch.no_grad():
+    out_x, _ = self_attention(x)
+    out_shuffled, _ = self_attention(x[:, shuffle])
+assert_close(out_shuffled, out_x[:, shuffle])
+
+# A sentence summary (the mean over positions) cannot tell the two sentences apart at all.
+assert_close(out_dbm.mean(dim=1), out_mbd.mean(dim=1))
+print("dog vector, both sentences:", out_dbm[0, 0, :4].cpu().round(decimals=3),
+      out_mbd[0, 2, :4].cpu().round(decimals=3))
+
+# %% [markdown]
+# The vector computed for "dog" is identical whether the dog bites or is bitten. That is a
+# problem for any task where order carries meaning, which is nearly every task on language:
+# who did what to whom, the reach of a word like *only* ("only she saw him" against "she saw
+# only him"), and the course's own training task in notebook 11, reversing a sequence, which
+# an order-blind model cannot even represent. The picture makes the point: the two attention maps hold the same nine
+# numbers, only rearranged.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), layout="constrained")
+for ax, sentence, attn in zip(axes, ["dog bites man", "man bites dog"], [attn_dbm, attn_mbd], strict=True):
+    words = sentence.split()
+    weights = attn[0].cpu()
+    image = ax.imshow(weights, cmap="Blues", vmin=0, vmax=weights.max().item() * 1.1)
+    for i in range(3):
+        for j in range(3):
+            ax.text(j, i, f"{weights[i, j]:.2f}", ha="center", va="center", fontsize=10)
+    ax.set_xticks(range(3), words)
+    ax.set_yticks(range(3), words)
+    ax.set_xlabel("key (attended to)")
+    ax.set_ylabel("query (attending)")
+    ax.set_title(f'"{sentence}"')
+fig.colorbar(image, ax=axes, label="attention weight", shrink=0.9)
+fig.suptitle("Self-attention without positions: same weights, rearranged")
+plt.show()
+
+# %% [markdown]
+# **Without position information, self-attention sees a bag of tokens: reorder the input and
+# the outputs are only reordered.**
+#
+# ## 2. The sinusoidal table
+#
+# Vaswani et al. (2017, §3.5) add to each token embedding a vector that depends on its position
+# $t$ only. For $i = 0, \dots, d_{\text{model}}/2 - 1$,
+#
+# $$PE_{(t,\,2i)} = \sin(\omega_i t), \qquad PE_{(t,\,2i+1)} = \cos(\omega_i t), \qquad
+# \omega_i = 10000^{-2i/d_{\text{model}}}.$$
+#
+# Each pair of dimensions $(2i, 2i+1)$ is one point going round the unit circle at its own
+# speed $\omega_i$. Its wavelength $\lambda_i = 2\pi/\omega_i = 2\pi \cdot 10000^{2i/d_{\text{model}}}$
+# grows geometrically, from $2\pi \approx 6.3$ positions for the first pair to
+# $2\pi\cdot 10000^{1 - 2/d_{\text{model}}}$, just under $10000\cdot 2\pi$, for the last. Fast
+# pairs tell neighbours apart; slow pairs tell the beginning of a long text from its end.
+#
+# Why this and not the raw index $t$? The values stay in $[-1, 1]$ for any $t$, so they never
+# swamp the embedding they are added to (the token embedding is scaled by
+# $\sqrt{d_{\text{model}}}$ first; notebook 09 explains why). The table has no parameters.
+# And, as section 3 verifies, shifting by $k$ positions is one fixed linear map.
+#
+# The code goes into the package's `positional` module.
+
+# %%
+#| default_exp positional
+
+# %%
+#| export
+"""Where a token sits: sinusoidal, learned and rotary (RoPE) position encodings."""
+
+import torch
+from torch import nn
+
+
+# %% [markdown]
+# The table is computed in float64 and stored in the default dtype (float32). The angles
+# $\omega_i t$ reach 5000 radians for the default `max_len`, and in float32 an angle that large
+# carries an error of about $10^{-4}$, enough to break the exact identities checked below.
+# The helpers at the top reject bad arguments and bad inputs with a message that names them.
+
+# %%
+#| export
+def _check_size(name: str, value: int, even: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {name}={value}")
+    if even and value % 2 != 0:
+        raise ValueError(f"{name} must be even (dimensions come in pairs), got {name}={value}")
+
+
+def _check_dropout(dropout_p: float) -> None:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+
+
+def _check_sequence(x: torch.Tensor, d_model: int, max_len: int, who: str) -> None:
+    # A wrong rank or width would otherwise broadcast silently into a wrong shape.
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{who} expects a floating-point tensor, got {got}")
+    if x.dim() != 3 or x.size(-1) != d_model:
+        raise ValueError(f"{who} expects x of shape (B, T, d_model={d_model}), got {tuple(x.shape)}")
+    if x.size(1) > max_len:
+        raise ValueError(f"{who}: sequence length T={x.size(1)} exceeds max_len={max_len}")
+
+
+def _angles(max_len: int, dim: int, base: float) -> torch.Tensor:
+    """Float64 angles t * base^(-2i/dim) for t < max_len, i < dim/2: shape (max_len, dim/2)."""
+    if not base > 1.0:
+        raise ValueError(f"base must be greater than 1, got base={base}")
+    t = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
+    omega = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
+    return t * omega  # (max_len, dim/2)
+
+
+def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
+    """The (max_len, d_model) table of Vaswani et al. (2017): sin on even dims, cos on odd."""
+    _check_size("max_len", max_len)
+    _check_size("d_model", d_model, even=True)
+    angles = _angles(max_len, d_model, base)  # (max_len, d_model/2)
+    table = torch.stack((angles.sin(), angles.cos()), dim=-1)  # (max_len, d_model/2, 2)
+    return table.flatten(-2).to(torch.get_default_dtype())  # (max_len, d_model): sin, cos, ...
+
+
+# %% [markdown]
+# The module stores the table as a **buffer**: a tensor that belongs to the module, so
+# `.to(device)` moves it and `state_dict()` saves it, but that is not a parameter, so no
+# optimizer will ever change it. Its shape $(1, \text{max\_len}, d_{\text{model}})$ has a leading
+# 1 so that it broadcasts over the batch.
+
+# %%
+#| export
+class PositionalEncoding(nn.Module):
+    """Add the fixed sinusoidal table to (B, T, d_model) inputs, then apply dropout."""
+
+    pe: torch.Tensor
+
+    def __init__(self, d_model: int, max_len: int = 5000, dropout_p: float = 0.0) -> None:
+        super().__init__()
+        _check_dropout(dropout_p)
+        self.d_model, self.max_len = d_model, max_len
+        self.dropout = nn.Dropout(dropout_p)
+        pe = sinusoidal_table(max_len, d_model).unsqueeze(0)  # (1, max_len, d_model)
+        self.register_buffer("pe", pe, persistent=True)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, max_len={self.max_len}"
+
+
+# %% [markdown]
+# The forward pass checks its input first (`_check_sequence` above): a wrong rank or width
+# would otherwise broadcast silently into a wrong shape, and a sequence longer than the table
+# would be cut short without a word. Then it adds the first $T$ rows.
+
+# %%
+#| export
+@add_to_class(PositionalEncoding)
+def forward(self, x: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, d_model) -> dropout(x + PE[:T]), same shape."""
+    _check_sequence(x, self.d_model, self.max_len, "PositionalEncoding")
+    T = x.size(1)
+    return self.dropout(x + self.pe[:, :T].to(x.dtype))  # (B, T, d) + (1, T, d)
+
+
+# %%
+pos_enc = PositionalEncoding(d_model=128).to(device)
+print(pos_enc)
+print(pos_enc.pe.shape)
+print(pos_enc.pe[0, :3, :6].cpu().round(decimals=4))
+
+# %% [markdown]
+# Row 0 is $(0, 1, 0, 1, \dots)$, since $\sin 0 = 0$ and $\cos 0 = 1$; row 1 starts with
+# $\sin 1 \approx 0.8415$ and $\cos 1 \approx 0.5403$.
+#
+# **Check.** Entries against the formula computed by hand with Python's `math`, the whole
+# table against a literal double loop, float32 arithmetic against our float64 route, and the
+# module's forward pass, buffer and dropout.
+
+# %%
+pe = pos_enc.pe[0].cpu()  # (max_len, d_model)
+for t, i in [(0, 0), (1, 0), (10, 1), (37, 20), (4999, 63)]:
+    omega = 10000 ** (-2 * i / 128)
+    assert abs(pe[t, 2 * i].item() - math.sin(omega * t)) < 1e-6
+    assert abs(pe[t, 2 * i + 1].item() - math.cos(omega * t)) < 1e-6
+
+# The formula written as literally as possible, one entry at a time.
+small = torch.tensor([[math.sin(t / 10000 ** (2 * (j // 2) / 8)) if j % 2 == 0
+                       else math.cos(t / 10000 ** (2 * (j // 2) / 8)) for j in range(8)]
+                      for t in range(50)])
+assert_close(sinusoidal_table(50, 8), small)
+
+# float32 arithmetic all the way (a common implementation) drifts at large t; ours does not.
+def table_in(dtype: torch.dtype) -> torch.Tensor:
+    """The (5000, 128) table computed entirely in `dtype`."""
+    t = torch.arange(5000, dtype=dtype).unsqueeze(1)  # (5000, 1)
+    div = torch.exp(torch.arange(0, 128, 2, dtype=dtype) * (-math.log(10000.0) / 128))  # (64,)
+    return torch.stack((torch.sin(t * div), torch.cos(t * div)), dim=-1).flatten(-2)
+
+
+naive, reference = table_in(torch.float32).double(), table_in(torch.float64)
+assert (naive - reference).abs().max() > 1e-5  # float32 all the way: off by ~1e-4
+assert (pe.double() - reference).abs().max() < 1e-6  # ours: float32 rounding of exact values
+
+# forward adds the first T rows; the table is a buffer (saved, moved), not a parameter.
+x = torch.randn(2, 10, 128).to(device)
+assert_close(pos_enc(x), x + pos_enc.pe[:, :10])
+assert "pe" in pos_enc.state_dict() and len(list(pos_enc.parameters())) == 0
+assert pos_enc.pe.device.type == device.type
+
+# Dropout acts in training mode only; in eval mode the module is x + PE exactly.
+noisy = PositionalEncoding(128, dropout_p=0.5).to(device)
+assert not torch.equal(noisy(x), x + noisy.pe[:, :10])
+assert torch.equal(noisy.eval()(x), x + noisy.pe[:, :10])
+
+# %% [markdown]
+# Two pictures of the same table. As a heatmap over position and dimension, the left columns
+# flicker from row to row while the right columns barely change over a hundred positions:
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
+image = ax.imshow(pe[:100], cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto", interpolation="nearest")
+fig.colorbar(image, ax=ax, label="$PE_{(t, j)}$")
+ax.set_xlabel("embedding dimension $j$ (even: sin, odd: cos)")
+ax.set_ylabel("position $t$ (tokens)")
+ax.set_title("Sinusoidal positional encoding, $d_{model}=128$, first 100 positions")
+save_figure(fig, "positional_sinusoidal_table")
+plt.show()
+
+# %% [markdown]
+# As curves, a few sine dimensions against position (left), and the wavelength of every pair
+# (right, log scale): a geometric ladder from $2\pi$ up towards $10000 \cdot 2\pi$.
+
+# %%
+omega = 10000 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)  # (64,)
+wavelength = 2 * math.pi / omega  # in positions
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+t_fine = torch.linspace(0, 60, 601, dtype=torch.float64)
+colors = [COLORS["query"], COLORS["key"], COLORS["value"], COLORS["accent"]]
+lifts, names = [], []
+for row, (i, color) in enumerate(zip([0, 4, 16, 32], colors, strict=True)):
+    lift = 2.6 * (3 - row)  # stack the curves so that none hides another
+    ax1.plot(t_fine, lift + torch.sin(omega[i] * t_fine), color=color, lw=1, alpha=0.6)
+    ax1.plot(range(61), lift + pe[:61, 2 * i], "o", ms=3, color=color)
+    lifts.append(lift)
+    names.append(f"dim {2 * i}\n$\\lambda$ = {wavelength[i]:.1f}")
+ax1.set_yticks(lifts, names, fontsize=8)
+ax1.set_xlabel("position $t$ (tokens); dots: the entries of the table")
+ax1.set_ylabel("$\\sin(\\omega_i t)$, one curve per dimension")
+ax1.set_title("A few sine dimensions against position")
+ax2.semilogy(wavelength, "o", ms=3, color=COLORS["query"])
+ax2.axhline(2 * math.pi, ls="--", color="gray")
+ax2.axhline(10000 * 2 * math.pi, ls="--", color="gray")
+ax2.text(50, 2 * math.pi * 1.3, "$2\\pi$", color="gray")  # in the empty lower-right corner
+ax2.text(0, 10000 * 2 * math.pi * 0.5, "$10000 \\cdot 2\\pi$", color="gray")
+ax2.set_xlabel("frequency pair $i$ (dimensions $2i$, $2i+1$)")
+ax2.set_ylabel("wavelength $\\lambda_i$ (positions)")
+ax2.set_title("Wavelengths grow geometrically")
+plt.show()
+
+# %%
+assert math.isclose(wavelength[0].item(), 2 * math.pi)
+assert wavelength[-1].item() < 10000 * 2 * math.pi
+ratios = wavelength[1:] / wavelength[:-1]
+assert_close(ratios, torch.full_like(ratios, 10000 ** (2 / 128)))  # one constant ratio
+print(f"longest wavelength: {wavelength[-1].item():.0f} positions")
+
+# %% [markdown]
+# **Each pair of dimensions is a clock running at its own speed; together they give every
+# position a distinct, bounded code.**
+#
+# ## 3. Shifting by $k$ is a fixed rotation
+#
+# Take one frequency pair, $p_i(t) = (\sin\omega_i t,\ \cos\omega_i t)$. The angle-addition
+# formulas give
+#
+# $$\begin{pmatrix}\sin\omega_i(t+k)\\ \cos\omega_i(t+k)\end{pmatrix}
+# = \underbrace{\begin{pmatrix}\cos\omega_i k & \sin\omega_i k\\ -\sin\omega_i k & \cos\omega_i k\end{pmatrix}}_{R_i(k)}
+# \begin{pmatrix}\sin\omega_i t\\ \cos\omega_i t\end{pmatrix}.$$
+#
+# The matrix $R_i(k)$ is a rotation, and it depends on $k$, not on $t$. Stack the pairs and
+# the whole code moves by one block-diagonal matrix,
+# $M_k = \operatorname{diag}\big(R_0(k), \dots, R_{d/2-1}(k)\big)$:
+#
+# $$PE(t+k) = M_k\, PE(t) \quad \text{for every } t.$$
+#
+# So "the token $k$ places earlier" is a *linear* function of where you are, the same one
+# everywhere, which a linear layer such as $W_q$ or $W_k$ can represent. That was the paper's
+# hypothesis for why the encoding helps attend by relative position (Vaswani et al., 2017,
+# §3.5).
+
+# %%
+def shift_matrix(k: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
+    """M_k: the block-diagonal rotation with PE(t + k) = M_k PE(t), shape (d_model, d_model)."""
+    angle = k * base ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)  # (d/2,)
+    c, s = angle.cos(), angle.sin()
+    blocks = [torch.stack([torch.stack([ci, si]), torch.stack([-si, ci])])  # R_i(k): (2, 2)
+              for ci, si in zip(c, s, strict=True)]
+    return torch.block_diag(*blocks).to(torch.get_default_dtype())  # (d_model, d_model)
+
+
+M_3 = shift_matrix(3, 128)
+print(M_3[:4, :4].round(decimals=4))
+
+# %% [markdown]
+# **Check.** For several offsets $k$, every row of the 5000-row table, moved by $M_k$, must land
+# on the row $k$ further down. As rows, $PE[t+k] = PE[t]\,M_k^\top$. We also check that $M_k$ is
+# orthogonal and that two shifts compose: $M_j M_k = M_{j+k}$.
+
+# %%
+for k in [1, 3, 17, 250, 4000]:
+    M_k = shift_matrix(k, 128)
+    assert_close(pe[k:], pe[:-k] @ M_k.T)  # all 5000 - k positions at once
+    assert_close(M_k.T @ M_k, torch.eye(128), atol=1e-6, rtol=0)
+assert_close(shift_matrix(5, 128) @ shift_matrix(12, 128), shift_matrix(17, 128), atol=1e-6, rtol=0)
+
+# %% [markdown]
+# A consequence: the dot product of two codes depends on their distance only. Each pair
+# contributes $\sin\omega_i t \sin\omega_i(t+k) + \cos\omega_i t\cos\omega_i(t+k) = \cos\omega_i k$, so
+#
+# $$PE(t)\cdot PE(t+k) = \sum_{i} \cos(\omega_i k),$$
+#
+# whatever $t$ is. In the matrix of all dot products, every diagonal is constant.
+
+# %%
+S = pe[:1000] @ pe[:1000].T  # (1000, 1000): dot product of every pair of positions
+by_offset = torch.cos(torch.arange(1000, dtype=torch.float64)[:, None] * omega).sum(-1)  # (1000,)
+for k in [0, 1, 5, 60, 999]:
+    diagonal = torch.diagonal(S, offset=k).double()  # PE(t) . PE(t+k) for t = 0 .. 999-k
+    assert_close(diagonal, by_offset[k].expand_as(diagonal), atol=1e-4, rtol=0)
+print("PE(t).PE(t+k) for k = 0, 1, 5, 60:", [round(by_offset[k].item(), 2) for k in [0, 1, 5, 60]])
+
+# %% [markdown]
+# At $k = 0$ the dot product is $d_{\text{model}}/2 = 64$, and it falls off, not monotonically,
+# as the offset grows. Left, the matrix for the first 100 positions; right, the profile
+# $PE(t)\cdot PE(t+k)$ read from three different starting positions $t$, which lie on one
+# curve.
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+image = ax1.imshow(S[:100, :100], cmap="viridis", interpolation="nearest")
+fig.colorbar(image, ax=ax1, label="$PE(t) \\cdot PE(t')$")
+ax1.set_xlabel("position $t'$ (tokens)")
+ax1.set_ylabel("position $t$ (tokens)")
+ax1.set_title("Dot products of sinusoidal codes")
+offsets = torch.arange(0, 200)
+for t0, color, marker in [(0, COLORS["query"], "-"), (300, COLORS["key"], "--"), (700, COLORS["value"], ":")]:
+    ax2.plot(offsets, S[t0, t0 + offsets], marker, color=color, lw=2, label=f"from $t$ = {t0}")
+ax2.set_xlabel("offset $k$ (positions)")
+ax2.set_ylabel("$PE(t) \\cdot PE(t+k)$")
+ax2.set_title("Depends on the offset only")
+ax2.legend()
+plt.show()
+
+# %% [markdown]
+# **Moving $k$ positions is the same rotation $M_k$ from every starting point, so the distance
+# between two tokens is a linear, position-independent feature of their codes.**
+#
+# ## 4. Learned position embeddings
+#
+# The simplest alternative is to learn the table: one trainable vector per position, an
+# `nn.Embedding(max_len, d_model)` looked up with $0, 1, \dots, T-1$ and added to the tokens.
+# BERT (Devlin et al., 2019) and GPT-2 (Radford et al., 2019) do this; Vaswani et al. (2017,
+# Table 3, row E) found it works about as well as the sinusoids. We start the table at small
+# values, $\mathcal{N}(0, 0.02^2)$ as BERT does, rather than `nn.Embedding`'s $\mathcal{N}(0, 1)$.
+#
+# The trade-off: a learned table has $\text{max\_len}\times d_{\text{model}}$ parameters, knows
+# nothing about neighbourhood until data teaches it, and has no row at all for position
+# `max_len`. Positions that never occur in training keep their random start.
+
+# %%
+#| export
+class LearnedPositionalEmbedding(nn.Module):
+    """Add a trained (max_len, d_model) table to (B, T, d_model) inputs, then apply dropout."""
+
+    def __init__(
+        self, max_len: int, d_model: int, dropout_p: float = 0.0, init_std: float = 0.02
+    ) -> None:
+        super().__init__()
+        _check_size("max_len", max_len)
+        _check_size("d_model", d_model)
+        _check_dropout(dropout_p)
+        self.d_model, self.max_len = d_model, max_len
+        self.embedding = nn.Embedding(max_len, d_model)
+        nn.init.normal_(self.embedding.weight, std=init_std)  # BERT's scale, not N(0, 1)
+        self.dropout = nn.Dropout(dropout_p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, d_model) -> dropout(x + E[:T]), same shape."""
+        _check_sequence(x, self.d_model, self.max_len, "LearnedPositionalEmbedding")
+        positions = torch.arange(x.size(1), device=x.device)  # (T,)
+        return self.dropout(x + self.embedding(positions).to(x.dtype))  # (B, T, d) + (T, d)
+
+
+# %%
+learned = LearnedPositionalEmbedding(max_len=64, d_model=128).to(device)
+print(learned)
+print("parameters:", sum(p.numel() for p in learned.parameters()))
+
+# %% [markdown]
+# **Check.** The forward pass adds rows $0..T-1$ of the weight; a loss on sequences of length
+# 10 sends gradient to those 10 rows and to no other; and a sequence longer than `max_len` is
+# refused, where the sinusoidal module simply builds a longer table whose first rows are the
+# same as before.
+
+# %%
+x = torch.randn(2, 10, 128).to(device)
+assert_close(learned(x), x + learned.embedding.weight[:10])
+assert sum(p.numel() for p in learned.parameters()) == 64 * 128
+
+learned(x).pow(2).sum().backward()
+grad_per_row = learned.embedding.weight.grad.norm(dim=-1)  # (max_len,)
+assert (grad_per_row[:10] > 0).all() and (grad_per_row[10:] == 0).all()
+
+try:
+    learned(torch.randn(1, 65, 128).to(device))
+except ValueError as err:
+    print("ValueError:", err)
+assert torch.equal(PositionalEncoding(128, max_len=100).pe, PositionalEncoding(128).pe[:, :100])
+
+# %% [markdown]
+# Before training, a learned table is noise: rows of different positions are nearly
+# orthogonal, with no notion of "close". Compare the cosine similarity of its rows with that of
+# the sinusoidal rows:
+
+# %%
+def cosine_matrix(table: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of every pair of rows: (T, d) -> (T, T)."""
+    unit = F.normalize(table.detach().float().cpu(), dim=-1)
+    return unit @ unit.T
+
+
+fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
+for ax, table, title in [(axes[0], pe[:64], "sinusoidal (fixed)"),
+                         (axes[1], learned.embedding.weight, "learned, before training")]:
+    image = ax.imshow(cosine_matrix(table), cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+    ax.set_xlabel("position $t'$ (tokens)")
+    ax.set_ylabel("position $t$ (tokens)")
+    ax.set_title(title)
+fig.colorbar(image, ax=axes, label="cosine similarity of the two position codes")
+fig.suptitle("Which positions look alike?")
+plt.show()
+
+# %% [markdown]
+# **A learned table can fit whatever the data needs, but it holds exactly `max_len` positions
+# and only those seen in training carry any information.**
+#
+# ## 5. Rotary position embeddings (RoPE)
+#
+# Adding a code to the input mixes position and content before the projections. The score
+# between a query at $m$ and a key at $n$ then is
+#
+# $$\big(x_m + PE(m)\big)\, W_q W_k^\top \big(x_n + PE(n)\big)^\top,$$
+#
+# which has content-content, content-position and position-position terms, and in general
+# depends on $m$ and $n$ separately, not on $m - n$ alone. Su et al. (2021, RoFormer) put
+# position in where the score is made instead. Split the query and the key into pairs and
+# rotate pair $j$ of a vector at position $m$ by the angle $m\theta_j$, with
+# $\theta_j = \text{base}^{-2j/d_{\text{head}}}$ (the sinusoids' frequencies, base 10000):
+#
+# $$\operatorname{RoPE}(x, m) = R_m x, \qquad
+# R_m = \operatorname{diag}\!\left(\begin{pmatrix}\cos m\theta_j & -\sin m\theta_j\\
+# \sin m\theta_j & \cos m\theta_j\end{pmatrix}\right)_{j=0}^{d_{\text{head}}/2-1}.$$
+#
+# Rotations compose by adding angles and $R_m^\top = R_{-m}$, so
+#
+# $$\langle R_m q,\ R_n k\rangle = q^\top R_m^\top R_n\, k = q^\top R_{n-m}\, k,$$
+#
+# a function of the contents $q, k$ and of the offset alone. A rotation also keeps lengths, so
+# RoPE changes the angle between query and key and never their norms.
+#
+# **Two layouts.** Which coordinates form a pair is a convention, and both are in wide use:
+#
+# - *interleaved*: pairs $(x_0, x_1), (x_2, x_3), \dots$ as in the paper and in the original
+#   LLaMA code, which views each pair as one complex number;
+# - *rotate-half*: pairs $(x_j, x_{j + d/2})$, as in GPT-NeoX and in Hugging Face's LLaMA.
+#
+# They differ by a fixed permutation of the head dimensions, which trained projections absorb,
+# so they model the same thing; but weights trained with one layout give wrong results under
+# the other. **We use the interleaved layout**, which matches the paper and the (sin, cos)
+# pairs of section 2. Exercise 1 converts between them.
+
+# %% [markdown]
+# First the problem, checked: with the sinusoidal code added before random projections, the
+# score between the same content at positions $m$ and $n$ is not constant along a diagonal
+# $m - n = \text{const}$.
+
+# %%
+set_seed(0)
+content = torch.randn(1, 128)  # the same token at every position
+W_q_big, W_k_big = torch.randn(128, 32) / 128**0.5, torch.randn(128, 32) / 128**0.5
+with_pe = content + pe[:64]  # (64, 128)
+additive_scores = (with_pe @ W_q_big) @ (with_pe @ W_k_big).T  # (64, 64), score of (m, n)
+for k in [0, 1, 5]:
+    assert torch.diagonal(additive_scores, offset=k).std() > 0.1  # varies along the diagonal
+print("scores at offset 1, from m = 0, 20, 40:",
+      [round(additive_scores[m, m + 1].item(), 3) for m in [0, 20, 40]])
+
+# %% [markdown]
+# Now the module. Like the sinusoidal one it precomputes a table, here $\cos m\theta_j$ and
+# $\sin m\theta_j$ for $m < \text{max\_len}$. These buffers are *not persistent*: they are
+# recomputed from `d_head`, `max_len` and `base` at construction, so they stay out of
+# `state_dict` (a checkpoint then loads whatever `max_len` the new model uses).
+#
+# `rotate(x, offset)` treats the rows of `x` as positions `offset, offset + 1, ...`; the
+# offset is what a decoder with a key-value cache needs when it adds one token at a time
+# (notebook 12). `forward(q, k)` rotates both.
+
+# %%
+#| export
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al., 2021) for (..., T, d_head), interleaved pairs."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, d_head: int, max_len: int = 4096, base: float = 10000.0) -> None:
+        super().__init__()
+        _check_size("d_head", d_head, even=True)
+        _check_size("max_len", max_len)
+        self.d_head, self.max_len, self.base = d_head, max_len, base
+        angles = _angles(max_len, d_head, base)  # (max_len, d_head/2): m * theta_j
+        dtype = torch.get_default_dtype()
+        self.register_buffer("cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", angles.sin().to(dtype), persistent=False)
+
+    def extra_repr(self) -> str:
+        return f"d_head={self.d_head}, max_len={self.max_len}, base={self.base}"
+
+
+# %% [markdown]
+# Rotating pair $j$, $(a, b) = (x_{2j}, x_{2j+1})$, by the angle $\phi$ gives
+# $(a\cos\phi - b\sin\phi,\ a\sin\phi + b\cos\phi)$: two multiplies by the cached tables and a
+# re-interleave, no $d_{\text{head}} \times d_{\text{head}}$ matrix.
+
+# %%
+#| export
+@add_to_class(RotaryEmbedding)
+def rotate(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Rotate x: (..., T, d_head), whose rows sit at positions offset .. offset+T-1."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"RotaryEmbedding expects a floating-point tensor, got {got}")
+    if x.dim() < 2 or x.size(-1) != self.d_head:
+        raise ValueError(
+            f"RotaryEmbedding expects x of shape (..., T, d_head={self.d_head}), "
+            f"got {tuple(x.shape)}"
+        )
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__} {offset!r}")
+    if offset < 0:
+        raise ValueError(f"offset must be non-negative, got offset={offset}")
+    T = x.size(-2)
+    if offset + T > self.max_len:
+        raise ValueError(
+            f"RotaryEmbedding: positions offset+T={offset + T} exceed max_len={self.max_len}"
+        )
+    cos = self.cos[offset : offset + T].to(x.dtype)  # (T, d_head/2)
+    sin = self.sin[offset : offset + T].to(x.dtype)
+    a, b = x[..., 0::2], x[..., 1::2]  # (..., T, d_head/2) each: the pairs (x_2j, x_2j+1)
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)  # (..., T, d/2, 2)
+    return rotated.flatten(-2)  # (..., T, d_head), pairs interleaved again
+
+
+@add_to_class(RotaryEmbedding)
+def forward(
+    self, q: torch.Tensor, k: torch.Tensor, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries and keys, both (..., T, d_head), at positions offset, offset+1, ..."""
+    return self.rotate(q, offset), self.rotate(k, offset)
+
+
+# %%
+rope = RotaryEmbedding(d_head=64, max_len=2048).to(device)
+print(rope)
+q = torch.randn(2, 4, 10, 64).to(device)  # (B, h, T, d_head)
+k = torch.randn(2, 4, 10, 64).to(device)
+q_rot, k_rot = rope(q, k)
+print(q_rot.shape, k_rot.shape, "buffers in state_dict:", list(rope.state_dict()))
+
+# %% [markdown]
+# **Check 1: against complex numbers.** Treating pair $j$ as the complex number
+# $x_{2j} + i\,x_{2j+1}$, the rotation is a multiplication by $e^{i m\theta_j}$. PyTorch's
+# complex tensors give an independent implementation: `torch.view_as_complex` and
+# `torch.polar`.
+
+# %%
+def rope_complex(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> torch.Tensor:
+    """RoPE as complex multiplication (float64 on the CPU): (..., T, d) -> (..., T, d)."""
+    x = x.detach().cpu().double()
+    T, d = x.shape[-2:]
+    t = torch.arange(offset, offset + T, dtype=torch.float64)[:, None]
+    angle = t * base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # (T, d/2)
+    z = torch.view_as_complex(x.reshape(*x.shape[:-1], d // 2, 2).contiguous())  # (..., T, d/2)
+    return torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)).flatten(-2)
+
+
+assert_close(q_rot.cpu().double(), rope_complex(q), atol=1e-5, rtol=1e-5)
+assert_close(rope.rotate(q, offset=1000).cpu().double(), rope_complex(q, offset=1000),
+             atol=1e-5, rtol=1e-5)
+assert torch.equal(rope.rotate(q[..., :1, :]), q[..., :1, :])  # position 0: no rotation
+
+# %% [markdown]
+# **Check 2: the score depends on the offset only.** One query vector and one key vector,
+# placed at many pairs of positions $(m, n)$: the same $m - n$ must give the same score, and
+# different offsets different scores. Norms must be unchanged.
+
+# %%
+set_seed(0)
+q1 = torch.randn(64).to(device)
+k1 = torch.randn(64).to(device)
+
+
+def rope_score(m: int, n: int) -> float:
+    """<R_m q1, R_n k1>: q1 placed at position m, k1 at position n."""
+    return (rope.rotate(q1[None], offset=m) @ rope.rotate(k1[None], offset=n).T).item()
+
+
+score_by_offset = {}
+for delta in [0, 1, 5, -3, 40]:  # delta = m - n
+    scores = torch.tensor([rope_score(n + delta, n) for n in [3, 10, 100, 1500]])
+    assert_close(scores, scores[0].expand(4), atol=1e-4, rtol=1e-5)
+    score_by_offset[delta] = scores[0].item()
+values = torch.tensor(list(score_by_offset.values()))
+assert (values[:, None] - values[None, :]).abs().add(torch.eye(5)).min() > 1e-2  # all different
+print({m_minus_n: round(s, 3) for m_minus_n, s in score_by_offset.items()})
+
+x = torch.randn(3, 2, 50, 64).to(device)
+assert_close(rope.rotate(x, offset=123).norm(dim=-1), x.norm(dim=-1))
+
+# %% [markdown]
+# **Check 3: attention itself is shift-invariant.** Put a whole sequence at positions
+# $37, 38, \dots$ instead of $0, 1, \dots$; every score, and so PyTorch's attention output, is
+# the same. No additive encoding has this property: its scores change with the shift.
+
+# %%
+v = torch.randn(2, 4, 10, 64).to(device)
+out_at_0 = F.scaled_dot_product_attention(*rope(q, k, offset=0), v)
+out_at_37 = F.scaled_dot_product_attention(*rope(q, k, offset=37), v)
+assert_close(out_at_0, out_at_37, atol=1e-5, rtol=1e-4)
+
+# %% [markdown]
+# The picture: the same content at every position, scores over all pairs $(m, n)$. With the
+# additive code (left) the pattern drifts with position; with RoPE (middle) every diagonal is
+# constant, a Toeplitz matrix. Right: the RoPE score of a query and key that are equal to each
+# other (all ones), against their distance. It decays, slowly and with ripples: the
+# "long-term decay" that Su et al. (2021) point out, so that far-apart tokens interact less
+# unless their content says otherwise.
+
+# %%
+queries_rot = rope.rotate(q1.expand(64, 64))  # (T, d_head): q1 at positions 0..63
+keys_rot = rope.rotate(k1.expand(64, 64))  # (T, d_head): k1 at positions 0..63
+rope_scores = (queries_rot @ keys_rot.T).cpu()  # (64, 64), score of (m, n)
+for k_ in [0, 3, -10]:
+    diagonal = torch.diagonal(rope_scores, offset=k_)
+    assert_close(diagonal, diagonal[0].expand_as(diagonal), atol=1e-4, rtol=1e-5)  # Toeplitz
+
+ones = torch.ones(1024, 64).to(device)
+decay = (rope.rotate(ones) @ rope.rotate(ones[:1]).T).squeeze(1).cpu()  # <R_m 1, R_0 1>, m < 1024
+
+fig, axes = plt.subplots(1, 3, figsize=(15, 4.3), layout="constrained",
+                         gridspec_kw={"width_ratios": [1, 1, 1.2]})
+for ax, scores, title in [(axes[0], additive_scores, "additive sinusoid, then $W_q, W_k$"),
+                          (axes[1], rope_scores, "RoPE on $q$ and $k$")]:
+    image = ax.imshow(scores, cmap="RdBu_r", interpolation="nearest",
+                      vmin=-scores.abs().max(), vmax=scores.abs().max())
+    fig.colorbar(image, ax=ax, label="score $q_m \\cdot k_n$", shrink=0.85)
+    ax.set_xlabel("key position $n$")
+    ax.set_ylabel("query position $m$")
+    ax.set_title(title)
+axes[2].plot(decay, color=COLORS["query"], lw=1)
+axes[2].set_xscale("symlog", linthresh=10)
+axes[2].set_xlabel("offset $m - n$ (positions, log scale beyond 10)")
+axes[2].set_ylabel("$\\langle R_m \\mathbf{1}, R_n \\mathbf{1}\\rangle$")
+axes[2].set_title("RoPE score against distance")
+fig.suptitle("Same content at every position: scores over all (query, key) positions")
+save_figure(fig, "positional_rope_scores")
+plt.show()
+
+# %% [markdown]
+# **RoPE rotates queries and keys by their positions, so attention scores depend on content
+# and on the offset $m - n$ only, and vector norms are untouched.**
+#
+# ## 6. Which one generalises? A task that needs order
+#
+# A toy task that is impossible without positions: **predict the previous token**. The input
+# is a random sequence over 16 symbols; the target at position $t \ge 1$ is the token at
+# $t - 1$. One attention layer can solve it by putting all its weight on the key one place
+# back, if it can tell which key that is.
+#
+# We train the same one-layer model four times, on sequences of length 16: without position
+# information, with the sinusoidal table, with a learned table (`max_len` = 64, so it can run
+# on longer inputs at all) and with RoPE. Then we test each on sequences of length 48, three
+# times longer than anything seen in training. (We use no mask here: a causal mask alone lets a
+# model infer position, as Haviv et al. (2022) showed; masks are notebook 05's topic.)
+
+# %%
+class PreviousTokenModel(nn.Module):
+    """Embedding, one head of attention with a chosen position scheme, linear readout."""
+
+    def __init__(self, scheme: str, vocab_size: int = 16, d_model: int = 32, max_len: int = 64):
+        super().__init__()
+        self.scheme = scheme
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.W_q, self.W_k, self.W_v = (nn.Linear(d_model, d_model, bias=False) for _ in range(3))
+        self.readout = nn.Linear(d_model, vocab_size)
+        if scheme == "sinusoidal":
+            self.position = PositionalEncoding(d_model, max_len)
+        elif scheme == "learned":
+            self.position = LearnedPositionalEmbedding(max_len, d_model)
+        elif scheme == "rotary":
+            self.rope = RotaryEmbedding(d_model, max_len)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, T) -> logits (B, T, vocab_size)."""
+        x = self.embed(tokens)  # (B, T, d_model)
+        if self.scheme in ("sinusoidal", "learned"):
+            x = self.position(x)  # position added to the input
+        q, k, v = self.W_q(x), self.W_k(x), self.W_v(x)  # (B, T, d_model) each
+        if self.scheme == "rotary":
+            q, k = self.rope(q, k)  # position applied to queries and keys only
+        return self.readout(F.scaled_dot_product_attention(q, k, v))
+
+
+def previous_token_batch(batch_size: int, T: int, generator: torch.Generator) -> torch.Tensor:
+    """Random tokens (B, T), drawn on the CPU for reproducibility, then moved."""
+    return torch.randint(16, (batch_size, T), generator=generator).to(device)
+
+
+def per_position_accuracy(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Accuracy of predicting tokens[:, t-1] at each position t >= 1: shape (T-1,)."""
+    with torch.no_grad():
+        predicted = model(tokens)[:, 1:].argmax(-1)  # (B, T-1)
+    return (predicted == tokens[:, :-1]).float().mean(0).cpu()
+
+
+# %%
+schemes = ["none", "sinusoidal", "learned", "rotary"]
+T_train, T_test = 16, 48
+models, initial_tables = {}, {}
+for scheme in schemes:
+    set_seed(0)
+    generator = torch.Generator().manual_seed(0)  # the same batches for every scheme
+    model = PreviousTokenModel(scheme).to(device)
+    if scheme == "learned":
+        initial_tables[scheme] = model.position.embedding.weight.detach().clone()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        tokens = previous_token_batch(64, T_train, generator)
+        logits = model(tokens)[:, 1:]  # (B, T-1, vocab): position 0 has no previous token
+        loss = F.cross_entropy(logits.reshape(-1, 16), tokens[:, :-1].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    models[scheme] = model.eval()
+
+test_generator = torch.Generator().manual_seed(1)
+short = previous_token_batch(256, T_train, test_generator)
+long = previous_token_batch(256, T_test, test_generator)
+accuracy = {s: per_position_accuracy(m, long) for s, m in models.items()}  # (T_test-1,) each
+short_accuracy = {s: per_position_accuracy(m, short).mean().item() for s, m in models.items()}
+
+print(f"{'scheme':<12}{'T=16':>8}{'T=48, t>=16':>14}")
+for s in schemes:
+    print(f"{s:<12}{short_accuracy[s]:>8.2f}{accuracy[s][T_train - 1:].mean().item():>14.2f}")
+
+# %% [markdown]
+# **Check.** At the training length every scheme with positions solves the task, and the
+# order-blind model cannot: the best it can do is guess among the tokens it sees (about 0.2).
+# Beyond position 16 the learned table is back at chance: its rows 16 to 63 never received a
+# gradient and are exactly as initialised. The sinusoidal
+# model, although its code is defined everywhere, degrades on positions it never saw. RoPE
+# generalises, because what it learned ("attend to offset $-1$") is stated in offsets.
+
+# %%
+beyond = {s: accuracy[s][T_train - 1:].mean().item() for s in schemes}
+assert short_accuracy["none"] < 0.25
+assert all(short_accuracy[s] > 0.95 for s in ["sinusoidal", "learned", "rotary"])
+assert beyond["none"] < 0.25 and beyond["learned"] < 0.25
+assert beyond["rotary"] > 0.9 and beyond["sinusoidal"] < beyond["rotary"] - 0.2
+learned_table = models["learned"].position.embedding.weight.detach()
+assert torch.equal(learned_table[T_train:], initial_tables["learned"][T_train:])  # untouched
+assert not torch.equal(learned_table[:T_train], initial_tables["learned"][:T_train])
+
+# %% [markdown]
+# Left, accuracy at each position of the long test sequences; right, how far each row of the
+# learned table moved from its random start during training: rows $0..15$ moved, rows
+# $16..63$ did not move at all.
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.3), layout="constrained",
+                               gridspec_kw={"width_ratios": [1.3, 1]})
+styles = {"none": ("gray", ":"), "sinusoidal": (COLORS["query"], "-"),
+          "learned": (COLORS["key"], "-"), "rotary": (COLORS["value"], "--")}
+positions = torch.arange(1, T_test)
+for s in schemes:
+    color, ls = styles[s]
+    ax1.plot(positions, accuracy[s], ls, color=color, lw=2, label=s)
+ax1.axvspan(T_train - 0.5, T_test, color="gray", alpha=0.12, label="longer than training")
+ax1.axhline(1 / 16, color="black", lw=0.8, ls="-.", label="1/16 (a random guess)")
+ax1.set_xlabel("position $t$ in a length-48 sequence")
+ax1.set_ylabel("accuracy of predicting token $t-1$")
+ax1.set_ylim(-0.02, 1.05)
+ax1.set_title("Previous-token task, trained on length 16")
+ax1.legend(loc="center right", fontsize=8)
+moved = (learned_table - initial_tables["learned"]).norm(dim=-1).cpu()  # (max_len,)
+ax2.bar(range(64), moved, width=0.8, color=COLORS["key"])
+ax2.axvspan(T_train - 0.5, 63.5, color="gray", alpha=0.12)
+ax2.text(40, moved.max().item() * 0.5, "never trained:\nexactly as initialised", ha="center")
+ax2.set_xlabel("row $t$ of the learned table (position)")
+ax2.set_ylabel("$\\|E_t - E_t^{init}\\|$ after training")
+ax2.set_title("Learned table (max_len 64): how far each row moved")
+save_figure(fig, "positional_extrapolation")
+plt.show()
+
+# %% [markdown]
+# A caution about reading too much into a toy: here the only offset that matters, $-1$, was
+# seen in training, so RoPE had nothing new to handle. In large language models RoPE meets
+# unseen *offsets* (and rotation angles) on long inputs and does degrade; extending its
+# context is an active topic (position interpolation, Chen et al., 2023; a larger base, see
+# exercise 3). And Press et al.
+# (2022) measured the sinusoidal code failing to extrapolate in real language models too.
+#
+# **Being defined for every position is not the same as generalising to it; encodings that
+# express relative offsets generalise to lengths the model has not seen.**
+#
+# ## Recap
+#
+# | concept | code | shape |
+# |---|---|---|
+# | attention is order-blind | `self_attention(x[:, perm]) == self_attention(x)[:, perm]` | $(B, T, d_{\text{model}})$ |
+# | sinusoidal table | `sinusoidal_table(max_len, d_model)` | $(\text{max\_len}, d_{\text{model}})$ |
+# | add a fixed encoding | `PositionalEncoding(d_model, max_len, dropout_p)(x)`, buffer `pe` | $(B, T, d_{\text{model}}) \to$ same; `pe`: $(1, \text{max\_len}, d_{\text{model}})$ |
+# | shift by $k$ positions | $PE(t+k) = M_k\,PE(t)$, `shift_matrix(k, d_model)` (this notebook) | $(d_{\text{model}}, d_{\text{model}})$ |
+# | add a learned table | `LearnedPositionalEmbedding(max_len, d_model)(x)` | $(B, T, d_{\text{model}}) \to$ same; weight $(\text{max\_len}, d_{\text{model}})$ |
+# | rotate queries and keys | `RotaryEmbedding(d_head)(q, k, offset)`, `.rotate(x, offset)` | $(\dots, T, d_{\text{head}}) \to$ same |
+# | RoPE's relative property | $\langle R_m q, R_n k\rangle = q^\top R_{n-m} k$ | a scalar per $(m, n)$ |
+#
+# ## Exercises
+#
+# 1. **Rotate-half layout.** Write `rotate_half_rope(x, offset)` that pairs $x_j$ with
+#    $x_{j+d/2}$. Show that it equals our interleaved `rope.rotate` up to a fixed permutation of
+#    the last dimension, and that attention scores are the same once $q$ and $k$ are permuted
+#    alike.
+# 2. **Learning the shift from short sequences.** Fit, by least squares on positions
+#    $0..199$ only, a matrix $A$ with $PE(t+5) \approx A\,PE(t)$. Does it fit those positions?
+#    Does it work at $t = 4000$? If not, why not, and what would fix it?
+# 3. **RoPE's base and long contexts.** For $d_{\text{head}} = 128$, how long is the slowest
+#    pair's wavelength with base 10 000, and with base 500 000 (the value Llama 3 uses; Dubey
+#    et al., 2024)? How many of the 64 pairs never complete one full turn within an 8192-token
+#    context?
+# 4. **Why a buffer?** Store the table as a plain attribute (`self.pe = table`) instead of a
+#    buffer. What goes wrong when you move the module with `.to(...)` or save its
+#    `state_dict()`?
+#
+# ### Solutions
+#
+# **1.** Rotate-half splits the vector into halves $(x_{:d/2}, x_{d/2:})$ and rotates
+# $(x_j, x_{j+d/2})$ by $m\theta_j$. Feeding it the vector with coordinates rearranged so that
+# $x_{2j} \to$ slot $j$ and $x_{2j+1} \to$ slot $j + d/2$ gives exactly our result, rearranged
+# the same way. Scores are dot products, which do not change when both vectors are permuted
+# alike.
+
+# %%
+def rotate_half_rope(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """RoPE in the rotate-half layout: pair j is (x_j, x_{j + d/2})."""
+    T, d = x.shape[-2:]
+    cos = rope.cos[offset : offset + T].repeat(1, 2)  # (T, d): cos of pair j in slots j and j+d/2
+    sin = rope.sin[offset : offset + T].repeat(1, 2)
+    first, second = x[..., : d // 2], x[..., d // 2 :]
+    rotate_half = torch.cat((-second, first), dim=-1)  # (x_j, x_{j+d/2}) -> (-x_{j+d/2}, x_j)
+    return x * cos + rotate_half * sin
+
+
+to_halves = torch.cat((torch.arange(0, 64, 2), torch.arange(1, 64, 2))).to(device)  # interleaved -> halves
+assert_close(rotate_half_rope(q[..., to_halves], offset=9), rope.rotate(q, offset=9)[..., to_halves])
+scores_interleaved = rope.rotate(q) @ rope.rotate(k).transpose(-2, -1)
+scores_half = rotate_half_rope(q[..., to_halves]) @ rotate_half_rope(k[..., to_halves]).transpose(-2, -1)
+assert_close(scores_half, scores_interleaved, atol=1e-4, rtol=1e-5)
+# Without the permutation, the two layouts disagree: weights are not interchangeable.
+assert not torch.allclose(rotate_half_rope(q), rope.rotate(q), atol=1e-3)
+
+# %% [markdown]
+# **2.** It fits the 200 positions to float precision, yet fails far away. Over 200
+# positions the slow pairs barely turn (the slowest by $200/8660 \approx 0.02$ radian), so their
+# columns are nearly collinear: the data cannot tell $M_5$ from many other matrices that agree
+# on $t < 200$, and least squares picks one of those. Knowing the *structure*, one rotation per
+# pair, removes the ambiguity. Write $s_t, c_t$ for $\sin\omega_i t, \cos\omega_i t$ and
+# $s'_t, c'_t$ for the same at $t + 5$; if pair $i$ turns by $\phi_i$, then every
+# $c_t s'_t - s_t c'_t$ equals $\sin\phi_i$ and every $s_t s'_t + c_t c'_t$ equals
+# $\cos\phi_i$. Summing both over $t$ and taking the `atan2` gives $\phi_i = 5\,\omega_i$
+# (modulo $2\pi$), which is $M_5$. The same lesson as section 6: short training sequences
+# leave the slow directions undetermined.
+
+# %%
+X_t, X_t5 = pe[:200].double(), pe[5:205].double()  # rows PE(t) and PE(t+5), t < 200
+A_T = torch.linalg.lstsq(X_t, X_t5).solution  # (128, 128), with X_t @ A_T ~ X_t5
+near_error = (X_t @ A_T - X_t5).abs().max()
+far_error = (pe[4000:4100].double() @ A_T - pe[4005:4105].double()).abs().max()
+assert near_error < 1e-5 and far_error > 0.1  # perfect in sample, wrong far away
+
+s_t, c_t, s_t5, c_t5 = X_t[:, 0::2], X_t[:, 1::2], X_t5[:, 0::2], X_t5[:, 1::2]  # (200, 64) each
+angle = torch.atan2((c_t * s_t5 - s_t * c_t5).sum(0), (s_t * s_t5 + c_t * c_t5).sum(0))  # (64,)
+expected = torch.atan2(torch.sin(5 * omega), torch.cos(5 * omega))  # 5 * omega_i, in (-pi, pi]
+assert_close(angle, expected, atol=1e-6, rtol=0)  # the rotation angles of M_5, pair by pair
+
+# %% [markdown]
+# **3.** The slowest pair, $j = 63$, has wavelength $2\pi \cdot \text{base}^{126/128}$: about
+# 54 000 positions for base 10 000 and about 2.6 million for base 500 000. Within 8192 tokens,
+# 14 of the 64 pairs never complete a turn with base 10 000, and 29 with base 500 000. A pair
+# whose wavelength exceeds the context never wraps around inside it, so its angle tells apart
+# every two distances in the context; a larger base keeps more such pairs for long contexts.
+
+# %%
+for base, expected_longest in [(10_000, 54_410), (500_000, 2_559_196)]:
+    wavelengths = 2 * math.pi * base ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)
+    slow_pairs = int((wavelengths > 8192).sum())
+    assert abs(wavelengths[-1].item() - expected_longest) < 1
+    assert slow_pairs == {10_000: 14, 500_000: 29}[base]
+    print(f"base {base:>7}: longest wavelength {wavelengths[-1].item():>9.0f}, "
+          f"pairs that never turn once in 8192 tokens: {slow_pairs} of 64")
+
+# %% [markdown]
+# **4.** A plain tensor attribute is invisible to `nn.Module`: `.to()` leaves it where it was
+# (on a GPU the forward pass then fails with a device mismatch), and `state_dict()` does not
+# save it. The `"meta"` device, which holds shapes but no data, shows the first problem on any
+# machine.
+
+# %%
+class PlainAttributeEncoding(nn.Module):
+    def __init__(self, d_model: int, max_len: int):
+        super().__init__()
+        self.pe = sinusoidal_table(max_len, d_model).unsqueeze(0)  # not registered
+
+
+plain = PlainAttributeEncoding(16, 100).to("meta")
+registered = PositionalEncoding(16, 100).to("meta")
+assert plain.pe.device.type == "cpu" and registered.pe.device.type == "meta"
+assert "pe" not in plain.state_dict() and "pe" in PositionalEncoding(16, 100).state_dict()
+
+# %% [markdown]
+# Next: [05 · Masking](05_masking.ipynb), where attention learns what it may *not* look at:
+# padding, and the future.

@@ -1,0 +1,943 @@
+# %% [markdown]
+# # 05 · Masking
+#
+# **What you will build:** the two masks every Transformer needs, as the functions `causal_mask`
+# and `padding_mask` of `transformer_from_scratch.masks`. A causal mask keeps the decoder from
+# reading the future; a padding mask hides the filler that makes short sequences as long as the
+# longest one in their batch. Then the case that breaks naive code: a query left with no key at
+# all, which turns the softmax into $0/0$ and fills a network with NaN. Last, the one PyTorch
+# convention that means the opposite of ours, checked so that you never mix them up.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/05_masking.ipynb) · Assumes: [02 · Self-attention](02_self_attention.ipynb) (`scaled_dot_product_attention` and its `mask` argument).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from matplotlib.colors import ListedColormap, PowerNorm
+from matplotlib.patches import Patch, Rectangle
+from torch import nn
+
+from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
+from transformer_from_scratch.viz import plot_attention
+
+set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# ## 1 · What a mask does
+#
+# Attention gives query $i$ a weighted average of the values, $c_i = \sum_j \alpha_{ij} v_j$,
+# with weights $\alpha_{ij} = \operatorname{softmax}_j(s_{ij})$ over the scores
+# $s_{ij} = q_i \cdot k_j / \sqrt{d_k}$. A **mask** $M \in \{0, 1\}^{T_q \times T_k}$ says which
+# query–key pairs are allowed, and masked attention renormalises over the allowed keys only:
+#
+# $$\alpha_{ij} = \frac{M_{ij}\, e^{s_{ij}}}{\sum_{j'} M_{ij'}\, e^{s_{ij'}}}.$$
+#
+# Code gets the same numbers by setting the blocked scores to $-\infty$ before the softmax:
+# $e^{-\infty} = 0$, so a blocked key gets a weight of exactly zero, adds nothing to $c_i$ and
+# receives no gradient. Keep an eye on the denominator: when a whole row of $M$ is zero it is
+# $0/0$. Section 5 is about that row.
+#
+# The course's convention, fixed in notebook 02: a boolean mask holds **True where the query may
+# attend**. A mask only has to *broadcast* to the scores' shape $(B, h, T_q, T_k)$, so each one
+# is stored at the smallest shape that says what it depends on.
+#
+# **Check:** our `scaled_dot_product_attention` with a random mask equals the formula above,
+# row by row, and a key that every query blocks gets no gradient at all.
+
+# %%
+g = torch.Generator().manual_seed(0)
+T_q, T_k, d_k = 4, 6, 8
+Q = torch.randn(T_q, d_k, generator=g).to(device)
+K = torch.randn(T_k, d_k, generator=g).to(device).requires_grad_()
+V = torch.randn(T_k, d_k, generator=g).to(device).requires_grad_()
+allowed = torch.rand(T_q, T_k, generator=g) < 0.6  # (T_q, T_k), True = may attend
+allowed[:, 0] = True  # every query keeps a key here (section 5 is about the other case)
+allowed[:, -1] = False  # the last key is blocked for every query
+allowed = allowed.to(device)
+
+context, attn = scaled_dot_product_attention(Q, K, V, mask=allowed)
+scores = Q @ K.T / d_k**0.5  # (T_q, d_k) @ (d_k, T_k) -> (T_q, T_k)
+for i in range(T_q):
+    keep = allowed[i]
+    torch.testing.assert_close(attn[i, keep], torch.softmax(scores[i, keep], dim=-1))
+    assert (attn[i, ~keep] == 0).all()  # exactly zero, not merely small
+torch.testing.assert_close(context, attn @ V)
+
+context.pow(2).sum().backward()
+assert (K.grad[-1] == 0).all() and (V.grad[-1] == 0).all()  # the blocked key learns nothing
+assert K.grad[:-1].abs().sum() > 0 and V.grad[:-1].abs().sum() > 0
+print(attn.detach().cpu().round(decimals=3))
+
+# %% [markdown]
+# Every picture of a mask in this notebook uses the same two colours and the same axes: rows are
+# query positions $i$ (the position being computed), columns are key positions $j$ (what it may
+# read). Attention weights are drawn with the course's `plot_attention` from notebook 02.
+
+# %%
+MASK_CMAP = ListedColormap(["#e6e6e6", COLORS["query"]])  # False = blocked, True = may attend
+
+
+def draw_mask(ax, mask_2d, title):
+    """Draw a (T_q, T_k) boolean mask: query position down, key position across."""
+    grid = mask_2d.detach().cpu().int()
+    T_rows, T_cols = grid.shape
+    image = ax.imshow(grid.numpy(), cmap=MASK_CMAP, vmin=0, vmax=1)
+    ax.set_xticks(range(T_cols))
+    ax.set_yticks(range(T_rows))
+    ax.set_xticks([x - 0.5 for x in range(1, T_cols)], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(1, T_rows)], minor=True)
+    ax.grid(which="minor", color="white", linewidth=1.5)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xlabel("key position $j$")
+    ax.set_ylabel("query position $i$")
+    ax.set_title(title)
+    return image
+
+
+def mask_colorbar(fig, image, axes):
+    """A two-entry colorbar that says what the colours mean."""
+    bar = fig.colorbar(image, ax=axes, ticks=[0.25, 0.75], fraction=0.046, pad=0.04)
+    bar.ax.set_yticklabels(["blocked\n(False)", "may attend\n(True)"])
+    return bar
+
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), layout="constrained")
+image = draw_mask(axes[0], allowed, "mask $M$")
+mask_colorbar(fig, image, axes[0])
+shown = scores.detach().masked_fill(~allowed, float("nan"))  # blocked scores: left blank
+plot_attention(shown, ax=axes[1], cmap="coolwarm", vmin=-2.5, vmax=2.5, label="score",
+               title=r"scores $s_{ij}$ (blocked: $-\infty$, blank)")
+plot_attention(attn, ax=axes[2], vmax=1, title=r"weights $\alpha_{ij}$ (rows sum to 1)")
+for ax in axes[1:]:
+    ax.set_xlabel("key position $j$")
+    ax.set_ylabel("query position $i$")
+fig.suptitle("A mask removes keys before the softmax; the allowed keys share all the weight")
+plt.show()
+
+# %% [markdown]
+# **A mask is a renormalisation: blocked keys get weight exactly 0, the allowed ones share all of
+# it, and nothing flows back to a key that nobody may see.**
+#
+# ## 2 · The causal mask
+#
+# A decoder is trained with **teacher forcing**: it reads the correct target shifted by one,
+# $\text{tgt\_in} = [\texttt{BOS}, y_1, \dots, y_L]$, and at every position predicts the next
+# token, $\text{tgt\_out} = [y_1, \dots, y_L, \texttt{EOS}]$, all positions in one parallel pass.
+# The answer at position $t$ is therefore the input at position $t + 1$. If query $t$ could read
+# key $t + 1$ it would copy the answer, and training would learn a trick that generation cannot
+# use, since there the later tokens do not exist yet (Vaswani et al., 2017, §3.2.3). The
+# **causal mask** lets query $i$ see keys $0, \dots, i$ only:
+#
+# $$M_{ij} = [\, j \le i \,], \qquad \text{a lower-triangular matrix including the diagonal.}$$
+#
+# It is the same for every sequence and every head, so it is stored once, as $(1, 1, T, T)$.
+
+# %%
+#| default_exp masks
+
+# %%
+#| export
+"""Attention masks: which keys each query may attend to (True = may attend)."""
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+
+def _positive_int(value: int, name: str) -> int:
+    """`value` as a Python int of at least 1, or a clear TypeError/ValueError."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    try:
+        value = operator.index(value)  # accepts ints, NumPy ints and 0-d integer tensors
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """(1, 1, T, T) bool mask letting query i attend to keys 0..i only (True = may attend)."""
+    T = _positive_int(T, "T")
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T), j <= i
+    return allowed.view(1, 1, T, T)  # (T, T) -> (1, 1, T, T): shared by every sequence and head
+
+
+# %% [markdown]
+# **Check:** it is the lower triangle; it is exactly where PyTorch's own
+# `nn.Transformer.generate_square_subsequent_mask` (a float mask, $0$ or $-\infty$) holds $0$;
+# it lands on the device it was asked for.
+
+# %%
+mask = causal_mask(5, device=device)
+assert mask.shape == (1, 1, 5, 5) and mask.dtype == torch.bool
+assert mask.device.type == device.type
+assert torch.equal(mask[0, 0].cpu(), torch.ones(5, 5, dtype=torch.bool).tril())
+builtin = nn.Transformer.generate_square_subsequent_mask(5)  # (5, 5) float: 0 or -inf
+assert torch.equal(mask[0, 0].cpu(), builtin == 0)
+print(mask[0, 0].int().cpu())
+
+# %%
+fig, ax = plt.subplots(figsize=(5, 4), layout="constrained")
+image = draw_mask(ax, causal_mask(8)[0, 0], "causal_mask(8): query $i$ sees keys $0..i$")
+mask_colorbar(fig, image, ax)
+plt.show()
+
+# %% [markdown]
+# ### Why it is needed: a head that cheats
+#
+# Here is an attention head that a model could easily learn, built by hand: the query at position
+# $t$ points at position $t + 1$, keys carry their position, values carry their token. On a
+# reversal-task target (the toy task of notebook 11) it reads the answer straight off the input:
+
+# %%
+BOS, EOS = 1, 2
+y = torch.tensor([7, 4, 9, 3, 5])
+tgt_in = torch.cat([torch.tensor([BOS]), y])  # (T,) what the decoder reads
+tgt_out = torch.cat([y, torch.tensor([EOS])])  # (T,) what it must predict at each position
+assert torch.equal(tgt_out[:-1], tgt_in[1:])  # the answer at t is the input at t + 1
+
+T, vocab = len(tgt_in), 10
+positions = torch.eye(T)  # (T, T): row t is the one-hot code of position t
+Q_peek = 8.0 * positions.roll(-1, dims=0)  # (T, T): query t looks for the key of position t + 1
+K_peek = positions  # (T, T): each key says where it is
+V_peek = F.one_hot(tgt_in, vocab).float()  # (T, vocab): each value says which token it is
+
+
+def teacher_forced_accuracy(mask):
+    """Share of positions 0..T-2 where the head's strongest token is the right answer."""
+    context, _ = scaled_dot_product_attention(
+        Q_peek.to(device), K_peek.to(device), V_peek.to(device), mask=mask
+    )
+    predicted = context.argmax(dim=-1).cpu()  # (T, vocab) -> (T,)
+    return (predicted[:-1] == tgt_out[:-1]).float().mean().item()
+
+
+no_mask = teacher_forced_accuracy(None)
+with_mask = teacher_forced_accuracy(causal_mask(T, device=device)[0, 0])
+print(f"teacher-forced accuracy of the peeking head: no mask {no_mask:.0%}, causal {with_mask:.0%}")
+assert no_mask == 1.0 and with_mask == 0.0
+
+# %% [markdown]
+# Without the mask, the head is perfect during training and useless when generating. With it, the
+# key it looks for is blocked, its scores over the visible keys are all equal, and it can only
+# average what came before.
+#
+# **Check:** the general property. With a causal mask, changing the token at position 5 leaves
+# the outputs at positions 0–4 exactly as they were; without the mask, every output moves.
+
+# %%
+g = torch.Generator().manual_seed(1)
+T, d_model = 8, 16
+embedding = torch.randn(vocab, d_model, generator=g)
+W_q, W_k, W_v = (torch.randn(d_model, d_model, generator=g) / d_model**0.5 for _ in range(3))
+
+
+def self_attention(x, mask):
+    """One head of self-attention over x (T, d_model), with fixed random projections."""
+    Wq, Wk, Wv = W_q.to(x.device), W_k.to(x.device), W_v.to(x.device)
+    context, _ = scaled_dot_product_attention(x @ Wq, x @ Wk, x @ Wv, mask=mask)
+    return context  # (T, d_model)
+
+
+tokens = torch.randint(3, vocab, (T,), generator=g)
+changed = tokens.clone()
+changed[5] = 3 if tokens[5] != 3 else 4  # a different token at position 5 only
+x, x_changed = embedding[tokens].to(device), embedding[changed].to(device)  # (T, d_model)
+
+causal = causal_mask(T, device=device)[0, 0]
+moved_causal = (self_attention(x_changed, causal) - self_attention(x, causal)).abs().amax(-1)
+moved_full = (self_attention(x_changed, None) - self_attention(x, None)).abs().amax(-1)
+print("largest change per position, causal:", moved_causal.cpu().round(decimals=3))
+print("largest change per position, no mask:", moved_full.cpu().round(decimals=3))
+assert (moved_causal[:5] < 1e-6).all() and (moved_causal[5:] > 1e-3).all()
+assert (moved_full > 1e-3).all()
+
+# %% [markdown]
+# The same fact, for every pair at once: the Jacobian block
+# $\partial c_i / \partial x_j$ says how much output $i$ depends on input $j$. With the causal mask
+# its norm must vanish exactly above the diagonal, so the picture of what each output depends on
+# *is* the picture of the mask.
+
+# %%
+J_full = torch.autograd.functional.jacobian(lambda x: self_attention(x, None), x)
+J_causal = torch.autograd.functional.jacobian(lambda x: self_attention(x, causal), x)
+# (T, d_model, T, d_model) -> (T, T): the size of d c_i / d x_j for every pair (i, j)
+depends_full = J_full.pow(2).sum(dim=(1, 3)).sqrt().cpu()
+depends_causal = J_causal.pow(2).sum(dim=(1, 3)).sqrt().cpu()
+
+lower = torch.ones(T, T, dtype=torch.bool).tril()
+assert (depends_causal[~lower] == 0).all() and (depends_causal[lower] > 0).all()
+assert (depends_full > 0).all()
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True, layout="constrained")
+norm = PowerNorm(gamma=0.5, vmin=0, vmax=max(depends_full.max(), depends_causal.max()).item())
+cmap = plt.get_cmap("Blues").with_extremes(bad="#e6e6e6")  # exact zeros drawn grey
+for ax, depends, title in [(axes[0], depends_full, "no mask"),
+                           (axes[1], depends_causal, "causal mask")]:
+    shown = depends.masked_fill(depends == 0, float("nan"))  # exactly 0 -> "bad" colour
+    image = ax.imshow(shown.numpy(), cmap=cmap, norm=norm)
+    ax.set_title(f"{title}: output $i$ depends on input $j$")
+    ax.set_xlabel("input (key) position $j$")
+    ax.set_xticks(range(T))
+    ax.set_yticks(range(T))
+axes[0].set_ylabel("output (query) position $i$")
+axes[1].legend(handles=[Patch(color="#e6e6e6", label="exactly 0")], loc="upper right",
+               fontsize=8, framealpha=0.9)
+fig.colorbar(image, ax=axes, fraction=0.046, pad=0.04,
+             label=r"$\|\partial c_i / \partial x_j\|$ (Frobenius norm, square-root scale)")
+plt.show()
+
+# %% [markdown]
+# **A causal mask makes output $i$ a function of inputs $0..i$ only, so teacher-forced training
+# sees exactly what generation will see.**
+#
+# ## 3 · The padding mask
+#
+# Sequences in a batch have different lengths, so the short ones are padded with a `PAD` token up
+# to a common length $T$. Padding carries no content. A query that attends to it averages in
+# filler, and worse, its output would then depend on how much padding its batch happened to need.
+# The **padding mask** blocks the keys past each sequence's length $\ell_b$:
+#
+# $$M_{b,ij} = [\, j < \ell_b \,].$$
+#
+# It depends on the sequence $b$ and the key $j$, not on the head or the query, so it is stored
+# as $(B, 1, 1, T_k)$. Only keys are masked: every query keeps at least key 0 (section 5 shows what
+# goes wrong otherwise). Lengths are counts, so they must be integers between $0$ and $T_k$.
+# The encoder's self-attention needs only this mask, and so does the decoder's cross-attention,
+# whose keys are the encoded source: nothing there is in the future, only some of it is filler.
+
+# %%
+#| export
+def padding_mask(lengths: torch.Tensor | Sequence[int], T_k: int) -> torch.Tensor:
+    """(B, 1, 1, T_k) bool mask that is True on the first lengths[b] keys of each sequence b."""
+    lengths = torch.as_tensor(lengths)  # a tensor keeps its device; a list lands on the CPU
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
+        raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
+    if lengths.dim() != 1:
+        raise ValueError(f"lengths must be 1-D, of shape (B,), got shape {tuple(lengths.shape)}")
+    T_k = _positive_int(T_k, "T_k")
+    bad = (lengths < 0) | (lengths > T_k)
+    if bad.any():
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"every length must be between 0 and T_k={T_k}, got lengths[{b}]={int(lengths[b])}"
+        )
+    keys = torch.arange(T_k, device=lengths.device)  # (T_k,)
+    allowed = keys.unsqueeze(0) < lengths.unsqueeze(1)  # (1, T_k) < (B, 1) -> (B, T_k)
+    return allowed.view(-1, 1, 1, T_k)  # (B, T_k) -> (B, 1, 1, T_k): same for heads and queries
+
+
+# %% [markdown]
+# **Check:** on a small batch, row $b$ holds exactly $\ell_b$ leading Trues.
+
+# %%
+lengths = torch.tensor([4, 2, 5])
+pad = padding_mask(lengths.to(device), T_k=5)
+assert pad.shape == (3, 1, 1, 5) and pad.dtype == torch.bool and pad.device.type == device.type
+assert torch.equal(pad.sum(dim=-1).flatten().cpu(), lengths)
+assert torch.equal(pad, pad.cummin(dim=-1).values)  # Trues first, then Falses
+print(pad[:, 0, 0].int().cpu())
+
+# %% [markdown]
+# **Check:** the point of it. A sequence of length 4 run alone gives the same outputs as when it
+# sits, padded with random filler to length 7, in a batch next to a longer sequence, provided the
+# padding mask is on. Without the mask the filler leaks in.
+
+# %%
+g = torch.Generator().manual_seed(2)
+alone = torch.randn(1, 4, d_model, generator=g)  # (1, 4, d_model): a sequence of length 4
+batch = torch.randn(2, 7, d_model, generator=g)  # (2, 7, d_model): filler everywhere...
+batch[0, :4] = alone[0]  # ...except the real tokens of sequence 0; sequence 1 is all real
+alone, batch = alone.to(device), batch.to(device)
+batch_mask = padding_mask(torch.tensor([4, 7], device=device), T_k=7)  # (2, 1, 1, 7)
+
+expected = self_attention(alone[0], None)  # (4, d_model)
+# This toy has no head axis: (B, 1, 1, T_k) -> (B, 1, T_k), which broadcasts over the queries.
+masked = self_attention(batch, batch_mask[:, 0])  # (2, 7, d_model)
+unmasked = self_attention(batch, None)
+torch.testing.assert_close(masked[0, :4], expected)
+assert not torch.allclose(unmasked[0, :4], expected, atol=1e-3)
+print("largest difference from running alone, masked:  ",
+      round((masked[0, :4] - expected).abs().max().item(), 4))
+print("largest difference from running alone, unmasked:",
+      round((unmasked[0, :4] - expected).abs().max().item(), 4))
+
+# %%
+lengths_demo = torch.tensor([6, 3])
+pad_demo = padding_mask(lengths_demo, T_k=6)  # (2, 1, 1, 6)
+fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.2), sharey=True, layout="constrained")
+for b, ax in enumerate(axes):
+    # (1, T_k) -> (T_q, T_k): the same row for every query, as broadcasting will make it
+    image = draw_mask(ax, pad_demo[b, 0].expand(6, 6),
+                      f"sequence {b}: length {lengths_demo[b].item()} of 6")
+axes[1].set_ylabel("")
+mask_colorbar(fig, image, axes)
+fig.suptitle("padding_mask([6, 3], 6): keys past each length are blocked, for every query")
+plt.show()
+
+# %% [markdown]
+# **A padding mask hides the filler keys, so a sequence's outputs do not depend on how much
+# padding its batch needed.**
+#
+# ## 4 · Combining the two
+#
+# A decoder reading a padded batch of targets needs both: query $i$ of sequence $b$ may read key
+# $j$ when $j \le i$ **and** $j < \ell_b$. The masks are booleans with the same meaning, so they
+# combine with `&`, and broadcasting builds the full mask:
+#
+# $$\underbrace{(1, 1, T, T)}_{\text{causal}} \;\&\; \underbrace{(B, 1, 1, T)}_{\text{padding}}
+# \;\longrightarrow\; (B, 1, T, T),$$
+#
+# which broadcasts once more, over the $h$ heads, against the scores $(B, h, T, T)$. No helper
+# function is needed: `causal_mask(T) & padding_mask(lengths, T)`.
+
+# %%
+lengths_demo = torch.tensor([7, 4])
+T, B, num_heads = 7, 2, 3
+combined = causal_mask(T, device=device) & padding_mask(lengths_demo.to(device), T)
+assert combined.shape == (B, 1, T, T)
+for b in range(B):
+    for i in range(T):
+        for j in range(T):
+            assert combined[b, 0, i, j] == (j <= i and j < lengths_demo[b])
+# Right padding keeps key 0 for every query, so no row is empty.
+assert combined.any(dim=-1).all()
+
+# It broadcasts against multi-head shapes: Q, K, V of shape (B, h, T, d_k).
+QKV = torch.randn(3, B, num_heads, T, d_k, generator=torch.Generator().manual_seed(3)).to(device)
+context, attn = scaled_dot_product_attention(*QKV, mask=combined)
+assert context.shape == (B, num_heads, T, d_k) and attn.shape == (B, num_heads, T, T)
+assert (attn.masked_select(~combined.expand_as(attn)) == 0).all()
+torch.testing.assert_close(attn.sum(dim=-1), torch.ones(B, num_heads, T, device=device))
+print(combined[1, 0].int().cpu())
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), sharey=True, layout="constrained")
+for b, ax in enumerate(axes):
+    image = draw_mask(ax, combined[b, 0], f"sequence {b}: length {lengths_demo[b].item()} of {T}")
+    ax.axvline(lengths_demo[b] - 0.5, color=COLORS["accent"], linestyle="--", linewidth=1.5)
+    ax.axhline(lengths_demo[b] - 0.5, color=COLORS["accent"], linestyle=":", linewidth=1.5)
+axes[1].set_ylabel("")
+mask_colorbar(fig, image, axes)
+fig.suptitle("causal_mask(7) & padding_mask([7, 4], 7): dashed = end of the real keys, "
+             "dotted = end of the real queries", fontsize=10)
+save_figure(fig, "05_causal_and_padding")
+plt.show()
+
+# %% [markdown]
+# The rows below the dotted line belong to padded *queries*. They still read the real keys, so
+# their outputs are finite but meaningless; nothing downstream uses them (section 5 checks this).
+#
+# **`causal_mask(T) & padding_mask(lengths, T)` is the decoder's self-attention mask: one `&`,
+# and broadcasting does the rest.**
+#
+# ## 5 · The fully masked row
+#
+# ### Where it comes from
+#
+# Section 4's mask never leaves a query without keys, as long as no sequence is empty. Three
+# common ways to build one that does:
+#
+# 1. **Masking padded queries too**, with a "square" padding mask `pad_q & pad_k` that looks
+#    tidier than the key-only one. A padded query then has nothing left to read.
+# 2. **Left padding with a causal mask.** Batched generation pads prompts on the left, so that
+#    they all end in the last column; a short prompt's first queries can then only look back at
+#    padding.
+# 3. **An empty sequence**, say an empty source sentence in cross-attention: length 0 blocks
+#    every key for every query.
+#
+# **Check:** count the rows with no True in each, for a batch of lengths $(6, 4)$ (and $(6, 0)$
+# for the third).
+
+# %%
+T = 6
+lengths_demo = torch.tensor([6, 4])
+key_pad = padding_mask(lengths_demo, T)  # (B, 1, 1, T)
+query_pad = key_pad.transpose(-1, -2)  # (B, 1, 1, T) -> (B, 1, T, 1): a padded query row
+ways = {
+    "causal & padded queries and keys": causal_mask(T) & key_pad & query_pad,  # (B, 1, T, T)
+    "causal & left padding": causal_mask(T) & key_pad.flip(-1),  # pads first, tokens last
+    "padding with length 0": padding_mask(torch.tensor([6, 0]), T).expand(-1, -1, T, -1),
+}
+for name, way in ways.items():
+    empty_rows = ~way.any(dim=-1)  # (B, 1, T): True where a query has no key at all
+    print(f"{name:34s} empty rows per sequence: {empty_rows.sum(dim=(1, 2)).tolist()}")
+empty = {name: (~way.any(dim=-1)).sum(dim=(1, 2)).tolist() for name, way in ways.items()}
+assert empty == {"causal & padded queries and keys": [0, 2], "causal & left padding": [0, 2],
+                 "padding with length 0": [0, 6]}
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(13, 4.4), sharey=True, layout="constrained")
+for ax, (name, way) in zip(axes, ways.items(), strict=True):
+    image = draw_mask(ax, way[1, 0], f"{name}\n(sequence 1)")
+    for i in (~way[1, 0].any(dim=-1)).nonzero().flatten().tolist():
+        ax.add_patch(Rectangle((-0.42, i - 0.42), T - 0.16, 0.84, fill=False, zorder=3,
+                               edgecolor=COLORS["accent"], linewidth=2.5))
+for ax in axes[1:]:
+    ax.set_ylabel("")
+mask_colorbar(fig, image, axes)
+fig.legend(handles=[Patch(fill=False, edgecolor=COLORS["accent"], linewidth=2.5,
+                          label="query with no key to attend to")],
+           loc="outside lower center", fontsize=9)
+fig.suptitle("Three masks that leave some queries with nothing to attend to")
+plt.show()
+
+# %% [markdown]
+# ### A naive masked softmax returns NaN there
+#
+# The textbook line `scores.masked_fill(~mask, -inf).softmax(-1)` computes, for an empty row,
+# $e^{-\infty} / \sum e^{-\infty} = 0/0$. Floating point says NaN. (The softmax first subtracts
+# the row's maximum, and $-\infty - (-\infty)$ is NaN already.)
+
+# %%
+def naive_attention(Q, K, V, mask, fill=float("-inf")):
+    """Textbook masked attention: blocked scores set to `fill`, then a plain softmax."""
+    scores = Q @ K.transpose(-2, -1) / Q.size(-1) ** 0.5  # (..., T_q, d_k) -> (..., T_q, T_k)
+    attn = scores.masked_fill(~mask, fill).softmax(dim=-1)
+    return attn @ V, attn  # (..., T_q, T_k) @ (..., T_k, d_v) -> (..., T_q, d_v)
+
+
+square = ways["causal & padded queries and keys"]  # (B, 1, T, T); rows 4, 5 of sequence 1 empty
+g = torch.Generator().manual_seed(4)
+Q, K, V = torch.randn(3, 2, 1, T, d_k, generator=g)  # each (B, h=1, T, d_k), on the CPU
+context_naive, attn_naive = naive_attention(Q, K, V, square)
+print(attn_naive[1, 0].round(decimals=3))
+empty_rows = ~square.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
+assert attn_naive.isnan().equal(empty_rows.expand_as(attn_naive))  # NaN exactly on empty rows
+assert context_naive.isnan().equal(empty_rows.expand_as(context_naive))
+
+# %% [markdown]
+# ### The NaN does not stay put
+#
+# "The padded positions are ignored by the loss anyway" is true for the forward pass only. Take a
+# one-layer toy model on a padded batch, with the square mask, and a cross-entropy that ignores
+# `PAD` targets: the loss comes out finite, but the backward pass sends the NaN into the weights
+# ($\partial L / \partial V = \alpha^\top\, \partial L / \partial c$, and $\alpha$ has a NaN row),
+# so one optimiser step ruins the model. Stack a second layer and even the forward pass is NaN
+# everywhere, because $0 \cdot \text{NaN} = \text{NaN}$: the zero weight that blocks a padded key
+# cannot cancel the NaN value stored there.
+
+# %%
+PAD = 0
+g = torch.Generator().manual_seed(5)
+src_tokens = torch.randint(3, vocab, (2, T), generator=g)  # (B, T)
+targets = torch.randint(3, vocab, (2, T), generator=g)  # (B, T)
+padded = ~key_pad[:, 0, 0]  # (B, 1, 1, T) -> (B, T): True on padding positions
+src_tokens[padded], targets[padded] = PAD, PAD
+weights = {name: (torch.randn(*shape, generator=g) / shape[0] ** 0.5).requires_grad_()
+           for name, shape in [("embed", (vocab, d_model)), ("W_q", (d_model, d_model)),
+                               ("W_k", (d_model, d_model)), ("W_v", (d_model, d_model)),
+                               ("W_out", (d_model, vocab))]}
+
+
+def toy_loss(attention, mask, num_layers=1):
+    """Embed, apply `num_layers` self-attention layers (residual), project, cross-entropy."""
+    w = weights
+    x = w["embed"][src_tokens]  # (B, T) -> (B, T, d_model)
+    for _ in range(num_layers):
+        context, _ = attention(x @ w["W_q"], x @ w["W_k"], x @ w["W_v"], mask)
+        x = x + context  # (B, T, d_model)
+    logits = x @ w["W_out"]  # (B, T, d_model) -> (B, T, vocab)
+    return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=PAD)
+
+
+def loss_and_grads(attention, mask, num_layers=1):
+    for w in weights.values():
+        w.grad = None
+    loss = toy_loss(attention, mask, num_layers)
+    loss.backward()
+    return loss.item(), {name: w.grad.clone() for name, w in weights.items()}
+
+
+square_2d = square[:, 0]  # (B, 1, T, T) -> (B, T, T): the toy model has no head dimension
+loss_naive, grads_naive = loss_and_grads(naive_attention, square_2d)
+loss_naive_2, _ = loss_and_grads(naive_attention, square_2d, num_layers=2)
+print(f"one layer:  loss {loss_naive:.4f}, NaN in the gradient of "
+      f"{[name for name, gr in grads_naive.items() if gr.isnan().any()]}")
+print(f"two layers: loss {loss_naive_2}")
+assert torch.isfinite(torch.tensor(loss_naive)) and grads_naive["W_v"].isnan().any()
+assert torch.tensor(loss_naive_2).isnan()
+
+# %% [markdown]
+# ### What PyTorch's built-ins do (torch 2.13, CPU)
+#
+# `F.scaled_dot_product_attention` used to return NaN here too (pytorch/pytorch#103963). Since
+# 2024 its reference ("math") kernel uses a *safe* softmax that returns zeros for a row with no
+# finite score (pytorch/pytorch#131060), and torch 2.13's CPU kernels give zeros. Its boolean
+# `attn_mask` means "may attend", like ours, so our mask goes in unchanged.
+#
+# `nn.MultiheadAttention` is a different story: when it has to return the attention weights (its
+# default, `need_weights=True`) it computes them with a plain softmax and returns NaN; with
+# `need_weights=False` it calls `F.scaled_dot_product_attention` and returns zeros. Its boolean
+# masks mean the opposite of ours (section 6), hence the `~`. We check both on the CPU, whatever
+# `device` is, because fused GPU kernels have their own code for this case.
+
+# %%
+builtin_context = F.scaled_dot_product_attention(Q, K, V, attn_mask=square)  # (B, 1, T, d_k)
+print("F.scaled_dot_product_attention, sequence 1, rows 4-5:")
+print(builtin_context[1, 0, 4:].round(decimals=4))
+
+mha = nn.MultiheadAttention(d_k, num_heads=1, batch_first=True)
+x_mha = Q[:, 0]  # (B, 1, T, d_k) -> (B, T, d_k)
+mha_attn_mask = ~square[:, 0]  # (B, 1, T, T) -> (B*h, T, T) with h = 1; True = blocked
+out_weights, attn_weights = mha(x_mha, x_mha, x_mha, attn_mask=mha_attn_mask)
+out_no_weights, _ = mha(x_mha, x_mha, x_mha, attn_mask=mha_attn_mask, need_weights=False)
+print("nn.MultiheadAttention (need_weights=True), sequence 1, rows 4-5 of the weights:")
+print(attn_weights[1, 4:].detach().round(decimals=4))
+
+assert (builtin_context[1, 0, 4:] == 0).all() and not builtin_context.isnan().any()
+assert attn_weights[1, 4:].isnan().all() and out_weights[1, 4:].isnan().all()
+assert not out_no_weights.isnan().any()
+
+# %% [markdown]
+# ### The course's answer: zero weights, zero context
+#
+# Notebook 02 fixed the policy for the whole course: a query whose keys are all masked gets
+# attention weights of all zeros and a zero context vector, never NaN. That is the limit the
+# formula of section 1 has no value for, and the choice `F.scaled_dot_product_attention` makes
+# now.
+#
+# **Check:** on the same inputs, ours has no NaN, zeros on the empty rows, and on the other rows
+# the same weights as the naive version; it equals the built-in everywhere, values and gradients.
+
+# %%
+Qg, Kg, Vg = (t.clone().to(device).requires_grad_() for t in (Q, K, V))
+context_ours, attn_ours = scaled_dot_product_attention(Qg, Kg, Vg, mask=square.to(device))
+assert not context_ours.isnan().any() and not attn_ours.isnan().any()
+empty_on_device = empty_rows.to(device)
+assert (attn_ours.masked_select(empty_on_device) == 0).all()
+assert (context_ours.masked_select(empty_on_device) == 0).all()
+full_rows = ~empty_rows.expand_as(attn_naive)
+torch.testing.assert_close(attn_ours.detach().cpu()[full_rows], attn_naive[full_rows])
+torch.testing.assert_close(context_ours.detach().cpu(), builtin_context)
+
+# Gradients: the same upstream gradient through ours and through the built-in.
+upstream = torch.randn(context_ours.shape, generator=torch.Generator().manual_seed(6))
+(context_ours * upstream.to(device)).sum().backward()
+Qb, Kb, Vb = (t.clone().requires_grad_() for t in (Q, K, V))
+(F.scaled_dot_product_attention(Qb, Kb, Vb, attn_mask=square) * upstream).sum().backward()
+for ours, theirs in [(Qg, Qb), (Kg, Kb), (Vg, Vb)]:
+    assert torch.isfinite(ours.grad).all()
+    torch.testing.assert_close(ours.grad.cpu(), theirs.grad)
+print(attn_ours[1, 0].detach().cpu().round(decimals=3))
+
+# %% [markdown]
+# On the GPU, what the built-in returns depends on the kernel PyTorch picks there, so this cell's
+# output is not compared; the next cell asserts what must hold on any device: ours is zero on the
+# empty rows and agrees with the built-in on every other row.
+
+# %% tags=["nbval-ignore-output"]
+Qd, Kd, Vd, square_d = Q.to(device), K.to(device), V.to(device), square.to(device)
+builtin_on_device = F.scaled_dot_product_attention(Qd, Kd, Vd, attn_mask=square_d)
+print(f"{device.type}: built-in, sequence 1, rows 4-5:")
+print(builtin_on_device[1, 0, 4:].cpu().round(decimals=4))
+
+# %%
+ours_on_device, _ = scaled_dot_product_attention(Qd, Kd, Vd, mask=square_d)
+full_rows_d = full_rows[..., :1].expand_as(builtin_on_device).to(device)  # (B, 1, T, d_k)
+torch.testing.assert_close(ours_on_device[full_rows_d], builtin_on_device[full_rows_d])
+assert (ours_on_device[~full_rows_d] == 0).all()
+
+# %% [markdown]
+# ### Why zeros are safe
+#
+# The output of a padded query goes to two places, and neither uses it. The loss ignores its
+# target (`ignore_index=PAD`). A later attention layer sees it only as a key, which the padding
+# mask blocks with a weight of exactly 0, and $0 \cdot 0 = 0$ where $0 \cdot \text{NaN}$ was NaN.
+#
+# **Check:** the toy model trains with our attention. The one-layer loss equals the naive one (the
+# real positions are computed identically), every gradient is finite, two layers stay finite, and
+# changing what the model outputs at padded positions changes neither the loss nor a gradient.
+
+# %%
+def ours(Q, K, V, mask):
+    return scaled_dot_product_attention(Q, K, V, mask=mask)
+
+
+loss_ours, grads_ours = loss_and_grads(ours, square_2d)
+loss_ours_2, grads_ours_2 = loss_and_grads(ours, square_2d, num_layers=2)
+assert abs(loss_ours - loss_naive) < 1e-6
+assert all(torch.isfinite(gr).all() for gr in [*grads_ours.values(), *grads_ours_2.values()])
+assert torch.isfinite(torch.tensor(loss_ours_2))
+
+# Padded positions are invisible to the loss: overwrite their logits, nothing changes.
+logits = torch.randn(2, T, vocab, generator=torch.Generator().manual_seed(7), requires_grad=True)
+junk = torch.where(padded.unsqueeze(-1), torch.full_like(logits, 1e4), logits)  # (B, T, vocab)
+loss_a = F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=PAD)
+loss_b = F.cross_entropy(junk.reshape(-1, vocab), targets.reshape(-1), ignore_index=PAD)
+grad_a, = torch.autograd.grad(loss_a, logits)
+grad_b, = torch.autograd.grad(loss_b, logits)
+assert loss_a.item() == loss_b.item() and torch.equal(grad_a[~padded], grad_b[~padded])
+assert (grad_a[padded] == 0).all()
+print(f"loss: naive {loss_naive:.4f}, ours {loss_ours:.4f}; two layers of ours {loss_ours_2:.4f}")
+
+# %% [markdown]
+# ### The alternative: a large negative number instead of $-\infty$
+#
+# Many codebases fill with $-10^9$ instead (The Annotated Transformer does). On a row with some
+# allowed key nothing changes, since $e^{-10^9 - s}$ underflows to exactly 0 in float32. On an
+# empty row every score equals $-10^9$, the softmax is uniform, and the query gets the plain
+# average of **all** values, padding included: finite, and as harmless as our zeros once the
+# loss ignores it, but it depends on the content of the padding. Note also that $-10^9$ does not
+# fit in float16 (its largest magnitude is 65504): `masked_fill` refuses it, so such code uses
+# `torch.finfo(dtype).min` instead.
+
+# %%
+context_big, attn_big = naive_attention(Q, K, V, square, fill=-1e9)
+torch.testing.assert_close(attn_big[full_rows], attn_naive[full_rows], rtol=0, atol=0)
+torch.testing.assert_close(attn_big[1, 0, 4:], torch.full((2, T), 1 / T))  # uniform rows
+torch.testing.assert_close(context_big[1, 0, 4:], V[1, 0].mean(dim=0).expand(2, d_k))
+try:
+    torch.zeros(3, dtype=torch.float16).masked_fill(torch.ones(3, dtype=torch.bool), -1e9)
+    raise AssertionError("expected an overflow error")
+except RuntimeError as err:
+    print("float16:", err)
+print(attn_big[1, 0, 4:].round(decimals=4))
+
+# %%
+panels = [("$-\\infty$ + plain softmax: NaN", attn_naive[1, 0]),
+          ("$-10^9$ + plain softmax: uniform", attn_big[1, 0]),
+          ("ours: zero weights", attn_ours[1, 0].detach().cpu())]
+cmap = plt.get_cmap("Blues").with_extremes(bad=COLORS["accent"])  # NaN cells are drawn in red
+fig, axes = plt.subplots(1, 3, figsize=(13, 4.4), sharey=True, layout="constrained")
+for ax, (title, weights_2d) in zip(axes, panels, strict=True):
+    plot_attention(weights_2d, ax=ax, cmap=cmap, vmax=1, colorbar=False, title=title,
+                   annotate=True)
+    ax.add_patch(Rectangle((-0.5, 3.5), T, 2, fill=False, edgecolor="black", linewidth=2,
+                           linestyle="--"))
+    ax.set_xlabel("key position $j$")
+    ax.set_ylabel("")
+axes[0].set_ylabel("query position $i$")
+fig.colorbar(axes[0].images[0], ax=axes, fraction=0.046, pad=0.04, label="attention weight")
+fig.legend(handles=[Patch(color=COLORS["accent"], label="NaN"),
+                    Patch(fill=False, edgecolor="black", linestyle="--",
+                          label="padded queries: no key to attend to")],
+           loc="outside lower center", ncols=2, fontsize=9)
+fig.suptitle("Sequence 1 (length 4 of 6) under the square padding mask: three answers to 0/0")
+save_figure(fig, "05_fully_masked_row")
+plt.show()
+
+# %% [markdown]
+# **A query with no key to attend to is $0/0$: naive code returns NaN that spreads through the
+# gradients, while the course's attention returns zero weights and a zero context, which the loss
+# and the later masks ignore.**
+#
+# ## 6 · Our convention against the built-ins'
+#
+# Masks in PyTorch come in two kinds, and the boolean kind does not mean the same thing
+# everywhere:
+#
+# | where | argument | dtype | `True` means | shape it accepts |
+# |---|---|---|---|---|
+# | ours: `scaled_dot_product_attention`, `MultiHeadAttention` | `mask` | bool | **may attend** | broadcasts to $(B, h, T_q, T_k)$ |
+# | `F.scaled_dot_product_attention` | `attn_mask` | bool | **may attend** | broadcasts to $(B, h, T_q, T_k)$ |
+# | `nn.MultiheadAttention` | `attn_mask` | bool | **blocked** | $(T_q, T_k)$ or $(B \cdot h, T_q, T_k)$ |
+# | `nn.MultiheadAttention` | `key_padding_mask` | bool | **padding (blocked)** | $(B, T_k)$ |
+# | all of the above | a float mask | float | added to the scores: $0$ keeps, $-\infty$ blocks | as for bool |
+#
+# The `nn.Transformer*Layer` modules hand their masks to `nn.MultiheadAttention` and share its
+# meaning. The float kind is the same everywhere, so the safe habit at a boundary with
+# `nn.MultiheadAttention` is either `~mask` or a float mask.
+#
+# **Check, `F.scaled_dot_product_attention`:** our mask goes in as it is; `is_causal=True` is our
+# causal mask; passing `~mask` gives something else.
+
+# %%
+T = 7
+lengths_demo = torch.tensor([7, 4])
+combined = causal_mask(T) & padding_mask(lengths_demo, T)  # (B, 1, T, T)
+g = torch.Generator().manual_seed(8)
+Q, K, V = torch.randn(3, 2, 1, T, d_k, generator=g)  # each (B, h=1, T, d_k), on the CPU
+
+ours_context, ours_attn = scaled_dot_product_attention(Q, K, V, mask=combined)
+torch.testing.assert_close(ours_context, F.scaled_dot_product_attention(Q, K, V, attn_mask=combined))
+torch.testing.assert_close(scaled_dot_product_attention(Q, K, V, mask=causal_mask(T))[0],
+                           F.scaled_dot_product_attention(Q, K, V, is_causal=True))
+flipped = F.scaled_dot_product_attention(Q, K, V, attn_mask=~combined)
+assert not torch.allclose(flipped.nan_to_num(), ours_context, atol=1e-3)
+
+# %% [markdown]
+# **Check, `nn.MultiheadAttention`:** with one head and identity projections it computes exactly
+# $\operatorname{softmax}(x x^\top / \sqrt{d})\, x$, so it must agree with ours on $Q = K = V = x$,
+# outputs and weights, once its masks are flipped: `~combined` as `attn_mask`, or `~causal` plus
+# `~padding` as `key_padding_mask`. Passing our masks unflipped is not an error; it is silently
+# wrong, or NaN where the flip leaves a row empty (the last query of a causal mask keeps every
+# key, so unflipped it keeps none).
+
+# %%
+mha = nn.MultiheadAttention(d_k, num_heads=1, bias=False, batch_first=True)
+with torch.no_grad():
+    mha.in_proj_weight.copy_(torch.eye(d_k).repeat(3, 1))  # W_q = W_k = W_v = I: (3 d_k, d_k)
+    mha.out_proj.weight.copy_(torch.eye(d_k))  # W_o = I
+
+x_seq = Q[:, 0]  # (B, 1, T, d_k) -> (B, T, d_k)
+ours_x, ours_x_attn = scaled_dot_product_attention(x_seq, x_seq, x_seq, mask=combined[:, 0])
+
+# One (B*h, T, T) attn_mask: (B, 1, T, T) -> (B*h, T, T) with h = 1, True = blocked.
+out_a, weights_a = mha(x_seq, x_seq, x_seq, attn_mask=~combined.reshape(-1, T, T))
+# Or a (T, T) causal attn_mask and a (B, T_k) key_padding_mask, both True = blocked.
+out_b, weights_b = mha(x_seq, x_seq, x_seq, attn_mask=~causal_mask(T)[0, 0],
+                       key_padding_mask=~padding_mask(lengths_demo, T)[:, 0, 0])
+for out, weights_mha in [(out_a, weights_a), (out_b, weights_b)]:
+    torch.testing.assert_close(out, ours_x)
+    torch.testing.assert_close(weights_mha, ours_x_attn)
+
+wrong, _ = mha(x_seq, x_seq, x_seq, attn_mask=causal_mask(T)[0, 0])  # our mask, unflipped
+assert wrong[:, -1].isnan().all() and not torch.allclose(wrong[:, 0], ours_x[:, 0])
+print("unflipped causal mask, last query of sequence 0:", wrong[0, -1].detach().round(decimals=4))
+
+# %% [markdown]
+# **Check, float masks:** a float mask of $0$ (keep) and $-\infty$ (block) is added to the scores
+# by all three, so the same float tensor gives the same answer everywhere, and the same answer as
+# our boolean mask.
+
+# %%
+additive = torch.zeros(combined.shape).masked_fill(~combined, float("-inf"))  # (B, 1, T, T)
+torch.testing.assert_close(scaled_dot_product_attention(Q, K, V, mask=additive)[0], ours_context)
+torch.testing.assert_close(F.scaled_dot_product_attention(Q, K, V, attn_mask=additive),
+                           ours_context)
+out_float, _ = mha(x_seq, x_seq, x_seq, attn_mask=additive.reshape(-1, T, T))
+torch.testing.assert_close(out_float, ours_x)
+print(additive[1, 0])
+
+# %%
+spellings = [
+    ("ours, F.scaled_dot_product_attention\nbool: True = may attend", combined[1, 0], "bool"),
+    ("nn.MultiheadAttention attn_mask\nbool: True = blocked", ~combined[1, 0], "bool"),
+    ("any of them, float mask\nadded to the scores", additive[1, 0], "float"),
+]
+fig, axes = plt.subplots(1, 3, figsize=(13, 4.6), sharey=True, layout="constrained")
+for ax, (title, spelled, kind) in zip(axes, spellings, strict=True):
+    allowed_2d = combined[1, 0]
+    image = draw_mask(ax, allowed_2d, title)  # colour = what the mask means, the same in all
+    for i in range(T):
+        for j in range(T):
+            if kind == "bool":
+                text = "T" if spelled[i, j] else "F"
+            else:
+                text = "0" if spelled[i, j] == 0 else r"$-\infty$"
+            ax.text(j, i, text, ha="center", va="center", fontsize=8,
+                    color="white" if allowed_2d[i, j] else "#555555")
+for ax in axes[1:]:
+    ax.set_ylabel("")
+mask_colorbar(fig, image, axes)
+fig.suptitle("One mask (sequence 1: causal, length 4 of 7) in three spellings; "
+             "colour = what it means, text = what you pass", fontsize=10)
+save_figure(fig, "05_mask_conventions")
+plt.show()
+
+# %% [markdown]
+# **Booleans mean "may attend" for us and for `F.scaled_dot_product_attention`, but "blocked"
+# for `nn.MultiheadAttention`: flip with `~` at that boundary, or pass a float mask, which means
+# the same everywhere.**
+#
+# ## Recap
+#
+# | concept | code | shape |
+# |---|---|---|
+# | a mask | bool, True = may attend; blocked scores become $-\infty$ | broadcasts to $(B, h, T_q, T_k)$ |
+# | causal mask (decoder self-attention) | `causal_mask(T, device)` | $(1, 1, T, T)$ |
+# | padding mask (encoder, cross-attention) | `padding_mask(lengths, T_k)` | $(B, 1, 1, T_k)$ |
+# | decoder self-attention on a padded batch | `causal_mask(T) & padding_mask(lengths, T)` | $(B, 1, T, T)$ |
+# | query with no key | `scaled_dot_product_attention` returns zero weights and context | row of $(\dots, T_q, T_k)$ |
+# | `nn.MultiheadAttention` | `attn_mask=~mask`, `key_padding_mask=~pad[:, 0, 0]` | $(B \cdot h, T_q, T_k)$, $(B, T_k)$ |
+# | float mask, any API | `zeros.masked_fill(~mask, -inf)` | as the bool mask |
+#
+# ## Exercises
+#
+# 1. **Sliding window.** Build a causal mask in which query $i$ sees only the last $w$ keys,
+#    $i - w < j \le i$ (the local attention of Longformer and Mistral). How many keys does each
+#    query see?
+# 2. **Left padding.** Prompts for batched generation are padded on the left. Build the
+#    combined causal and left-padding mask for lengths $(5, 2)$ and $T = 5$, predict which queries
+#    have no key, and check what our attention returns for them.
+# 3. **Many heads in `nn.MultiheadAttention`.** Its 3-D `attn_mask` has shape
+#    $(B \cdot h, T_q, T_k)$. Turn our $(B, 1, T, T)$ mask into it for $h = 2$ heads, and check it
+#    against passing the causal part as `attn_mask` and the padding part as `key_padding_mask`.
+#
+# **Solutions.**
+#
+# 1. Keep the causal triangle and drop what lies $w$ or more below the diagonal. Query $i$ sees
+#    $\min(i + 1, w)$ keys.
+
+# %%
+def sliding_window_mask(T, w, device=None):
+    """(1, 1, T, T) bool: query i may attend to keys i - w + 1 .. i."""
+    recent = torch.ones(T, T, dtype=torch.bool, device=device).triu(-(w - 1))  # j >= i - w + 1
+    return causal_mask(T, device=device) & recent
+
+
+T, w = 8, 3
+window = sliding_window_mask(T, w)
+expected = torch.tensor([[i - w < j <= i for j in range(T)] for i in range(T)])
+assert torch.equal(window[0, 0], expected)
+assert window[0, 0].sum(dim=-1).tolist() == [min(i + 1, w) for i in range(T)]
+print(window[0, 0].int())
+
+# %% [markdown]
+# 2. Left padding is the padding mask flipped along the keys. A sequence of length $\ell$ starts
+#    at column $T - \ell$, and a causal query $i < T - \ell$ sees only padding: for lengths
+#    $(5, 2)$ that is queries 0, 1 and 2 of sequence 1. Our attention gives them zero weights and
+#    a zero context, and the real queries of the short sequence give what they would alone.
+
+# %%
+T, lengths_left = 5, torch.tensor([5, 2])
+left = causal_mask(T) & padding_mask(lengths_left, T).flip(-1)  # (B, 1, T, T)
+assert (~left.any(dim=-1))[1, 0].nonzero().flatten().tolist() == [0, 1, 2]
+
+g = torch.Generator().manual_seed(9)
+Q, K, V = torch.randn(3, 2, 1, T, d_k, generator=g)  # each (B, h=1, T, d_k)
+context_left, attn_left = scaled_dot_product_attention(Q, K, V, mask=left)
+assert (attn_left[1, 0, :3] == 0).all() and (context_left[1, 0, :3] == 0).all()
+alone_context, _ = scaled_dot_product_attention(Q[1:, :, 3:], K[1:, :, 3:], V[1:, :, 3:],
+                                                mask=causal_mask(2))
+torch.testing.assert_close(context_left[1:, :, 3:], alone_context)
+print(attn_left[1, 0].round(decimals=3))
+
+# %% [markdown]
+# 3. Repeat the mask for each head, in the order `nn.MultiheadAttention` lays them out (batch
+#    major, then head), and flip it: $(B, 1, T, T) \to (B, h, T, T) \to (B \cdot h, T, T)$.
+
+# %%
+T, h, d_model = 7, 2, 8
+lengths_demo = torch.tensor([7, 4])
+combined = causal_mask(T) & padding_mask(lengths_demo, T)  # (B, 1, T, T)
+B = combined.size(0)
+mha_mask = ~combined.expand(B, h, T, T).reshape(B * h, T, T)  # True = blocked
+
+set_seed(0)
+mha2 = nn.MultiheadAttention(d_model, num_heads=h, batch_first=True)
+x_two = torch.randn(B, T, d_model, generator=torch.Generator().manual_seed(10))
+out_3d, w_3d = mha2(x_two, x_two, x_two, attn_mask=mha_mask, average_attn_weights=False)
+out_split, w_split = mha2(x_two, x_two, x_two, attn_mask=~causal_mask(T)[0, 0],
+                          key_padding_mask=~padding_mask(lengths_demo, T)[:, 0, 0],
+                          average_attn_weights=False)
+torch.testing.assert_close(out_3d, out_split)
+torch.testing.assert_close(w_3d, w_split)
+assert (w_3d.masked_select(~combined.expand(B, h, T, T)) == 0).all()  # (B, h, T, T) weights
+print(w_3d[1, 0].detach().round(decimals=3))
+
+# %% [markdown]
+# Next: [06 · Layer norm and dropout](06_layer_norm_and_dropout.ipynb), the two small pieces that sit
+# around every attention and feed-forward block.

@@ -1,0 +1,960 @@
+# %% [markdown]
+# # 06 · Layer norm and dropout
+#
+# **What you will build:** `LayerNorm`, written from scratch and equal to `nn.LayerNorm` in its
+# outputs, its gradients and its `state_dict`; an experiment that shows why a Transformer
+# normalises each token on its own rather than across the batch; inverted dropout and its
+# expectation-preserving scale; and a diagram of the three places the Transformer applies
+# dropout. Neither piece changes what a block can compute. Both are there so that a deep stack
+# of blocks trains.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/06_layer_norm_and_dropout.ipynb) · Assumes: [00 · Setup](00_setup.ipynb); the attention of notebooks 01–03 helps for the last section.
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+from torch import nn
+from torch.testing import assert_close
+
+from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+
+generator = set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# ## Why normalise
+#
+# A Transformer is a deep stack: the base model of Vaswani et al. (2017) has 6 encoder and 6
+# decoder blocks, each with two or three sub-layers, and modern models have dozens. Every layer
+# multiplies its input by a weight matrix, so the scale of the activations is multiplied at
+# every layer by a factor that depends on the weights. A factor slightly below 1 makes the
+# signal vanish with depth; slightly above 1 makes it explode; and since the weights change
+# during training, so does the factor. A layer whose input drifts in scale must keep
+# re-adapting to it, and the gradients drift with it.
+#
+# Normalisation removes the drift: it rescales each layer's input to zero mean and unit
+# variance, whatever came before. Ba, Kiros and Hinton (2016) introduced *layer* normalisation
+# for recurrent networks and showed faster, more stable training; the Transformer put it around
+# every sub-layer. (Santurkar et al., 2018, argue that normalisation helps mostly by making the
+# loss surface smoother, so that larger learning rates are safe.)
+#
+# The drift is easy to see. Below, a 32-layer stack of `Linear` + ReLU with He-initialised
+# weights scaled by a gain: 0.8 (a little too small) and 1.2 (a little too large). With no
+# normalisation, the root-mean-square (RMS) of the activations changes geometrically with
+# depth; standardising each token's feature vector before each layer pins it. For now the
+# standardisation is two lines; the real `LayerNorm` follows.
+
+# %%
+def standardise(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Zero mean, unit variance over the last axis (a first, parameter-free layer norm)."""
+    mean = x.mean(dim=-1, keepdim=True)  # (N, D) -> (N, 1)
+    var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)  # (N, D) -> (N, 1)
+    return (x - mean) / torch.sqrt(var + eps)
+
+
+def rms_through_depth(gain: float, normalise: bool, num_layers: int = 32, d: int = 256) -> list[float]:
+    """RMS of each layer's input in a ReLU stack whose weights are He init times `gain`."""
+    g = torch.Generator().manual_seed(1)  # the same weights and inputs for every variant
+    x = torch.randn(64, d, generator=g)  # (N, D): 64 tokens
+    rms = []
+    for _ in range(num_layers):
+        if normalise:
+            x = standardise(x)
+        rms.append(x.pow(2).mean().sqrt().item())
+        W = torch.randn(d, d, generator=g) * gain * math.sqrt(2 / d)  # He init, scaled
+        x = torch.relu(x @ W.T)  # (N, D) -> (N, D)
+    return rms
+
+
+depth_runs = {(gain, norm): rms_through_depth(gain, norm) for gain in (0.8, 1.2) for norm in (False, True)}
+for (gain, norm), rms in depth_runs.items():
+    print(f"gain {gain}  normalised {norm!s:5}  RMS at layer 32: {rms[-1]:.3g}")
+
+# %% [markdown]
+# **Check:** without normalisation the last layer sees an input about a thousand times too small
+# or hundreds of times too large; with it, every layer sees RMS 1 (up to the tiny $\epsilon$).
+
+# %%
+assert depth_runs[(0.8, False)][-1] < 1e-2 and depth_runs[(1.2, False)][-1] > 1e2
+for gain in (0.8, 1.2):
+    assert all(abs(r - 1) < 1e-3 for r in depth_runs[(gain, True)])
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.6))
+layers = range(1, 33)
+for gain, color, dashes in ((0.8, COLORS["value"], (6, 3)), (1.2, COLORS["accent"], (2, 3))):
+    ax.plot(layers, depth_runs[(gain, False)], color=color, label=f"gain {gain}, no normalisation")
+    ax.plot(layers, depth_runs[(gain, True)], color=color, dashes=dashes, linewidth=2.5,
+            label=f"gain {gain}, standardised before each layer")
+ax.set_yscale("log")
+ax.set_xlabel("layer")
+ax.set_ylabel("RMS of the layer's input (log scale)")
+ax.set_title("Activation scale through a 32-layer ReLU stack")
+ax.legend(fontsize=8)
+ax.grid(alpha=0.3)
+plt.show()
+
+# %% [markdown]
+# **Normalising before every layer keeps each layer's input at the same scale, whatever the
+# depth and whatever the weights.**
+#
+# ## Layer normalisation, per token
+#
+# A Transformer's activations have shape $(B, T, D)$: $B$ sequences of $T$ tokens, each a
+# vector of $D = d_{\text{model}}$ features. Layer norm standardises **each token's feature
+# vector on its own**. For one token $x \in \mathbb{R}^{D}$:
+#
+# $$\mu = \frac{1}{D}\sum_{i=1}^{D} x_i, \qquad
+#   \sigma^2 = \frac{1}{D}\sum_{i=1}^{D} (x_i - \mu)^2, \qquad
+#   y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \odot \gamma + \beta .$$
+#
+# Three details matter for matching PyTorch exactly:
+#
+# - $\sigma^2$ is the **biased** variance: it divides by $D$, not $D - 1$. It describes these
+#   $D$ numbers; it does not estimate the variance of a population.
+# - $\epsilon$ (default $10^{-5}$) sits *inside* the square root. It keeps a constant vector
+#   ($\sigma^2 = 0$) from dividing by zero.
+# - $\gamma$ (the gain) and $\beta$ (the bias) are learned vectors of length $D$, initialised
+#   to ones and zeros, so a fresh layer norm is a pure standardisation. They let the network
+#   undo the standardisation where that helps.
+#
+# On a $(B, T, D)$ tensor this is $B \times T$ independent standardisations: a token's output
+# depends on its own $D$ features only, never on the other tokens of its sequence nor on the
+# other sequences of the batch.
+#
+# The package's `layers` module starts here (notebooks 07 and 08 add the feed-forward network
+# and the blocks to it):
+
+# %%
+#| default_exp layers
+
+# %%
+#| export
+"""Layers of a Transformer block: layer normalisation, the feed-forward network, the blocks."""
+
+import math
+
+import torch
+from torch import nn
+
+# %% [markdown]
+# The parameters are called `weight` ($\gamma$) and `bias` ($\beta$), the names `nn.LayerNorm`
+# uses, so a `state_dict` moves between the two unchanged. The constructor refuses values that
+# would only fail later, or silently: a width below 1, a non-positive or infinite $\epsilon$.
+
+# %%
+#| export
+class LayerNorm(nn.Module):
+    """Layer normalisation over the last dimension, with the same numbers as nn.LayerNorm."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        if isinstance(d_model, bool) or not isinstance(d_model, int):
+            raise TypeError(f"d_model must be an int, got {type(d_model).__name__} {d_model!r}")
+        if d_model < 1:
+            raise ValueError(f"d_model must be at least 1, got {d_model}")
+        if isinstance(eps, bool) or not isinstance(eps, int | float):
+            raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
+        if not (eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"eps must be positive and finite, got {eps}")
+        self.d_model = d_model
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.empty(d_model))  # gamma
+        self.bias = nn.Parameter(torch.empty(d_model))  # beta
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Set gamma to ones and beta to zeros: a fresh layer norm only standardises."""
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        """Shown by print(module)."""
+        return f"{self.d_model}, eps={self.eps}"
+
+
+# %% [markdown]
+# The forward pass is the formula, line by line. The statistics keep their reduced axis
+# (`keepdim=True`) so they broadcast back over the $D$ features; $\gamma$ and $\beta$, of shape
+# $(D,)$, broadcast over every leading dimension, so any input shaped $(\ldots, D)$ works.
+
+# %%
+#| export
+@add_to_class(LayerNorm)
+def forward(self, x: torch.Tensor) -> torch.Tensor:
+    """Normalise each vector along the last dimension, then scale by weight, shift by bias."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"LayerNorm expects a tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] != self.d_model:
+        raise ValueError(
+            f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
+            f"got {tuple(x.shape)}"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"LayerNorm expects a floating-point tensor, got {x.dtype}")
+    mean = x.mean(dim=-1, keepdim=True)  # (..., D) -> (..., 1)
+    centred = x - mean  # (..., D)
+    # the biased variance: divide by D, not D - 1
+    var = centred.pow(2).mean(dim=-1, keepdim=True)  # (..., D) -> (..., 1)
+    x_hat = centred / torch.sqrt(var + self.eps)  # (..., D): mean 0, variance 1 per row
+    return x_hat * self.weight + self.bias  # gamma, beta (D,) broadcast over (..., D)
+
+
+# %% [markdown]
+# ### Parity with `nn.LayerNorm`
+#
+# A fresh layer norm has $\gamma = 1$ and $\beta = 0$, which would hide a mix-up of the two.
+# So we draw random ones, load our `state_dict` into `nn.LayerNorm` (the keys must match for
+# that to work at all), and compare outputs and the gradients with respect to the input, the
+# gain and the bias, for the same random upstream gradient.
+
+# %%
+B, T, d_model = 4, 6, 16
+x = torch.randn(B, T, d_model, generator=generator).to(device)  # (B, T, D)
+upstream = torch.randn(B, T, d_model, generator=generator).to(device)  # dL/dy, (B, T, D)
+
+ours = LayerNorm(d_model).to(device)
+with torch.no_grad():
+    ours.weight.copy_(torch.randn(d_model, generator=generator))
+    ours.bias.copy_(torch.randn(d_model, generator=generator))
+reference = nn.LayerNorm(d_model).to(device)
+reference.load_state_dict(ours.state_dict())  # same keys: weight, bias
+
+
+def output_and_grads(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Forward, backward with `upstream`; return (y, dL/dx, dL/dgamma, dL/dbeta)."""
+    x = x.clone().requires_grad_(True)
+    norm.zero_grad()
+    y = norm(x)
+    y.backward(upstream)
+    return y.detach(), x.grad, norm.weight.grad, norm.bias.grad
+
+
+print(ours)
+print(reference)
+
+# %% [markdown]
+# **Check:** outputs and all three gradients agree to float32 tolerance.
+
+# %%
+for name, a, b in zip(("y", "dL/dx", "dL/dgamma", "dL/dbeta"),
+                      output_and_grads(ours, x), output_and_grads(reference, x), strict=True):
+    assert_close(a, b)
+    print(f"{name:10} matches nn.LayerNorm: {torch.allclose(a, b, rtol=1.3e-6, atol=1e-5)}")
+
+# %% [markdown]
+# ### The unbiased-variance mistake
+#
+# `torch.var` divides by $D - 1$ by default (Bessel's correction), so the tempting one-liner
+# `x.var(-1, keepdim=True)` computes a slightly larger variance than layer norm's. The output
+# then shrinks by the factor $\sqrt{(D-1)/D}$ (when $\epsilon$ is negligible): 6.5 % at
+# $D = 8$, only 0.1 % at $D = 512$. Small enough to train fine; large enough that the weights
+# of a model trained with one do not give the same numbers in the other.
+
+# %%
+def layer_norm_unbiased(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """The mistake: torch.var's default divides by D - 1."""
+    mean = x.mean(dim=-1, keepdim=True)  # (..., D) -> (..., 1)
+    var = x.var(dim=-1, keepdim=True)  # unbiased, (..., 1)
+    return (x - mean) / torch.sqrt(var + eps)
+
+
+fresh = LayerNorm(d_model).to(device)  # gamma = 1, beta = 0
+with torch.no_grad():
+    right, wrong = fresh(x), layer_norm_unbiased(x)
+print(f"D = {d_model}: max |difference| = {(right - wrong).abs().max().item():.4f}")
+
+# %% [markdown]
+# **Check:** the two are *not* close, and the wrong one is the right one times
+# $\sqrt{(D-1)/D}$ (to within the effect of $\epsilon$).
+
+# %%
+# assert_close's own float32 tolerances: the mistake is far outside them
+assert not torch.allclose(wrong, right, rtol=1.3e-6, atol=1e-5)
+assert_close(wrong, right * math.sqrt((d_model - 1) / d_model), rtol=1e-4, atol=1e-5)
+
+# %%
+widths = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
+measured = []
+for D in widths:
+    x_D = torch.randn(256, D, generator=generator)  # (N, D)
+    with torch.no_grad():
+        ratio = layer_norm_unbiased(x_D).abs().sum() / LayerNorm(D)(x_D).abs().sum()
+    measured.append(1 - ratio.item())
+
+fig, ax = plt.subplots(figsize=(6.5, 3.4))
+predicted = [1 - math.sqrt((D - 1) / D) for D in widths]
+ax.plot(widths, predicted, color=COLORS["torch"], label=r"$1 - \sqrt{(D-1)/D} \approx 1/(2D)$")
+ax.plot(widths, measured, "o", color=COLORS["ours"], label="measured shrinkage")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel(r"$d_{model}$ (features per token)")
+ax.set_ylabel("relative shrinkage of the output")
+ax.set_title("Dividing by D - 1 instead of D shrinks the output")
+ax.legend()
+ax.grid(alpha=0.3, which="both")
+plt.show()
+
+# %%
+assert_close(torch.tensor(measured), torch.tensor(predicted), rtol=1e-2, atol=0.0)
+
+# %% [markdown]
+# **Layer norm uses the biased variance (divide by $D$); the unbiased one is off by
+# $\approx 1/(2D)$, which parity tests catch at any width.**
+#
+# ### What the output looks like
+#
+# Give three tokens very different offsets and spreads. After layer norm (with $\gamma = 1$,
+# $\beta = 0$) each has mean 0 and variance $\sigma^2 / (\sigma^2 + \epsilon)$, which is 1 up to
+# $\epsilon$; the *pattern* across features, which is the information, is untouched.
+
+# %%
+D_show = 16
+offsets = torch.tensor([[-6.0], [1.0], [8.0]])  # (3, 1)
+spreads = torch.tensor([[0.5], [3.0], [0.2]])  # (3, 1)
+tokens = offsets + spreads * torch.randn(3, D_show, generator=generator)  # (3, D)
+with torch.no_grad():
+    normed = LayerNorm(D_show)(tokens)  # (3, D)
+
+mean_out = normed.mean(dim=-1)
+var_out = normed.var(dim=-1, unbiased=False)
+var_in = tokens.var(dim=-1, unbiased=False)
+print("mean after:    ", mean_out.abs().max().item() < 1e-5)
+print("variance after:", [round(v, 4) for v in var_out.tolist()])
+
+# %% [markdown]
+# **Check:** per-token mean 0, per-token variance exactly $\sigma^2/(\sigma^2+\epsilon)$, and a
+# constant token comes out as $\beta$, not NaN.
+
+# %%
+assert_close(mean_out, torch.zeros(3), atol=1e-5, rtol=0)
+assert_close(var_out, var_in / (var_in + 1e-5))
+constant_norm = LayerNorm(D_show)
+with torch.no_grad():
+    constant_norm.bias.copy_(torch.randn(D_show, generator=generator))
+    out_constant = constant_norm(torch.full((1, D_show), 7.0))  # sigma^2 = 0
+assert torch.equal(out_constant[0], constant_norm.bias.detach())
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
+palette = [COLORS["query"], COLORS["key"], COLORS["accent"]]
+for i, color in enumerate(palette):
+    label = f"token {i}: drawn with mean {offsets[i, 0]:.0f}, std {spreads[i, 0]:.1f}"
+    axes[0].plot(tokens[i], "o-", color=color, markersize=4, label=label)
+    axes[1].plot(normed[i], "o-", color=color, markersize=4)
+axes[0].set_title("Before: each token at its own offset and scale", fontsize=10)
+axes[1].set_title("After LayerNorm: each token mean 0, variance 1", fontsize=10)
+for ax in axes:
+    ax.set_xlabel("feature index")
+    ax.grid(alpha=0.3)
+axes[0].set_ylabel("feature value")
+axes[1].set_ylabel("normalised value")
+fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+plt.tight_layout(rect=(0, 0.07, 1, 1))
+plt.show()
+
+# %% [markdown]
+# **`LayerNorm` standardises every token independently: same shape in, same shape out, the
+# pattern kept and the scale removed.**
+#
+# Where it sits in a block is a separate choice: the original Transformer is *post-norm*,
+# $x \leftarrow \mathrm{LayerNorm}(x + \mathrm{Sublayer}(x))$, while this course's blocks are
+# *pre-norm*, $x \leftarrow x + \mathrm{Sublayer}(\mathrm{LayerNorm}(x))$; notebook 08 builds
+# both and compares how they train.
+#
+# ## Batch norm depends on its batch
+#
+# Batch normalisation (Ioffe and Szegedy, 2015), the standard in convolutional networks,
+# normalises along the other axis: **each feature** is standardised with the mean and variance
+# of that feature over all the examples (here: all tokens of all sequences) in the batch.
+#
+# $$\text{LayerNorm: } \mu_{b,t} = \frac{1}{D}\sum_{i} x_{b,t,i} \qquad\qquad
+#   \text{BatchNorm: } \mu_{i} = \frac{1}{BT}\sum_{b,t} x_{b,t,i}$$
+#
+# The two groupings, drawn for a batch of 3 sequences of 4 tokens with 6 features:
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+n_tokens, n_features = 12, 6
+for ax, title, highlight in (
+    (axes[0], "LayerNorm: one token,\nall of its features", "row"),
+    (axes[1], "BatchNorm: one feature,\nall tokens of the batch", "column"),
+):
+    grid = torch.zeros(n_tokens, n_features)
+    if highlight == "row":
+        grid[5, :] = 1  # token 5 is normalised with its own 6 features
+    else:
+        grid[:, 2] = 1  # feature 2 is normalised over all 12 tokens
+    image = ax.imshow(grid, cmap="Blues", vmin=0, vmax=1.4, aspect="auto")
+    for boundary in (3.5, 7.5):  # sequence boundaries
+        ax.axhline(boundary, color="black", linewidth=1.5)
+    ax.set_xticks(range(n_features))
+    ax.set_yticks(range(n_tokens), [f"seq {t // 4}, token {t % 4}" for t in range(n_tokens)], fontsize=7)
+    ax.set_xlabel("feature (D = 6)")
+    ax.set_title(title, fontsize=10)
+colorbar = fig.colorbar(image, ax=axes, ticks=[0, 1], shrink=0.8)
+colorbar.ax.set_yticklabels(["other", "one\nnormalisation\ngroup"], fontsize=8)
+plt.show()
+
+# %% [markdown]
+# Because batch norm's statistics come from the batch, a token's output depends on **which
+# other tokens happen to share its batch**. To see it, take one fixed token and put it into 12
+# batches whose 7 other tokens come from differently shifted and scaled distributions, like
+# sentences on different topics. Run it through `nn.BatchNorm1d` in training mode and through
+# our `LayerNorm`, and keep only the fixed token's output each time.
+
+# %%
+d_feat, num_batches, companions = 16, 12, 7
+probe = torch.randn(d_feat, generator=generator)  # the one token we follow, (D,)
+batch_norm = nn.BatchNorm1d(d_feat).to(device).train()
+layer_norm = LayerNorm(d_feat).to(device)
+
+bn_outputs, ln_outputs = [], []
+for _ in range(num_batches):
+    scale = 0.5 + 2 * torch.rand(1, generator=generator)  # each batch its own spread ...
+    shift = torch.randn(1, d_feat, generator=generator)  # ... and its own offset
+    others = shift + scale * torch.randn(companions, d_feat, generator=generator)  # (7, D)
+    batch = torch.cat([probe[None], others]).to(device)  # (8, D): the probe is row 0
+    with torch.no_grad():
+        bn_outputs.append(batch_norm(batch)[0].cpu())  # (D,)
+        ln_outputs.append(layer_norm(batch)[0].cpu())  # (D,)
+bn_outputs, ln_outputs = torch.stack(bn_outputs), torch.stack(ln_outputs)  # (12, D) each
+
+bn_spread = (bn_outputs.max(dim=0).values - bn_outputs.min(dim=0).values).max().item()
+ln_spread = (ln_outputs.max(dim=0).values - ln_outputs.min(dim=0).values).max().item()
+print(f"largest spread of the probe's output over 12 batches: BatchNorm {bn_spread:.2f}, "
+      f"LayerNorm {ln_spread:.4f}")
+
+# %% [markdown]
+# **Check:** batch norm gives the same token different outputs in different batches; layer
+# norm gives it the same output every time.
+
+# %%
+assert bn_spread > 1.0
+for out in ln_outputs:
+    assert_close(out, ln_outputs[0], rtol=0, atol=1e-6)
+assert not torch.allclose(bn_outputs[0], bn_outputs[1], atol=1e-2)
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+features = torch.arange(d_feat)
+for ax, outputs, color, title in (
+    (axes[0], bn_outputs, COLORS["accent"], "BatchNorm (train mode): depends on the batch"),
+    (axes[1], ln_outputs, COLORS["ours"], "LayerNorm: the same in every batch"),
+):
+    for out in outputs:
+        ax.plot(features, out, "o", color=color, alpha=0.55, markersize=4)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("feature index")
+    ax.grid(alpha=0.3)
+axes[0].set_ylabel("normalised value of the same token")
+fig.suptitle("One token, normalised in 12 batches with different companions (one dot per batch)")
+plt.tight_layout()
+save_figure(fig, "layernorm_vs_batchnorm")
+plt.show()
+
+# %% [markdown]
+# **Batch norm's output for a token changes with the batch around it; layer norm's does not.**
+#
+# For sequences that dependence brings three practical problems, all absent from layer norm:
+#
+# 1. **Padding and variable lengths.** A batch of sentences is padded to its longest member.
+#    Batch norm's per-feature statistics then mix real tokens with padding, so the same
+#    sentence is normalised differently depending on how long its batch-mates are. (One could
+#    mask the padding out of the statistics, but every implementation then has to.)
+# 2. **Train versus eval.** In training, batch norm uses the current batch's statistics; in
+#    evaluation, running averages collected during training. A model behaves differently in
+#    the two modes, and a single sequence at inference has no batch to take statistics from.
+# 3. **Small batches.** Statistics from a few tokens are noisy; from one token, impossible.
+#
+# Each of these is a short experiment. First, padding: the same two sentences (lengths 5 and 3)
+# padded with zeros to length 5 and then to length 9.
+
+# %%
+lengths = [5, 3]
+sentences = [torch.randn(n, d_feat, generator=generator) for n in lengths]  # (T_b, D) each
+
+
+def pad(seqs: list[torch.Tensor], T: int) -> torch.Tensor:
+    """Stack sequences into (B, T, D), filling the tail of each with zeros."""
+    out = torch.zeros(len(seqs), T, seqs[0].shape[-1])
+    for b, seq in enumerate(seqs):
+        out[b, : len(seq)] = seq
+    return out.to(device)
+
+
+def real_tokens(y: torch.Tensor) -> torch.Tensor:
+    """Concatenate the unpadded positions of a (B, T, D) batch into (sum of lengths, D)."""
+    return torch.cat([y[b, :n] for b, n in enumerate(lengths)])
+
+
+bn_seq = nn.BatchNorm1d(d_feat).to(device).train()
+with torch.no_grad():
+    # BatchNorm1d wants features in dim 1: (B, T, D) -> (B, D, T) and back
+    bn_short = real_tokens(bn_seq(pad(sentences, 5).transpose(1, 2)).transpose(1, 2))
+    bn_long = real_tokens(bn_seq(pad(sentences, 9).transpose(1, 2)).transpose(1, 2))
+    ln_short = real_tokens(layer_norm(pad(sentences, 5)))
+    ln_long = real_tokens(layer_norm(pad(sentences, 9)))
+print(f"change in the real tokens' outputs when padded further: "
+      f"BatchNorm {(bn_short - bn_long).abs().max().item():.2f}, "
+      f"LayerNorm {(ln_short - ln_long).abs().max().item():.4f}")
+
+# %% [markdown]
+# Then the modes. `batch_norm` has by now seen 12 batches in training mode and keeps running
+# averages of their statistics; in eval mode it uses those instead of the batch's own, so the
+# same batch comes out differently. Layer norm has no mode. And a batch holding a single token
+# cannot be batch-normalised in training mode at all.
+
+# %%
+last_batch = batch.clone()  # the 12th batch from above, (8, D)
+with torch.no_grad():
+    bn_train_out = batch_norm.train()(last_batch)
+    bn_eval_out = batch_norm.eval()(last_batch)
+    ln_train_out = layer_norm.train()(last_batch)
+    ln_eval_out = layer_norm.eval()(last_batch)
+print(f"train vs eval mode, max |difference|: BatchNorm "
+      f"{(bn_train_out - bn_eval_out).abs().max().item():.2f}, "
+      f"LayerNorm {(ln_train_out - ln_eval_out).abs().max().item():.4f}")
+
+try:
+    nn.BatchNorm1d(d_feat).train()(torch.randn(1, d_feat, generator=generator))
+    single_token_error = ""
+except ValueError as err:
+    single_token_error = str(err)
+print("BatchNorm on a single token:", single_token_error)
+
+# %% [markdown]
+# **Check:** padding and the mode change batch norm's output for real tokens and leave layer
+# norm's exactly as it was; batch norm refuses a batch of one.
+
+# %%
+assert (bn_short - bn_long).abs().max() > 0.1
+assert_close(ln_short, ln_long, rtol=0, atol=1e-6)  # bit for bit on the CPU
+assert (bn_train_out - bn_eval_out).abs().max() > 0.1
+assert torch.equal(ln_train_out, ln_eval_out)
+assert "more than 1 value per channel" in single_token_error
+
+# %% [markdown]
+# **Layer norm depends on nothing but the token itself, so padding, batch size and train/eval
+# mode cannot change it; that is why Transformers use it.**
+#
+# ## Dropout
+#
+# Dropout (Srivastava et al., 2014) fights overfitting by training with noise: during training
+# each activation is zeroed independently with probability $p$, so no unit can rely on any
+# particular other unit being present. The network is, in effect, trained as a large ensemble
+# of thinned sub-networks that share weights.
+#
+# Zeroing a fraction $p$ of the activations shrinks their expected value to $(1-p)\,x$. To keep
+# training and inference consistent, **inverted dropout** divides the survivors by $1 - p$
+# during training:
+#
+# $$y = \frac{m \odot x}{1-p}, \quad m_i \sim \mathrm{Bernoulli}(1-p)
+#   \qquad\Longrightarrow\qquad \mathbb{E}[y_i] = \frac{(1-p)\,x_i}{1-p} = x_i ,$$
+#
+# and at evaluation time dropout is simply the identity: nothing to rescale, nothing to
+# remember. (The original paper instead scaled the weights by $1-p$ at test time; the inverted
+# form, which PyTorch uses, moves that work into training.) The expectation is kept; the
+# variance is not: $\operatorname{Var}[y_i] = x_i^2\, p/(1-p)$.
+
+# %%
+def dropout(x: torch.Tensor, p: float, training: bool = True,
+            generator: torch.Generator | None = None) -> torch.Tensor:
+    """Inverted dropout: zero each element with probability p, scale survivors by 1/(1-p)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    # draw on the CPU so that the mask is the same on every device
+    keep = torch.rand(x.shape, generator=generator) >= p  # same shape as x, True = kept
+    return x * keep.to(x.device) / (1 - p)
+
+
+# %% [markdown]
+# A check needs many samples. We drop out the same random vector $x$ (of 256 features) 2,000
+# times with $p = 0.1$, with our function and with `nn.Dropout`. Each feature's sample mean
+# then has standard error $|x_i|\sqrt{p/((1-p)\,S)}$ with $S = 2000$ samples; we allow six
+# standard errors, so the check would fail less than once in a million seeds, not just for
+# this one. The fraction of zeros among the 512,000 draws has standard error
+# $\sqrt{p(1-p)/512000} \approx 0.0004$, and we allow 0.003.
+
+# %%
+p, S, D_drop = 0.1, 2000, 256
+x_drop = torch.randn(D_drop, generator=generator).to(device)  # (D,)
+samples = x_drop.expand(S, D_drop)  # (S, D): S copies of the same vector
+
+ours_drop = dropout(samples, p, generator=generator)  # (S, D)
+torch_drop = nn.Dropout(p).train()(samples)  # (S, D)
+
+tolerance = 6 * x_drop.abs() * math.sqrt(p / ((1 - p) * S))  # per feature, (D,)
+error_ours = (ours_drop.mean(dim=0) - x_drop).abs()
+zeros_ours = (ours_drop == 0).float().mean().item()
+print(f"ours: fraction of zeros {zeros_ours:.4f} (p = {p}), "
+      f"worst |mean - x| / allowed = {(error_ours / tolerance).max().item():.2f}")
+
+# %% [markdown]
+# **Check:** for both implementations the mean over samples is $x$ within tolerance, the
+# fraction of zeros is $p$, and every survivor is exactly $x_i/(1-p)$.
+
+# %%
+for name, y in (("ours", ours_drop), ("nn.Dropout", torch_drop)):
+    assert ((y.mean(dim=0) - x_drop).abs() <= tolerance).all(), name
+    assert abs((y == 0).float().mean().item() - p) < 0.003, name
+    kept = y != 0
+    assert_close(y[kept], (samples / (1 - p))[kept])
+
+# %% [markdown]
+# In evaluation mode both are the identity, to the last bit:
+
+# %%
+drop_module = nn.Dropout(p)
+drop_module.eval()
+assert torch.equal(drop_module(samples), samples)
+assert torch.equal(dropout(samples, p, training=False), samples)
+drop_module.train()
+assert not torch.equal(drop_module(samples), samples)
+
+# %% [markdown]
+# The picture: on the left, which entries of a $(T, D) = (12, 48)$ activation one dropout mask
+# zeroes at $p = 0.1$; on the right, the running mean of one activation ($x_i = 1$) over
+# repeated draws. Inverted dropout averages to $x_i$; plain masking without the rescale
+# averages to $(1-p)\,x_i$, which is what the next layer would wrongly see as "normal" if we
+# then switched dropout off.
+
+# %%
+mask_image = (dropout(torch.ones(12, 48), p, generator=generator) != 0).float()  # (T, D)
+draws = torch.rand(5000, generator=generator) >= p  # one activation, 5000 draws
+steps = torch.arange(1, 5001)
+running_inverted = torch.cumsum(draws / (1 - p), dim=0) / steps
+running_plain = torch.cumsum(draws.float(), dim=0) / steps
+
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [1.3, 1]})
+image = axes[0].imshow(mask_image, cmap="Greys_r", vmin=0, vmax=1, aspect="auto")
+axes[0].set_xlabel("feature")
+axes[0].set_ylabel("token position")
+axes[0].set_title(f"One dropout mask, p = {p}: {int((mask_image == 0).sum())} of 576 zeroed",
+                  fontsize=10)
+colorbar = fig.colorbar(image, ax=axes[0], ticks=[0, 1])
+colorbar.ax.set_yticklabels(["dropped", "kept"])
+axes[1].plot(steps, running_inverted, color=COLORS["ours"], label="inverted: mask / (1 - p)")
+axes[1].plot(steps, running_plain, color=COLORS["accent"], label="mask only")
+axes[1].axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+axes[1].axhline(1 - p, color="black", linewidth=0.8, linestyle=":")
+axes[1].set_xscale("log")
+axes[1].set_ylim(0.6, 1.4)
+axes[1].set_xlabel("number of draws (log scale)")
+axes[1].set_ylabel(r"running mean of $y_i$ for $x_i = 1$")
+axes[1].set_title("The 1/(1-p) scale keeps the expectation", fontsize=10)
+axes[1].legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# **Inverted dropout zeroes a fraction $p$ and rescales the rest by $1/(1-p)$: the expectation
+# is unchanged in training, and evaluation is the identity.**
+#
+# Because the two modes differ, a model must hold its dropouts as `nn.Dropout` modules (or pass
+# `training=self.training` to `F.dropout`): `model.eval()` then switches every one of them off.
+#
+# ## The three places dropout sits
+#
+# Vaswani et al. (2017, §5.4, "Residual Dropout") apply dropout in two places, and most
+# implementations add a third:
+#
+# 1. **On the sum of the token embeddings and the positional encodings**, at the bottom of the
+#    encoder and of the decoder stack (notebook 04's `PositionalEncoding(dropout_p=...)`).
+# 2. **On the attention weights**, after the softmax and before they average the values. The
+#    paper does not list it, but the authors' tensor2tensor library offers it, and so do
+#    `nn.MultiheadAttention(dropout=...)`, `F.scaled_dot_product_attention(dropout_p=...)` and
+#    this course's `scaled_dot_product_attention` (notebooks 02–03).
+# 3. **On the output of every sub-layer** (attention or feed-forward), before it is added to the
+#    residual stream. The residual path itself is never dropped.
+#
+# For the base model, $P_{\text{drop}} = 0.1$ everywhere. (PyTorch's `nn.TransformerEncoderLayer`
+# also drops out inside the feed-forward network, after the activation; this course's
+# feed-forward network of notebook 07 does not.)
+
+# %%
+def draw_box(ax, xy, text, color, width=2.2, height=0.62, text_color="white"):
+    """A rounded box centred at xy."""
+    x, y = xy
+    ax.add_patch(FancyBboxPatch((x - width / 2, y - height / 2), width, height,
+                                boxstyle="round,pad=0.04,rounding_size=0.12",
+                                facecolor=color, edgecolor="black", linewidth=1))
+    ax.text(x, y, text, ha="center", va="center", fontsize=9, color=text_color)
+
+
+def draw_arrow(ax, start, end, **kwargs):
+    """A straight arrow between two points."""
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=12,
+                                 linewidth=1.2, color="black", shrinkA=0, shrinkB=0, **kwargs))
+
+
+def draw_add(ax, xy):
+    """The residual addition: a circle with a plus."""
+    ax.add_patch(plt.Circle(xy, 0.22, facecolor="white", edgecolor="black", linewidth=1.2))
+    ax.text(*xy, "+", ha="center", va="center", fontsize=13)
+
+
+fig, ax = plt.subplots(figsize=(9, 9.6))
+stream_x, branch_x, inner_x = 2.5, 5.6, 8.9  # residual stream, sub-layer branch, inside attention
+drop, norm, sub, embed = COLORS["accent"], COLORS["ours"], "#6c6c6c", COLORS["value"]
+
+# bottom of the stack: embeddings + positional encodings, then dropout (1)
+draw_box(ax, (1.35, 0.4), "token embedding", embed, width=2.5)
+draw_box(ax, (4.0, 0.4), "positional encoding", embed, width=2.6)
+draw_add(ax, (stream_x, 1.35))
+draw_arrow(ax, (1.35, 0.71), (stream_x - 0.16, 1.2))
+draw_arrow(ax, (4.0, 0.71), (stream_x + 0.16, 1.2))
+draw_box(ax, (stream_x, 2.2), "Dropout (1)", drop, width=1.7)
+draw_arrow(ax, (stream_x, 1.57), (stream_x, 1.89))
+
+# two pre-norm sub-layers: x + Dropout(Sublayer(LayerNorm(x)))
+for name, base in (("multi-head attention", 2.9), ("feed-forward network", 7.0)):
+    top = base + 3.4
+    draw_box(ax, (branch_x, base + 0.75), "LayerNorm", norm)
+    draw_box(ax, (branch_x, base + 1.75), name, sub, width=2.9)
+    draw_box(ax, (branch_x, base + 2.75), "Dropout (3)", drop, width=1.7)
+    draw_add(ax, (stream_x, top))
+    # the branch leaves the stream, passes the three boxes, and comes back to the add
+    ax.plot([stream_x, branch_x], [base + 0.2, base + 0.2], color="black", linewidth=1.2)
+    draw_arrow(ax, (branch_x, base + 0.2), (branch_x, base + 0.44))
+    draw_arrow(ax, (branch_x, base + 1.06), (branch_x, base + 1.44))
+    draw_arrow(ax, (branch_x, base + 2.06), (branch_x, base + 2.44))
+    ax.plot([branch_x, branch_x], [base + 3.06, top], color="black", linewidth=1.2)
+    draw_arrow(ax, (branch_x, top), (stream_x + 0.22, top))
+    ax.text(stream_x - 0.15, base + 1.9, "residual path\n(never dropped)", ha="right",
+            va="center", fontsize=8)
+
+# the residual stream itself
+draw_arrow(ax, (stream_x, 2.51), (stream_x, 6.3 - 0.22))
+draw_arrow(ax, (stream_x, 6.3 + 0.22), (stream_x, 10.4 - 0.22))
+draw_arrow(ax, (stream_x, 10.4 + 0.22), (stream_x, 11.1))
+ax.text(stream_x, 11.2, "to the next block (× N)", ha="center", va="bottom", fontsize=9)
+
+# dropout (2) lives inside the attention, on the softmax weights
+draw_box(ax, (inner_x, 4.65), r"softmax($QK^{\top}/\sqrt{d_k}$)", "#9a9a9a", width=2.5)
+draw_box(ax, (inner_x, 5.55), "Dropout (2)", drop, width=1.7)
+draw_arrow(ax, (inner_x, 4.96), (inner_x, 5.24))
+ax.text(inner_x, 6.0, "then weights @ V", ha="center", va="bottom", fontsize=9)
+ax.plot([branch_x + 1.45, inner_x - 1.25], [4.65, 4.65], color="black", linewidth=0.8,
+        linestyle=":")
+ax.text(inner_x, 4.1, "inside the attention", ha="center", va="top", fontsize=8, style="italic")
+
+# a frame around one block, and the key to the three spots
+ax.add_patch(FancyBboxPatch((0.55, 2.75), 9.85, 7.95, boxstyle="round,pad=0.05,rounding_size=0.2",
+                            facecolor="none", edgecolor="0.6", linestyle="--"))
+ax.text(10.3, 10.55, "one pre-norm encoder block", ha="right", va="top", fontsize=9, color="0.35")
+legend_text = ("$P_{drop}$ = 0.1 in all three places in the base model (Vaswani et al., 2017)\n"
+               "(1) on the sum of embeddings and positional encodings (paper, §5.4)\n"
+               "(2) on the attention weights (tensor2tensor, PyTorch, this course)\n"
+               "(3) on each sub-layer's output, before the residual add (paper, §5.4)")
+ax.text(0.2, -0.55, legend_text, ha="left", va="top", fontsize=9, linespacing=1.5,
+        bbox={"boxstyle": "round", "facecolor": "#fbeaea", "edgecolor": drop})
+ax.set_xlim(0, 10.6)
+ax.set_ylim(-2.6, 11.7)
+ax.set_aspect("equal")
+ax.set_axis_off()
+ax.set_title("Where dropout sits in a pre-norm Transformer block")
+save_figure(fig, "dropout_placement")
+plt.show()
+
+# %% [markdown]
+# In code, one pre-norm sub-layer with all its dropouts is three lines. Notebook 08 builds the
+# real encoder and decoder blocks; here the attention is PyTorch's own, so that the only new
+# pieces are ours: the layer norm and where the dropouts go.
+
+# %%
+class PreNormSelfAttention(nn.Module):
+    """x + Dropout(SelfAttention(LayerNorm(x))), with dropout on the attention weights too."""
+
+    def __init__(self, d_model: int, num_heads: int, dropout_p: float = 0.1):
+        super().__init__()
+        self.norm = LayerNorm(d_model)
+        self.attn = nn.MultiheadAttention(d_model, num_heads, dropout=dropout_p, batch_first=True)  # (2)
+        self.dropout = nn.Dropout(dropout_p)  # (3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)  # (B, T, D)
+        h, _ = self.attn(h, h, h, need_weights=False)  # (B, T, D)
+        return x + self.dropout(h)  # the residual path x is never dropped
+
+
+embeddings = torch.randn(2, 10, 32, generator=generator).to(device)  # (B, T, D)
+embed_dropout = nn.Dropout(0.1)  # (1), on embeddings + positional encodings
+sublayer = PreNormSelfAttention(d_model=32, num_heads=4, dropout_p=0.1).to(device)
+
+sublayer.train()
+train_a, train_b = sublayer(embed_dropout(embeddings)), sublayer(embed_dropout(embeddings))
+sublayer.eval()
+embed_dropout.eval()
+with torch.no_grad():
+    eval_a, eval_b = sublayer(embed_dropout(embeddings)), sublayer(embed_dropout(embeddings))
+print("train: two passes differ:", not torch.equal(train_a, train_b))
+print("eval:  two passes equal: ", torch.equal(eval_a, eval_b))
+
+# %% [markdown]
+# **Check:** training passes are random and evaluation passes deterministic; with the
+# sub-layer's output dropout at $p = 1$ the sub-layer is exactly the identity, because dropout
+# acts on the branch and never on the residual path; and PyTorch's own encoder layer defaults
+# to the paper's $P_{\text{drop}} = 0.1$ in the same places (attention weights, each
+# sub-layer's output).
+
+# %%
+assert not torch.equal(train_a, train_b)
+assert torch.equal(eval_a, eval_b)
+
+all_dropped = PreNormSelfAttention(d_model=32, num_heads=4, dropout_p=0.0).to(device).train()
+all_dropped.dropout = nn.Dropout(1.0)  # zero the whole sub-layer output
+assert torch.equal(all_dropped(embeddings), embeddings)
+
+builtin = nn.TransformerEncoderLayer(d_model=32, nhead=4, batch_first=True)
+assert builtin.self_attn.dropout == 0.1  # (2) attention weights
+assert builtin.dropout1.p == 0.1 and builtin.dropout2.p == 0.1  # (3) after each sub-layer
+assert builtin.dropout.p == 0.1  # the extra one inside the feed-forward network
+
+# %% [markdown]
+# Dropout on the attention weights has one visible side effect: a row of weights no longer sums
+# to 1, only on average. The model must cope with each query's mixture of values being a bit
+# too strong or too weak.
+
+# %%
+scores = torch.randn(6, 6, generator=generator)  # (T_q, T_k)
+attn = scores.softmax(dim=-1)  # (T_q, T_k), rows sum to 1
+attn_dropped = dropout(attn.expand(4000, 6, 6), 0.1, generator=generator)  # (S, T_q, T_k)
+row_sums = attn_dropped.sum(dim=-1)  # (S, T_q)
+print("row sums of one dropped-out matrix:", [round(v, 3) for v in row_sums[0].tolist()])
+print("mean row sum over 4000 draws:      ", [round(v, 3) for v in row_sums.mean(dim=0).tolist()])
+
+# %%
+assert (row_sums[0] - 1).abs().max() > 0.05  # one draw: not a distribution any more
+# the sum of a row has std at most sqrt(p / (1 - p) / S) = 0.0053 over S draws; allow 6x
+assert_close(row_sums.mean(dim=0), torch.ones(6), atol=6 * math.sqrt(0.1 / 0.9 / 4000), rtol=0)
+
+# %% [markdown]
+# **Dropout goes on the embeddings, on the attention weights and on every sub-layer's output
+# before the residual add, with $P_{\text{drop}} = 0.1$ in the base model, and never on the
+# residual path.**
+#
+# ## Recap
+#
+# | concept | code | shape |
+# |---|---|---|
+# | layer norm | `LayerNorm(d_model, eps=1e-5)(x)` | $(\ldots, D) \to (\ldots, D)$ |
+# | per-token statistics | `x.mean(-1, keepdim=True)`, biased `((x - mean)**2).mean(-1, keepdim=True)` | $(\ldots, D) \to (\ldots, 1)$ |
+# | gain $\gamma$, bias $\beta$ | `weight` (ones), `bias` (zeros); `state_dict` shared with `nn.LayerNorm` | $(D,)$ |
+# | the mistake to avoid | `x.var(-1)` divides by $D-1$: output $\times\sqrt{(D-1)/D}$ | |
+# | batch norm (contrast) | `nn.BatchNorm1d(D)` on `x.transpose(1, 2)`: statistics over $B \cdot T$ | $(B, D, T)$ |
+# | inverted dropout | `x * mask / (1 - p)`, identity in `eval()` | any, unchanged |
+# | dropout (1) | `PositionalEncoding(d_model, dropout_p=0.1)` | $(B, T, D)$ |
+# | dropout (2) | `scaled_dot_product_attention(..., dropout_p=0.1)` | $(B, h, T_q, T_k)$ |
+# | dropout (3) | `x + dropout(sublayer(norm(x)))` | $(B, T, D)$ |
+#
+# ## Exercises
+#
+# 1. **RMSNorm.** Many recent models (Zhang and Sennrich, 2019) drop the centring and the
+#    bias: $y = x / \sqrt{\tfrac{1}{D}\sum_i x_i^2 + \epsilon} \odot \gamma$. Write it and show
+#    that it equals `LayerNorm` (with $\beta = 0$) exactly when every token has mean zero.
+# 2. **The gradient of a standardisation.** Show that the gradient of any loss with respect
+#    to a token's input $x$ sums to zero over the features and is (up to $\epsilon$)
+#    orthogonal to $\hat{x}$. What does that say about which changes of $x$ layer norm
+#    ignores?
+# 3. **Dropout's variance.** Check $\operatorname{Var}[y_i] = x_i^2\,p/(1-p)$ by sampling, and
+#    say what it implies for the scale of activations when dropout is switched off at
+#    evaluation.
+#
+# **Solutions.**
+#
+# 1. RMSNorm divides by the root mean square instead of the standard deviation. The two
+#    coincide when $\mu = 0$, because then $\sigma^2 = \frac{1}{D}\sum_i x_i^2$:
+
+# %%
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """RMSNorm: scale each vector by its root mean square; no centring, no bias."""
+    rms = torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., D) -> (..., 1)
+    return x / rms * weight
+
+
+x_ex = torch.randn(3, 7, 24, generator=generator)  # (B, T, D)
+gamma = torch.randn(24, generator=generator)
+ln_ex = LayerNorm(24)
+with torch.no_grad():
+    ln_ex.weight.copy_(gamma)
+    centred_x = x_ex - x_ex.mean(dim=-1, keepdim=True)  # every token now has mean 0
+    assert_close(rms_norm(centred_x, gamma), ln_ex(centred_x))
+    assert not torch.allclose(rms_norm(x_ex, gamma), ln_ex(x_ex), atol=1e-3)  # not otherwise
+if hasattr(nn, "RMSNorm"):  # torch >= 2.4 ships one
+    builtin_rms = nn.RMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        builtin_rms.weight.copy_(gamma)
+        assert_close(rms_norm(x_ex, gamma), builtin_rms(x_ex))
+
+# %% [markdown]
+# 2. Write $\hat{x} = (x - \mu)/s$ with $s = \sqrt{\sigma^2 + \epsilon}$. Since
+#    $\partial\mu/\partial x = \mathbf{1}/D$ and $\partial s/\partial x = (x-\mu)/(sD)$, the
+#    Jacobian is the symmetric matrix
+#    $$J = \frac{\partial \hat{x}}{\partial x} = \frac{1}{s}\Big(I - \tfrac{1}{D}\mathbf{1}\mathbf{1}^{\top}
+#    - \tfrac{1}{D}\,\hat{x}\hat{x}^{\top}\Big).$$
+#    Using $\mathbf{1}^\top\hat{x} = 0$ and $\hat{x}^\top\hat{x} = D\sigma^2/(\sigma^2+\epsilon)$:
+#    $J\mathbf{1} = 0$ and $J\hat{x} = \frac{\epsilon}{s^3}\,\hat{x}$. The input gradient is
+#    $\nabla_x L = J\,\nabla_{\hat{x}} L$ (for any $\gamma$, $\beta$), so
+#    $\mathbf{1}^\top\nabla_x L = 0$ exactly and
+#    $\hat{x}^\top\nabla_x L = \frac{\epsilon}{s^3}\,\hat{x}^\top\nabla_{\hat{x}} L \approx 0$.
+#    Layer norm ignores shifting a token (adding a constant to all its features) and, up to
+#    $\epsilon$, scaling its deviation from the mean; the gradient has no component along
+#    either, so learning cannot waste effort on them. Checked with autograd, in float64:
+
+# %%
+x_grad = torch.randn(5, 32, generator=generator, dtype=torch.float64).requires_grad_(True)  # (N, D)
+norm_grad = LayerNorm(32).double()
+with torch.no_grad():
+    norm_grad.weight.copy_(torch.randn(32, generator=generator))  # any gamma
+upstream_grad = torch.randn(5, 32, generator=generator, dtype=torch.float64)  # dL/dy, (N, D)
+norm_grad(x_grad).backward(upstream_grad)
+with torch.no_grad():
+    mean_g = x_grad.mean(dim=-1, keepdim=True)  # (N, 1)
+    s_g = torch.sqrt(((x_grad - mean_g) ** 2).mean(dim=-1, keepdim=True) + 1e-5)  # (N, 1)
+    x_hat = (x_grad - mean_g) / s_g  # (N, D)
+    grad_x_hat = upstream_grad * norm_grad.weight  # dL/dx_hat, (N, D)
+    assert_close(x_grad.grad.sum(dim=-1), torch.zeros(5, dtype=torch.float64), atol=1e-12, rtol=0)
+    along_x_hat = (x_grad.grad * x_hat).sum(dim=-1)  # (N,)
+    assert_close(along_x_hat, 1e-5 / s_g[:, 0] ** 3 * (x_hat * grad_x_hat).sum(dim=-1))
+print("largest |x_hat . grad|:", f"{along_x_hat.abs().max().item():.1e}")
+
+# %% [markdown]
+# 3. Each $y_i$ is $x_i/(1-p)$ with probability $1-p$ and $0$ otherwise, so
+#    $\mathbb{E}[y_i^2] = x_i^2/(1-p)$ and $\operatorname{Var}[y_i] = x_i^2/(1-p) - x_i^2 =
+#    x_i^2\,p/(1-p)$. The mean is kept but the spread grows; in evaluation the spread goes back
+#    down, so the layers after dropout see activations with the same mean and a slightly
+#    smaller variance than in training. For $p = 0.1$ the extra variance is $11\%$ of $x_i^2$.
+#    The next layer norm rescales every token to unit variance anyway, which is one reason the
+#    mismatch does little harm in a Transformer.
+
+# %%
+x_var = torch.tensor([0.5, -1.0, 2.0])  # (3,)
+draws_var = dropout(x_var.expand(100_000, 3), 0.1, generator=generator)  # (S, 3)
+empirical = draws_var.var(dim=0)
+predicted_var = x_var**2 * 0.1 / 0.9
+print("empirical:", [round(v, 3) for v in empirical.tolist()],
+      " predicted:", [round(v, 3) for v in predicted_var.tolist()])
+assert_close(empirical, predicted_var, rtol=0.05, atol=0)
+
+# %% [markdown]
+# Next: [07 · Feed-forward network](07_feed_forward.ipynb), the position-wise network that
+# fills the other sub-layer of every block.
