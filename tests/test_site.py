@@ -134,9 +134,19 @@ def test_no_page_names_a_cdn(site):
             pytest.fail(f"{page.name} loads {src}")
 
 
+def wait_for_math(page) -> int:
+    """Wait until MathJax 2 has typeset the page; return how many formulas it rendered."""
+    page.wait_for_function("window.MathJax && MathJax.Hub", timeout=20_000)
+    page.evaluate("new Promise(done => MathJax.Hub.Queue(() => done(true)))")
+    return page.eval_on_selector_all(".MathJax_CHTML, .MJXc-display", "e => e.length")
+
+
 def test_index_in_chromium(browser, server):
     visit = Visit(browser, f"{server}/index.html")
     try:
+        assert wait_for_math(visit.page) > 0
+        text = visit.page.inner_text("body")
+        assert "$" not in text and "`" not in text, "raw markdown left in the summaries"
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         visit.page.screenshot(path=str(ARTIFACTS / "index.png"), full_page=True)
         assert visit.external == []
@@ -159,11 +169,7 @@ def test_notebook_page_in_chromium(browser, server, path):
     page = visit.page
     try:
         if _has_math(nb):
-            # MathJax 2 queues typesetting; wait for the queue to drain.
-            page.wait_for_function("window.MathJax && MathJax.Hub", timeout=20_000)
-            page.evaluate("new Promise(done => MathJax.Hub.Queue(() => done(true)))")
-            typeset = page.eval_on_selector_all(".MathJax_CHTML, .MJXc-display", "e => e.length")
-            assert typeset > 0, "math was not typeset"
+            assert wait_for_math(page) > 0, "math was not typeset"
         text = page.eval_on_selector_all(
             ".jp-MarkdownOutput", "els => els.map(e => e.innerText).join('\\n')"
         )
@@ -172,6 +178,10 @@ def test_notebook_page_in_chromium(browser, server, path):
         if "widgets" in nb.metadata:
             page.wait_for_selector(".jupyter-widgets", timeout=20_000)
             assert page.locator(".widget-slider, .widget-hslider").count() > 0
+            widget = page.locator(".jupyter-widgets").first
+            widget.scroll_into_view_if_needed()
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / f"{path.stem}-widget.png"))
         assert visit.broken_images() == []
         assert visit.external == [], f"requests left the machine: {visit.external[:5]}"
         assert visit.errors == []

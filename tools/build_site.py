@@ -175,6 +175,14 @@ def render_notebook(path: Path, out: Path, info: dict, prev, nxt) -> None:
     (out / f"{path.stem}.html").write_text(body)
 
 
+def inline_markdown(text: str) -> str:
+    """A summary sentence as HTML: code spans and emphasis rendered, $math$ left to MathJax."""
+    import mistune
+
+    rendered = mistune.html(text).strip()
+    return rendered.removeprefix("<p>").removesuffix("</p>")
+
+
 def render_index(out: Path, infos: list[dict]) -> None:
     sections = []
     for numeral, name, numbers in PARTS:
@@ -183,7 +191,7 @@ def render_index(out: Path, infos: list[dict]) -> None:
             continue
         rows = "".join(
             f'<li><a href="notebooks/{i["stem"]}.html"><b>{i["number"]:02d} · '
-            f"{html.escape(i['title'])}</b></a><br><span>{html.escape(i['summary'])}</span></li>"
+            f"{html.escape(i['title'])}</b></a><br><span>{inline_markdown(i['summary'])}</span></li>"
             for i in items
         )
         sections.append(f"<h2>Part {numeral} — {html.escape(name)}</h2><ol class='nb'>{rows}</ol>")
@@ -198,7 +206,13 @@ h1 {{ margin-bottom: 0.2em; }} h2 {{ margin-top: 1.6em; border-bottom: 1px solid
 ol.nb {{ list-style: none; padding-left: 0; }} ol.nb li {{ margin: 0.8em 0; }}
 ol.nb span {{ color: #555; }} a {{ color: #1f5fa8; text-decoration: none; }}
 a:hover {{ text-decoration: underline; }}
-</style></head><body>
+code {{ font-size: 0.92em; background: #f3f3f3; padding: 0 0.2em; border-radius: 3px; }}
+</style>
+<script type="text/x-mathjax-config">
+MathJax.Hub.Config({{tex2jax: {{inlineMath: [["$", "$"]], processEscapes: true}}}});
+</script>
+<script src="_static/mathjax/MathJax.js?config={MATHJAX_CONFIG}"></script>
+</head><body>
 <h1>{html.escape(COURSE_TITLE)}</h1>
 <p>The original encoder–decoder Transformer, built one component at a time in PyTorch. Every
 notebook is executed in CI; each component is checked against PyTorch's own. These pages show
