@@ -6,6 +6,9 @@
 #   notebooks/05_masking.py
 #   notebooks/06_layer_norm_and_dropout.py
 #   notebooks/07_feed_forward.py
+#   notebooks/08_blocks.py
+#   notebooks/09_embeddings_and_output_head.py
+#   notebooks/10_full_model.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """The Transformer from scratch: the library that the course's notebooks build."""
@@ -13,8 +16,20 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from .attention import MultiHeadAttention, scaled_dot_product_attention
-from .layers import GatedFeedForward, LayerNorm, feed_forward, get_activation
+from .layers import (
+    Decoder,
+    DecoderBlock,
+    Encoder,
+    EncoderBlock,
+    GatedFeedForward,
+    LayerNorm,
+    copy_block_to_torch,
+    feed_forward,
+    get_activation,
+    sublayer_connection,
+)
 from .masks import causal_mask, padding_mask
+from .model import BOS, EOS, PAD, Transformer, check_token_ids, embed_tokens, init_token_embedding
 from .positional import (
     LearnedPositionalEmbedding,
     PositionalEncoding,
@@ -49,4 +64,17 @@ __all__ = [
     "get_activation",
     "feed_forward",
     "GatedFeedForward",
+    "sublayer_connection",
+    "EncoderBlock",
+    "DecoderBlock",
+    "copy_block_to_torch",
+    "Encoder",
+    "Decoder",
+    "PAD",
+    "BOS",
+    "EOS",
+    "init_token_embedding",
+    "check_token_ids",
+    "embed_tokens",
+    "Transformer",
 ]

@@ -1,0 +1,1232 @@
+# %% [markdown]
+# # 08 · Encoder and decoder blocks
+#
+# **What you will build:** the two blocks that a Transformer stacks, `EncoderBlock` (self-attention
+# and a feed-forward network) and `DecoderBlock` (masked self-attention, cross-attention over the
+# encoder's output, and a feed-forward network), each sub-layer wrapped in a residual connection
+# with layer norm. Both come in the two arrangements in use: *pre-norm* (the course's default)
+# and *post-norm* (the original paper's). You will match PyTorch's `nn.TransformerEncoderLayer`
+# and `nn.TransformerDecoderLayer` in outputs and gradients, in both arrangements and with masks;
+# see with autograd which positions can influence which; measure why deep stacks are built
+# pre-norm; and count every parameter.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/08_blocks.ipynb) · Assumes: [03 · Multi-head attention](03_multi_head_attention.ipynb), [05 · Masking](05_masking.ipynb), [06 · Layer norm and dropout](06_layer_norm_and_dropout.ipynb), [07 · The feed-forward network](07_feed_forward.ipynb).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+from torch import nn
+from torch.testing import assert_close
+
+from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.layers import LayerNorm, feed_forward
+from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+
+generator = set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# ## The residual stream
+#
+# A Transformer block is a short pipeline of *sub-layers*: self-attention, then (in the decoder)
+# cross-attention, then the position-wise feed-forward network. None of them replaces its input.
+# Each one reads the current vectors, computes an update, and **adds** it back:
+#
+# $$x \;\leftarrow\; x + \mathrm{Sublayer}(x).$$
+#
+# The vectors $x \in \mathbb{R}^{B \times T \times d_\text{model}}$ that run from the embeddings
+# at the bottom to the output head at the top are therefore often called the *residual stream*:
+# every sub-layer of every block reads from it and writes a correction into it (He et al., 2016,
+# introduced the residual connection for deep convolutional networks).
+#
+# Two more pieces from the earlier notebooks complete the wrapper: a `LayerNorm` (notebook 06)
+# and a dropout on the sub-layer's output before the addition (Vaswani et al., 2017, §5.4,
+# "Residual Dropout"). Where the norm sits gives the two arrangements:
+#
+# $$\text{post-norm (the paper, §3.1):}\quad x \leftarrow \mathrm{LayerNorm}\bigl(x + \mathrm{Dropout}(\mathrm{Sublayer}(x))\bigr)$$
+#
+# $$\text{pre-norm:}\quad x \leftarrow x + \mathrm{Dropout}\bigl(\mathrm{Sublayer}(\mathrm{LayerNorm}(x))\bigr)$$
+#
+# The difference looks cosmetic and is not. Unroll $L$ pre-norm sub-layers, writing $F_l$ for the
+# $l$-th normalised sub-layer:
+#
+# $$x_L = x_0 + \sum_{l=0}^{L-1} F_l(x_l)
+# \qquad\Longrightarrow\qquad
+# \frac{\partial x_L}{\partial x_0} = I + \sum_{l=0}^{L-1} \frac{\partial F_l(x_l)}{\partial x_0}.$$
+#
+# The identity $I$ is an untouched path from the output back to the input: the gradient at the
+# top reaches the bottom directly, unscaled, and the sub-layers only add terms to it. In
+# post-norm the stream itself passes through a `LayerNorm` after every addition,
+#
+# $$x_L = \mathrm{LN}\bigl(x_{L-1} + F_{L-1}(x_{L-1})\bigr)
+# \qquad\Longrightarrow\qquad
+# \frac{\partial x_L}{\partial x_0} = \prod_{l=L-1}^{0} J_{\mathrm{LN},l}\,\bigl(I + J_{F,l}\bigr),$$
+#
+# so every path from output to input is multiplied by $L$ normalisation Jacobians, each of which
+# divides by the standard deviation of the sum it normalises. Xiong et al. (2020, "On Layer
+# Normalization in the Transformer Architecture") work out the consequence at initialisation:
+# post-norm gives the layers near the output large gradients, which is why it needs a
+# learning-rate warm-up, while pre-norm's gradients are well-behaved and it trains without one.
+# The section *Pre-norm or post-norm* below measures this.
+#
+# Everything this notebook exports goes into the `layers` module, after notebook 06's
+# `LayerNorm` and notebook 07's `feed_forward`:
+
+# %%
+#| default_exp layers
+
+# %% [markdown]
+# The wrapper is one function; the `sublayer` argument is any callable from $(B, T, d)$ to
+# $(B, T, d)$: an attention with its mask bound, or the FFN.
+
+# %%
+#| export
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_from_scratch.attention import MultiHeadAttention
+
+
+def sublayer_connection(
+    x: torch.Tensor,  # (B, T, d_model), the residual stream
+    sublayer: Callable[[torch.Tensor], torch.Tensor],  # (B, T, d_model) -> (B, T, d_model)
+    norm: nn.Module,
+    dropout: nn.Module,
+    norm_first: bool = True,
+) -> torch.Tensor:
+    """Pre-norm x + dropout(sublayer(norm(x))), or post-norm norm(x + dropout(sublayer(x)))."""
+    if norm_first:
+        return x + dropout(sublayer(norm(x)))  # the stream x itself is never normalised
+    return norm(x + dropout(sublayer(x)))  # the paper: normalise after the addition
+
+
+# %% [markdown]
+# **Check:** the two formulas, with a small linear map as the sub-layer; and what happens when
+# the sub-layer is silenced (all its weights zero, so that it outputs 0). Pre-norm is then
+# *exactly* the identity, for any input. Post-norm is not: it still normalises the stream, so an
+# input of another scale comes out rescaled.
+
+# %%
+d_model = 16
+x = 3.0 * torch.randn(2, 5, d_model, generator=generator).to(device) + 1.0  # (B, T, d), mean 1, std 3
+norm, drop = LayerNorm(d_model).to(device), nn.Dropout(0.0)
+linear = nn.Linear(d_model, d_model).to(device)
+
+assert_close(sublayer_connection(x, linear, norm, drop, norm_first=True), x + linear(norm(x)))
+assert_close(sublayer_connection(x, linear, norm, drop, norm_first=False), norm(x + linear(x)))
+
+silent = nn.Linear(d_model, d_model).to(device)
+nn.init.zeros_(silent.weight)
+nn.init.zeros_(silent.bias)
+pre = sublayer_connection(x, silent, norm, drop, norm_first=True)
+post = sublayer_connection(x, silent, norm, drop, norm_first=False)
+assert torch.equal(pre, x)  # bit for bit
+assert_close(post, norm(x))  # the stream was normalised
+print(f"input      mean {x.mean().item():+.3f}  std {x.std().item():.3f}")
+print(f"pre-norm   mean {pre.mean().item():+.3f}  std {pre.std().item():.3f}   (unchanged)")
+print(f"post-norm  mean {post.mean().item():+.3f}  std {post.std().item():.3f}   (renormalised)")
+
+# %% [markdown]
+# The picture of the two arrangements, with the path from a block's input to its output
+# highlighted. In pre-norm that path meets nothing but additions; in post-norm it goes through
+# every `LayerNorm`.
+
+# %%
+def draw_box(ax, xy, text, color, width=2.0, height=0.55):
+    """A rounded box centred at xy, white text."""
+    x0, y0 = xy
+    ax.add_patch(FancyBboxPatch((x0 - width / 2, y0 - height / 2), width, height,
+                                boxstyle="round,pad=0.03,rounding_size=0.1",
+                                facecolor=color, edgecolor="black", linewidth=1, zorder=3))
+    ax.text(x0, y0, text, ha="center", va="center", fontsize=9, color="white", zorder=4)
+
+
+def draw_arrow(ax, start, end, color="black", lw=1.2):
+    ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=11, linewidth=lw,
+                                 color=color, shrinkA=0, shrinkB=0, zorder=2))
+
+
+def draw_add(ax, xy):
+    ax.add_patch(plt.Circle(xy, 0.2, facecolor="white", edgecolor="black", linewidth=1.2, zorder=3))
+    ax.text(*xy, "+", ha="center", va="center", fontsize=12, zorder=4)
+
+
+def draw_block(ax, norm_first: bool):
+    """One encoder block, drawn from its input (bottom) to its output (top)."""
+    stream, branch = 1.0, 3.6  # x positions of the residual stream and of the sub-layer branch
+    path = dict(color=COLORS["accent"], lw=3.0)  # the input -> output path, in red
+    sub_color, norm_color, drop_color = "#6c6c6c", COLORS["ours"], "#9a9a9a"
+    ax.text(stream, 0.05, "$x$ (input)", ha="center", va="top", fontsize=10)
+    y = 0.1  # where the stream currently is
+    for name in ("multi-head\nself-attention", "feed-forward\nnetwork"):
+        fork = y + 0.3
+        ax.plot([stream, branch], [fork, fork], color="black", lw=1.2, zorder=1)
+        # the branch: (LayerNorm,) sub-layer, Dropout, stacked upwards; (centre, height, ...)
+        boxes = [(name, sub_color, 2.0, 0.75), ("Dropout", drop_color, 1.4, 0.5)]
+        if norm_first:
+            boxes.insert(0, ("LayerNorm", norm_color, 2.0, 0.5))
+        bottom = fork
+        for text, color, width, height in boxes:
+            centre = bottom + 0.3 + height / 2
+            draw_arrow(ax, (branch, bottom), (branch, centre - height / 2))
+            draw_box(ax, (branch, centre), text, color, width=width, height=height)
+            bottom = centre + height / 2
+        add_y = bottom + 0.35
+        ax.plot([branch, branch], [bottom, add_y], color="black", lw=1.2, zorder=1)
+        draw_arrow(ax, (branch, add_y), (stream + 0.2, add_y))
+        draw_add(ax, (stream, add_y))
+        draw_arrow(ax, (stream, y), (stream, add_y - 0.2), **path)
+        y = add_y + 0.2
+        if not norm_first:  # post-norm: the stream itself goes through a LayerNorm
+            draw_box(ax, (stream, y + 0.55), "LayerNorm", norm_color, width=1.7, height=0.5)
+            draw_arrow(ax, (stream, y), (stream, y + 0.3), **path)
+            y += 0.8
+    draw_arrow(ax, (stream, y), (stream, 8.1), **path)
+    ax.text(stream, 8.15, "output", ha="center", va="bottom", fontsize=10)
+    ax.set_xlim(-0.6, 5.0)
+    ax.set_ylim(-0.5, 8.6)
+    ax.set_aspect("equal")
+    ax.set_axis_off()
+
+
+fig, axes = plt.subplots(1, 2, figsize=(9, 7.6))
+draw_block(axes[0], norm_first=True)
+axes[0].set_title("pre-norm (this course's default)\n$x + \\mathrm{Dropout}(F(\\mathrm{LN}(x)))$")
+draw_block(axes[1], norm_first=False)
+axes[1].set_title("post-norm (Vaswani et al., 2017)\n$\\mathrm{LN}(x + \\mathrm{Dropout}(F(x)))$")
+fig.text(0.5, 0.02, "red: the path from the block's input to its output (the residual stream)",
+         ha="center", color=COLORS["accent"], fontsize=10)
+fig.tight_layout(rect=(0, 0.04, 1, 1))
+save_figure(fig, "blocks_pre_post_norm")
+plt.show()
+
+# %% [markdown]
+# **Every sub-layer adds a correction to the residual stream; pre-norm normalises only what
+# the sub-layer reads, so the stream keeps an identity path from input to output.**
+#
+# ## The encoder block
+#
+# The encoder block is two sub-layers: multi-head self-attention (notebook 03), in which every
+# position reads every other allowed position, then the feed-forward network (notebook 07),
+# which transforms each position on its own. Each has its own `LayerNorm` and its own residual
+# dropout. The attributes follow the course's contract and, where it helps the weight copy
+# below, PyTorch's names: `self_attn`, `norm1`, `norm2`, `ffn`, `dropout1`, `dropout2`.
+#
+# `dropout_p` is used in the two places of a block that notebook 06 drew: on the attention
+# weights (passed to `MultiHeadAttention`) and on each sub-layer's output (`dropout1`,
+# `dropout2`). The FFN is `feed_forward(d_model, d_ff, activation)` with no dropout inside, so
+# `ffn` is exactly `Sequential(Linear, activation, Linear)`.
+
+# %%
+#| export
+def _check_block_input(name: str, x: torch.Tensor, d_model: int) -> None:
+    """Raise a TypeError/ValueError unless x is a floating tensor of shape (B, T, d_model)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(
+            f"{name} must have shape (B, T, d_model) with d_model={d_model}, got {tuple(x.shape)}"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+class EncoderBlock(nn.Module):
+    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        dropout_p: float = 0.0,
+        activation: str = "gelu",
+        bias: bool = True,
+        norm_first: bool = True,
+    ):
+        super().__init__()
+        if not isinstance(norm_first, bool):
+            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
+        # MultiHeadAttention checks d_model, num_heads and dropout_p; feed_forward checks d_ff.
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        # Sequential(Linear, activation, Linear), no dropout inside
+        self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
+        self.norm1 = LayerNorm(d_model)  # for the attention sub-layer
+        self.norm2 = LayerNorm(d_model)  # for the FFN sub-layer
+        self.dropout1 = nn.Dropout(dropout_p)  # on the attention output, before the residual add
+        self.dropout2 = nn.Dropout(dropout_p)  # on the FFN output, before the residual add
+        self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
+        self.norm_first = norm_first
+
+    def extra_repr(self) -> str:
+        """Shown by print(block)."""
+        return f"norm_first={self.norm_first}"
+
+
+# %% [markdown]
+# The forward pass is the wrapper applied twice. The mask is the self-attention's (notebook 05:
+# True = may attend, broadcastable to $(B, h, T, T)$); `MultiHeadAttention` checks its shape and
+# says what it expected. The block checks its own input first, so a wrong shape is reported as
+# the block's input rather than from deep inside the attention.
+
+# %%
+#| export
+@add_to_class(EncoderBlock)
+def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
+    _check_block_input("x", x, self.d_model)
+    # 1) Every position reads the allowed positions of the sequence.
+    x = sublayer_connection(
+        x, lambda h: self.self_attn(h, mask=mask), self.norm1, self.dropout1, self.norm_first
+    )  # (B, T, d_model)
+    # 2) Every position is transformed on its own.
+    return sublayer_connection(x, self.ffn, self.norm2, self.dropout2, self.norm_first)
+
+
+# %% [markdown]
+# The course's configuration (notebook 10's model): $d_\text{model} = 128$, $h = 4$,
+# $d_{ff} = 512$.
+
+# %%
+print(EncoderBlock(d_model=128, num_heads=4, d_ff=512))
+
+# %% [markdown]
+# **Check:** shapes in both arrangements, and the forward pass written out by hand from the
+# block's own modules. Then the two masks of notebook 05 at work. With a **padding mask**, no
+# real position may depend on the content of a padded position: change the padding, and the
+# outputs at real positions must stay the same. With a **causal mask**, position $t$ may not
+# depend on positions after it.
+
+# %%
+B, T, d_model, num_heads, d_ff = 2, 6, 32, 4, 64
+x = torch.randn(B, T, d_model, generator=generator).to(device)
+for norm_first in (True, False):
+    block = EncoderBlock(d_model, num_heads, d_ff, norm_first=norm_first).to(device)
+    y = block(x)
+    assert y.shape == (B, T, d_model)
+    if norm_first:
+        h = x + block.self_attn(block.norm1(x))
+        by_hand = h + block.ffn(block.norm2(h))
+    else:
+        h = block.norm1(x + block.self_attn(x))
+        by_hand = block.norm2(h + block.ffn(h))
+    assert_close(y, by_hand)
+
+block = EncoderBlock(d_model, num_heads, d_ff).to(device)
+lengths = torch.tensor([6, 4])
+pad = padding_mask(lengths, T).to(device)  # (B, 1, 1, T), True on real tokens
+x_changed = x.clone()
+x_changed[1, 4:] = 100 * torch.randn(2, d_model, generator=generator).to(device)  # new padding
+y, y_changed = block(x, mask=pad), block(x_changed, mask=pad)
+assert_close(y[1, :4], y_changed[1, :4])  # real positions: unchanged
+assert_close(y[0], y_changed[0])  # the other sequence: untouched
+
+causal = causal_mask(T, device=device)  # (1, 1, T, T)
+x_future = x.clone()
+x_future[:, 3:] = torch.randn(B, T - 3, d_model, generator=generator).to(device)  # new future
+y, y_future = block(x, mask=causal), block(x_future, mask=causal)
+assert_close(y[:, :3], y_future[:, :3])  # positions 0..2 cannot see 3..5
+assert not torch.allclose(y[:, 3:], y_future[:, 3:])
+print("shapes, hand-written forward, padding and causal checks passed")
+
+# %% [markdown]
+# Bad input fails at the block, with the shapes in the message: a missing batch dimension, the
+# wrong width, and a mask that does not broadcast to $(B, h, T, T)$ (the last one is reported by
+# `MultiHeadAttention`).
+
+# %%
+bad_inputs = [
+    (torch.randn(T, d_model), None),  # (T, d): no batch dimension
+    (torch.randn(B, T, d_model + 1), None),  # wrong d_model
+    (torch.randn(B, T, d_model), torch.ones(3, 1, 1, T, dtype=torch.bool)),  # batch 3 vs 2
+]
+for bad_x, bad_mask in bad_inputs:
+    try:
+        block(bad_x.to(device), mask=None if bad_mask is None else bad_mask.to(device))
+    except ValueError as err:
+        print(f"ValueError: {err}")
+    else:
+        raise AssertionError("bad input was accepted")
+
+# %% [markdown]
+# Which input positions can change which output positions? Autograd answers exactly: the
+# Jacobian block $\partial y_t / \partial x_s$ is a $d_\text{model} \times d_\text{model}$ matrix
+# for each pair $(t, s)$, and its norm is zero if and only if $x_s$ cannot influence $y_t$. Below,
+# for the second sequence of the batch (length 4 of 6), with the padding mask and with the
+# causal mask.
+
+# %%
+def dependency_map(fn, x_one: torch.Tensor) -> torch.Tensor:
+    """||d fn(x)_t / d x_s|| for one sequence x_one (T, d): a (T_out, T_in) matrix."""
+    J = torch.autograd.functional.jacobian(fn, x_one)  # (T_out, d, T_in, d)
+    return J.pow(2).sum(dim=(1, 3)).sqrt()  # (T_out, T_in)
+
+
+x_one = x[1]  # (T, d_model), the sequence of length 4
+pad_one = pad[1:2]  # (1, 1, 1, T)
+enc_maps = {
+    "padding mask (length 4 of 6)": dependency_map(lambda s: block(s[None], mask=pad_one)[0], x_one),
+    "causal mask": dependency_map(lambda s: block(s[None], mask=causal)[0], x_one),
+}
+
+# %%
+def plot_dependency_maps(maps: dict, xlabels: list[str], suptitle: str, figname: str):
+    fig, axes = plt.subplots(1, len(maps), figsize=(4.6 * len(maps), 4))
+    for ax, (title, m), xlabel in zip(np.atleast_1d(axes), maps.items(), xlabels, strict=True):
+        m = m.detach().cpu()
+        shown = np.ma.masked_where(m.numpy() == 0, m.numpy())  # exact zeros drawn white
+        image = ax.imshow(shown, cmap="viridis", vmin=0)
+        ax.set(title=title, xlabel=xlabel, ylabel="output position $t$",
+               xticks=range(m.shape[1]), yticks=range(m.shape[0]))
+        fig.colorbar(image, ax=ax, fraction=0.046, label="Jacobian norm (white: exactly 0)")
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    save_figure(fig, figname)
+    plt.show()
+
+
+plot_dependency_maps(enc_maps, ["input position $s$"] * 2,
+                     r"Encoder block: how strongly output $y_t$ depends on input $x_s$, $\|\partial y_t / \partial x_s\|$",
+                     "blocks_encoder_dependencies")
+
+# %% [markdown]
+# **Check:** the zeros are exact and sit where the masks put them. With padding, the padded
+# *keys* 4 and 5 influence no output except, through the residual path and the FFN, their own
+# position (the diagonal entries at $(4, 4)$ and $(5, 5)$: padded positions still compute
+# something, which the loss later ignores). With the causal mask, the map is lower triangular.
+
+# %%
+m_pad, m_causal = enc_maps.values()
+lower = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # s <= t
+diagonal = torch.eye(T, dtype=torch.bool, device=device)
+padded_key = ~pad_one[0, 0].expand(T, T)  # (T, T): column s is a padded key
+assert torch.count_nonzero(m_pad[padded_key & ~diagonal]) == 0  # padded keys reach no one else
+assert (m_pad[~padded_key | diagonal] > 0).all()  # everything else depends on everything
+assert torch.count_nonzero(m_causal[~lower]) == 0 and (m_causal[lower] > 0).all()
+print("zero entries: padding", int((m_pad == 0).sum()), "of 36, causal", int((m_causal == 0).sum()), "of 36")
+
+# %% [markdown]
+# **An encoder block maps $(B, T, d_\text{model})$ to the same shape; its mask decides, exactly,
+# which positions may influence which.**
+#
+# ## The decoder block
+#
+# The decoder block has three sub-layers. The first is self-attention over the target sequence,
+# with a causal mask, so that position $t$ only sees the tokens before it (notebook 05). The second
+# is **cross-attention**: queries from the decoder's stream, keys and values from the encoder's
+# output `enc_out` $\in \mathbb{R}^{B \times T_\text{src} \times d_\text{model}}$. It is the only
+# place where the target reads the source. The third is the FFN. Each has its own norm and
+# residual dropout: `norm1`/`dropout1` for self-attention, `norm2`/`dropout2` for
+# cross-attention, `norm3`/`dropout3` for the FFN, as in PyTorch.
+#
+# In pre-norm, `norm2` normalises only the decoder's stream, the queries; `enc_out` comes in as
+# it is, already normalised by the encoder stack's final norm (notebook 10).
+
+# %%
+#| export
+class DecoderBlock(nn.Module):
+    """Transformer decoder block: masked self-attention, cross-attention to the encoder, FFN."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        dropout_p: float = 0.0,
+        activation: str = "gelu",
+        bias: bool = True,
+        norm_first: bool = True,
+    ):
+        super().__init__()
+        if not isinstance(norm_first, bool):
+            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        # Sequential(Linear, activation, Linear), no dropout inside
+        self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
+        self.norm1 = LayerNorm(d_model)  # for self-attention
+        self.norm2 = LayerNorm(d_model)  # for cross-attention (the queries only)
+        self.norm3 = LayerNorm(d_model)  # for the FFN
+        self.dropout1 = nn.Dropout(dropout_p)
+        self.dropout2 = nn.Dropout(dropout_p)
+        self.dropout3 = nn.Dropout(dropout_p)
+        self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
+        self.norm_first = norm_first
+
+    def extra_repr(self) -> str:
+        """Shown by print(block)."""
+        return f"norm_first={self.norm_first}"
+
+
+# %% [markdown]
+# Two masks: `self_mask` for the self-attention, broadcastable to $(B, h, T, T)$ (the causal mask,
+# combined with the target's padding when the batch is padded), and `cross_mask` for the
+# cross-attention, broadcastable to $(B, h, T, T_\text{src})$ (the source's padding, never
+# causal: the whole source is known). Besides the shapes, the block checks that the decoder and
+# the encoder output come from the same batch.
+
+# %%
+#| export
+@add_to_class(DecoderBlock)
+def forward(
+    self,
+    x: torch.Tensor,  # (B, T, d_model), the target side
+    enc_out: torch.Tensor,  # (B, T_src, d_model), the encoder's output
+    self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
+    cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
+) -> torch.Tensor:
+    """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
+    _check_block_input("x", x, self.d_model)
+    _check_block_input("enc_out", enc_out, self.d_model)
+    if enc_out.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)} have different batch sizes"
+        )
+    # 1) Each target position reads the target positions before it.
+    x = sublayer_connection(
+        x, lambda h: self.self_attn(h, mask=self_mask), self.norm1, self.dropout1, self.norm_first
+    )  # (B, T, d_model)
+    # 2) Each target position reads the source: queries from x, keys and values from enc_out.
+    x = sublayer_connection(
+        x,
+        lambda h: self.cross_attn(h, enc_out, mask=cross_mask),  # (B, T, d) x (B, T_src, d)
+        self.norm2,
+        self.dropout2,
+        self.norm_first,
+    )  # (B, T, d_model)
+    # 3) Each position is transformed on its own.
+    return sublayer_connection(x, self.ffn, self.norm3, self.dropout3, self.norm_first)
+
+
+# %% [markdown]
+# **Check:** the output has the target's shape, whatever the source length; the hand-written
+# forward pass in both arrangements; and the three masks at work. A target position does not
+# depend on later target tokens; no target position depends on the source's padding; and, unlike
+# the causal self-attention, cross-attention lets the *first* target position see the *last*
+# source token.
+
+# %%
+T_src = 7
+enc_out = torch.randn(B, T_src, d_model, generator=generator).to(device)
+x_tgt = torch.randn(B, T, d_model, generator=generator).to(device)
+for norm_first in (True, False):
+    dec = DecoderBlock(d_model, num_heads, d_ff, norm_first=norm_first).to(device)
+    y = dec(x_tgt, enc_out)
+    assert y.shape == (B, T, d_model)
+    if norm_first:
+        h = x_tgt + dec.self_attn(dec.norm1(x_tgt))
+        h = h + dec.cross_attn(dec.norm2(h), enc_out)
+        by_hand = h + dec.ffn(dec.norm3(h))
+    else:
+        h = dec.norm1(x_tgt + dec.self_attn(x_tgt))
+        h = dec.norm2(h + dec.cross_attn(h, enc_out))
+        by_hand = dec.norm3(h + dec.ffn(h))
+    assert_close(y, by_hand)
+
+dec = DecoderBlock(d_model, num_heads, d_ff).to(device)
+src_pad = padding_mask(torch.tensor([7, 5]), T_src).to(device)  # (B, 1, 1, T_src)
+y = dec(x_tgt, enc_out, self_mask=causal, cross_mask=src_pad)
+
+x_future = x_tgt.clone()
+x_future[:, 3:] += torch.randn(B, T - 3, d_model, generator=generator).to(device)
+assert_close(dec(x_future, enc_out, self_mask=causal, cross_mask=src_pad)[:, :3], y[:, :3])
+
+enc_repadded = enc_out.clone()
+enc_repadded[1, 5:] = torch.randn(2, d_model, generator=generator).to(device)  # new source padding
+assert_close(dec(x_tgt, enc_repadded, self_mask=causal, cross_mask=src_pad), y)
+
+enc_last = enc_out.clone()
+enc_last[0, -1] += 1.0  # change only the last source token of sequence 0
+assert not torch.allclose(dec(x_tgt, enc_last, self_mask=causal, cross_mask=src_pad)[0, 0], y[0, 0])
+print("decoder: shapes, hand-written forward, causal, source padding and cross-attention checks passed")
+
+# %% [markdown]
+# And its bad inputs: an encoder output from another batch, an encoder output of the wrong
+# width, and a cross-attention mask built for the wrong source length.
+
+# %%
+bad_calls = [
+    dict(enc_out=torch.randn(B + 1, T_src, d_model)),  # batch 3 vs 2
+    dict(enc_out=torch.randn(B, T_src, d_model // 2)),  # wrong d_model
+    dict(enc_out=torch.randn(B, T_src, d_model), cross_mask=padding_mask(torch.tensor([4, 4]), T_src - 1)),
+]
+for call in bad_calls:
+    call = {k: v.to(device) for k, v in call.items()}
+    try:
+        dec(x_tgt, **call)
+    except ValueError as err:
+        print(f"ValueError: {err}")
+    else:
+        raise AssertionError("bad input was accepted")
+
+# %% [markdown]
+# The decoder's dependency maps, for the second sequence (source length 5 of 7): the target on
+# the target under the causal self-mask, and the target on the source through cross-attention.
+
+# %%
+x_one, enc_one = x_tgt[1], enc_out[1]  # (T, d), (T_src, d)
+src_pad_one = src_pad[1:2]  # (1, 1, 1, T_src)
+dec_maps = {
+    r"$\|\partial y_t / \partial x_s\|$: target (causal self-mask)": dependency_map(
+        lambda s: dec(s[None], enc_one[None], self_mask=causal, cross_mask=src_pad_one)[0], x_one),
+    r"$\|\partial y_t / \partial\, \mathrm{enc}_s\|$: source (padding: 5 of 7)": dependency_map(
+        lambda e: dec(x_one[None], e[None], self_mask=causal, cross_mask=src_pad_one)[0], enc_one),
+}
+plot_dependency_maps(dec_maps, ["target position $s$", "source position $s$ (enc_out)"],
+                     "Decoder block: how strongly output $y_t$ depends on each input position",
+                     "blocks_decoder_dependencies")
+
+# %%
+m_self, m_cross = dec_maps.values()
+assert torch.count_nonzero(m_self[~lower]) == 0 and (m_self[lower] > 0).all()
+assert torch.count_nonzero(m_cross[:, 5:]) == 0 and (m_cross[:, :5] > 0).all()
+print("cross-attention map: nonzero columns", (m_cross.sum(dim=0) > 0).nonzero().flatten().tolist())
+
+# %% [markdown]
+# Every target position reads every real source position, from the first target token on; the
+# padded source columns are exactly zero, and nothing on the source side has a residual path
+# into the decoder, so there is no diagonal exception.
+#
+# **A decoder block adds cross-attention between the two: the target reads itself causally and
+# the whole (unpadded) source.**
+#
+# ## Parity with PyTorch's layers
+#
+# PyTorch ships both blocks: `nn.TransformerEncoderLayer` and `nn.TransformerDecoderLayer`, with
+# `norm_first=False` (post-norm, the default) or `True`. They hold the same weights as ours under
+# other names, so we can copy ours in and demand the same outputs and the same gradients:
+#
+# | ours | PyTorch |
+# |---|---|
+# | `self_attn.W_q`, `W_k`, `W_v` (each $d \times d$) | `self_attn.in_proj_weight` ($3d \times d$, the three stacked) and `in_proj_bias` |
+# | `self_attn.W_o` | `self_attn.out_proj` |
+# | `cross_attn` (decoder) | `multihead_attn` |
+# | `ffn[0]`, `ffn[2]` | `linear1`, `linear2` |
+# | `norm1`, `norm2`, `norm3` | `norm1`, `norm2`, `norm3` |
+# | `dropout_p` | `dropout` (also inside the FFN, after the activation: ours has no such dropout) |
+#
+# The copy is useful beyond this notebook (notebook 10 checks the whole model against
+# `nn.Transformer`, whose layers are exactly these), so it is exported. It refuses a pair whose
+# sizes or arrangement differ, instead of copying into the wrong shapes.
+
+# %%
+#| export
+def _copy_attention(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
+    """W_q, W_k, W_v stacked into in_proj; W_o into out_proj."""
+    # 3 x (d, d) -> (3d, d): rows 0..d-1 project queries, then keys, then values.
+    theirs.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
+    theirs.out_proj.weight.copy_(ours.W_o.weight)
+    if ours.W_q.bias is not None:
+        theirs.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
+        theirs.out_proj.bias.copy_(ours.W_o.bias)
+
+
+def _check_norm_pair(ours: LayerNorm, theirs: nn.LayerNorm, name: str) -> None:
+    """Raise a ValueError if nn.LayerNorm cannot hold our LayerNorm's numbers."""
+    if ours.eps != theirs.eps:
+        raise ValueError(f"{name}: eps differs, ours {ours.eps} vs theirs {theirs.eps}")
+    if theirs.bias is None and torch.count_nonzero(ours.bias):
+        raise ValueError(f"{name}: theirs has no bias (bias=False) but ours has a nonzero one")
+
+
+def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
+    """Our LayerNorm's gamma and beta into nn.LayerNorm (which has no beta when bias=False)."""
+    theirs.weight.copy_(ours.weight)
+    if theirs.bias is not None:
+        theirs.bias.copy_(ours.bias)
+
+
+def copy_block_to_torch(
+    ours: EncoderBlock | DecoderBlock,
+    theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
+) -> None:
+    """Copy our block's weights into the PyTorch layer of the same configuration, in place."""
+    pairs = {EncoderBlock: nn.TransformerEncoderLayer, DecoderBlock: nn.TransformerDecoderLayer}
+    if type(ours) not in pairs or type(theirs) is not pairs[type(ours)]:
+        raise TypeError(
+            "expected (EncoderBlock, nn.TransformerEncoderLayer) or "
+            f"(DecoderBlock, nn.TransformerDecoderLayer), got "
+            f"({type(ours).__name__}, {type(theirs).__name__})"
+        )
+    sizes_ours = (ours.d_model, ours.num_heads, ours.d_ff)
+    sizes_theirs = (theirs.self_attn.embed_dim, theirs.self_attn.num_heads, theirs.linear1.out_features)
+    if sizes_ours != sizes_theirs:
+        raise ValueError(
+            f"(d_model, num_heads, d_ff) differ: ours {sizes_ours}, theirs {sizes_theirs}"
+        )
+    if ours.norm_first != theirs.norm_first:
+        raise ValueError(
+            f"arrangements differ: ours has norm_first={ours.norm_first}, "
+            f"theirs norm_first={theirs.norm_first}"
+        )
+    if (ours.ffn[0].bias is None) != (theirs.linear1.bias is None):
+        raise ValueError("one block has biases and the other not: build both with the same bias")
+    act, their_act = ours.ffn[1], theirs.activation  # theirs: F.relu, F.gelu or a module
+    approximate = getattr(act, "approximate", "none")  # F.gelu is the exact GELU
+    as_function = {nn.ReLU: F.relu, nn.GELU: F.gelu}.get(type(act)) if approximate == "none" else None
+    same_type = type(their_act) is type(act)
+    same_module = same_type and getattr(their_act, "approximate", "none") == approximate
+    if not (their_act is as_function or same_module):
+        raise ValueError(f"activations differ: ours {act!r}, theirs {their_act!r}")
+    norms = ["norm1", "norm2", "norm3"] if isinstance(ours, DecoderBlock) else ["norm1", "norm2"]
+    for name in norms:  # check everything before copying anything
+        _check_norm_pair(getattr(ours, name), getattr(theirs, name), name)
+    with torch.no_grad():
+        _copy_attention(ours.self_attn, theirs.self_attn)
+        if isinstance(ours, DecoderBlock):
+            _copy_attention(ours.cross_attn, theirs.multihead_attn)
+        theirs.linear1.weight.copy_(ours.ffn[0].weight)
+        theirs.linear2.weight.copy_(ours.ffn[2].weight)
+        if ours.ffn[0].bias is not None:
+            theirs.linear1.bias.copy_(ours.ffn[0].bias)
+            theirs.linear2.bias.copy_(ours.ffn[2].bias)
+        for name in norms:
+            _copy_norm(getattr(ours, name), getattr(theirs, name))
+
+
+# %% [markdown]
+# The masks must be translated too (notebook 05): PyTorch's boolean masks say **True = blocked**,
+# the opposite of ours, and it takes the causal part and the padding part separately, as a
+# $(T_q, T_k)$ `attn_mask` and a $(B, T_k)$ `key_padding_mask`:
+
+# %%
+def to_torch_masks(causal: torch.Tensor | None, padding: torch.Tensor | None):
+    """Our (1,1,T,T) causal and (B,1,1,T_k) padding masks -> PyTorch's (T,T), (B,T_k), True = blocked."""
+    attn_mask = None if causal is None else ~causal[0, 0]  # (1, 1, T, T) -> (T, T)
+    key_padding_mask = None if padding is None else ~padding[:, 0, 0]  # (B, 1, 1, T_k) -> (B, T_k)
+    return attn_mask, key_padding_mask
+
+
+# %% [markdown]
+# A parameter's gradient must be compared with the matching slice of PyTorch's: our `W_k.weight`
+# is rows $d$ to $2d - 1$ of `in_proj_weight`, and so on. The helper lists every pair.
+
+# %%
+def matching_params(ours, theirs) -> list[tuple[str, torch.Tensor, torch.Tensor, slice]]:
+    """(name, our parameter, their parameter, its rows that hold ours) for every parameter."""
+    d = ours.d_model
+    attns = [("self_attn", ours.self_attn, theirs.self_attn)]
+    norms = ["norm1", "norm2"]
+    if isinstance(ours, DecoderBlock):
+        attns.append(("cross_attn", ours.cross_attn, theirs.multihead_attn))
+        norms.append("norm3")
+    pairs = []
+    for name, a, b in attns:
+        for i, proj in enumerate(("W_q", "W_k", "W_v")):
+            rows = slice(i * d, (i + 1) * d)
+            pairs.append((f"{name}.{proj}.weight", getattr(a, proj).weight, (b.in_proj_weight, rows)))
+            pairs.append((f"{name}.{proj}.bias", getattr(a, proj).bias, (b.in_proj_bias, rows)))
+        pairs.append((f"{name}.W_o.weight", a.W_o.weight, (b.out_proj.weight, slice(None))))
+        pairs.append((f"{name}.W_o.bias", a.W_o.bias, (b.out_proj.bias, slice(None))))
+    for i, lin in ((0, "linear1"), (2, "linear2")):
+        for kind in ("weight", "bias"):
+            pairs.append((f"ffn.{i}.{kind}", getattr(ours.ffn[i], kind),
+                          (getattr(getattr(theirs, lin), kind), slice(None))))
+    for norm in norms:
+        for kind in ("weight", "bias"):
+            pairs.append((f"{norm}.{kind}", getattr(getattr(ours, norm), kind),
+                          (getattr(getattr(theirs, norm), kind), slice(None))))
+    assert len(pairs) == sum(1 for _ in ours.parameters())  # every parameter is compared
+    return [(name, p, q, rows) for name, p, (q, rows) in pairs]
+
+
+# %% [markdown]
+# **Check:** for both blocks, both arrangements, and realistic masks (the encoder with source
+# padding; the decoder with a causal and padded target and a padded source), the outputs, the
+# gradients with respect to the inputs and the gradients of all parameters agree. The upstream
+# gradient is random, so that every output element counts. Activation: ReLU, PyTorch's default;
+# GELU is covered by the unit tests.
+
+# %%
+d_model, num_heads, d_ff, T, T_src = 32, 4, 64, 6, 7
+lengths_tgt, lengths_src = torch.tensor([6, 3]), torch.tensor([7, 4])
+x_tgt = torch.randn(B, T, d_model, generator=generator).to(device)
+x_src = torch.randn(B, T_src, d_model, generator=generator).to(device)
+upstream = torch.randn(B, T, d_model, generator=generator).to(device)
+upstream_src = torch.randn(B, T_src, d_model, generator=generator).to(device)
+src_pad = padding_mask(lengths_src, T_src).to(device)  # (B, 1, 1, T_src)
+tgt_pad = padding_mask(lengths_tgt, T).to(device)  # (B, 1, 1, T)
+causal = causal_mask(T, device=device)  # (1, 1, T, T)
+
+def randomize_vectors(block: nn.Module) -> None:
+    """Random biases and norm parameters (fresh ones are 0 and 1), so that a missed copy shows."""
+    with torch.no_grad():
+        for p in block.parameters():
+            if p.dim() == 1:
+                p.normal_(std=0.3)
+
+
+def compare(pairs, outputs, input_grads) -> dict:
+    """Assert equal outputs, input gradients and parameter gradients; return the largest gaps."""
+    for a, b in [outputs, *input_grads]:
+        assert_close(a, b)
+    for _, p, q, rows in pairs:
+        assert_close(p.grad, q.grad[rows])
+    return {
+        "output": (outputs[0] - outputs[1]).abs().max().item(),
+        "input grads": max((a - b).abs().max().item() for a, b in input_grads),
+        "parameter grads": max((p.grad - q.grad[rows]).abs().max().item() for _, p, q, rows in pairs),
+    }
+
+
+max_diffs = {}  # (block, arrangement) -> largest |ours - theirs| of each kind
+for norm_first in (True, False):
+    arrangement = "pre-norm" if norm_first else "post-norm"
+    config = dict(d_model=d_model, nhead=num_heads, dim_feedforward=d_ff, dropout=0.0,
+                  activation="relu", batch_first=True, norm_first=norm_first)
+
+    # Encoder: our (B, 1, 1, T_src) padding mask -> their (B, T_src) src_key_padding_mask.
+    ours = EncoderBlock(d_model, num_heads, d_ff, activation="relu", norm_first=norm_first).to(device)
+    randomize_vectors(ours)
+    theirs = nn.TransformerEncoderLayer(**config).to(device)
+    copy_block_to_torch(ours, theirs)
+    _, src_key_padding = to_torch_masks(None, src_pad)
+    xa, xb = x_src.clone().requires_grad_(), x_src.clone().requires_grad_()
+    ya = ours(xa, mask=src_pad)  # (B, T_src, d_model)
+    yb = theirs(xb, src_key_padding_mask=src_key_padding)
+    (ya * upstream_src).sum().backward()
+    (yb * upstream_src).sum().backward()
+    enc_pairs = matching_params(ours, theirs)
+    max_diffs[("encoder", arrangement)] = compare(enc_pairs, (ya, yb), [(xa.grad, xb.grad)])
+
+    # Decoder: causal (T, T) tgt_mask, target and source key-padding masks, all True = blocked.
+    ours = DecoderBlock(d_model, num_heads, d_ff, activation="relu", norm_first=norm_first).to(device)
+    randomize_vectors(ours)
+    theirs = nn.TransformerDecoderLayer(**config).to(device)
+    copy_block_to_torch(ours, theirs)
+    tgt_mask, tgt_key_padding = to_torch_masks(causal, tgt_pad)
+    _, memory_key_padding = to_torch_masks(None, src_pad)
+    xa, xb = x_tgt.clone().requires_grad_(), x_tgt.clone().requires_grad_()
+    ea, eb = x_src.clone().requires_grad_(), x_src.clone().requires_grad_()
+    ya = ours(xa, ea, self_mask=causal & tgt_pad, cross_mask=src_pad)  # (B, T, d_model)
+    yb = theirs(xb, eb, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding,
+                memory_key_padding_mask=memory_key_padding)
+    (ya * upstream).sum().backward()
+    (yb * upstream).sum().backward()
+    dec_pairs = matching_params(ours, theirs)
+    # ea.grad: the gradient that flows back into the encoder through cross-attention
+    max_diffs[("decoder", arrangement)] = compare(dec_pairs, (ya, yb), [(xa.grad, xb.grad), (ea.grad, eb.grad)])
+    print(f"{arrangement:>9}: encoder ({len(enc_pairs)} parameter tensors) and decoder "
+          f"({len(dec_pairs)}) match PyTorch in outputs and gradients")
+
+# %% [markdown]
+# How close is "the same"? Float32 has about 7 significant digits; two implementations that add
+# the same numbers in a different order differ in the last one or two. The largest differences,
+# on a log scale:
+
+# %% tags=["nbval-ignore-output"]
+fig, ax = plt.subplots(figsize=(8.5, 3.8))
+kinds = ["output", "input grads", "parameter grads"]
+colors = [COLORS["ours"], COLORS["torch"], COLORS["value"]]
+width = 0.26
+for k, (kind, color) in enumerate(zip(kinds, colors, strict=True)):
+    values = [max(max_diffs[key][kind], 1e-12) for key in max_diffs]
+    ax.bar(np.arange(len(max_diffs)) + (k - 1) * width, values, width, color=color, label=kind)
+ax.axhline(torch.finfo(torch.float32).eps, color="black", ls="--", lw=1,
+           label="float32 machine epsilon")
+ax.set_yscale("log")
+ax.set_ylim(1e-9, 1e-4)
+ax.set_xticks(range(len(max_diffs)), [f"{b}\n{a}" for b, a in max_diffs])
+ax.set(ylabel="max |ours − PyTorch|", title="Our blocks vs nn.TransformerEncoderLayer / DecoderLayer")
+ax.legend(loc="upper left", ncols=4, fontsize=9)
+fig.tight_layout()
+plt.show()  # not saved to figures/: the bars depend on the machine
+
+# %%
+assert max(v for diffs in max_diffs.values() for v in diffs.values()) < 1e-4
+
+# %% [markdown]
+# The differences are $10^{-7}$ to $10^{-6}$: a few float32 roundings of numbers of order 1 to 10,
+# many orders of magnitude below what a wrong weight, mask or arrangement would cause.
+# The bars depend on the machine (its BLAS, its CPU or GPU), so CI does not compare the
+# figure's cell; it runs the assert after it.
+#
+# **Dropout.** With `dropout_p > 0` the blocks are random in training mode and deterministic in
+# evaluation mode, where they equal the same block built with `dropout_p = 0`. In evaluation mode
+# they still match PyTorch's layers (which drop out in one more place, inside the FFN, only while
+# training).
+
+# %%
+noisy = DecoderBlock(d_model, num_heads, d_ff, dropout_p=0.1, activation="relu").to(device)
+clean = DecoderBlock(d_model, num_heads, d_ff, dropout_p=0.0, activation="relu").to(device)
+clean.load_state_dict(noisy.state_dict())
+args = (x_tgt, x_src)
+kwargs = dict(self_mask=causal & tgt_pad, cross_mask=src_pad)
+noisy.train()
+assert not torch.equal(noisy(*args, **kwargs), noisy(*args, **kwargs))
+noisy.eval()
+with torch.no_grad():
+    assert torch.equal(noisy(*args, **kwargs), noisy(*args, **kwargs))
+    assert_close(noisy(*args, **kwargs), clean(*args, **kwargs))
+    theirs = nn.TransformerDecoderLayer(d_model, num_heads, d_ff, dropout=0.1, batch_first=True,
+                                        norm_first=True).to(device).eval()
+    copy_block_to_torch(noisy, theirs)
+    assert_close(noisy(*args, **kwargs),
+                 theirs(x_tgt, x_src, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding,
+                        memory_key_padding_mask=memory_key_padding))
+print("training: random; evaluation: deterministic, equal to dropout_p=0 and to PyTorch")
+
+# %% [markdown]
+# **Our blocks are PyTorch's layers, weight for weight: the same outputs and gradients in both
+# arrangements, with causal and padding masks, once the masks are flipped to PyTorch's
+# True = blocked.**
+#
+# ## Pre-norm or post-norm: gradients at initialisation
+#
+# The residual-stream algebra above predicts a difference between the two arrangements before
+# any training. Xiong et al. (2020, Theorem 1) make it quantitative for the last layer of an
+# $L$-block stack at initialisation:
+#
+# * **post-norm:** every block ends in a `LayerNorm`, so the stream stays at unit scale whatever
+#   $L$ is, and the gradient of the last layer's weights does not shrink with depth;
+# * **pre-norm:** each sub-layer adds a roughly independent update to the stream, so its variance
+#   grows about linearly with depth and the stack's final `LayerNorm` divides by
+#   $\|x_L\| \propto \sqrt{L}$. The last layer's gradient scales like $1/\sqrt{L}$.
+#
+# Large gradients at the output layers at the start of training, with a large learning rate, make
+# the first updates too big; a learning-rate warm-up (Vaswani et al., 2017, §5.3; notebook 11)
+# is what keeps post-norm trainable. Xiong et al. trained pre-norm Transformers without the
+# warm-up.
+#
+# The experiment: a stack of 12 encoder blocks ($d_\text{model} = 64$, $h = 4$, $d_{ff} = 256$,
+# ReLU, dropout off), freshly initialised with the course's seed; one fixed random batch
+# ($B = 8$, $T = 16$) and a simple loss, the mean squared error between the stack's output and a
+# random target. The pre-norm stack ends in a final `LayerNorm`, as notebook 10's encoder does;
+# the post-norm stack needs none (its last block already ends in one). We record the gradient
+# norm of each block's parameters, $\|\nabla_{\theta_l} \mathcal{L}\|_2$ over all its tensors.
+
+# %%
+def layer_gradient_norms(norm_first: bool, num_layers: int, seed: int = 0,
+                         d_model: int = 64, num_heads: int = 4, d_ff: int = 256,
+                         B: int = 8, T: int = 16) -> dict:
+    """Gradient norms, per block and of the last block's ffn[2].weight, at initialisation."""
+    set_seed(seed)
+    blocks = nn.ModuleList(
+        EncoderBlock(d_model, num_heads, d_ff, activation="relu", norm_first=norm_first)
+        for _ in range(num_layers)
+    ).to(device)
+    final_norm = LayerNorm(d_model).to(device) if norm_first else nn.Identity()
+    data = torch.Generator().manual_seed(1234)  # the same batch for every stack
+    x = torch.randn(B, T, d_model, generator=data).to(device)  # (B, T, d_model)
+    target = torch.randn(B, T, d_model, generator=data).to(device)
+    for block in blocks:
+        x = block(x)  # (B, T, d_model) -> (B, T, d_model)
+    loss = F.mse_loss(final_norm(x), target)
+    loss.backward()
+    per_block = [torch.cat([p.grad.flatten() for p in b.parameters()]).norm().item() for b in blocks]
+    return {"per_block": per_block, "last_W2": blocks[-1].ffn[2].weight.grad.norm().item()}
+
+
+deep = {nf: layer_gradient_norms(nf, num_layers=12)["per_block"] for nf in (True, False)}
+for nf, name in ((True, "pre-norm"), (False, "post-norm")):
+    g = deep[nf]
+    print(f"{name:>9}: block 1 {g[0]:.3f}, block 6 {g[5]:.3f}, block 12 {g[-1]:.3f};"
+          f" last/first = {g[-1] / g[0]:.2f}")
+
+# %% [markdown]
+# Then the depth dependence: the same measurement for stacks of $L = 3, 6, 12, 24$ and $48$
+# blocks, recording the gradient norm of the last block's second FFN matrix (`ffn[2].weight`,
+# the $W^{2,L}$ of Xiong et al.'s theorem).
+
+# %%
+depths = [3, 6, 12, 24, 48]
+last_W2 = {nf: [layer_gradient_norms(nf, num_layers=L)["last_W2"] for L in depths] for nf in (True, False)}
+slopes = {nf: np.polyfit(np.log(depths), np.log(last_W2[nf]), 1)[0] for nf in (True, False)}
+for nf, name in ((True, "pre-norm"), (False, "post-norm")):
+    print(f"{name:>9}: " + "  ".join(f"L={L}: {g:.3f}" for L, g in zip(depths, last_W2[nf], strict=True))
+          + f"   log-log slope {slopes[nf]:+.2f}")
+
+# %%
+fig, (ax_l, ax_r) = plt.subplots(1, 2, figsize=(11, 4.2))
+styles = {True: dict(color=COLORS["ours"], marker="o", label="pre-norm (+ final LayerNorm)"),
+          False: dict(color=COLORS["accent"], marker="s", label="post-norm")}
+layers_axis = np.arange(1, 13)
+for nf in (True, False):
+    ax_l.plot(layers_axis, deep[nf], **styles[nf])
+    ax_r.plot(depths, last_W2[nf], **styles[nf])
+ax_l.set(yscale="log", xlabel="block index $l$ (1 = next to the input)",
+         ylabel=r"$\|\nabla_{\theta_l}\mathcal{L}\|_2$ (all parameters of block $l$)",
+         title="12-block encoder stack at initialisation", xticks=layers_axis)
+reference = last_W2[True][0] * np.sqrt(depths[0] / np.array(depths))
+ax_r.plot(depths, reference, color="grey", ls="--", lw=1, label=r"$\propto 1/\sqrt{L}$")
+ax_r.set(xscale="log", yscale="log", xlabel="number of blocks $L$",
+         ylabel=r"$\|\nabla \mathcal{L}\|_2$ of the last block's ffn[2].weight",
+         title="The last block's gradient against depth", xticks=depths)
+ax_r.set_xticklabels([str(L) for L in depths])
+ax_r.minorticks_off()
+for ax, ticks in ((ax_l, [0.1, 0.2, 0.3, 0.5]), (ax_r, [0.02, 0.05, 0.1, 0.2])):
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.yaxis.set_minor_formatter(plt.NullFormatter())
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=9)
+fig.tight_layout()
+save_figure(fig, "blocks_gradient_norms")
+plt.show()
+
+# %% [markdown]
+# What the two panels show, for this seed and batch (the check below repeats the left panel's
+# comparison for four more seeds):
+#
+# * **Left.** In the post-norm stack the gradient is largest at the top: the last block's is
+#   larger than the first block's, and several times larger than the last pre-norm block's.
+#   In the pre-norm stack it is the other way round: the blocks near the output get the
+#   *smallest* gradients, about a third of the first block's, and the curve falls smoothly.
+# * **Right.** As the stack deepens, the pre-norm gradient of the last layer falls with a
+#   log-log slope close to $-\tfrac12$, Xiong et al.'s $1/\sqrt{L}$; the post-norm one does not
+#   move. At 48 blocks the post-norm output layer gets about seven times the gradient of the
+#   pre-norm one.
+#
+# So at 12 layers and at initialisation, the post-norm gradients do not vanish toward the input
+# here; what the measurement shows is at the other end. Post-norm hands its output layers large
+# gradients however deep the stack is, so with a large learning rate the first optimiser steps
+# are largest there; Xiong et al. identify this as what the warm-up protects against. Pre-norm
+# shrinks them as the stack deepens. (Liu et al., 2020, "Understanding the Difficulty of
+# Training Transformers", trace post-norm's instability further, to how strongly each layer's
+# output depends on its residual branch.)
+#
+# **Check:** the qualitative result, with generous margins (the numbers are deterministic for the
+# seed; the margins leave room for other seeds and hardware), and the left panel's comparison
+# again for seeds 1 to 4:
+
+# %%
+ratio_pre = deep[True][-1] / deep[True][0]
+ratio_post = deep[False][-1] / deep[False][0]
+assert ratio_pre < 0.7  # pre-norm: the top block gets clearly less than the bottom one
+assert ratio_post / ratio_pre > 2.5  # the profiles differ by a large factor
+assert deep[False][-1] > 2 * deep[True][-1]  # post-norm's top block: a much larger gradient
+assert -0.8 < slopes[True] < -0.3  # pre-norm: about 1/sqrt(L)
+assert -0.2 < slopes[False] < 0.2  # post-norm: flat in L
+assert last_W2[False][-1] > 4 * last_W2[True][-1]  # at 48 blocks
+for seed in range(1, 5):
+    g_pre = layer_gradient_norms(True, num_layers=12, seed=seed)["per_block"]
+    g_post = layer_gradient_norms(False, num_layers=12, seed=seed)["per_block"]
+    assert g_pre[-1] / g_pre[0] < 0.7 and (g_post[-1] / g_post[0]) / (g_pre[-1] / g_pre[0]) > 2.5
+    assert g_post[-1] > 2 * g_pre[-1]
+print(f"seed 0: last/first pre-norm {ratio_pre:.2f}, post-norm {ratio_post:.2f};"
+      f" slopes {slopes[True]:+.2f} and {slopes[False]:+.2f}; seeds 1-4 agree")
+
+# %% [markdown]
+# **Post-norm gives the layers next to the output large gradients at initialisation, at any
+# depth, and needs a warm-up; pre-norm scales them down like $1/\sqrt{L}$ and keeps an identity
+# path, so deep stacks train without one. The course builds pre-norm.**
+#
+# ## Counting the parameters
+#
+# An `nn.Linear(n_in, n_out)` holds $n_\text{in} n_\text{out} + n_\text{out}$ numbers, a
+# `LayerNorm(d)` holds $2d$. With $d = d_\text{model}$:
+#
+# | piece | parameters |
+# |---|---|
+# | one multi-head attention ($W_q, W_k, W_v, W_o$) | $4d^2 + 4d$ |
+# | FFN | $2\, d\, d_{ff} + d_{ff} + d$ |
+# | one `LayerNorm` | $2d$ |
+# | **encoder block** (1 attention, FFN, 2 norms) | $4d^2 + 2\,d\,d_{ff} + d_{ff} + 9d$ |
+# | **decoder block** (2 attentions, FFN, 3 norms) | $8d^2 + 2\,d\,d_{ff} + d_{ff} + 15d$ |
+#
+# The number of heads does not appear: the heads split $d$, they do not add weights.
+
+# %%
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def encoder_block_formula(d: int, d_ff: int) -> int:
+    return 4 * d**2 + 2 * d * d_ff + d_ff + 9 * d
+
+
+def decoder_block_formula(d: int, d_ff: int) -> int:
+    return 8 * d**2 + 2 * d * d_ff + d_ff + 15 * d
+
+
+configs = [("course (notebook 10)", 128, 4, 512), ("paper, base", 512, 8, 2048), ("paper, big", 1024, 16, 4096)]
+counts, lines = {}, []
+for name, d, h, dff in configs:
+    enc, dec = EncoderBlock(d, h, dff), DecoderBlock(d, h, dff)
+    counts[name] = (enc, dec)
+    assert num_params(enc) == encoder_block_formula(d, dff)
+    assert num_params(dec) == decoder_block_formula(d, dff)
+    assert num_params(enc) == num_params(nn.TransformerEncoderLayer(d, h, dff))
+    assert num_params(dec) == num_params(nn.TransformerDecoderLayer(d, h, dff))
+    lines.append(f"{name:>21}: d={d:>4}, d_ff={dff:>4}: encoder block {num_params(enc):>10,}, "
+                 f"decoder block {num_params(dec):>10,}")
+print("\n".join(lines))
+assert num_params(EncoderBlock(128, 1, 512)) == num_params(EncoderBlock(128, 16, 512))
+
+# %% [markdown]
+# Notebook 10's model has two encoder and two decoder blocks at the course's size:
+# $2 \times 198{,}272 + 2 \times 264{,}576 = 925{,}696$ of its $930{,}828$ parameters are in the
+# blocks; the two final norms, the two embedding tables and the output layer hold the other
+# $5{,}132$. Where a block's parameters sit:
+
+# %%
+def breakdown(block) -> dict:
+    parts = {"self-attention": num_params(block.self_attn)}
+    if isinstance(block, DecoderBlock):
+        parts["cross-attention"] = num_params(block.cross_attn)
+    parts["FFN"] = num_params(block.ffn)
+    parts["LayerNorms"] = sum(num_params(m) for m in block.modules() if isinstance(m, LayerNorm))
+    assert sum(parts.values()) == num_params(block)
+    return parts
+
+
+part_colors = {"self-attention": COLORS["query"], "cross-attention": COLORS["key"],
+               "FFN": COLORS["value"], "LayerNorms": COLORS["accent"]}
+fig, ax = plt.subplots(figsize=(9, 3.4))
+rows = [("encoder block", counts["course (notebook 10)"][0]), ("decoder block", counts["course (notebook 10)"][1])]
+for i, (_, block) in enumerate(rows):
+    left = 0
+    for part, n in breakdown(block).items():
+        ax.barh(i, n, left=left, color=part_colors[part], edgecolor="white",
+                label=part if i == 1 else None)
+        if n > 20_000:
+            ax.text(left + n / 2, i, f"{part}\n{n:,}", ha="center", va="center", color="white", fontsize=8)
+        left += n
+    norms = breakdown(block)["LayerNorms"]
+    ax.text(left + 4_000, i, f"total {left:,}\n(LayerNorms: {norms:,})", va="center", fontsize=9)
+ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+ax.invert_yaxis()
+ax.set_xlim(0, 340_000)
+ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{int(v):,}"))
+ax.set(xlabel="parameters", title="Where a block's parameters are ($d_{model}$ = 128, $d_{ff}$ = 512)")
+ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), fontsize=9, ncols=4)
+fig.tight_layout()
+save_figure(fig, "blocks_parameters")
+plt.show()
+
+# %% [markdown]
+# **A block's size is $4d^2$ per attention plus $2\,d\,d_{ff}$ for the FFN (plus small bias
+# and norm terms); at $d_{ff} = 4d$ the FFN is two thirds of an encoder block and half of a
+# decoder block.**
+#
+# ## Recap
+#
+# | block | code | shape |
+# |---|---|---|
+# | residual sub-layer, pre-norm | `x + dropout(sublayer(norm(x)))` = `sublayer_connection(x, f, norm, dropout)` | $(B, T, d) \to (B, T, d)$ |
+# | residual sub-layer, post-norm (paper) | `norm(x + dropout(sublayer(x)))`, `norm_first=False` | $(B, T, d) \to (B, T, d)$ |
+# | encoder block | `EncoderBlock(d_model, num_heads, d_ff)(x, mask)`: `self_attn`, `ffn`, `norm1`, `norm2` | $(B, T, d) \to (B, T, d)$; mask $\to (B, h, T, T)$ |
+# | decoder block | `DecoderBlock(...)(x, enc_out, self_mask, cross_mask)`: `self_attn`, `cross_attn`, `ffn`, `norm1..3` | $(B, T, d), (B, T_\text{src}, d) \to (B, T, d)$ |
+# | cross-attention | queries from `x`, keys and values from `enc_out`, `cross_mask` = source padding | attention $(B, h, T, T_\text{src})$ |
+# | PyTorch's layers | `copy_block_to_torch(ours, theirs)`; masks `~causal[0, 0]`, `~padding[:, 0, 0]` | $(T, T)$, $(B, T_k)$, True = blocked |
+# | depth at initialisation | pre-norm last-layer gradient $\propto 1/\sqrt{L}$, post-norm flat | — |
+# | parameters | encoder $4d^2 + 2dd_{ff} + d_{ff} + 9d$, decoder $8d^2 + 2dd_{ff} + d_{ff} + 15d$ | 198,272 and 264,576 at $d = 128$ |
+#
+# ## Exercises
+#
+# 1. **The final norm.** Notebook 10's pre-norm encoder ends with one more `LayerNorm` after the
+#    last block; a post-norm stack would not need it. Measure the root-mean-square of the
+#    residual stream after each of 12 blocks in both arrangements, and explain.
+# 2. **A parallel block.** GPT-J (Wang and Komatsuzaki, 2021) and PaLM (Chowdhery et al., 2022)
+#    compute attention and FFN side by side from one norm:
+#    $x + \mathrm{Attn}(\mathrm{LN}(x)) + \mathrm{FFN}(\mathrm{LN}(x))$. Build it from an
+#    `EncoderBlock`'s modules, count its parameters against the sequential block, and show that
+#    the two agree when the attention sub-layer is silenced (its `W_o` set to zero).
+# 3. **The other direction.** Write the inverse of `copy_block_to_torch`: load a PyTorch
+#    `nn.TransformerEncoderLayer` (post-norm, GELU) into an `EncoderBlock`, and check the outputs.
+#
+# **Solutions.**
+#
+# 1. Every pre-norm sub-layer adds its update to the stream and nothing rescales it, so the RMS
+#    grows with depth (roughly like $\sqrt{1 + c\,l}$); the next layer's input norm hides this
+#    from the sub-layers but not from whatever reads the stack's output. A post-norm block ends
+#    in a `LayerNorm`, so its output has RMS 1 (exactly, up to $\epsilon$, since $\gamma = 1$,
+#    $\beta = 0$ at initialisation).
+
+# %%
+def stream_rms(norm_first: bool, num_layers: int = 12) -> list[float]:
+    set_seed(0)
+    x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1234)).to(device)
+    rms = []
+    with torch.no_grad():
+        for _ in range(num_layers):
+            x = EncoderBlock(64, 4, 256, activation="relu", norm_first=norm_first).to(device)(x)
+            rms.append(x.pow(2).mean().sqrt().item())
+    return rms
+
+
+rms_pre, rms_post = stream_rms(True), stream_rms(False)
+print("pre-norm  RMS after blocks 1, 6, 12:", [round(rms_pre[i], 2) for i in (0, 5, 11)])
+print("post-norm RMS after blocks 1, 6, 12:", [round(rms_post[i], 2) for i in (0, 5, 11)])
+assert all(b > a for a, b in zip(rms_pre, rms_pre[1:], strict=False))  # grows at every block
+assert rms_pre[-1] > 1.5 * rms_pre[0]
+assert_close(torch.tensor(rms_post), torch.ones(12), atol=1e-3, rtol=0)
+
+# %% [markdown]
+# 2. The parallel block drops one `LayerNorm` ($2d$ parameters) and reads both sub-layers from
+#    the same normalised input, so the two can run at the same time. With the attention silenced,
+#    both blocks reduce to $x + \mathrm{FFN}(\mathrm{LN}(x))$ (the sequential one's FFN sees
+#    $\mathrm{LN}(x + 0)$), so they agree once the parallel block uses the sequential block's
+#    `norm2` for the FFN.
+
+# %%
+class ParallelBlock(nn.Module):
+    def __init__(self, block: EncoderBlock):
+        super().__init__()
+        self.norm, self.self_attn, self.ffn = block.norm2, block.self_attn, block.ffn
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(x)  # one norm, read by both sub-layers
+        return x + self.self_attn(h, mask=mask) + self.ffn(h)  # (B, T, d)
+
+
+sequential = EncoderBlock(d_model, num_heads, d_ff).to(device)
+parallel = ParallelBlock(sequential)
+assert num_params(sequential) - num_params(parallel) == 2 * d_model  # norm1 is not used
+x = torch.randn(B, T, d_model, generator=generator).to(device)
+assert not torch.allclose(parallel(x), sequential(x))  # different functions in general
+with torch.no_grad():
+    sequential.self_attn.W_o.weight.zero_()
+    sequential.self_attn.W_o.bias.zero_()
+assert_close(parallel(x), sequential(x))
+print(f"sequential {num_params(sequential):,} vs parallel {num_params(parallel):,} parameters")
+
+# %% [markdown]
+# 3. The same table as `copy_block_to_torch`, read from right to left; `chunk(3)` splits the
+#    packed `in_proj_weight` back into $W_q, W_k, W_v$.
+
+# %%
+def copy_encoder_from_torch(theirs: nn.TransformerEncoderLayer, ours: EncoderBlock) -> None:
+    with torch.no_grad():
+        for proj, w, b in zip(("W_q", "W_k", "W_v"), theirs.self_attn.in_proj_weight.chunk(3),
+                              theirs.self_attn.in_proj_bias.chunk(3), strict=True):
+            getattr(ours.self_attn, proj).weight.copy_(w)  # (3d, d) -> 3 x (d, d)
+            getattr(ours.self_attn, proj).bias.copy_(b)
+        ours.self_attn.W_o.load_state_dict(theirs.self_attn.out_proj.state_dict())
+        ours.ffn[0].load_state_dict(theirs.linear1.state_dict())
+        ours.ffn[2].load_state_dict(theirs.linear2.state_dict())
+        ours.norm1.load_state_dict(theirs.norm1.state_dict())
+        ours.norm2.load_state_dict(theirs.norm2.state_dict())
+
+
+theirs = nn.TransformerEncoderLayer(d_model, num_heads, d_ff, dropout=0.0, activation="gelu",
+                                    batch_first=True).to(device)  # post-norm by default
+ours = EncoderBlock(d_model, num_heads, d_ff, activation="gelu", norm_first=False).to(device)
+copy_encoder_from_torch(theirs, ours)
+key_pad = padding_mask(torch.tensor([6, 2]), T).to(device)
+assert_close(ours(x, mask=key_pad), theirs(x, src_key_padding_mask=~key_pad[:, 0, 0]))
+print("PyTorch's post-norm GELU encoder layer, loaded into ours: same outputs")
+
+# %% [markdown]
+# Next: [09 · Embeddings and the output head](09_embeddings_and_output_head.ipynb), where token
+# ids become the vectors that enter the first block, and the last block's output becomes scores
+# over the vocabulary.

@@ -1,0 +1,759 @@
+# %% [markdown]
+# # 09 · Embeddings and the output head
+#
+# **What you will build:** the two ends of the model, where discrete tokens meet the vectors the
+# blocks work on. At the bottom, three reserved token ids (`PAD`, `BOS`, `EOS`) and an embedding
+# table whose padding row stays zero and receives no gradient; the $\sqrt{d_\text{model}}$
+# multiply of Vaswani et al. (2017) together with the initialisation it assumes, measured against
+# the size of the positional encoding. At the top, a linear layer that returns **logits**, and
+# why the softmax drawn after it in the paper's figure belongs in the loss, not in the model.
+# On the side: weight tying (Press and Wolf, 2017). Everything goes into the module
+# `transformer_from_scratch.model`, which notebook 10 completes.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/09_embeddings_and_output_head.ipynb) · Assumes: [04 · Positional encoding](04_positional_encoding.ipynb), [05 · Masking](05_masking.ipynb), [06 · Layer norm and dropout](06_layer_norm_and_dropout.ipynb).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
+from torch import nn
+from torch.testing import assert_close
+
+from transformer_from_scratch.layers import LayerNorm
+from transformer_from_scratch.positional import PositionalEncoding, sinusoidal_table
+from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
+
+generator = set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# ## Three reserved ids
+#
+# A model reads and writes integers: token ids $0, 1, \dots, V - 1$ from a vocabulary of size
+# $V$. Before the vocabulary holds a single real symbol, an encoder–decoder needs three ids with
+# a fixed job:
+#
+# | id | name | job |
+# |---|---|---|
+# | 0 | `PAD` | fills short sequences up to the length of the longest one in the batch; masked as a key (notebook 05) and ignored by the loss |
+# | 1 | `BOS` | *beginning of sequence*: the first input of the decoder, which has nothing else to condition on at step one |
+# | 2 | `EOS` | *end of sequence*: the last target; generation stops when the model emits it |
+#
+# Putting `PAD` at 0 is a convention, not a necessity, but a convenient one: `torch.zeros` and
+# `torch.full(..., PAD)` then build a padded batch. The three go into the package's `model`
+# module, which this notebook starts and notebook 10 completes:
+
+# %%
+#| default_exp model
+
+# %%
+#| export
+"""The encoder-decoder Transformer: special tokens, token embeddings (09) and the model (10)."""
+
+import math
+
+import torch
+from torch import nn
+
+PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
+
+# %% [markdown]
+# With them, a batch of the task that notebook 11 trains on, reversing a sequence of symbols
+# (the ids $3, \dots, 11$ of a vocabulary of $V = 12$). The decoder is trained with *teacher
+# forcing*: it reads the correct target shifted right by one, `tgt_in` $= [\mathrm{BOS}, y_1,
+# \dots, y_L]$, and must predict `tgt_out` $= [y_1, \dots, y_L, \mathrm{EOS}]$, the same sequence
+# shifted left. Position $t$ of `tgt_in` is the last token the decoder has seen when it predicts
+# position $t$ of `tgt_out`. Notebook 11 exports a random batch maker; here three sequences are
+# written out by hand.
+
+# %%
+V = 12  # vocabulary: PAD, BOS, EOS and the nine symbols 3..11
+sequences = [[5, 9, 3, 11, 7], [4, 4, 10], [8, 3, 6, 11, 9, 5, 10]]
+B, T_max = len(sequences), max(len(s) for s in sequences)
+
+src = torch.full((B, T_max), PAD)  # (B, T_src), PAD everywhere first
+tgt_in = torch.full((B, T_max + 1), PAD)  # (B, T_tgt): one longer, for BOS
+tgt_out = torch.full((B, T_max + 1), PAD)  # (B, T_tgt): one longer, for EOS
+for b, seq in enumerate(sequences):
+    L, reversed_seq = len(seq), seq[::-1]
+    src[b, :L] = torch.tensor(seq)
+    tgt_in[b, : L + 1] = torch.tensor([BOS, *reversed_seq])
+    tgt_out[b, : L + 1] = torch.tensor([*reversed_seq, EOS])
+print("src\n", src, "\ntgt_in\n", tgt_in, "\ntgt_out\n", tgt_out)
+
+# %% [markdown]
+# **Check:** the bookkeeping that training relies on: every target starts with `BOS` and holds
+# exactly one `EOS`, right after the last real token; `tgt_in` and `tgt_out` are the same
+# sequence offset by one; and `PAD` sits at the same places in both (so one mask covers both).
+
+# %%
+lengths = torch.tensor([len(s) for s in sequences])  # (B,)
+assert (tgt_in[:, 0] == BOS).all()
+assert ((tgt_out == EOS).sum(dim=1) == 1).all()
+assert (tgt_out[torch.arange(B), lengths] == EOS).all()  # EOS right after the L real tokens
+real = tgt_in != PAD  # (B, T_tgt)
+assert torch.equal(real, tgt_out != PAD)
+assert torch.equal(tgt_in[:, 1:][real[:, 1:]], tgt_out[:, :-1][real[:, 1:]])  # shifted by one
+assert torch.equal((src != PAD).sum(dim=1), lengths)
+print("targets: BOS first, one EOS each, shifted by one position, same padding")
+
+# %% [markdown]
+# The same batch as a picture, one colour per kind of token:
+
+# %%
+kinds = {"PAD": "#d9d9d9", "BOS": COLORS["value"], "EOS": COLORS["accent"], "symbol": COLORS["query"]}
+
+
+def token_kind(ids: torch.Tensor) -> np.ndarray:
+    """0 PAD, 1 BOS, 2 EOS, 3 any real symbol: the row index into `kinds`."""
+    return ids.clamp(max=3).numpy()
+
+
+fig, axes = plt.subplots(1, 3, figsize=(12, 2.6), layout="constrained")
+cmap = ListedColormap(list(kinds.values()))
+for ax, (name, ids) in zip(axes, {"src": src, "tgt_in (decoder reads)": tgt_in,
+                                  "tgt_out (decoder predicts)": tgt_out}.items(), strict=True):
+    ax.imshow(token_kind(ids), cmap=cmap, vmin=-0.5, vmax=3.5)
+    for (b, t), v in np.ndenumerate(ids.numpy()):
+        ax.text(t, b, str(v), ha="center", va="center", fontsize=9,
+                color="black" if v == PAD else "white")
+    ax.set(title=name, xlabel="position $t$", ylabel="sequence $b$",
+           xticks=range(ids.shape[1]), yticks=range(B))
+fig.legend(handles=[Patch(color=c, label=k) for k, c in kinds.items()], loc="outside lower center",
+           ncols=4, fontsize=9)
+fig.suptitle("A padded batch of the reversal task (vocabulary of 12: PAD=0, BOS=1, EOS=2, symbols 3..11)")
+save_figure(fig, "embeddings_special_tokens")
+plt.show()
+
+# %% [markdown]
+# **`PAD`, `BOS` and `EOS` are ordinary ids with reserved jobs; teacher forcing feeds the
+# decoder `[BOS, y]` and grades it on `[y, EOS]`.**
+#
+# ## The embedding table
+#
+# An embedding is a trainable matrix $E \in \mathbb{R}^{V \times d_\text{model}}$ whose row $v$
+# is the vector of token $v$. Looking a token up is the same as multiplying its one-hot vector by
+# $E$: $\operatorname{onehot}(v)^\top E = E_v$. `nn.Embedding` does the lookup without building
+# the one-hot matrix, and its backward pass only touches the rows that were used: row $v$ gets
+# the sum of the gradients of every position where token $v$ appears.
+#
+# **Check:** the lookup equals the one-hot product, and so does its gradient; rows of tokens
+# absent from the batch get a zero gradient.
+
+# %%
+d_model = 8
+emb = nn.Embedding(V, d_model).to(device)  # no padding_idx yet
+ids = src.to(device)  # (B, T_src)
+onehot = F.one_hot(ids, num_classes=V).float()  # (B, T_src) -> (B, T_src, V)
+assert_close(emb(ids), onehot @ emb.weight)  # (B, T, V) @ (V, d) -> (B, T, d)
+
+upstream = torch.randn(B, T_max, d_model, generator=generator).to(device)
+(emb(ids) * upstream).sum().backward()
+grad_lookup = emb.weight.grad.clone()
+emb.weight.grad = None
+((onehot @ emb.weight) * upstream).sum().backward()
+assert_close(grad_lookup, emb.weight.grad)
+used = torch.zeros(V, dtype=torch.bool, device=device)
+used[ids.unique()] = True
+assert (grad_lookup[~used] == 0).all() and (grad_lookup[used].abs().sum(dim=1) > 0).all()
+print("rows with a gradient:", used.nonzero().flatten().tolist(), "(BOS=1 and EOS=2 are not in src)")
+
+# %% [markdown]
+# ### `padding_idx`: a row that stays zero
+#
+# `nn.Embedding(V, d_model, padding_idx=PAD)` does two things for the padding row: it is filled
+# with zeros when the table is built, and the backward pass never writes a gradient into it. A
+# padded position still enters the model (with its positional encoding added), but its token
+# vector is zero and stays zero for the whole of training. The masks of notebook 05 keep other
+# positions from reading it, and `ignore_index=PAD` keeps the loss from grading it.
+#
+# **Check:** at construction the `PAD` row is zero; after a backward pass through a batch full of
+# padding its gradient is exactly zero; and after a few Adam steps the row is still exactly zero
+# (Adam's update is $m / (\sqrt{v} + \epsilon)$, and a gradient that is always zero leaves
+# $m = v = 0$).
+
+# %%
+emb = nn.Embedding(V, d_model, padding_idx=PAD).to(device)
+assert torch.count_nonzero(emb.weight[PAD]) == 0
+optimizer = torch.optim.Adam(emb.parameters(), lr=0.1)
+for _ in range(5):
+    optimizer.zero_grad()
+    (emb(ids) * upstream).sum().backward()
+    assert torch.count_nonzero(emb.weight.grad[PAD]) == 0
+    optimizer.step()
+assert torch.count_nonzero(emb.weight[PAD]) == 0
+print(f"PAD appears {int((ids == PAD).sum())} times; its row after 5 Adam steps:",
+      emb.weight[PAD].tolist())
+
+# %% [markdown]
+# The trap: `padding_idx` zeroes the row **only at construction**. Any initialisation applied
+# afterwards (and the next section applies one) overwrites it with random numbers, and, because
+# the row never receives a gradient, those random numbers stay there for the whole of training.
+# The gradient masking still works; the zero row is gone.
+
+# %%
+emb = nn.Embedding(V, d_model, padding_idx=PAD).to(device)
+nn.init.normal_(emb.weight, std=d_model**-0.5)  # re-initialised after construction
+print("PAD row after nn.init.normal_:", [round(v, 3) for v in emb.weight[PAD].tolist()])
+assert torch.count_nonzero(emb.weight[PAD]) == d_model  # no longer zero
+
+# %% [markdown]
+# **`padding_idx=PAD` gives the padding token a zero vector that no gradient ever changes, but
+# only if nothing re-initialises the table after it is built.**
+#
+# ## Why $\sqrt{d_\text{model}}$, and the initialisation it assumes
+#
+# The input of the first block is the token's vector plus its position's (notebook 04):
+#
+# $$x_t = \sqrt{d_\text{model}}\; E_{w_t} + \mathrm{PE}_t .$$
+#
+# Vaswani et al. (2017, §3.4) write only that "in the embedding layers, we multiply those
+# weights by $\sqrt{d_\text{model}}$". The multiply only makes sense together with the scale the
+# table starts at, so compare the sizes of the two terms.
+#
+# * **The positional encoding** has a fixed size. Its $d_\text{model}/2$ (sin, cos) pairs each
+#   have $\sin^2 + \cos^2 = 1$, so for every position
+#   $$\|\mathrm{PE}_t\| = \sqrt{d_\text{model}/2}\,.$$
+# * **A token vector** with entries drawn from $\mathcal{N}(0, \sigma^2)$ has
+#   $\mathbb{E}\,\|E_v\|^2 = d_\text{model}\,\sigma^2$, so after the multiply
+#   $\|\sqrt{d_\text{model}}\,E_v\| \approx d_\text{model}\,\sigma$.
+#
+# The paper shares this matrix with the output layer (the last section of this notebook), and the
+# authors' code (tensor2tensor) draws it at the scale of a linear layer's weights,
+# $\sigma = d_\text{model}^{-1/2}$. Then the
+# scaled token vector has norm $\approx \sqrt{d_\text{model}}$, a factor $\sqrt 2$ above the
+# positional encoding: the two are comparable, each visible to the first layer. PyTorch's
+# `nn.Embedding` instead starts from $\mathcal{N}(0, 1)$. Keep the multiply with that default and
+# the token vector has norm $\approx d_\text{model}$, a factor $\sqrt{2 d_\text{model}}$ (16 at
+# $d_\text{model} = 128$, 32 at 512) above the positional encoding, which then barely moves the
+# input. The course's tutorial measures what this costs: with the default initialisation and the
+# multiply, its reversal model ends training at a loss of about 0.0985 instead of 0.0059, and
+# gets 244 of 256 test sequences right instead of all 256 (notebook 11 reproduces the ablation).
+#
+# The fix is one line, kept in one function so that the model cannot forget it: draw the table
+# from $\mathcal{N}(0, 1/d_\text{model})$, then zero the padding row again.
+
+# %%
+#| export
+def init_token_embedding(embedding: nn.Embedding) -> nn.Embedding:
+    """Draw weights from N(0, 1/d_model), the scale sqrt(d_model) restores; zero the PAD row."""
+    if not isinstance(embedding, nn.Embedding):
+        raise TypeError(f"expected an nn.Embedding, got {type(embedding).__name__}")
+    d_model = embedding.embedding_dim
+    nn.init.normal_(embedding.weight, mean=0.0, std=d_model**-0.5)
+    if embedding.padding_idx is not None:
+        with torch.no_grad():  # padding_idx zeroes the row at construction only: do it again
+            embedding.weight[embedding.padding_idx].zero_()
+    return embedding
+
+
+# %% [markdown]
+# **Check:** the row statistics of an initialised table (large, so that the sample statistics
+# are tight), and the zero `PAD` row, which still gets no gradient.
+
+# %%
+big = init_token_embedding(nn.Embedding(20_000, 128, padding_idx=PAD)).to(device)
+rows = big.weight[1:]  # every row but PAD
+print(f"std {rows.std().item():.4f} (target 128^-0.5 = {128**-0.5:.4f}), "
+      f"mean row norm {rows.norm(dim=1).mean().item():.3f} (target 1)")
+assert abs(rows.std().item() - 128**-0.5) < 0.002
+assert torch.count_nonzero(big.weight[PAD]) == 0
+big(torch.tensor([[PAD, 5, PAD]], device=device)).sum().backward()
+assert torch.count_nonzero(big.weight.grad[PAD]) == 0 and torch.count_nonzero(big.weight.grad[5]) == 128
+
+# %% [markdown]
+# Now the measurement: for $d_\text{model}$ from 16 to 1024, build a table of $V = 1000$ tokens
+# with each initialisation, multiply by $\sqrt{d_\text{model}}$, and compare the mean norm of a
+# token vector with the norm of the positional encoding (the same at every position).
+
+# %%
+d_models = [16, 32, 64, 128, 256, 512, 1024]
+norms = {"default": [], "paper": [], "pe": []}
+for d in d_models:
+    set_seed(0)
+    default = nn.Embedding(1000, d, padding_idx=PAD).to(device)  # N(0, 1)
+    paper = init_token_embedding(nn.Embedding(1000, d, padding_idx=PAD)).to(device)
+    for name, table in (("default", default), ("paper", paper)):
+        scaled = table.weight[1:] * math.sqrt(d)  # (V - 1, d): sqrt(d_model) * E_v, PAD left out
+        norms[name].append(scaled.norm(dim=1).mean().item())
+    pe = PositionalEncoding(d, max_len=512).to(device).pe[0]  # (max_len, d)
+    pe_norm = pe.norm(dim=1)  # (max_len,): the same at every position
+    assert_close(pe_norm, torch.full_like(pe_norm, math.sqrt(d / 2)))
+    norms["pe"].append(pe_norm.mean().item())
+
+print(f"{'d_model':>8} {'|sqrt(d) E_v|, N(0,1)':>22} {'|sqrt(d) E_v|, N(0,1/d)':>24} {'|PE_t|':>8}")
+for d, a, b, c in zip(d_models, norms["default"], norms["paper"], norms["pe"], strict=True):
+    print(f"{d:>8} {a:>22.1f} {b:>24.2f} {c:>8.2f}")
+
+# %% [markdown]
+# **Check:** the predictions, with generous bands. With PyTorch's default the token vector is
+# $\approx d_\text{model}$ long and $\approx \sqrt{2 d_\text{model}}$ times the positional
+# encoding; with the paper's scale it is $\approx \sqrt{d_\text{model}}$ long and $\approx \sqrt 2$
+# times the positional encoding, whatever the width.
+
+# %%
+default_n, paper_n, pe_n = (np.array(norms[k]) for k in ("default", "paper", "pe"))
+dims = np.array(d_models)
+assert np.all(np.abs(default_n / dims - 1) < 0.1)  # |sqrt(d) E_v| ~ d
+assert np.all(np.abs(paper_n / np.sqrt(dims) - 1) < 0.1)  # |sqrt(d) E_v| ~ sqrt(d)
+assert np.all(np.abs(default_n / pe_n / np.sqrt(2 * dims) - 1) < 0.1)  # ratio ~ sqrt(2 d)
+assert np.all((1.2 < paper_n / pe_n) & (paper_n / pe_n < 1.65))  # ratio ~ sqrt(2) = 1.41
+ratios = ", ".join(f"{r:.1f}" for r in default_n / pe_n)
+print(f"token/PE ratio, N(0,1):   {ratios}")
+print(f"token/PE ratio, N(0,1/d): {', '.join(f'{r:.2f}' for r in paper_n / pe_n)}")
+
+# %% [markdown]
+# The picture: the norms against $d_\text{model}$ (left), and the twelve rows of the course's
+# table at $d_\text{model} = 128$ token by token (right), next to the positional encoding.
+
+# %%
+set_seed(0)
+d = 128
+tables = {"N(0, 1): nn.Embedding's default": nn.Embedding(V, d, padding_idx=PAD),
+          "N(0, 1/d_model): init_token_embedding": init_token_embedding(nn.Embedding(V, d, padding_idx=PAD))}
+per_token = {name: (t.weight.detach() * math.sqrt(d)).norm(dim=1).numpy() for name, t in tables.items()}
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
+ax1.plot(dims, default_n, "o-", color=COLORS["accent"], label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1)$ (default)")
+ax1.plot(dims, paper_n, "o-", color=COLORS["ours"], label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1/d)$ (paper)")
+ax1.plot(dims, pe_n, "s--", color=COLORS["value"], label=r"$\|\mathrm{PE}_t\| = \sqrt{d/2}$")
+ax1.set(xscale="log", yscale="log", xlabel=r"$d_\mathrm{model}$", ylabel="vector norm (mean over tokens)",
+        title="Scaled token vector vs positional encoding")
+ax1.set_xticks(d_models, [str(x) for x in d_models])
+ax1.minorticks_off()
+ax1.grid(alpha=0.3, which="both")
+ax1.legend(fontsize=9)
+tokens = np.arange(V)
+for offset, (name, n), color in zip((-0.2, 0.2), per_token.items(), (COLORS["accent"], COLORS["ours"]), strict=True):
+    ax2.bar(tokens + offset, n, width=0.4, color=color, label=name)
+ax2.axhline(math.sqrt(d / 2), color=COLORS["value"], ls="--", label=r"$\|\mathrm{PE}_t\| = 8$ (any $t$)")
+ax2.set(yscale="symlog", xlabel="token id (0 = PAD: zero vector)", ylabel=r"$\|\sqrt{d}\,E_v\|$",
+        title=r"Each token at $d_\mathrm{model}$ = 128 (symlog scale)", xticks=tokens)
+ax2.set_ylim(0, 5000)
+ax2.legend(fontsize=9, loc="upper left")
+save_figure(fig, "embeddings_norms")
+plt.show()
+
+# %% [markdown]
+# With the default initialisation the token vectors stand 16 times taller than the positional
+# encoding at $d_\text{model} = 128$, and the gap widens with width; with the paper's, the two
+# stay within a factor $\sqrt 2$ at every width. In terms of energy, the position's share of
+# $\|x_t\|^2$ is $\tfrac{d/2}{d^2 + d/2} \approx \tfrac{1}{2d}$ (0.4 % at $d = 128$) against
+# $\tfrac{d/2}{d + d/2} = \tfrac13$:
+
+# %%
+for name, n in (("N(0, 1)", default_n), ("N(0, 1/d)", paper_n)):
+    share = pe_n**2 / (n**2 + pe_n**2)  # token and PE are nearly orthogonal in high dimension
+    print(f"{name:>9}: PE's share of |x|^2 at d = 128: {share[d_models.index(128)]:.3f}, "
+          f"at d = 1024: {share[-1]:.4f}")
+
+# %% [markdown]
+# **The $\sqrt{d_\text{model}}$ multiply assumes a table drawn with standard deviation
+# $d_\text{model}^{-1/2}$; with PyTorch's $\mathcal{N}(0, 1)$ it inflates the tokens by
+# $\sqrt{2 d_\text{model}}$ over the positions instead.**
+#
+# ### A clear error for a bad id
+#
+# `nn.Embedding` fails on an id outside $[0, V)$, but on the CPU with a terse message and on a
+# GPU with a device-side assertion that leaves the CUDA context unusable until the process
+# restarts. The lookup the model uses checks first: integer ids of shape $(B, T)$, each in
+# $[0, V)$, and only then looks up and multiplies by $\sqrt{d_\text{model}}$.
+
+# %%
+try:
+    nn.Embedding(V, 4)(torch.tensor([[3, 12]]))  # on the CPU, whatever the device
+except IndexError as err:
+    print(f"nn.Embedding on the CPU: IndexError: {err}")
+
+
+# %%
+#| export
+def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens") -> None:
+    """Raise a TypeError/ValueError unless tokens is a (B, T) integer tensor of ids in [0, V)."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    if tokens.dtype not in (torch.int64, torch.int32):  # the index types nn.Embedding accepts
+        raise TypeError(f"{name} must hold integer token ids (int64 or int32), got dtype {tokens.dtype}")
+    if tokens.dim() != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(tokens.shape)}")
+    if tokens.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one pass, one device sync
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        where = tuple((tokens == bad).nonzero()[0].tolist())
+        raise ValueError(
+            f"{name} holds token id {bad} at position {where}, outside [0, {vocab_size}) "
+            f"(vocab_size={vocab_size})"
+        )
+
+
+def embed_tokens(embedding: nn.Embedding, tokens: torch.Tensor, name: str = "tokens") -> torch.Tensor:
+    """Look up (B, T) token ids and multiply by sqrt(d_model): (B, T) -> (B, T, d_model)."""
+    check_token_ids(tokens, embedding.num_embeddings, name)
+    return embedding(tokens) * math.sqrt(embedding.embedding_dim)  # (B, T) -> (B, T, d_model)
+
+
+# %% [markdown]
+# **Check:** `embed_tokens` is the lookup times $\sqrt{d_\text{model}}$, and each kind of bad input
+# gets a message that names it.
+
+# %%
+table = init_token_embedding(nn.Embedding(V, 128, padding_idx=PAD)).to(device)
+x = embed_tokens(table, src.to(device))  # (B, T_src) -> (B, T_src, 128)
+assert x.shape == (B, T_max, 128)
+assert_close(x, table(src.to(device)) * math.sqrt(128))
+assert (x[src.to(device) == PAD] == 0).all()  # padding: exact zeros
+
+bad_inputs = [torch.tensor([[3, 12]]), torch.tensor([[-1, 4]]), torch.tensor([3, 4]),
+              torch.tensor([[3.0, 4.0]])]
+for bad in bad_inputs:
+    try:
+        embed_tokens(table, bad.to(device), name="src")
+    except (ValueError, TypeError) as err:
+        print(f"{type(err).__name__}: {err}")
+    else:
+        raise AssertionError("bad token ids were accepted")
+
+# %% [markdown]
+# **Ids are checked before the lookup, so a bad one is reported by value and position, on any
+# device.**
+#
+# ## The output head returns logits
+#
+# At the top of the decoder, one linear layer maps each position's $d_\text{model}$-vector $h_t$
+# to $V$ scores, the **logits** $z_t = W h_t + b \in \mathbb{R}^V$. The paper's figure draws a
+# softmax after it, turning the scores into probabilities $p_t = \operatorname{softmax}(z_t)$,
+# but the model should return $z_t$ and leave the softmax to whoever uses it:
+#
+# * **Training** uses the cross-entropy $-\log p_{t, y_t}$, and `F.cross_entropy` takes logits:
+#   it computes $\log \operatorname{softmax}$ in one fused, stable step,
+#   $$\log p_{t,v} = z_{t,v} - m_t - \log \sum_{u} e^{z_{t,u} - m_t}, \qquad m_t = \max_u z_{t,u},$$
+#   where no exponential can overflow and none of the terms that matter can underflow.
+# * **Greedy decoding** takes $\arg\max_v z_{t,v}$, which is $\arg\max_v p_{t,v}$ because the
+#   softmax is strictly increasing in each coordinate.
+#
+# The head is an `nn.Linear(d_model, V)`. Feed it vectors like the ones the decoder's final
+# `LayerNorm` produces, and grade it with `ignore_index=PAD` so that padded positions count for
+# nothing.
+
+# %%
+set_seed(0)
+d_model = 128
+out_proj = nn.Linear(d_model, V).to(device)
+final_norm = LayerNorm(d_model).to(device)
+h = final_norm(torch.randn(B, T_max + 1, d_model, generator=generator).to(device))  # (B, T_tgt, d)
+logits = out_proj(h)  # (B, T_tgt, d) -> (B, T_tgt, V)
+targets = tgt_out.to(device)  # (B, T_tgt)
+print("logits", tuple(logits.shape), " first row:", [round(v, 2) for v in logits[0, 0].tolist()])
+
+# %% [markdown]
+# **Check:** `F.cross_entropy` on logits is `nll_loss` on `log_softmax`, is the mean over the real
+# target positions of $-\log p_{t, y_t}$ computed by hand, and matches it in its gradient too;
+# the argmax does not change under the softmax.
+
+# %%
+flat_logits, flat_targets = logits.reshape(-1, V), targets.reshape(-1)  # (B*T, V), (B*T,)
+ce = F.cross_entropy(flat_logits, flat_targets, ignore_index=PAD)
+nll = F.nll_loss(F.log_softmax(flat_logits, dim=-1), flat_targets, ignore_index=PAD)
+keep = flat_targets != PAD
+by_hand = -torch.log(torch.softmax(flat_logits[keep], dim=-1)[torch.arange(int(keep.sum())), flat_targets[keep]]).mean()
+assert_close(ce, nll)
+assert_close(ce, by_hand)
+(grad_ce,) = torch.autograd.grad(ce, logits)
+(grad_hand,) = torch.autograd.grad(by_hand, logits)
+assert_close(grad_ce, grad_hand)
+assert torch.equal(logits.argmax(dim=-1), torch.softmax(logits, dim=-1).argmax(dim=-1))
+print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
+      f" (a uniform guess gives log V = {math.log(V):.4f})")
+
+# %% [markdown]
+# ### Where softmax-then-log breaks
+#
+# Take two classes with logits $(0, -m)$ and a target on the second: a confidently wrong
+# prediction, which happens early in training and on hard examples. The true loss is
+# $-\log p_2 = m + \log(1 + e^{-m}) \approx m$. Computing $p_2 = e^{-m}/(1 + e^{-m})$ first and
+# taking its log afterwards fails once $e^{-m}$ is too small for the number format: it loses
+# precision where $e^{-m}$ is *subnormal*, and becomes exactly 0, hence a loss of $+\infty$ and
+# a NaN gradient, where it underflows. In float32 that is at $m \approx 104$; in float16, the
+# format of mixed-precision training on GPUs, already at $m \approx 17$.
+
+# %%
+margins = torch.arange(0.0, 130.5, 0.5)  # (M,)
+stability = {}
+for dtype in (torch.float32, torch.float16):
+    z = torch.stack([torch.zeros_like(margins), -margins], dim=1).to(device, dtype)  # (M, 2)
+    target = torch.ones(len(margins), dtype=torch.long, device=device)  # the unlikely class
+    naive = -torch.log(torch.softmax(z, dim=-1))[:, 1]  # (M,): softmax, then log
+    stable = F.cross_entropy(z.float(), target, reduction="none")  # (M,): fused log-softmax
+    stable_low = -F.log_softmax(z, dim=-1)[:, 1]  # the fused route in the low precision itself
+    stability[dtype] = {k: v.float().cpu() for k, v in
+                        (("naive", naive), ("stable", stable), ("stable_low", stable_low))}
+    first_inf = margins[torch.isinf(stability[dtype]["naive"])][0].item()
+    print(f"{str(dtype):>14}: softmax-then-log gives inf from m = {first_inf:5.1f};"
+          f" log_softmax at m = 130: {stability[dtype]['stable_low'][-1].item():.1f}")
+
+# %% [markdown]
+# **Check:** the fused route is exact at every margin (its error is that of rounding $m$ to the
+# format), while the naive route reaches $+\infty$ at the thresholds above, and its gradient
+# becomes NaN there. At $m = 120$ the fused route's gradient is the textbook
+# $\operatorname{softmax}(z) - \operatorname{onehot}(y) = (1, -1)$.
+
+# %%
+true_loss = margins + torch.log1p(torch.exp(-margins))  # (M,) float32: m + log(1 + e^-m)
+assert_close(stability[torch.float32]["stable"], true_loss)
+assert_close(stability[torch.float16]["stable_low"], true_loss, rtol=2e-3, atol=0)  # fp16 rounding of m
+assert torch.isinf(stability[torch.float32]["naive"][margins >= 104]).all()
+assert torch.isinf(stability[torch.float16]["naive"][margins >= 17.5]).all()
+assert torch.isfinite(stability[torch.float32]["naive"][margins <= 100]).all()
+
+z = torch.tensor([[0.0, -120.0]], device=device, requires_grad=True)
+naive_loss = -torch.log(torch.softmax(z, dim=-1))[0, 1]
+(naive_grad,) = torch.autograd.grad(naive_loss, z)
+stable_loss = F.cross_entropy(z, torch.tensor([1], device=device))
+(stable_grad,) = torch.autograd.grad(stable_loss, z)
+assert torch.isinf(naive_loss) and torch.isnan(naive_grad).all()
+assert stable_loss.item() == 120.0 and torch.equal(stable_grad, torch.tensor([[1.0, -1.0]], device=device))
+print(f"m = 120: naive loss {naive_loss.item()}, gradient {naive_grad.tolist()};"
+      f" cross_entropy {stable_loss.item()}, gradient {stable_grad.tolist()}")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+limits = {torch.float32: (87.3, 103.97, 130), torch.float16: (9.7, 17.33, 25)}  # subnormal, zero, plot end
+for ax, (dtype, curves) in zip(axes, stability.items(), strict=True):
+    sub, zero, end = limits[dtype]
+    shown = margins <= end
+    ax.axvspan(sub, zero, color=COLORS["key"], alpha=0.15, label=r"$e^{-m}$ subnormal: digits lost")
+    ax.axvspan(zero, end, color=COLORS["accent"], alpha=0.12, label=r"$e^{-m}$ = 0: loss $+\infty$")
+    ax.plot(margins[shown], curves["stable_low"][shown], color=COLORS["ours"], lw=3,
+            label="F.log_softmax / F.cross_entropy")
+    naive = curves["naive"][shown].clone()
+    naive[torch.isinf(naive)] = float("nan")  # matplotlib cannot draw inf: leave a gap
+    ax.plot(margins[shown], naive, color=COLORS["accent"], lw=1.5, ls="--", label="-log(softmax(z))")
+    m_inf = margins[torch.isinf(curves["naive"])][0].item()
+    ax.plot([m_inf], [m_inf], "X", color=COLORS["accent"], ms=10, zorder=5)
+    ax.annotate(f"softmax-then-log: $+\\infty$ from $m$ = {m_inf:g},\nNaN gradient",
+                xy=(m_inf, m_inf), xytext=(0.04 * end, 0.85 * end), fontsize=9,
+                color=COLORS["accent"], arrowprops=dict(arrowstyle="->", color=COLORS["accent"]))
+    ax.set(xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
+           ylabel=r"loss $-\log p_2$ (nats)", title=f"{str(dtype).replace('torch.', '')}",
+           xlim=(0, end), ylim=(0, end * 1.05))
+    ax.legend(fontsize=8, loc="lower right")
+fig.suptitle("Cross-entropy of a confidently wrong prediction: fused log-softmax against softmax-then-log")
+save_figure(fig, "embeddings_logit_stability")
+plt.show()
+
+# %% [markdown]
+# ### The double softmax
+#
+# A model that applies the softmax itself and then hands its probabilities to `F.cross_entropy`
+# gets them softmaxed a second time. Nothing crashes, but the loss can no longer reach zero:
+# inputs in $[0, 1]$ give a second softmax no sharper than $e^1$ against $e^0$, so the best the
+# model can do, putting probability one on the target, costs
+#
+# $$-\log \frac{e}{e + (V - 1)} = \log\Bigl(1 + \frac{V - 1}{e}\Bigr) \approx 1.62 \text{ nats for } V = 12,$$
+#
+# and the gradient vanishes as the model approaches that floor. **Check:** the floor, reached by a
+# maximally confident and correct model.
+
+# %%
+confident = torch.full((1, V), -50.0, device=device)
+confident[0, 5] = 50.0  # certain that the answer is token 5, and right
+y = torch.tensor([5], device=device)
+floor = math.log(1 + (V - 1) / math.e)
+double = F.cross_entropy(torch.softmax(confident, dim=-1), y)
+assert_close(double, torch.tensor(floor, device=device))
+assert F.cross_entropy(confident, y).item() < 1e-6  # the logits route: loss 0
+print(f"cross_entropy(softmax(z)) of a perfect model: {double.item():.4f} = log(1 + 11/e);"
+      f" cross_entropy(z): {F.cross_entropy(confident, y).item():.1e}")
+
+# %% [markdown]
+# **The head is `nn.Linear(d_model, V)` and returns logits; the softmax lives inside
+# `F.cross_entropy` (fused with the log, so it cannot underflow) and is skipped by `argmax`.**
+#
+# ## Side note: weight tying
+#
+# The input table $E \in \mathbb{R}^{V \times d}$ and the output weight $W \in \mathbb{R}^{V
+# \times d}$ have the same shape, and both hold one $d$-vector per token. Press and Wolf (2017,
+# "Using the Output Embedding to Improve Language Models") use the same matrix for both; Vaswani
+# et al. (2017, §3.4) share one matrix among the source embedding, the target embedding and the
+# output layer, with a joint source–target vocabulary. Tying saves $V d$ parameters per shared
+# use (a large share of a small model with a big vocabulary) and gives rare tokens an input vector
+# that is also trained by every output step.
+#
+# It also explains the initialisation above. The output layer sees $h_t$ from a `LayerNorm`, with
+# unit-variance entries and $\|h_t\| \approx \sqrt{d}$. With rows $E_v \sim \mathcal{N}(0, 1/d)$
+# the logits $z_{t,v} = h_t \cdot E_v$ have variance $\approx 1$: a softmax that starts neither
+# flat nor saturated. With rows from $\mathcal{N}(0, 1)$ they would have standard deviation
+# $\sqrt{d}$, about 11 at $d = 128$. The $\sqrt d$ multiply then brings the same small rows back to
+# unit-variance entries at the input.
+#
+# In PyTorch, tying is one assignment: the `Parameter` object itself is shared.
+
+# %%
+set_seed(0)
+d_model = 128
+tied_embed = init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)).to(device)
+tied_head = nn.Linear(d_model, V).to(device)
+tied_head.weight = tied_embed.weight  # the same Parameter: (V, d) in both roles
+tied = nn.ModuleDict({"embed": tied_embed, "head": tied_head})
+untied_count = 2 * V * d_model + V
+print(f"tied: {sum(p.numel() for p in tied.parameters()):,} parameters, untied: {untied_count:,}")
+
+# %% [markdown]
+# **Check:** the module counts the shared matrix once; the shared gradient is the sum of the
+# gradients from its two uses (computed with two separate copies); and the initial logits of a
+# tied head have standard deviation $\approx 1$ with the paper's scale, $\approx \sqrt d$ with
+# PyTorch's default, whose softmax is saturated before training starts (the largest of the 11
+# probabilities is close to 1, where a uniform guess would give $1/11$).
+
+# %%
+assert tied_head.weight is tied_embed.weight
+assert sum(p.numel() for p in tied.parameters()) == untied_count - V * d_model
+
+tokens_in = tgt_in.to(device)  # (B, T_tgt)
+upstream = torch.randn(B, T_max + 1, V, generator=generator).to(device)
+x = final_norm(embed_tokens(tied_embed, tokens_in))  # a stand-in for the decoder: just a norm
+(tied_head(x) * upstream).sum().backward()
+
+copy_embed = nn.Embedding(V, d_model, padding_idx=PAD).to(device)
+copy_head = nn.Linear(d_model, V).to(device)
+copy_embed.load_state_dict(tied_embed.state_dict())
+copy_head.load_state_dict(tied_head.state_dict())
+x = final_norm(embed_tokens(copy_embed, tokens_in))
+(copy_head(x) * upstream).sum().backward()
+assert_close(tied_embed.weight.grad, copy_embed.weight.grad + copy_head.weight.grad)
+
+h = final_norm(torch.randn(4096, d_model, generator=generator).to(device))  # (N, d), |h| ~ sqrt(d)
+rows = {"N(0, 1/d_model) (paper)": tied_embed.weight[1:],  # (V - 1, d): the real tokens
+        "N(0, 1) (nn.Embedding default)": nn.Embedding(V, d_model).weight[1:].to(device)}
+initial_logits = {k: (h @ E.T).detach() for k, E in rows.items()}  # (N, d) @ (d, V - 1)
+stds = {k: z.std().item() for k, z in initial_logits.items()}
+top_p = {k: torch.softmax(z, dim=-1).max(dim=-1).values.mean().item() for k, z in initial_logits.items()}
+assert 0.8 < stds["N(0, 1/d_model) (paper)"] < 1.25
+assert 0.8 < stds["N(0, 1) (nn.Embedding default)"] / math.sqrt(d_model) < 1.25
+assert top_p["N(0, 1/d_model) (paper)"] < 0.5 < 0.8 < top_p["N(0, 1) (nn.Embedding default)"]
+for k in rows:
+    print(f"{k:>31}: logit std {stds[k]:5.2f}, mean largest softmax probability {top_p[k]:.2f}")
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
+bins = np.linspace(-45, 45, 181)
+for name, color in (("N(0, 1) (nn.Embedding default)", COLORS["accent"]),
+                    ("N(0, 1/d_model) (paper)", COLORS["ours"])):  # the wide one first, underneath
+    ax.hist(initial_logits[name].flatten().cpu().numpy(), bins=bins, density=True, alpha=0.75,
+            color=color, label=f"rows from {name}: std {stds[name]:.2f}")
+ax.set(xlabel=r"initial logit $z_{t,v} = h_t \cdot E_v$ (tied head, $\|h_t\| \approx \sqrt{128}$)",
+       ylabel="density (log scale)", yscale="log", title="Initial logits of a tied output head, $d_{model}$ = 128")
+ax.set_ylim(1e-5, 5)  # headroom above the narrow peak for the legend
+ax.legend(fontsize=9, loc="upper left")
+save_figure(fig, "embeddings_weight_tying")
+plt.show()
+
+# %% [markdown]
+# **Tying shares one $(V, d)$ matrix between the input and the output; with the paper's
+# $\mathcal{N}(0, 1/d)$ rows it gives unit-scale logits at the top and, times $\sqrt d$,
+# unit-scale token vectors at the bottom.** The course's model keeps its three matrices
+# separate, as the tutorial does (its source and target vocabularies need not be the same); its
+# 930,828 parameters in notebook 10 count them separately.
+#
+# ## Recap
+#
+# | piece | code | shape |
+# |---|---|---|
+# | reserved ids | `PAD, BOS, EOS = 0, 1, 2` | — |
+# | teacher forcing | `tgt_in = [BOS, y...]`, `tgt_out = [y..., EOS]`, both PAD-padded | $(B, T+1)$ each |
+# | embedding table | `nn.Embedding(V, d_model, padding_idx=PAD)`; PAD row zero, no gradient | weight $(V, d)$ |
+# | its initialisation | `init_token_embedding(emb)`: $\mathcal{N}(0, 1/d)$, PAD row zeroed again | row norm $\approx 1$ |
+# | lookup and scale | `embed_tokens(emb, tokens)` $= \sqrt{d}\, E_{w_t}$, ids checked first | $(B, T) \to (B, T, d)$ |
+# | positional encoding | notebook 04, $\|\mathrm{PE}_t\| = \sqrt{d/2}$ | $(1, T, d)$ added |
+# | output head | `nn.Linear(d_model, V)` returns logits | $(B, T, d) \to (B, T, V)$ |
+# | loss | `F.cross_entropy(logits.reshape(-1, V), tgt_out.reshape(-1), ignore_index=PAD)` | scalar |
+# | decoding | `logits.argmax(-1)`: no softmax needed | $(B, T)$ |
+# | weight tying (optional) | `head.weight = embed.weight` | saves $V d$ parameters |
+#
+# ## Exercises
+#
+# 1. **Equal footing.** Which standard deviation $\sigma$ makes the scaled token vector exactly as
+#    long as the positional encoding, $\mathbb{E}\,\|\sqrt d\,E_v\|^2 = \|\mathrm{PE}_t\|^2$?
+#    Check it with a table at $d_\text{model} = 256$.
+# 2. **The first loss.** A freshly initialised model should start at a loss of about $\log V$,
+#    the cross-entropy of a uniform guess. Show that the head of this notebook, fed `LayerNorm`
+#    outputs, starts within 0.2 nats of $\log 12$ (notebook 11's first logged loss should be
+#    close to it), and explain why PyTorch's `nn.Linear` initialisation makes that so.
+# 3. **Log-sum-exp by hand.** Write `log_softmax` with the max-shift of the formula above and
+#    check it against `F.log_softmax` on random logits and on the margin-120 example, in
+#    float32 and float16.
+#
+# **Solutions.**
+#
+# 1. $\mathbb{E}\,\|\sqrt d\,E_v\|^2 = d \cdot d\,\sigma^2$ and $\|\mathrm{PE}_t\|^2 = d/2$, so
+#    $\sigma = 1/\sqrt{2d}$, a factor $\sqrt 2$ below the paper's $d^{-1/2}$.
+
+# %%
+d = 256
+sigma = 1 / math.sqrt(2 * d)
+E = torch.randn(20_000, d, generator=generator).to(device) * sigma  # (V, d)
+mean_sq = (E * math.sqrt(d)).pow(2).sum(dim=1).mean().item()  # E |sqrt(d) E_v|^2
+pe_sq = sinusoidal_table(512, d).pow(2).sum(dim=1)  # (max_len,): d/2 everywhere
+print(f"E|sqrt(d) E_v|^2 = {mean_sq:.2f}, |PE_t|^2 = {pe_sq.mean().item():.2f}")
+assert abs(mean_sq / (d / 2) - 1) < 0.01
+assert_close(pe_sq, torch.full_like(pe_sq, d / 2))
+
+# %% [markdown]
+# 2. `nn.Linear(d, V)` draws its weights from $\mathcal{U}(-1/\sqrt d, 1/\sqrt d)$, variance
+#    $1/(3d)$, and its bias likewise. With $\|h_t\|^2 \approx d$ the logits have variance
+#    $\approx 1/3 + 1/(3d)$: small, so the softmax is close to uniform and the loss close to
+#    $\log V$. (A second-order estimate: for small logits of variance $s^2$, the expected loss
+#    is about $\log V + s^2/2 \approx \log V + 0.17$.)
+
+# %%
+set_seed(0)
+head = nn.Linear(128, V).to(device)
+h = LayerNorm(128).to(device)(torch.randn(64, 20, 128, generator=generator).to(device))  # (B, T, d)
+y = torch.randint(3, V, (64, 20), generator=generator).to(device)  # random targets
+first_loss = F.cross_entropy(head(h).reshape(-1, V), y.reshape(-1)).item()
+print(f"first loss {first_loss:.3f}, log V = {math.log(V):.3f}, logit variance {head(h).var().item():.3f}")
+assert abs(first_loss - math.log(V)) < 0.2
+
+# %% [markdown]
+# 3. Subtract the row maximum before exponentiating: the largest exponent is then $e^0 = 1$, so
+#    the sum is at least 1 and its log is finite, and every $z_v - m$ is kept as it is rather
+#    than passed through $\exp$ and $\log$.
+
+# %%
+def my_log_softmax(z: torch.Tensor) -> torch.Tensor:
+    m = z.max(dim=-1, keepdim=True).values  # (..., 1)
+    return z - m - torch.log(torch.exp(z - m).sum(dim=-1, keepdim=True))  # (..., V)
+
+
+for dtype in (torch.float32, torch.float16):
+    z = (10 * torch.randn(16, V, generator=generator)).to(device, dtype)  # (16, V)
+    tol = dict(rtol=1e-3, atol=1e-2) if dtype == torch.float16 else {}
+    assert_close(my_log_softmax(z), F.log_softmax(z, dim=-1), **tol)
+    extreme = torch.tensor([[0.0, -120.0]], device=device, dtype=dtype)
+    assert my_log_softmax(extreme)[0, 1].item() == -120.0
+print("my_log_softmax matches F.log_softmax, and gives -120 at the margin-120 example")
+
+# %% [markdown]
+# Next: notebook 10, *The full model*, which puts the embeddings, the positional encoding, the
+# encoder and decoder stacks of notebook 08's blocks and this output head together, and counts
+# its 930,828 parameters.

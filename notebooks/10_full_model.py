@@ -1,0 +1,1125 @@
+# %% [markdown]
+# # 10 · The full model
+#
+# **What you will build:** the encoder–decoder Transformer, complete. First the two stacks,
+# `Encoder` and `Decoder`: $N$ blocks from notebook 08 in an `nn.ModuleList`, with the final
+# `LayerNorm` that a pre-norm stack needs. Then `Transformer`, which wires the embeddings and the
+# positional encoding (notebooks 04 and 09), the two stacks and the output head together, with
+# `encode`, `decode` and `forward`. You will count its 930,828 parameters piece by piece, check
+# which inputs each output can see, match PyTorch's `nn.Transformer` in outputs and gradients,
+# draw the architecture from code, and check every shape of the recap table on a real forward
+# pass.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/10_full_model.ipynb) · Assumes: [04 · Positional encoding](04_positional_encoding.ipynb), [05 · Masking](05_masking.ipynb), [08 · Encoder and decoder blocks](08_blocks.ipynb), [09 · Embeddings and the output head](09_embeddings_and_output_head.ipynb).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q",
+         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
+        check=True,
+    )
+
+# %%
+import copy
+import math
+import warnings
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch
+from torch import nn
+from torch.testing import assert_close
+
+from transformer_from_scratch.layers import DecoderBlock, EncoderBlock, LayerNorm, copy_block_to_torch
+from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.model import BOS, EOS, PAD, embed_tokens, init_token_embedding
+from transformer_from_scratch.positional import PositionalEncoding
+from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+
+generator = set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# The stacks join the blocks in the `layers` module; the model completes the `model` module that
+# notebook 09 started.
+
+# %%
+#| default_exp model
+
+# %% [markdown]
+# ## Stacking the blocks
+#
+# The "$N\times$" of the paper's figure is a loop: the output of block $l$ is the input of block
+# $l + 1$, and all $N$ blocks have the same shape and separate weights. Vaswani et al. (2017)
+# use $N = 6$; the course's model, $N = 2$.
+#
+# Two details make the stack correct rather than merely runnable:
+#
+# * **`nn.ModuleList`, not a Python list.** A module finds its parameters by walking its
+#   attributes that are modules. A list is not one, so blocks kept in a plain list are invisible
+#   to `parameters()` (the optimiser never updates them), to `state_dict()` (checkpoints lose
+#   them) and to `.to(device)` (they stay behind on the CPU). `nn.ModuleList` registers each
+#   block as `layers.0`, `layers.1`, ...
+# * **A final `LayerNorm`.** A pre-norm block normalises what its sub-layers read, never the
+#   residual stream itself (notebook 08). The stream that leaves the last block is an
+#   unnormalised sum of every update before it, so the stack ends with one more `LayerNorm`:
+#   the decoder's output head and the decoder's cross-attention (which reads the encoder's output
+#   as it is) then see vectors of a controlled scale. A post-norm stack ends in a norm already.
+#
+# The defaults follow the course's tutorial: ReLU in the feed-forward network (the paper's) and
+# dropout 0.1.
+
+# %%
+#| export layers
+def _check_num_layers(num_layers: int) -> None:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
+        raise TypeError(f"num_layers must be an int, got {type(num_layers).__name__} {num_layers!r}")
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+
+
+class Encoder(nn.Module):
+    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        dropout_p: float = 0.1,
+        activation: str = "relu",
+    ):
+        super().__init__()
+        _check_num_layers(num_layers)
+        self.layers = nn.ModuleList(
+            EncoderBlock(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
+            for _ in range(num_layers)
+        )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
+        self.norm = LayerNorm(d_model)  # pre-norm blocks leave the last residual sum unnormalised
+        self.num_layers, self.d_model = num_layers, d_model
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
+        for layer in self.layers:
+            x = layer(x, mask=mask)  # (B, T, d_model) -> (B, T, d_model)
+        return self.norm(x)
+
+
+# %% [markdown]
+# The decoder stack is the same loop over decoder blocks, and every block reads the **same**
+# encoder output `enc_out`: the encoder runs once, and its result is the keys and values of the
+# cross-attention of all $N$ decoder blocks.
+
+# %%
+#| export layers
+class Decoder(nn.Module):
+    """A stack of num_layers pre-norm decoder blocks reading one enc_out, then a final LayerNorm."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        d_model: int,
+        num_heads: int,
+        d_ff: int,
+        dropout_p: float = 0.1,
+        activation: str = "relu",
+    ):
+        super().__init__()
+        _check_num_layers(num_layers)
+        self.layers = nn.ModuleList(
+            DecoderBlock(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
+            for _ in range(num_layers)
+        )
+        self.norm = LayerNorm(d_model)
+        self.num_layers, self.d_model = num_layers, d_model
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, d_model), the embedded target
+        enc_out: torch.Tensor,  # (B, T_src, d_model), read by every block
+        self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
+        cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
+    ) -> torch.Tensor:
+        """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
+        for layer in self.layers:
+            x = layer(x, enc_out, self_mask=self_mask, cross_mask=cross_mask)  # (B, T, d_model)
+        return self.norm(x)
+
+
+# %% [markdown]
+# **Check:** shapes; each stack equals its blocks applied one after the other by hand, then its
+# final norm; and that norm is really there: at initialisation ($\gamma = 1$, $\beta = 0$) every
+# output vector has mean 0 and variance 1.
+
+# %%
+B, T_src, T_tgt, d_model, num_heads, d_ff, N = 2, 7, 5, 32, 4, 64, 3
+x_src = torch.randn(B, T_src, d_model, generator=generator).to(device)
+x_tgt = torch.randn(B, T_tgt, d_model, generator=generator).to(device)
+encoder = Encoder(N, d_model, num_heads, d_ff, dropout_p=0.0).to(device)
+decoder = Decoder(N, d_model, num_heads, d_ff, dropout_p=0.0).to(device)
+
+enc_out = encoder(x_src)  # (B, T_src, d_model)
+dec_out = decoder(x_tgt, enc_out)  # (B, T_tgt, d_model)
+assert enc_out.shape == (B, T_src, d_model) and dec_out.shape == (B, T_tgt, d_model)
+
+h = x_src
+for block in encoder.layers:
+    h = block(h)
+assert_close(enc_out, encoder.norm(h))
+h = x_tgt
+for block in decoder.layers:
+    h = block(h, enc_out)  # the same enc_out for every block
+assert_close(dec_out, decoder.norm(h))
+
+for out in (enc_out, dec_out):
+    assert_close(out.mean(dim=-1), torch.zeros(out.shape[:-1], device=device), atol=1e-5, rtol=0)
+    assert_close(out.var(dim=-1, unbiased=False), torch.ones(out.shape[:-1], device=device), atol=1e-3, rtol=0)
+print(f"encoder {tuple(enc_out.shape)}, decoder {tuple(dec_out.shape)}: blocks in order, then the final norm")
+
+# %% [markdown]
+# What the final norm does to the stream, in a deeper stack: the root-mean-square of the residual
+# stream after each of 6 encoder blocks at initialisation, and after the final norm. Each block
+# adds its update on top, and nothing scales the sum back; the final norm does.
+
+# %%
+set_seed(0)
+deep = Encoder(6, 128, 4, 512, dropout_p=0.0).to(device)
+h = torch.randn(8, 16, 128, generator=generator).to(device)  # (B, T, d): RMS 1
+rms = [h.pow(2).mean().sqrt().item()]
+with torch.no_grad():
+    for block in deep.layers:
+        h = block(h)
+        rms.append(h.pow(2).mean().sqrt().item())
+    rms.append(deep.norm(h).pow(2).mean().sqrt().item())
+print("RMS: input", round(rms[0], 3), "| after blocks", [round(r, 3) for r in rms[1:-1]],
+      "| after the final norm", round(rms[-1], 3))
+assert all(b > a for a, b in zip(rms[:-1], rms[1:-1], strict=False))  # grows at every block
+assert abs(rms[-1] - 1) < 1e-3
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
+labels = ["input"] + [f"block {i}" for i in range(1, 7)] + ["final norm"]
+colors = ["#9a9a9a"] + [COLORS["ours"]] * 6 + [COLORS["key"]]
+ax.bar(labels, rms, color=colors)
+ax.axhline(1.0, color="black", lw=0.8, ls="--")
+for i, r in enumerate(rms):
+    ax.text(i, r + 0.02, f"{r:.2f}", ha="center", va="bottom", fontsize=9)
+ax.set(ylabel="RMS of the residual stream", xlabel="measured after", ylim=(0, max(rms) * 1.15),
+       title="A 6-block pre-norm encoder at initialisation ($d_{model}$ = 128): the stream grows, the final norm resets it")
+save_figure(fig, "model_stack_rms")
+plt.show()
+
+# %% [markdown]
+# Now the `ModuleList` point, shown: the same encoder with its blocks in a plain Python list.
+
+# %%
+class ListEncoder(nn.Module):
+    """The mistake: blocks in a Python list, invisible to nn.Module's bookkeeping."""
+
+    def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int):
+        super().__init__()
+        self.layers = [EncoderBlock(d_model, num_heads, d_ff, activation="relu") for _ in range(num_layers)]
+        self.norm = LayerNorm(d_model)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+good, bad = Encoder(N, d_model, num_heads, d_ff), ListEncoder(N, d_model, num_heads, d_ff)
+block_params = num_params(EncoderBlock(d_model, num_heads, d_ff))
+print(f"ModuleList: {num_params(good):,} parameters, {len(good.state_dict())} state_dict entries")
+print(f"plain list: {num_params(bad):,} parameters, {len(bad.state_dict())} state_dict entries")
+
+# %% [markdown]
+# **Check:** the `ModuleList` stack owns $N$ blocks' parameters plus the final norm's and names
+# them `layers.0...`; the plain list owns only the norm's. And `.to()` moves only what it can
+# see: after `.double()`, the `ModuleList` stack runs in float64, while the list's blocks are
+# still float32 and the forward pass fails.
+
+# %%
+assert num_params(good) == N * block_params + 2 * d_model
+assert num_params(bad) == 2 * d_model  # only the final norm
+assert "layers.2.ffn.0.weight" in good.state_dict() and not any(k.startswith("layers") for k in bad.state_dict())
+
+good, bad = good.double(), bad.double()
+assert {p.dtype for p in good.parameters()} == {torch.float64}
+assert {p.dtype for p in bad.layers[0].parameters()} == {torch.float32}  # left behind
+x64 = torch.randn(B, T_src, d_model, dtype=torch.float64, generator=generator)
+assert good(x64).dtype == torch.float64
+try:
+    bad(x64)
+except RuntimeError:
+    print("plain list after .double(): the blocks are still float32 and the forward pass fails (RuntimeError)")
+else:
+    raise AssertionError("expected a dtype mismatch")
+
+# %% [markdown]
+# **A stack is $N$ blocks in an `nn.ModuleList` and, in pre-norm, a final `LayerNorm`; every
+# decoder block reads the same encoder output.**
+#
+# ## The model
+#
+# The whole model, bottom to top (with $S$ the source length, $T$ the target length and
+# $d = d_\text{model}$):
+#
+# $$
+# \begin{aligned}
+# \text{enc\_out} &= \mathrm{Encoder}\bigl(\sqrt{d}\, E^\text{src}_{\text{src}} + \mathrm{PE}_{0..S-1}\bigr) &&\in \mathbb{R}^{B \times S \times d},\\
+# \text{dec\_out} &= \mathrm{Decoder}\bigl(\sqrt{d}\, E^\text{tgt}_{\text{tgt}} + \mathrm{PE}_{0..T-1},\ \text{enc\_out}\bigr) &&\in \mathbb{R}^{B \times T \times d},\\
+# \text{logits} &= \text{dec\_out}\, W_\text{out}^\top + b_\text{out} &&\in \mathbb{R}^{B \times T \times V_\text{tgt}}.
+# \end{aligned}
+# $$
+#
+# The source and the target get separate embedding tables (their vocabularies may differ) and
+# share the positional encoding, which has no parameters. The constructor builds the parts from
+# the bottom up and then applies notebook 09's `init_token_embedding` to both tables: the $\sqrt d$
+# multiply in the forward pass assumes it. Besides the parts, it keeps `config`, the arguments it
+# was called with, so that `Transformer(**model.config)` rebuilds the same architecture (for
+# checkpoints, notebook 11).
+
+# %% [markdown]
+# Bad input should fail at the model's door with a message that names the argument, not deep
+# inside an attention layer. Two small helpers do the checks the three methods share: a
+# sequence must fit the positional table, and a mask must broadcast to the shape its attention
+# needs.
+
+# %%
+#| export
+def _check_length(name: str, tokens: torch.Tensor, max_len: int) -> None:
+    if tokens.shape[1] > max_len:
+        raise ValueError(
+            f"{name} has length {tokens.shape[1]}, longer than the model's max_len={max_len} "
+            "(the rows of its positional encoding)"
+        )
+
+
+def _check_mask(name: str, mask: torch.Tensor | None, shape: tuple, what: str, hint: str = "") -> None:
+    """Raise unless mask is None or a tensor that broadcasts to `shape` (`what` in symbols)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    try:
+        fits = torch.broadcast_shapes(mask.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to {what} = {tuple(shape)}"
+            + (f"; {hint}" if hint else "")
+        )
+
+
+# %%
+#| export
+from transformer_from_scratch.layers import Decoder, Encoder
+from transformer_from_scratch.positional import PositionalEncoding
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder Transformer (Vaswani et al., 2017), pre-norm: token ids to logits."""
+
+    def __init__(
+        self,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        d_model: int = 128,
+        num_heads: int = 4,
+        d_ff: int = 512,
+        num_layers: int = 2,
+        dropout_p: float = 0.1,
+        max_len: int = 512,
+    ):
+        super().__init__()
+        for name, value, least in (
+            ("src_vocab_size", src_vocab_size, EOS + 1),  # room for PAD, BOS and EOS
+            ("tgt_vocab_size", tgt_vocab_size, EOS + 1),
+            ("d_model", d_model, 1),
+            ("max_len", max_len, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            if value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
+        self.config = dict(
+            src_vocab_size=src_vocab_size, tgt_vocab_size=tgt_vocab_size, d_model=d_model,
+            num_heads=num_heads, d_ff=d_ff, num_layers=num_layers, dropout_p=dropout_p,
+            max_len=max_len,
+        )  # Transformer(**model.config) builds the same architecture
+        self.d_model, self.num_heads, self.max_len = d_model, num_heads, max_len
+
+        self.src_embed = nn.Embedding(src_vocab_size, d_model, padding_idx=PAD)
+        self.tgt_embed = nn.Embedding(tgt_vocab_size, d_model, padding_idx=PAD)
+        self.pos = PositionalEncoding(d_model, max_len=max_len, dropout_p=dropout_p)
+        self.encoder = Encoder(num_layers, d_model, num_heads, d_ff, dropout_p)
+        self.decoder = Decoder(num_layers, d_model, num_heads, d_ff, dropout_p)
+        self.out_proj = nn.Linear(d_model, tgt_vocab_size)  # logits; the softmax is the loss's
+        # The scale that the sqrt(d_model) multiply in encode/decode assumes (notebook 09).
+        init_token_embedding(self.src_embed)
+        init_token_embedding(self.tgt_embed)
+
+
+# %% [markdown]
+# `encode` turns source ids into the encoder's output: look up and scale (notebook 09's
+# `embed_tokens`, which checks the ids), add positions, run the stack. `src_mask` is the source's
+# padding mask (notebook 05), True on real tokens.
+
+# %%
+#| export
+@add_to_class(Transformer)
+def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Source ids (B, T_src) -> enc_out (B, T_src, d_model); src_mask True = a real token."""
+    x = embed_tokens(self.src_embed, src, "src")  # (B, T_src) -> (B, T_src, d_model), * sqrt(d)
+    _check_length("src", src, self.max_len)
+    B, T_src = src.shape
+    _check_mask("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T_src, T_src)")
+    return self.encoder(self.pos(x), mask=src_mask)  # + PE, then N blocks and the final norm
+
+
+# %% [markdown]
+# `decode` does the same for the target and runs the decoder stack over `enc_out`. It takes two
+# masks: `self_mask` for the masked self-attention (the causal mask, combined with the target's
+# padding when the batch is padded) and `cross_mask` for the cross-attention (the source's
+# padding). Generation calls it once per new token with the same `enc_out` (notebook 12).
+
+# %%
+#| export
+@add_to_class(Transformer)
+def decode(
+    self,
+    tgt: torch.Tensor,  # (B, T_tgt) target ids, starting with BOS
+    enc_out: torch.Tensor,  # (B, T_src, d_model) from encode
+    self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_tgt)
+    cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_src)
+) -> torch.Tensor:
+    """Target ids (B, T_tgt) and enc_out (B, T_src, d_model) -> dec_out (B, T_tgt, d_model)."""
+    x = embed_tokens(self.tgt_embed, tgt, "tgt")  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
+    _check_length("tgt", tgt, self.max_len)
+    if not isinstance(enc_out, torch.Tensor):
+        raise TypeError(f"enc_out must be a torch.Tensor, got {type(enc_out).__name__}")
+    if enc_out.dim() != 3:
+        raise ValueError(f"enc_out must have shape (B, T_src, d_model), got {tuple(enc_out.shape)}")
+    if enc_out.shape[0] != tgt.shape[0]:
+        raise ValueError(
+            f"tgt {tuple(tgt.shape)} and enc_out {tuple(enc_out.shape)} "
+            "have different batch sizes"
+        )
+    B, T_tgt = tgt.shape
+    h, T_src = self.num_heads, enc_out.shape[1]
+    _check_mask("self_mask", self_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
+    _check_mask("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T_tgt, T_src)")
+    return self.decoder(self.pos(x), enc_out, self_mask=self_mask, cross_mask=cross_mask)
+
+
+# %% [markdown]
+# `forward` is teacher forcing: the whole target at once, logits for every position. Note which
+# mask goes where. `src_mask` is used **twice**: in the encoder's self-attention and as the
+# decoder's `cross_mask`, because both attend over the same source positions. Since it serves
+# queries of two different lengths, it has to be a mask over source keys only, broadcastable to
+# $(B, h, 1, T_\text{src})$, which `padding_mask` is. `tgt_mask` is the decoder's `self_mask`.
+# Like `nn.Transformer`, the model applies no mask it is not given: a forgotten causal mask lets
+# the decoder read the answer (shown below).
+
+# %%
+#| export
+@add_to_class(Transformer)
+def forward(
+    self,
+    src: torch.Tensor,  # (B, T_src) source ids
+    tgt: torch.Tensor,  # (B, T_tgt) target ids [BOS, y_1, ...] (teacher forcing)
+    src_mask: torch.Tensor | None = None,  # (B, 1, 1, T_src) source padding, True = real token
+    tgt_mask: torch.Tensor | None = None,  # (1, 1, T_tgt, T_tgt) causal (& target padding)
+) -> torch.Tensor:
+    """Logits (B, T_tgt, tgt_vocab_size) for every target position; no softmax."""
+    src_ok, tgt_ok = (isinstance(ids, torch.Tensor) and ids.dim() == 2 for ids in (src, tgt))
+    if src_ok and tgt_ok:  # (otherwise encode or decode names the problem with the ids)
+        if src.shape[0] != tgt.shape[0]:
+            raise ValueError(
+                f"src {tuple(src.shape)} and tgt {tuple(tgt.shape)} have different batch sizes"
+            )
+        B, h = src.shape[0], self.num_heads
+        _check_mask(
+            "src_mask", src_mask, (B, h, 1, src.shape[1]), "(B, h, 1, T_src)",
+            hint="it masks source keys for the encoder's and the decoder's queries alike: "
+            "build it with padding_mask",
+        )
+        _check_mask("tgt_mask", tgt_mask, (B, h, tgt.shape[1], tgt.shape[1]), "(B, h, T_tgt, T_tgt)")
+    enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
+    # src_mask again, as cross_mask: the decoder attends over the same source positions.
+    dec_out = self.decode(tgt, enc_out, tgt_mask, src_mask)  # (B, T_tgt, d_model)
+    return self.out_proj(dec_out)  # (B, T_tgt, d_model) -> (B, T_tgt, tgt_vocab_size)
+
+
+# %% [markdown]
+# ## 930,828 parameters
+#
+# The tutorial's configuration: vocabularies of 12 on both sides (the reversal task of notebook
+# 11), $d_\text{model} = 128$, $h = 4$, $d_{ff} = 512$, $N = 2$, `max_len` 512; the defaults of
+# `Transformer`. The tutorial prints 930,828 parameters for it.
+
+# %%
+set_seed(0)
+VOCAB = 12
+model = Transformer(VOCAB, VOCAB).to(device)
+print(f"{num_params(model):,} parameters")
+
+# %% [markdown]
+# Where they are. With $d = 128$, $d_{ff} = 512$, $N = 2$, $V = 12$, an attention layer holds
+# $4d^2 + 4d$ (four $d \times d$ matrices and their biases), a feed-forward network
+# $2\,d\,d_{ff} + d_{ff} + d$, a `LayerNorm` $2d$, the output layer $dV + V$; the positional
+# encoding is a *buffer*: saved with the model and moved by `.to()`, but not a parameter, so the
+# optimiser never sees it. **Check:** each part counted from the module equals its formula, the
+# parts cover every parameter exactly once, and the total is 930,828.
+
+# %%
+d, dff, L, V = 128, 512, 2, VOCAB
+attn, ffn, norm = 4 * d**2 + 4 * d, 2 * d * dff + dff + d, 2 * d
+enc_blocks, dec_blocks = model.encoder.layers, model.decoder.layers
+parts = [  # (part, its modules, formula as text, formula's value)
+    ("src_embed", [model.src_embed], "V·d", V * d),
+    ("tgt_embed", [model.tgt_embed], "V·d", V * d),
+    ("pos (a buffer)", [model.pos], "0", 0),
+    ("encoder self-attention", [b.self_attn for b in enc_blocks], "N(4d² + 4d)", L * attn),
+    ("encoder FFN", [b.ffn for b in enc_blocks], "N(2·d·d_ff + d_ff + d)", L * ffn),
+    ("encoder block norms", [n for b in enc_blocks for n in (b.norm1, b.norm2)], "N·2·2d", L * 2 * norm),
+    ("encoder final norm", [model.encoder.norm], "2d", norm),
+    ("decoder self-attention", [b.self_attn for b in dec_blocks], "N(4d² + 4d)", L * attn),
+    ("decoder cross-attention", [b.cross_attn for b in dec_blocks], "N(4d² + 4d)", L * attn),
+    ("decoder FFN", [b.ffn for b in dec_blocks], "N(2·d·d_ff + d_ff + d)", L * ffn),
+    ("decoder block norms", [n for b in dec_blocks for n in (b.norm1, b.norm2, b.norm3)], "N·3·2d", L * 3 * norm),
+    ("decoder final norm", [model.decoder.norm], "2d", norm),
+    ("out_proj", [model.out_proj], "d·V + V", d * V + V),
+]
+counted = {name: sum(num_params(m) for m in modules) for name, modules, _, _ in parts}
+print(f"{'part':<26}{'formula':<25}{'parameters':>11}{'share':>8}")
+for name, _, formula, value in parts:
+    assert counted[name] == value, (name, counted[name], value)
+    print(f"{name:<26}{formula:<25}{counted[name]:>11,}{counted[name] / num_params(model):>8.1%}")
+print(f"{'total':<51}{sum(counted.values()):>11,}")
+
+# %%
+seen = [id(p) for _, modules, _, _ in parts for m in modules for p in m.parameters()]
+assert len(seen) == len(set(seen)) and set(seen) == {id(p) for p in model.parameters()}  # each once
+assert sum(counted.values()) == num_params(model) == 930_828
+shares = {kind: sum(v for k, v in counted.items() if kind in k) / 930_828 for kind in ("attention", "FFN")}
+assert round(shares["attention"], 2) == 0.43 and round(shares["FFN"], 2) == 0.57
+print(f"attention {shares['attention']:.1%}, FFN {shares['FFN']:.1%}, the rest {1 - sum(shares.values()):.1%}")
+assert model.pos.pe.shape == (1, 512, 128) and "pos.pe" in model.state_dict()  # saved, not trained
+assert not any(p is model.pos.pe for p in model.parameters())
+print(f"the positional table holds {model.pos.pe.numel():,} numbers, saved in the state_dict but not trained")
+
+# %% [markdown]
+# The same numbers as a picture. The embeddings and the output layer, the only parts that depend
+# on the vocabulary, hold 0.5 % of the model here; with a real vocabulary of tens of thousands of
+# tokens they dominate a model this narrow (exercise 1).
+
+# %%
+fig, ax = plt.subplots(figsize=(9, 4.6), layout="constrained")
+names = [name for name, *_ in parts][::-1]
+values = [counted[n] for n in names]
+part_color = {"attention": COLORS["query"], "FFN": COLORS["value"], "norm": COLORS["key"]}
+colors = [next((c for k, c in part_color.items() if k in n), COLORS["accent"]) for n in names]
+ax.barh(names, values, color=colors)
+for i, v in enumerate(values):
+    ax.text(v + 2_000, i, f"{v:,}", va="center", fontsize=8)
+ax.set(xlabel="parameters", xlim=(0, 320_000),
+       title=f"The {num_params(model):,} parameters of Transformer(12, 12) "
+             "($d$=128, $h$=4, $d_{ff}$=512, $N$=2)")
+ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{int(v):,}"))
+ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in [*part_color.values(), COLORS["accent"]]],
+          labels=["attention", "feed-forward", "LayerNorm", "embeddings / output"], loc="lower right", fontsize=9)
+save_figure(fig, "model_parameters")
+plt.show()
+
+# %% [markdown]
+# **930,828 = 3,072 (embeddings) + 396,800 (encoder) + 529,408 (decoder) + 1,548 (output
+# layer); the feed-forward networks hold 57 % of it, the attention layers 43 %, the rest under 1 %.**
+#
+# ## A forward pass, and what each output can see
+#
+# A batch of the reversal task with padding on both sides, its masks (notebook 05) and the
+# logits:
+
+# %%
+src = torch.tensor([[5, 9, 3, 11, 7, PAD, PAD],
+                    [8, 3, 6, 11, 9, 5, 10]])  # (B, T_src): lengths 5 and 7
+tgt_in = torch.tensor([[BOS, 7, 11, 3, 9, 5, PAD, PAD],
+                       [BOS, 10, 5, 9, 11, 6, 3, 8]])  # (B, T_tgt): [BOS, reversed source]
+tgt_out = torch.tensor([[7, 11, 3, 9, 5, EOS, PAD, PAD],
+                        [10, 5, 9, 11, 6, 3, 8, EOS]])  # (B, T_tgt): [reversed source, EOS]
+src_lengths, tgt_lengths = (src != PAD).sum(dim=1), (tgt_in != PAD).sum(dim=1)
+src, tgt_in, tgt_out = src.to(device), tgt_in.to(device), tgt_out.to(device)
+B, T_src = src.shape
+T_tgt = tgt_in.shape[1]
+
+src_mask = padding_mask(src_lengths, T_src).to(device)  # (B, 1, 1, T_src)
+tgt_mask = causal_mask(T_tgt, device=device) & padding_mask(tgt_lengths, T_tgt).to(device)  # (B, 1, T, T)
+
+model.eval()  # dropout off: the same logits on every call
+logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T_tgt, V)
+loss = F.cross_entropy(logits.reshape(-1, VOCAB), tgt_out.reshape(-1), ignore_index=PAD)
+print(f"logits {tuple(logits.shape)}, loss of the untrained model {loss.item():.3f} (log 12 = {math.log(12):.3f})")
+
+# %% [markdown]
+# **Check:** `forward` is exactly `encode`, then `decode`, then `out_proj`; in evaluation mode
+# two calls agree bit for bit, and in training mode dropout makes them differ; the untrained
+# loss is close to $\log 12$, a uniform guess (notebook 09's exercise 2).
+
+# %%
+with torch.no_grad():
+    enc_out = model.encode(src, src_mask)  # (B, T_src, d_model)
+    dec_out = model.decode(tgt_in, enc_out, self_mask=tgt_mask, cross_mask=src_mask)  # (B, T_tgt, d)
+    assert torch.equal(model.out_proj(dec_out), logits)
+    assert torch.equal(model(src, tgt_in, src_mask, tgt_mask), logits)
+    model.train()
+    assert not torch.equal(model(src, tgt_in, src_mask, tgt_mask), model(src, tgt_in, src_mask, tgt_mask))
+    model.eval()
+assert enc_out.shape == (B, T_src, 128) and dec_out.shape == (B, T_tgt, 128)
+assert abs(loss.item() - math.log(VOCAB)) < 0.5
+
+# %% [markdown]
+# Which inputs can each output see? Autograd answers exactly, as in notebook 08, now through the
+# whole model: the norm of $\partial\, \text{logits}_t / \partial x_s$, where $x_s$ is the
+# embedded (and position-encoded) input at position $s$, is zero if and only if input $s$ cannot
+# influence output $t$. Forward hooks on the positional encoding keep its two outputs (source and
+# target) so that autograd can differentiate with respect to them. The first sequence of the
+# batch (source length 5, target length 6), with the correct masks, and with the causal mask
+# forgotten.
+
+# %%
+def dependency_maps(model: Transformer, src, tgt, src_mask, tgt_mask) -> dict:
+    """||d logits_t / d x_s|| for batch row 0: (T_tgt, T_src) to the source, (T_tgt, T_tgt) to the target."""
+    kept = []
+    hook = model.pos.register_forward_hook(lambda module, args, out: kept.append(out))
+    logits = model(src[:1], tgt[:1], src_mask if src_mask is None else src_mask[:1],
+                   tgt_mask if tgt_mask is None else tgt_mask[:1])  # (1, T_tgt, V)
+    hook.remove()
+    x_src, x_tgt = kept  # encode runs first: (1, T_src, d), then (1, T_tgt, d)
+    T, V = logits.shape[1:]
+    to_src, to_tgt = torch.zeros(T, x_src.shape[1]), torch.zeros(T, x_tgt.shape[1])
+    for t in range(T):
+        for v in range(V):  # one row of the Jacobian per (t, v)
+            g_src, g_tgt = torch.autograd.grad(logits[0, t, v], (x_src, x_tgt), retain_graph=True)
+            to_src[t] += g_src[0].pow(2).sum(dim=-1).cpu()  # sum over d of (d logit / d x_s)^2
+            to_tgt[t] += g_tgt[0].pow(2).sum(dim=-1).cpu()
+    return {"source": to_src.sqrt(), "target": to_tgt.sqrt()}
+
+
+maps = dependency_maps(model, src, tgt_in, src_mask, tgt_mask)
+maps_no_causal = dependency_maps(model, src, tgt_in, src_mask, None)
+
+# %% [markdown]
+# **Check:** with the masks, $\text{logits}_t$ depends on the target inputs $0..t$ only (lower
+# triangular) and on every real source position but on no padded one, for the real target
+# positions $t < 6$; without the causal mask it also depends on the target inputs after $t$,
+# among them $x_{t+1}$ = the token it is supposed to predict.
+
+# %%
+n_src, n_tgt = int(src_lengths[0]), int(tgt_lengths[0])  # 5 and 6 real positions
+m_src, m_tgt = maps["source"][:n_tgt], maps["target"][:n_tgt]  # the real target positions
+lower = torch.ones(n_tgt, T_tgt, dtype=torch.bool).tril()  # (n_tgt, T_tgt): s <= t
+assert (m_tgt[~lower] == 0).all() and (m_tgt[lower] > 0).all()
+assert (m_src[:, n_src:] == 0).all() and (m_src[:, :n_src] > 0).all()
+leak = maps_no_causal["target"][torch.arange(n_tgt - 1), torch.arange(1, n_tgt)]  # d logits_t / d x_{t+1}
+assert (leak > 0).all()
+print("with the masks: causal in the target, blind to source padding;"
+      f" without the causal mask, logits_t sees x_(t+1): norms {[round(v, 2) for v in leak.tolist()]}")
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(15, 4.3), layout="constrained")
+panels = [(maps["source"], "to the source, with src_mask", "source position $s$ (5 real + 2 PAD)"),
+          (maps["target"], "to the target, with tgt_mask (causal)", "target input position $s$ (tgt_in)"),
+          (maps_no_causal["target"], "to the target, causal mask forgotten", "target input position $s$ (tgt_in)")]
+vmax = max(m.max().item() for m, *_ in panels)
+for ax, (m, title, xlabel) in zip(axes, panels, strict=True):
+    shown = np.ma.masked_where(m.numpy() == 0, m.numpy())  # exact zeros drawn white
+    image = ax.imshow(shown, cmap="viridis", vmin=0, vmax=vmax)
+    ax.set(title=title, xlabel=xlabel, ylabel="output position $t$ (logits)",
+           xticks=range(m.shape[1]), yticks=range(m.shape[0]))
+fig.colorbar(image, ax=axes, fraction=0.02,
+             label=r"$\|\partial\,\mathrm{logits}_t / \partial x_s\|$ (white: exactly 0)")
+fig.suptitle("What each output of the full model can see (sequence 0: source length 5, target length 6)")
+save_figure(fig, "model_dependencies")
+plt.show()
+
+# %% [markdown]
+# The last two target rows (positions 6 and 7) are padding: they compute something, which
+# `ignore_index=PAD` keeps out of the loss. In the right panel the whole upper triangle lights
+# up: trained like that, the decoder would learn to copy $x_{t+1}$ and be useless at generation
+# time, when $x_{t+1}$ does not exist yet.
+#
+# **`forward` = `encode` → `decode` → `out_proj`; `src_mask` serves the encoder and the
+# cross-attention, `tgt_mask` the decoder's self-attention, and the model applies no mask it is
+# not given.**
+#
+# ## Parity with `nn.Transformer`
+#
+# PyTorch's `nn.Transformer` is the two stacks without embeddings, positional encoding or output
+# layer: it maps embedded sequences to the decoder's output. So we feed it the same embedded and
+# position-encoded inputs as our model, and put our output layer on top. Its configuration must
+# match ours: `batch_first=True`, `norm_first=True` (pre-norm), ReLU (its default and our stacks'),
+# dropout 0. Its stacks end in a `LayerNorm` too (`encoder.norm`, `decoder.norm`), so the weights
+# map one to one: notebook 08's `copy_block_to_torch` for each block, and the two final norms.
+#
+# The masks change convention (notebook 05): PyTorch's boolean masks are True where attention
+# is **blocked**, and it takes the causal part, $(T, T)$ `tgt_mask`, apart from the padding,
+# $(B, T_k)$ `*_key_padding_mask`. Building `nn.Transformer` with `norm_first=True` warns that the
+# nested-tensor fast path is off (it only serves post-norm stacks); the warning is expected and
+# filtered.
+
+# %%
+def torch_transformer_like(model: Transformer) -> nn.Transformer:
+    """An nn.Transformer with our model's configuration and a copy of its stacks' weights."""
+    c = model.config
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+        theirs = nn.Transformer(
+            d_model=c["d_model"], nhead=c["num_heads"], num_encoder_layers=c["num_layers"],
+            num_decoder_layers=c["num_layers"], dim_feedforward=c["d_ff"], dropout=0.0,
+            activation="relu", batch_first=True, norm_first=True,
+        )
+    theirs = theirs.to(next(model.parameters()).device)
+    for ours_stack, their_stack in ((model.encoder, theirs.encoder), (model.decoder, theirs.decoder)):
+        for ours_block, their_block in zip(ours_stack.layers, their_stack.layers, strict=True):
+            copy_block_to_torch(ours_block, their_block)
+        their_stack.norm.load_state_dict(ours_stack.norm.state_dict())  # weight and bias
+    return theirs
+
+
+def torch_masks(src_mask, tgt_lengths, T_tgt):
+    """Our masks in PyTorch's convention: True = blocked, causal and padding apart."""
+    src_key_padding = ~src_mask[:, 0, 0]  # (B, 1, 1, T_src) -> (B, T_src)
+    tgt_causal = ~causal_mask(T_tgt, device=src_mask.device)[0, 0]  # (T, T), True above the diagonal
+    tgt_key_padding = ~padding_mask(tgt_lengths, T_tgt).to(src_mask.device)[:, 0, 0]  # (B, T_tgt)
+    return dict(src_key_padding_mask=src_key_padding, memory_key_padding_mask=src_key_padding,
+                tgt_mask=tgt_causal, tgt_key_padding_mask=tgt_key_padding)
+
+
+# %% [markdown]
+# Gradients are compared parameter by parameter. Our names translate to PyTorch's by a few
+# rules: `cross_attn` is `multihead_attn`, `ffn.0`/`ffn.2` are `linear1`/`linear2`, `W_o` is
+# `out_proj`, and `W_q`, `W_k`, `W_v` are the three row blocks of the packed `in_proj_weight`.
+# The embeddings and the output layer are not in `nn.Transformer`: their gradients come from a
+# copy of our model that supplies its inputs and its head.
+
+# %%
+def their_gradient(theirs: nn.Transformer, name: str, d_model: int) -> torch.Tensor:
+    """The gradient in nn.Transformer that corresponds to our stack parameter `name`."""
+    name = name.replace("cross_attn", "multihead_attn").replace("ffn.0", "linear1").replace("ffn.2", "linear2")
+    for i, proj in enumerate(("W_q", "W_k", "W_v")):
+        if f".{proj}." in name:
+            kind = name.rsplit(".", 1)[1]  # weight or bias
+            packed = theirs.get_parameter(name.replace(f"{proj}.{kind}", f"in_proj_{kind}"))
+            return packed.grad[i * d_model : (i + 1) * d_model]  # rows of W_q, W_k or W_v
+    return theirs.get_parameter(name.replace("W_o", "out_proj")).grad
+
+
+# %% [markdown]
+# **Check:** a model with random biases and norm parameters (fresh ones are 0 and 1, which would
+# hide a missed copy), dropout 0, the padded batch above, and a random upstream gradient on the
+# logits. The logits, the gradients of all 88 parameter tensors of the stacks and those of the
+# embeddings and the output layer must agree.
+
+# %%
+set_seed(0)
+ours = Transformer(VOCAB, VOCAB, dropout_p=0.0).to(device)
+with torch.no_grad():
+    for p in ours.parameters():
+        if p.dim() == 1:
+            p.normal_(std=0.3)  # biases, gamma and beta
+twin = copy.deepcopy(ours)  # supplies the embeddings and the head around nn.Transformer
+theirs = torch_transformer_like(ours)
+upstream = torch.randn(B, T_tgt, VOCAB, generator=generator).to(device)
+
+logits_ours = ours(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T_tgt, V)
+x_src = twin.pos(embed_tokens(twin.src_embed, src))  # (B, T_src, d): what encode feeds its stack
+x_tgt = twin.pos(embed_tokens(twin.tgt_embed, tgt_in))  # (B, T_tgt, d)
+logits_theirs = twin.out_proj(theirs(x_src, x_tgt, **torch_masks(src_mask, tgt_lengths, T_tgt)))
+(logits_ours * upstream).sum().backward()
+(logits_theirs * upstream).sum().backward()
+
+assert_close(logits_ours, logits_theirs)
+gaps = {"logits": (logits_ours - logits_theirs).abs().max().item()}
+stack_params = [(n, p) for n, p in ours.named_parameters() if n.startswith(("encoder", "decoder"))]
+for name, p in stack_params:
+    assert_close(p.grad, their_gradient(theirs, name, 128), msg=name)
+outer = [(n, p) for n, p in ours.named_parameters() if not n.startswith(("encoder", "decoder"))]
+for name, p in outer:
+    assert_close(p.grad, twin.get_parameter(name).grad, msg=name)
+gaps["stack gradients"] = max((p.grad - their_gradient(theirs, n, 128)).abs().max().item() for n, p in stack_params)
+gaps["embedding and head gradients"] = max((p.grad - twin.get_parameter(n).grad).abs().max().item() for n, p in outer)
+assert len(stack_params) + len(outer) == len(list(ours.parameters()))
+print(f"{len(stack_params)} stack and {len(outer)} embedding/head parameter tensors: same logits and gradients as nn.Transformer")
+
+# %% tags=["nbval-ignore-output"]
+for kind, gap in gaps.items():
+    print(f"largest |ours - nn.Transformer|, {kind}: {gap:.1e}")
+
+# %% [markdown]
+# The differences are float32 roundings (they depend on the machine, so the cell above is not
+# compared by CI; the asserts before it are). **Check:** with the model's default dropout
+# $p = 0.1$, evaluation mode switches it off (in the model and in `nn.Transformer`), and the two
+# still agree.
+
+# %%
+set_seed(0)
+noisy = Transformer(VOCAB, VOCAB, dropout_p=0.1).to(device).eval()
+theirs = torch_transformer_like(noisy).eval()
+with torch.no_grad():
+    x_src = noisy.pos(embed_tokens(noisy.src_embed, src))
+    x_tgt = noisy.pos(embed_tokens(noisy.tgt_embed, tgt_in))
+    expected = noisy.out_proj(theirs(x_src, x_tgt, **torch_masks(src_mask, tgt_lengths, T_tgt)))
+    assert_close(noisy(src, tgt_in, src_mask, tgt_mask), expected)
+print("evaluation mode, dropout_p=0.1: equal to nn.Transformer")
+
+# %% [markdown]
+# **Our `Transformer` is embeddings + `nn.Transformer` + a linear head, weight for weight: the
+# same logits and the same gradients for every parameter.**
+#
+# ## The architecture, drawn from the code
+#
+# The paper's Figure 1, redrawn for this model: the pre-norm blocks (norm before each sub-layer,
+# the residual stream untouched), the final norms, and the output layer without a softmax. The
+# labels are the attribute names, so every box can be found in `print(model)`; the shapes are
+# those of a batch of $B$ sources of length $S$ and targets of length $T$.
+
+# %%
+PALETTE = {"embed": "#c9a0dc", "pos": "#f2c6de", "attn": COLORS["query"], "ffn": COLORS["value"],
+           "norm": COLORS["key"], "head": COLORS["accent"], "frame": "#f0f0f0"}
+
+
+def box(ax, x, y, text, kind, w=3.0, h=0.6, fontsize=9):
+    """A rounded box centred at (x, y); white text on dark colours."""
+    ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02,rounding_size=0.12",
+                                facecolor=PALETTE[kind], edgecolor="black", lw=1, zorder=3))
+    dark = kind in ("attn", "ffn", "head")
+    ax.text(x, y, text, ha="center", va="center", fontsize=fontsize, color="white" if dark else "black", zorder=4)
+
+
+def arrow(ax, points, color="black", lw=1.3):
+    """A polyline through `points` with an arrow head at the end."""
+    for a, b in zip(points[:-2], points[1:-1], strict=False):
+        ax.plot([a[0], b[0]], [a[1], b[1]], color=color, lw=lw, zorder=2, solid_capstyle="round")
+    ax.add_patch(FancyArrowPatch(points[-2], points[-1], arrowstyle="-|>", mutation_scale=12,
+                                 color=color, lw=lw, shrinkA=0, shrinkB=0, zorder=2))
+
+
+def add(ax, x, y):
+    ax.add_patch(Circle((x, y), 0.2, facecolor="white", edgecolor="black", lw=1.2, zorder=3))
+    ax.text(x, y, "+", ha="center", va="center", fontsize=12, zorder=4)
+
+
+def shape(ax, x, y, text, ha="left"):
+    ax.text(x, y, text, ha=ha, va="center", fontsize=8.5, color="#444444", style="italic", zorder=4)
+
+
+def sublayers(ax, x, y0, specs, side):
+    """Pre-norm sub-layers from y0 upwards: norm -> sub-layer -> add, with the residual on `side`."""
+    y = y0
+    for norm_name, text, kind in specs:
+        box(ax, x, y + 0.45, norm_name, "norm", w=2.2, h=0.45, fontsize=8.5)
+        box(ax, x, y + 1.3, text, kind, w=3.0, h=0.8, fontsize=8.5)
+        arrow(ax, [(x, y), (x, y + 0.22)])
+        arrow(ax, [(x, y + 0.68), (x, y + 0.9)])
+        arrow(ax, [(x, y + 1.7), (x, y + 1.95)])
+        add(ax, x, y + 2.15)
+        rx = x + side * 1.8  # the residual stream goes around the sub-layer
+        arrow(ax, [(x, y + 0.1), (rx, y + 0.1), (rx, y + 2.15), (x + side * 0.2, y + 2.15)], color=COLORS["accent"])
+        y += 2.35
+    return y
+
+
+fig, ax = plt.subplots(figsize=(12, 14.5))
+ex, dx = 3.2, 9.6  # the encoder's and the decoder's column
+
+# Encoder column.
+shape(ax, ex, 0.25, "src: token ids (B, S)", ha="center")
+arrow(ax, [(ex, 0.45), (ex, 0.95)])
+box(ax, ex, 1.25, "src_embed × √d_model", "embed")
+arrow(ax, [(ex, 1.55), (ex, 2.0)])
+add(ax, ex, 2.2)
+box(ax, ex - 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45)
+arrow(ax, [(ex - 1.65, 2.2), (ex - 0.2, 2.2)])
+shape(ax, ex + 0.3, 2.62, "(B, S, d)")
+arrow(ax, [(ex, 2.4), (ex, 3.1)])
+ax.add_patch(FancyBboxPatch((ex - 2.3, 3.0), 4.4, 4.9, boxstyle="round,pad=0.05,rounding_size=0.2",
+                            facecolor=PALETTE["frame"], edgecolor="#888888", lw=1.2, zorder=1))
+ax.text(ex - 2.5, 6.85, "N × EncoderBlock\nencoder.layers", ha="right", va="center", fontsize=10, weight="bold")
+shape(ax, ex - 2.5, 4.4, "weights\n(B, h, S, S)", ha="right")
+top = sublayers(ax, ex, 3.1, [("norm1", "self_attn\nmulti-head self-attention\nmask: src_mask", "attn"),
+                             ("norm2", "ffn\nLinear → ReLU → Linear", "ffn")], side=+1)
+arrow(ax, [(ex, top - 0.0), (ex, 8.35)])
+shape(ax, ex + 0.3, 8.1, "(B, S, d)")
+box(ax, ex, 8.6, "encoder.norm (LayerNorm)", "norm", w=2.8, h=0.5)
+arrow(ax, [(ex, 8.85), (ex, 9.6), (6.3, 9.6), (6.3, 6.85), (dx - 1.55, 6.85)], color=COLORS["ours"], lw=2)
+ax.text(4.8, 9.78, "enc_out (B, S, d): keys and values\nof every decoder block's cross-attention",
+        ha="center", va="bottom", fontsize=9, color=COLORS["ours"])
+
+# Decoder column.
+shape(ax, dx, 0.25, "tgt_in: token ids (B, T) = [BOS, y₁, …]", ha="center")
+arrow(ax, [(dx, 0.45), (dx, 0.95)])
+box(ax, dx, 1.25, "tgt_embed × √d_model", "embed")
+arrow(ax, [(dx, 1.55), (dx, 2.0)])
+add(ax, dx, 2.2)
+box(ax, dx + 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45)
+arrow(ax, [(dx + 1.65, 2.2), (dx + 0.2, 2.2)])
+shape(ax, dx - 0.3, 2.62, "(B, T, d)", ha="right")
+arrow(ax, [(dx, 2.4), (dx, 3.1)])
+ax.add_patch(FancyBboxPatch((dx - 2.1, 3.0), 4.4, 7.25, boxstyle="round,pad=0.05,rounding_size=0.2",
+                            facecolor=PALETTE["frame"], edgecolor="#888888", lw=1.2, zorder=1))
+ax.text(dx + 2.5, 9.2, "N × DecoderBlock\ndecoder.layers", ha="left", va="center", fontsize=10, weight="bold")
+shape(ax, dx + 2.5, 4.4, "weights\n(B, h, T, T)")
+shape(ax, dx + 2.5, 6.75, "weights\n(B, h, T, S)")
+top = sublayers(ax, dx, 3.1, [("norm1", "self_attn\nmasked self-attention\nmask: tgt_mask (causal)", "attn"),
+                             ("norm2", "cross_attn\nQ: decoder, K, V: enc_out\nmask: src_mask", "attn"),
+                             ("norm3", "ffn\nLinear → ReLU → Linear", "ffn")], side=-1)
+arrow(ax, [(dx, top), (dx, 10.75)])
+shape(ax, dx - 0.3, 10.55, "(B, T, d)", ha="right")
+box(ax, dx, 11.0, "decoder.norm (LayerNorm)", "norm", w=2.8, h=0.5)
+arrow(ax, [(dx, 11.25), (dx, 11.75)])
+box(ax, dx, 12.05, "out_proj: Linear(d, V)", "head", w=2.8, h=0.55)
+arrow(ax, [(dx, 12.33), (dx, 12.85)])
+shape(ax, dx, 13.05, "logits (B, T, V)", ha="center")
+ax.text(dx, 13.55, "softmax: inside F.cross_entropy (training),\nskipped by argmax (decoding)",
+        ha="center", va="center", fontsize=8.5, color="#666666")
+
+ax.text(6.4, 14.3, "Transformer(src_vocab_size, tgt_vocab_size, d_model=128, num_heads=4, d_ff=512, num_layers=2)",
+        ha="center", fontsize=11, weight="bold")
+ax.text(0.2, 13.5, "red: the residual connections;\nthe stream itself is never normalised\ninside a block (pre-norm)",
+        fontsize=9, color=COLORS["accent"], va="center")
+ax.set_xlim(-0.2, 12.8)
+ax.set_ylim(0, 14.6)
+ax.set_aspect("equal")
+ax.set_axis_off()
+fig.tight_layout()
+save_figure(fig, "model_architecture")
+plt.show()
+
+# %% [markdown]
+# **Every box of the figure is an attribute of `Transformer`: `src_embed`/`tgt_embed`, `pos`,
+# `encoder.layers[i]`, `encoder.norm`, `decoder.layers[i]`, `decoder.norm`, `out_proj`.**
+#
+# ## Recap: diagram box → code → shape
+#
+# With $B$ the batch, $S$ the source length, $T$ the target length, $d = d_\text{model}$, $h$
+# heads of width $d_k = d/h$, and $V$ the target vocabulary:
+#
+# | diagram box | code | output shape |
+# |---|---|---|
+# | input embedding | `embed_tokens(model.src_embed, src)`: lookup × $\sqrt d$ | $(B, S, d)$ |
+# | output embedding | `embed_tokens(model.tgt_embed, tgt)` | $(B, T, d)$ |
+# | positional encoding ⊕ | `model.pos` | $(B, S, d)$, $(B, T, d)$ |
+# | Q, K, V projections, split into heads | `W_q`, `W_k`, `W_v`, then `_split_heads` | $(B, h, \cdot, d_k)$ |
+# | encoder self-attention weights | `scaled_dot_product_attention` inside `self_attn` | $(B, h, S, S)$ |
+# | multi-head attention (concat → $W_o$) | `encoder.layers[i].self_attn` | $(B, S, d)$ |
+# | feed-forward | `encoder.layers[i].ffn` | $(B, S, d)$ |
+# | add & norm (pre-norm) | `x + dropout(sublayer(norm(x)))` | $(B, S, d)$ |
+# | $N\times$ encoder block | `encoder.layers` (`nn.ModuleList`) | $(B, S, d)$ |
+# | encoder output | `encoder.norm`, `model.encode(src, src_mask)` | $(B, S, d)$ |
+# | masked self-attention, its weights | `decoder.layers[i].self_attn`, `tgt_mask` | $(B, T, d)$; $(B, h, T, T)$ |
+# | cross-attention, its weights | `decoder.layers[i].cross_attn`, keys/values `enc_out`, `src_mask` | $(B, T, d)$; $(B, h, T, S)$ |
+# | $N\times$ decoder block | `decoder.layers` | $(B, T, d)$ |
+# | decoder output | `decoder.norm`, `model.decode(tgt, enc_out, ...)` | $(B, T, d)$ |
+# | linear | `model.out_proj` | $(B, T, V)$ |
+# | softmax | left to `F.cross_entropy` / `argmax` | — |
+#
+# **Check:** every row, on the forward pass of the padded batch above ($B = 2$, $S = 7$,
+# $T = 8$, $d = 128$, $h = 4$, $V = 12$). Forward hooks record the output shape of each module
+# as the model runs; the attention weights are recomputed with `return_attn=True` from the
+# inputs the hooks saw.
+
+# %%
+recorded = {}
+
+
+def record(name):
+    def hook(module, args, kwargs, out):
+        recorded.setdefault(name, []).append((args, kwargs, out))
+    return hook
+
+
+watch = {"src_embed": model.src_embed, "tgt_embed": model.tgt_embed, "pos": model.pos,
+         "encoder.layers.0.self_attn": model.encoder.layers[0].self_attn,
+         "encoder.layers.0.ffn": model.encoder.layers[0].ffn,
+         "encoder.layers": model.encoder.layers[-1], "encoder.norm": model.encoder.norm,
+         "decoder.layers.0.self_attn": model.decoder.layers[0].self_attn,
+         "decoder.layers.0.cross_attn": model.decoder.layers[0].cross_attn,
+         "decoder.layers.0.ffn": model.decoder.layers[0].ffn,
+         "decoder.layers": model.decoder.layers[-1], "decoder.norm": model.decoder.norm,
+         "out_proj": model.out_proj}
+handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in watch.items()]
+with torch.no_grad():
+    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
+for handle in handles:
+    handle.remove()
+
+
+def attention_weights(name):
+    (args, kwargs, _), = recorded[name]
+    with torch.no_grad():
+        return model.get_submodule(name)(*args, **kwargs, return_attn=True)[1]
+
+
+d, h, S, T = 128, 4, T_src, T_tgt
+expected = {
+    "src_embed": [(B, S, d)], "tgt_embed": [(B, T, d)], "pos": [(B, S, d), (B, T, d)],
+    "encoder.layers.0.self_attn": [(B, S, d)], "encoder.layers.0.ffn": [(B, S, d)],
+    "encoder.layers": [(B, S, d)], "encoder.norm": [(B, S, d)],
+    "decoder.layers.0.self_attn": [(B, T, d)], "decoder.layers.0.cross_attn": [(B, T, d)],
+    "decoder.layers.0.ffn": [(B, T, d)], "decoder.layers": [(B, T, d)], "decoder.norm": [(B, T, d)],
+    "out_proj": [(B, T, VOCAB)],
+}
+for name, shapes in expected.items():
+    got = [tuple(out.shape) for _, _, out in recorded[name]]
+    assert got == shapes, (name, got, shapes)
+    print(f"{name:<28} {', '.join(str(s) for s in got)}")
+weights = {n: attention_weights(n) for n in ("encoder.layers.0.self_attn", "decoder.layers.0.self_attn",
+                                             "decoder.layers.0.cross_attn")}
+assert weights["encoder.layers.0.self_attn"].shape == (B, h, S, S)
+assert weights["decoder.layers.0.self_attn"].shape == (B, h, T, T)
+assert weights["decoder.layers.0.cross_attn"].shape == (B, h, T, S)
+assert model.encoder.layers[0].self_attn._split_heads(torch.zeros(B, S, d, device=device)).shape == (B, h, S, d // h)
+for name, w in weights.items():
+    assert_close(w.sum(dim=-1), torch.ones(w.shape[:-1], device=device))  # rows sum to 1
+    print(f"{name:<28} attention weights {tuple(w.shape)}")
+assert torch.equal(logits, model(src, tgt_in, src_mask, tgt_mask))  # hooks changed nothing
+
+# %% [markdown]
+# ## Clear errors
+#
+# The mistakes that are easy to make with a model like this, and what each one says. Every one
+# is a `ValueError` (or a `TypeError` for a wrong kind of object) raised before any computation,
+# naming the argument and the shapes or values involved. For comparison, `nn.Transformer` answers
+# the first one with `RuntimeError: the batch number of src and tgt must be equal`, and
+# `nn.Embedding` answers an id out of range with `IndexError: index out of range in self` on the
+# CPU and a device-side assertion on a GPU.
+
+# %%
+long_src = torch.full((B, 513), 5, device=device)  # one more than max_len
+bad_calls = {
+    "batch sizes differ": lambda: model(src, tgt_in[:1]),
+    "target id >= vocab": lambda: model(src, tgt_in.masked_fill(tgt_in == 11, 12)),
+    "negative source id": lambda: model(src.masked_fill(src == PAD, -1), tgt_in),
+    "float ids": lambda: model(src.float(), tgt_in),
+    "source longer than max_len": lambda: model(long_src, tgt_in),
+    "src_mask for another length": lambda: model(src, tgt_in, src_mask=padding_mask(src_lengths, T_src + 1).to(device)),
+    "src_mask per query": lambda: model(src, tgt_in, src_mask=src_mask & causal_mask(T_src, device=device)),
+    "tgt_mask of the source's length": lambda: model(src, tgt_in, src_mask, causal_mask(T_src, device=device)),
+    "enc_out from another batch": lambda: model.decode(tgt_in, enc_out[:1]),
+}
+for what, call in bad_calls.items():
+    try:
+        call()
+    except (ValueError, TypeError) as err:
+        print(f"{what:>32} -> {type(err).__name__}: {err}")
+    else:
+        raise AssertionError(f"{what}: accepted")
+
+# %% [markdown]
+# **The model checks ids, lengths, batch sizes and mask shapes at the door and names what is
+# wrong.**
+#
+# ## Exercises
+#
+# 1. **The paper's base model.** Count the parameters of `Transformer` at the paper's base size
+#    ($d_\text{model} = 512$, $h = 8$, $d_{ff} = 2048$, $N = 6$) with a shared source–target
+#    vocabulary of 37,000 tokens, once as built and once with all three token matrices tied
+#    (Vaswani et al., 2017, §3.4; notebook 09). Compare with the 65 million of the paper's
+#    Table 3. Build it on the `meta` device, so that no memory is allocated for its weights.
+# 2. **Tie our model.** Tie `src_embed`, `tgt_embed` and `out_proj` of the course's model (both
+#    vocabularies have 12 tokens), check the new parameter count against 930,828, and check that
+#    one backward pass puts gradient from all three uses into the one shared matrix.
+# 3. **Prefixes.** Generation (notebook 12) decodes a growing prefix one token at a time. Show
+#    that, with the causal mask, decoding the first $k$ target tokens gives exactly the first $k$
+#    rows of decoding the whole target, for every $k$; and that without the mask it does not.
+#
+# **Solutions.**
+#
+# 1. On the `meta` device every tensor has a shape and no data, so counting costs nothing. The
+#    untied model has $2 \cdot 37{,}000 \cdot 512 \approx 37.9$ M parameters in its two tables,
+#    plus 18.9 M in the output layer; tying all three leaves one table. The tied count, 63.1 M,
+#    is within 3 % of the paper's 65 M (the paper gives the vocabulary only as "about 37000"
+#    tokens, and does not list its count's parts).
+
+# %%
+with torch.device("meta"):
+    base = Transformer(37_000, 37_000, d_model=512, num_heads=8, d_ff=2048, num_layers=6)
+untied = num_params(base)
+tied_count = untied - 2 * 37_000 * 512  # tgt_embed and out_proj.weight share src_embed's matrix
+print(f"untied {untied / 1e6:.1f} M, tied {tied_count / 1e6:.1f} M (paper: 65 M)")
+assert base.out_proj.weight.is_meta
+assert untied == 3 * 37_000 * 512 + 37_000 + 6 * (4 * 512**2 + 2 * 512 * 2048 + 2048 + 9 * 512) \
+    + 6 * (8 * 512**2 + 2 * 512 * 2048 + 2048 + 15 * 512) + 2 * 2 * 512
+assert abs(tied_count / 65e6 - 1) < 0.05
+
+# %% [markdown]
+# 2. Assign the `Parameter`s; `parameters()` lists a shared one once, so two matrices of
+#    $12 \times 128$ go: $930{,}828 - 2 \cdot 1{,}536 = 927{,}756$. Every use adds its gradient to
+#    the shared `.grad`, which an untied copy with the same values shows term by term. One
+#    consequence is easy to miss: `padding_idx` keeps the *embeddings'* gradient out of the `PAD`
+#    row, but the output layer computes a logit for `PAD` at every position and writes a gradient
+#    into that row, so in a tied model the `PAD` vector is trained like any other.
+
+# %%
+set_seed(0)
+untied_model = Transformer(VOCAB, VOCAB).to(device).eval()
+tied_model = copy.deepcopy(untied_model)
+shared = tied_model.src_embed.weight  # (V, d)
+tied_model.tgt_embed.weight = shared
+tied_model.out_proj.weight = shared
+with torch.no_grad():  # the untied copy gets the same values, so it computes the same function
+    untied_model.tgt_embed.weight.copy_(shared)
+    untied_model.out_proj.weight.copy_(shared)
+assert num_params(tied_model) == 930_828 - 2 * VOCAB * 128 == 927_756
+
+
+def reversal_loss(m: Transformer) -> torch.Tensor:
+    logits = m(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tgt_out.reshape(-1), ignore_index=PAD)
+
+
+reversal_loss(tied_model).backward()
+reversal_loss(untied_model).backward()
+uses = {"src_embed": untied_model.src_embed.weight.grad, "tgt_embed": untied_model.tgt_embed.weight.grad,
+        "out_proj": untied_model.out_proj.weight.grad}
+assert_close(shared.grad, sum(uses.values()))  # the shared gradient is the sum of the three uses
+assert torch.count_nonzero(uses["src_embed"][PAD]) == torch.count_nonzero(uses["tgt_embed"][PAD]) == 0
+assert torch.count_nonzero(uses["out_proj"][PAD]) == 128  # the head trains the PAD row
+print(f"tied: {num_params(tied_model):,} parameters; largest gradient in the PAD row from each use:",
+      {k: f"{g[PAD].abs().max().item():.1e}" for k, g in uses.items()})
+
+# %% [markdown]
+# 3. Position $t$ of the decoder reads target inputs $0..t$ only (the dependency map above), so
+#    its output cannot change when tokens after $t$ are cut off. Without the mask, each position
+#    attends to the whole prefix it is given, and cutting changes it.
+
+# %%
+with torch.no_grad():
+    enc_out = model.encode(src, src_mask)
+    full = model.decode(tgt_in, enc_out, causal_mask(T_tgt, device=device), src_mask)  # (B, T, d)
+    full_unmasked = model.decode(tgt_in, enc_out, None, src_mask)
+    for k in range(1, T_tgt + 1):
+        prefix = model.decode(tgt_in[:, :k], enc_out, causal_mask(k, device=device), src_mask)  # (B, k, d)
+        assert_close(prefix, full[:, :k])
+    prefix_unmasked = model.decode(tgt_in[:, :3], enc_out, None, src_mask)
+    assert not torch.allclose(prefix_unmasked, full_unmasked[:, :3])
+print("with the causal mask, every prefix decodes to the first rows of the full decode")
+
+# %% [markdown]
+# Next: notebook 11, *Training*, which trains this model to reverse sequences and reproduces the
+# tutorial's 256/256 exact matches and its initialisation ablation.

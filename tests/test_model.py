@@ -1,0 +1,468 @@
+"""Tests for the model module of notebooks 09 and 10 (transformer_from_scratch.model)."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import transformer_from_scratch as tfs
+from transformer_from_scratch.layers import Decoder, Encoder, copy_block_to_torch
+from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.model import (
+    BOS,
+    EOS,
+    PAD,
+    Transformer,
+    check_token_ids,
+    embed_tokens,
+    init_token_embedding,
+)
+from transformer_from_scratch.positional import PositionalEncoding
+
+V = 12
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def small_model(dropout_p: float = 0.0, **kw) -> Transformer:
+    cfg = dict(d_model=32, num_heads=4, d_ff=64, num_layers=2, dropout_p=dropout_p, max_len=64)
+    cfg.update(kw)
+    return Transformer(V, V + 3, **cfg)
+
+
+def reversal_batch():
+    """A padded batch: src (2, 7), tgt_in/tgt_out (2, 8), with their lengths and masks."""
+    src = torch.tensor([[5, 9, 3, 11, 7, PAD, PAD], [8, 3, 6, 11, 9, 5, 10]])
+    tgt_in = torch.tensor([[BOS, 7, 11, 3, 9, 5, PAD, PAD], [BOS, 10, 5, 9, 11, 6, 3, 8]])
+    tgt_out = torch.tensor([[7, 11, 3, 9, 5, EOS, PAD, PAD], [10, 5, 9, 11, 6, 3, 8, EOS]])
+    src_len, tgt_len = (src != PAD).sum(1), (tgt_in != PAD).sum(1)
+    src_mask = padding_mask(src_len, src.shape[1])
+    tgt_mask = causal_mask(tgt_in.shape[1]) & padding_mask(tgt_len, tgt_in.shape[1])
+    return src, tgt_in, tgt_out, src_len, tgt_len, src_mask, tgt_mask
+
+
+# ---------------------------------------------------------------- special tokens
+def test_special_tokens():
+    assert (PAD, BOS, EOS) == (0, 1, 2)
+    assert (tfs.PAD, tfs.BOS, tfs.EOS) == (0, 1, 2)
+    assert tfs.Transformer is Transformer and tfs.Encoder is Encoder and tfs.Decoder is Decoder
+
+
+# ---------------------------------------------------------------- init_token_embedding
+def test_init_token_embedding_scale_and_pad_row():
+    emb = nn.Embedding(20_000, 128, padding_idx=PAD)
+    out = init_token_embedding(emb)
+    assert out is emb
+    assert torch.count_nonzero(emb.weight[PAD]) == 0
+    assert abs(emb.weight[1:].std().item() - 128**-0.5) < 0.002
+    assert abs(emb.weight[1:].mean().item()) < 0.002
+
+
+def test_init_token_embedding_keeps_pad_without_gradient():
+    emb = init_token_embedding(nn.Embedding(V, 16, padding_idx=PAD))
+    emb(torch.tensor([[PAD, 4, PAD, 4]])).sum().backward()
+    assert torch.count_nonzero(emb.weight.grad[PAD]) == 0
+    assert_close(emb.weight.grad[4], torch.full((16,), 2.0))
+
+
+def test_init_token_embedding_without_padding_idx_zeroes_nothing():
+    emb = init_token_embedding(nn.Embedding(V, 16))
+    assert torch.count_nonzero(emb.weight[PAD]) == 16
+
+
+def test_init_token_embedding_type_error():
+    with pytest.raises(TypeError, match="nn.Embedding"):
+        init_token_embedding(nn.Linear(4, 4))
+
+
+def test_scaled_embedding_is_comparable_to_the_positional_encoding():
+    for d in (64, 256):
+        emb = init_token_embedding(nn.Embedding(2000, d, padding_idx=PAD))
+        token = (emb.weight[1:] * math.sqrt(d)).norm(dim=1).mean().item()
+        pe = PositionalEncoding(d, max_len=100).pe[0].norm(dim=1)
+        assert_close(pe, torch.full_like(pe, math.sqrt(d / 2)))
+        assert 1.2 < token / math.sqrt(d / 2) < 1.65  # about sqrt(2)
+
+
+# ---------------------------------------------------------------- check_token_ids, embed_tokens
+def test_embed_tokens_values_and_gradient():
+    emb = init_token_embedding(nn.Embedding(V, 16, padding_idx=PAD))
+    ids = torch.tensor([[3, 4, PAD], [11, 1, 2]])
+    x = embed_tokens(emb, ids)
+    assert x.shape == (2, 3, 16)
+    assert_close(x, emb.weight[ids] * 4.0)
+    assert (x[0, 2] == 0).all()
+    x.sum().backward()
+    assert torch.count_nonzero(emb.weight.grad[PAD]) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_check_token_ids_accepts_embedding_index_dtypes(dtype):
+    check_token_ids(torch.tensor([[0, 11]], dtype=dtype), V)
+    emb = nn.Embedding(V, 4)
+    assert embed_tokens(emb, torch.tensor([[0, 11]], dtype=dtype)).shape == (1, 2, 4)
+
+
+def test_check_token_ids_allows_an_empty_batch():
+    check_token_ids(torch.zeros(0, 5, dtype=torch.long), V)
+
+
+@pytest.mark.parametrize(
+    "ids, match",
+    [
+        (torch.tensor([[3, 12]]), r"token id 12 at position \(0, 1\), outside \[0, 12\)"),
+        (torch.tensor([[-1, 4]]), r"token id -1 at position \(0, 0\)"),
+        (torch.tensor([3, 4]), r"shape \(B, T\)"),
+        (torch.tensor([[[3]]]), r"shape \(B, T\)"),
+        (torch.zeros(2, 0, dtype=torch.long), r"T >= 1"),
+    ],
+)
+def test_check_token_ids_value_errors(ids, match):
+    with pytest.raises(ValueError, match=match):
+        check_token_ids(ids, V, "src")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.tensor([[3.0, 4.0]]),
+        torch.tensor([[True]]),
+        torch.tensor([[3]], dtype=torch.uint8),
+        [[3]],
+    ],
+)
+def test_check_token_ids_type_errors(bad):
+    with pytest.raises(TypeError, match="src"):
+        check_token_ids(bad, V, "src")
+
+
+# ---------------------------------------------------------------- construction and counting
+def part_formulas(d, d_ff, n, v_src, v_tgt) -> dict:
+    attn, ffn, norm = 4 * d * d + 4 * d, 2 * d * d_ff + d_ff + d, 2 * d
+    return {
+        "src_embed": v_src * d,
+        "tgt_embed": v_tgt * d,
+        "pos": 0,
+        "encoder": n * (attn + ffn + 2 * norm) + norm,
+        "decoder": n * (2 * attn + ffn + 3 * norm) + norm,
+        "out_proj": d * v_tgt + v_tgt,
+    }
+
+
+def test_tutorial_configuration_has_930828_parameters():
+    model = Transformer(V, V)
+    assert num_params(model) == 930_828
+    expected = part_formulas(128, 512, 2, V, V)
+    for name, value in expected.items():
+        assert num_params(getattr(model, name)) == value, name
+    assert sum(expected.values()) == 930_828
+    assert expected["encoder"] == 396_800 and expected["decoder"] == 529_408
+
+
+def test_parameter_breakdown_inside_the_stacks():
+    model = Transformer(V, V)
+    d, dff = 128, 512
+    for block in model.encoder.layers:
+        assert num_params(block.self_attn) == 4 * d * d + 4 * d
+        assert num_params(block.ffn) == 2 * d * dff + dff + d
+        assert num_params(block.norm1) + num_params(block.norm2) == 4 * d
+    for block in model.decoder.layers:
+        assert num_params(block.self_attn) == num_params(block.cross_attn) == 4 * d * d + 4 * d
+        assert num_params(block.ffn) == 2 * d * dff + dff + d
+    assert num_params(model.encoder.norm) == num_params(model.decoder.norm) == 2 * d
+
+
+def test_other_configuration_counts():
+    model = Transformer(30, 17, d_model=64, num_heads=8, d_ff=96, num_layers=3, max_len=40)
+    assert num_params(model) == sum(part_formulas(64, 96, 3, 30, 17).values())
+
+
+def test_attributes_defaults_and_config():
+    model = Transformer(V, V + 5)
+    assert isinstance(model.src_embed, nn.Embedding) and model.src_embed.padding_idx == PAD
+    assert isinstance(model.tgt_embed, nn.Embedding) and model.tgt_embed.num_embeddings == V + 5
+    assert isinstance(model.pos, PositionalEncoding) and model.pos.pe.shape == (1, 512, 128)
+    assert isinstance(model.encoder, Encoder) and isinstance(model.decoder, Decoder)
+    assert len(model.encoder.layers) == len(model.decoder.layers) == 2
+    assert model.out_proj.in_features == 128 and model.out_proj.out_features == V + 5
+    assert model.pos.dropout.p == 0.1 and model.encoder.layers[0].dropout1.p == 0.1
+    assert type(model.encoder.layers[0].ffn[1]) is nn.ReLU
+    rebuilt = Transformer(**model.config)
+    assert rebuilt.load_state_dict(model.state_dict()) is not None
+    assert num_params(rebuilt) == num_params(model)
+
+
+def test_pe_is_a_buffer_not_a_parameter():
+    model = Transformer(V, V)
+    assert "pos.pe" in model.state_dict()
+    assert all(p is not model.pos.pe for p in model.parameters())
+
+
+def test_model_embeddings_are_initialised():
+    model = Transformer(V, V)
+    for emb in (model.src_embed, model.tgt_embed):
+        assert torch.count_nonzero(emb.weight[PAD]) == 0
+        assert 0.05 < emb.weight[1:].std().item() < 0.13  # 128^-0.5 = 0.088, 11 x 128 samples
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(src_vocab_size=2, tgt_vocab_size=V), ValueError, "src_vocab_size must be at least 3"),
+        (dict(src_vocab_size=V, tgt_vocab_size=0), ValueError, "tgt_vocab_size must be at least 3"),
+        (dict(src_vocab_size=12.0, tgt_vocab_size=V), TypeError, "src_vocab_size must be an int"),
+        (dict(src_vocab_size=V, tgt_vocab_size=V, d_model=0), ValueError, "d_model"),
+        (dict(src_vocab_size=V, tgt_vocab_size=V, max_len=0), ValueError, "max_len"),
+        (dict(src_vocab_size=V, tgt_vocab_size=V, num_layers=0), ValueError, "num_layers"),
+        (dict(src_vocab_size=V, tgt_vocab_size=V, num_heads=3), ValueError, "num_heads"),
+    ],
+)
+def test_constructor_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Transformer(**kwargs)
+
+
+# ---------------------------------------------------------------- forward, encode, decode
+def test_forward_shape_and_encode_decode_consistency():
+    model = small_model().eval()
+    src, tgt_in, _, _, _, src_mask, tgt_mask = reversal_batch()
+    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
+    assert logits.shape == (2, 8, V + 3)
+    enc_out = model.encode(src, src_mask)
+    assert enc_out.shape == (2, 7, 32)
+    dec_out = model.decode(tgt_in, enc_out, self_mask=tgt_mask, cross_mask=src_mask)
+    assert dec_out.shape == (2, 8, 32)
+    assert torch.equal(model.out_proj(dec_out), logits)
+
+
+def test_encode_is_embed_scale_position_then_encoder():
+    model = small_model().eval()
+    src, *_, src_mask, _ = reversal_batch()
+    x = model.src_embed(src) * math.sqrt(32) + model.pos.pe[:, : src.shape[1]]
+    assert_close(model.encode(src, src_mask), model.encoder(x, mask=src_mask))
+
+
+def test_dropout_only_in_training():
+    model = small_model(dropout_p=0.2)
+    src, tgt_in, *_ = reversal_batch()
+    assert not torch.equal(model(src, tgt_in), model(src, tgt_in))
+    model.eval()
+    assert torch.equal(model(src, tgt_in), model(src, tgt_in))
+
+
+def test_causal_and_padding_masks_hold_through_the_model():
+    model = small_model().eval()
+    src, tgt_in, _, _, _, src_mask, tgt_mask = reversal_batch()
+    logits = model(src, tgt_in, src_mask, tgt_mask)
+    future = tgt_in.clone()
+    future[:, 4:] = 7
+    assert_close(model(src, future, src_mask, tgt_mask)[:, :4], logits[:, :4])
+    repadded = src.clone()
+    repadded[0, 5:] = 9  # the padding of sequence 0, masked by src_mask
+    assert_close(model(repadded, tgt_in, src_mask, tgt_mask), logits)
+    # Without the causal mask, position 0 sees later target tokens.
+    no_mask = model(src, tgt_in, src_mask, None)
+    assert not torch.allclose(model(src, future, src_mask, None)[:, 0], no_mask[:, 0])
+
+
+def test_loss_at_initialisation_is_about_log_v():
+    model = Transformer(V, V).eval()
+    src, tgt_in, tgt_out, _, _, src_mask, tgt_mask = reversal_batch()
+    logits = model(src, tgt_in, src_mask, tgt_mask)
+    loss = F.cross_entropy(logits.reshape(-1, V), tgt_out.reshape(-1), ignore_index=PAD)
+    assert abs(loss.item() - math.log(V)) < 0.5
+
+
+def test_double_moves_parameters_and_buffer():
+    model = small_model().double().eval()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert model.pos.pe.dtype == torch.float64
+    src, tgt_in, *_ = reversal_batch()
+    assert model(src, tgt_in).dtype == torch.float64
+
+
+def test_meta_device_construction():
+    with torch.device("meta"):
+        model = Transformer(V, V)
+    assert model.out_proj.weight.is_meta and num_params(model) == 930_828
+
+
+# ---------------------------------------------------------------- parity with nn.Transformer
+def torch_like(model: Transformer) -> nn.Transformer:
+    c = model.config
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+        theirs = nn.Transformer(
+            d_model=c["d_model"],
+            nhead=c["num_heads"],
+            num_encoder_layers=c["num_layers"],
+            num_decoder_layers=c["num_layers"],
+            dim_feedforward=c["d_ff"],
+            dropout=c["dropout_p"],
+            activation="relu",
+            batch_first=True,
+            norm_first=True,
+        )
+    for ours_stack, their_stack in (
+        (model.encoder, theirs.encoder),
+        (model.decoder, theirs.decoder),
+    ):
+        for a, b in zip(ours_stack.layers, their_stack.layers, strict=True):
+            copy_block_to_torch(a, b)
+        their_stack.norm.load_state_dict(ours_stack.norm.state_dict())
+    return theirs
+
+
+def torch_masks(src_mask, tgt_len, T):
+    src_pad = ~src_mask[:, 0, 0]
+    return dict(
+        src_key_padding_mask=src_pad,
+        memory_key_padding_mask=src_pad,
+        tgt_mask=~causal_mask(T)[0, 0],
+        tgt_key_padding_mask=~padding_mask(tgt_len, T)[:, 0, 0],
+    )
+
+
+def their_gradient(theirs, name, d_model):
+    name = name.replace("cross_attn", "multihead_attn")
+    name = name.replace("ffn.0", "linear1").replace("ffn.2", "linear2")
+    for i, proj in enumerate(("W_q", "W_k", "W_v")):
+        if f".{proj}." in name:
+            kind = name.rsplit(".", 1)[1]
+            packed = theirs.get_parameter(name.replace(f"{proj}.{kind}", f"in_proj_{kind}"))
+            return packed.grad[i * d_model : (i + 1) * d_model]
+    return theirs.get_parameter(name.replace("W_o", "out_proj")).grad
+
+
+@pytest.mark.parametrize("make", [small_model, lambda: Transformer(V, V, dropout_p=0.0)])
+def test_parity_with_nn_transformer_values_and_gradients(make):
+    ours = make()
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.dim() == 1:
+                p.normal_(std=0.3)
+    d = ours.d_model
+    twin, theirs = copy.deepcopy(ours), torch_like(ours)
+    src, tgt_in, _, _, tgt_len, src_mask, tgt_mask = reversal_batch()
+    upstream = torch.randn(2, 8, ours.out_proj.out_features)
+
+    logits = ours(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
+    x_src = twin.pos(embed_tokens(twin.src_embed, src))
+    x_tgt = twin.pos(embed_tokens(twin.tgt_embed, tgt_in))
+    expected = twin.out_proj(theirs(x_src, x_tgt, **torch_masks(src_mask, tgt_len, 8)))
+    assert_close(logits, expected)
+    (logits * upstream).sum().backward()
+    (expected * upstream).sum().backward()
+    for name, p in ours.named_parameters():
+        if name.startswith(("encoder", "decoder")):
+            assert_close(p.grad, their_gradient(theirs, name, d), msg=name)
+        else:
+            assert_close(p.grad, twin.get_parameter(name).grad, msg=name)
+
+
+def test_parity_in_eval_mode_with_dropout():
+    ours = small_model(dropout_p=0.1).eval()
+    theirs = torch_like(ours).eval()
+    src, tgt_in, _, _, tgt_len, src_mask, tgt_mask = reversal_batch()
+    with torch.no_grad():
+        x_src = ours.pos(embed_tokens(ours.src_embed, src))
+        x_tgt = ours.pos(embed_tokens(ours.tgt_embed, tgt_in))
+        expected = ours.out_proj(theirs(x_src, x_tgt, **torch_masks(src_mask, tgt_len, 8)))
+        assert_close(ours(src, tgt_in, src_mask, tgt_mask), expected)
+
+
+# ---------------------------------------------------------------- bad input
+def test_batch_sizes_differ():
+    model = small_model()
+    src, tgt_in, *_ = reversal_batch()
+    with pytest.raises(ValueError, match=r"src \(2, 7\) and tgt \(1, 8\) have different batch"):
+        model(src, tgt_in[:1])
+
+
+@pytest.mark.parametrize(
+    "which, value, match",
+    [
+        ("src", V, r"src holds token id 12"),
+        ("src", -1, r"src holds token id -1"),
+        ("tgt", V + 3, r"tgt holds token id 15 .* outside \[0, 15\)"),
+        ("tgt", -2, r"tgt holds token id -2"),
+    ],
+)
+def test_token_ids_out_of_range(which, value, match):
+    model = small_model()
+    src, tgt_in, *_ = reversal_batch()
+    if which == "src":
+        src = src.clone()
+        src[1, 3] = value
+    else:
+        tgt_in = tgt_in.clone()
+        tgt_in[0, 2] = value
+    with pytest.raises(ValueError, match=match):
+        model(src, tgt_in)
+
+
+def test_token_ids_type_and_shape():
+    model = small_model()
+    src, tgt_in, *_ = reversal_batch()
+    with pytest.raises(TypeError, match="src must hold integer token ids"):
+        model(src.float(), tgt_in)
+    with pytest.raises(ValueError, match=r"tgt must have shape \(B, T\)"):
+        model(src, tgt_in[0])
+    with pytest.raises(TypeError, match="src must be a torch.Tensor"):
+        model.encode([[3, 4]])
+
+
+def test_sequences_longer_than_max_len():
+    model = small_model()  # max_len 64
+    src, tgt_in, *_ = reversal_batch()
+    with pytest.raises(ValueError, match="src has length 65, longer than the model's max_len=64"):
+        model(torch.full((2, 65), 5), tgt_in)
+    with pytest.raises(ValueError, match="tgt has length 70, longer than the model's max_len=64"):
+        model(src, torch.full((2, 70), 5))
+    model(torch.full((2, 64), 5), torch.full((2, 64), 5))  # exactly max_len is fine
+
+
+def test_wrong_mask_shapes():
+    model = small_model()
+    src, tgt_in, _, src_len, _, src_mask, tgt_mask = reversal_batch()
+    with pytest.raises(ValueError, match=r"src_mask of shape \(2, 1, 1, 8\) does not broadcast"):
+        model(src, tgt_in, src_mask=padding_mask(src_len, 8))
+    with pytest.raises(ValueError, match=r"src_mask .* \(B, h, 1, T_src\).*padding_mask"):
+        model(src, tgt_in, src_mask=src_mask & causal_mask(7))
+    with pytest.raises(ValueError, match=r"src_mask of shape \(3, 1, 1, 7\)"):
+        model(src, tgt_in, src_mask=padding_mask(torch.tensor([7, 7, 7]), 7))
+    with pytest.raises(ValueError, match=r"tgt_mask of shape \(1, 1, 7, 7\) .* \(B, h, T_tgt"):
+        model(src, tgt_in, src_mask, causal_mask(7))
+    with pytest.raises(ValueError, match=r"src_mask of shape \(2, 1, 1, 6\) .* T_src, T_src"):
+        model.encode(src, padding_mask(src_len.clamp(max=6), 6))
+    enc_out = model.encode(src, src_mask)
+    with pytest.raises(ValueError, match=r"self_mask of shape \(1, 1, 9, 9\)"):
+        model.decode(tgt_in, enc_out, self_mask=causal_mask(9))
+    with pytest.raises(ValueError, match=r"cross_mask of shape \(2, 1, 1, 8\)"):
+        model.decode(tgt_in, enc_out, cross_mask=padding_mask(src_len, 8))
+    with pytest.raises(TypeError, match="src_mask must be a torch.Tensor or None"):
+        model(src, tgt_in, src_mask=[[True]])
+
+
+def test_decode_enc_out_errors():
+    model = small_model()
+    src, tgt_in, *_ = reversal_batch()
+    enc_out = model.encode(src)
+    with pytest.raises(ValueError, match=r"tgt \(2, 8\) and enc_out \(1, 7, 32\) have different"):
+        model.decode(tgt_in, enc_out[:1])
+    with pytest.raises(ValueError, match=r"enc_out must have shape \(B, T_src, d_model\)"):
+        model.decode(tgt_in, enc_out[0])
+    with pytest.raises(TypeError, match="enc_out must be a torch.Tensor"):
+        model.decode(tgt_in, None)

@@ -1,0 +1,289 @@
+"""Tests for the Encoder and Decoder stacks of notebook 10 (transformer_from_scratch.layers)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from transformer_from_scratch.layers import (
+    Decoder,
+    DecoderBlock,
+    Encoder,
+    EncoderBlock,
+    LayerNorm,
+    copy_block_to_torch,
+)
+from transformer_from_scratch.masks import causal_mask, padding_mask
+
+B, T_SRC, T_TGT, D, H, D_FF, N = 2, 7, 5, 32, 4, 64, 3
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def randomize_vectors(module: nn.Module) -> None:
+    """Random biases and norm parameters, so that a missed copy shows."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() == 1:
+                p.normal_(std=0.3)
+
+
+# ---------------------------------------------------------------- construction
+@pytest.mark.parametrize("cls, block", [(Encoder, EncoderBlock), (Decoder, DecoderBlock)])
+def test_layers_are_a_module_list_of_blocks_with_a_final_norm(cls, block):
+    stack = cls(N, D, H, D_FF)
+    assert isinstance(stack.layers, nn.ModuleList) and len(stack.layers) == N
+    assert all(type(layer) is block for layer in stack.layers)
+    assert isinstance(stack.norm, LayerNorm) and stack.norm.d_model == D
+    assert len({id(layer) for layer in stack.layers}) == N  # separate blocks, separate weights
+    assert num_params(stack) == N * num_params(block(D, H, D_FF)) + 2 * D
+
+
+@pytest.mark.parametrize("cls", [Encoder, Decoder])
+def test_defaults_relu_and_dropout(cls):
+    stack = cls(2, D, H, D_FF)
+    for layer in stack.layers:
+        assert type(layer.ffn[1]) is nn.ReLU
+        assert layer.dropout1.p == 0.1 and layer.self_attn.dropout_p == 0.1
+        assert layer.norm_first
+    gelu = cls(2, D, H, D_FF, dropout_p=0.0, activation="gelu")
+    assert all(type(layer.ffn[1]) is nn.GELU and layer.dropout1.p == 0.0 for layer in gelu.layers)
+
+
+@pytest.mark.parametrize("cls", [Encoder, Decoder])
+def test_state_dict_names_and_dtype_moves(cls):
+    stack = cls(2, D, H, D_FF)
+    keys = stack.state_dict().keys()
+    assert "layers.0.self_attn.W_q.weight" in keys and "layers.1.ffn.2.bias" in keys
+    assert "norm.weight" in keys and "norm.bias" in keys
+    stack = stack.double()
+    assert {p.dtype for p in stack.parameters()} == {torch.float64}
+
+
+@pytest.mark.parametrize("cls", [Encoder, Decoder])
+@pytest.mark.parametrize("bad", [0, -1])
+def test_num_layers_must_be_positive(cls, bad):
+    with pytest.raises(ValueError, match="num_layers must be at least 1"):
+        cls(bad, D, H, D_FF)
+
+
+@pytest.mark.parametrize("cls", [Encoder, Decoder])
+@pytest.mark.parametrize("bad", [2.0, True, "2"])
+def test_num_layers_must_be_an_int(cls, bad):
+    with pytest.raises(TypeError, match="num_layers must be an int"):
+        cls(bad, D, H, D_FF)
+
+
+def test_block_arguments_are_checked_by_the_blocks():
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        Encoder(2, 30, 4, D_FF)
+    with pytest.raises(ValueError, match="unknown activation"):
+        Decoder(2, D, H, D_FF, activation="tanh")
+
+
+# ---------------------------------------------------------------- forward
+def test_encoder_is_its_blocks_in_order_then_the_norm():
+    enc = Encoder(N, D, H, D_FF, dropout_p=0.0)
+    x = torch.randn(B, T_SRC, D)
+    mask = padding_mask(torch.tensor([7, 4]), T_SRC)
+    out = enc(x, mask=mask)
+    assert out.shape == (B, T_SRC, D)
+    h = x
+    for layer in enc.layers:
+        h = layer(h, mask=mask)
+    assert_close(out, enc.norm(h))
+
+
+def test_decoder_is_its_blocks_in_order_then_the_norm():
+    dec = Decoder(N, D, H, D_FF, dropout_p=0.0)
+    x, enc_out = torch.randn(B, T_TGT, D), torch.randn(B, T_SRC, D)
+    self_mask, cross_mask = causal_mask(T_TGT), padding_mask(torch.tensor([7, 4]), T_SRC)
+    out = dec(x, enc_out, self_mask=self_mask, cross_mask=cross_mask)
+    assert out.shape == (B, T_TGT, D)
+    h = x
+    for layer in dec.layers:
+        h = layer(h, enc_out, self_mask=self_mask, cross_mask=cross_mask)
+    assert_close(out, dec.norm(h))
+
+
+def test_every_decoder_block_reads_the_same_enc_out():
+    dec = Decoder(N, D, H, D_FF, dropout_p=0.0)
+    x, enc_out = torch.randn(B, T_TGT, D), torch.randn(B, T_SRC, D)
+    seen = []
+    hooks = [
+        layer.cross_attn.register_forward_hook(lambda m, args, out: seen.append(args[1]))
+        for layer in dec.layers
+    ]
+    dec(x, enc_out)
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) == N and all(s is enc_out for s in seen)
+
+
+@pytest.mark.parametrize("cls", [Encoder, Decoder])
+def test_final_norm_normalises_the_output(cls):
+    stack = cls(N, D, H, D_FF, dropout_p=0.0)
+    x = 5 * torch.randn(B, T_TGT, D) + 3
+    out = stack(x) if cls is Encoder else stack(x, torch.randn(B, T_SRC, D))
+    assert_close(out.mean(-1), torch.zeros(B, T_TGT), atol=1e-5, rtol=0)
+    assert_close(out.var(-1, unbiased=False), torch.ones(B, T_TGT), atol=1e-3, rtol=0)
+
+
+def test_stack_masks_hide_padding_and_future():
+    enc = Encoder(2, D, H, D_FF, dropout_p=0.0)
+    x = torch.randn(B, T_SRC, D)
+    mask = padding_mask(torch.tensor([7, 4]), T_SRC)
+    changed = x.clone()
+    changed[1, 4:] = torch.randn(3, D)
+    assert_close(enc(x, mask)[1, :4], enc(changed, mask)[1, :4])
+
+    dec = Decoder(2, D, H, D_FF, dropout_p=0.0)
+    y, enc_out = torch.randn(B, T_TGT, D), torch.randn(B, T_SRC, D)
+    future = y.clone()
+    future[:, 3:] = torch.randn(B, T_TGT - 3, D)
+    causal = causal_mask(T_TGT)
+    assert_close(dec(y, enc_out, causal)[:, :3], dec(future, enc_out, causal)[:, :3])
+
+
+def test_dropout_train_and_eval():
+    enc = Encoder(2, D, H, D_FF, dropout_p=0.3)
+    x = torch.randn(B, T_SRC, D)
+    assert not torch.equal(enc(x), enc(x))
+    enc.eval()
+    assert torch.equal(enc(x), enc(x))
+
+
+def test_gradients_reach_every_block():
+    dec = Decoder(N, D, H, D_FF, dropout_p=0.0)
+    x = torch.randn(B, T_TGT, D, requires_grad=True)
+    enc_out = torch.randn(B, T_SRC, D, requires_grad=True)
+    dec(x, enc_out, causal_mask(T_TGT)).pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in dec.parameters())
+    assert x.grad.abs().sum() > 0 and enc_out.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("cls", [Encoder, Decoder])
+def test_bad_input_is_reported_by_the_first_block(cls):
+    stack = cls(2, D, H, D_FF)
+    with pytest.raises(ValueError, match="d_model=32"):
+        if cls is Encoder:
+            stack(torch.randn(B, T_SRC, D + 1))
+        else:
+            stack(torch.randn(B, T_TGT, D + 1), torch.randn(B, T_SRC, D))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        if cls is Encoder:
+            stack(torch.randn(B, T_SRC, D), padding_mask(torch.tensor([3, 3]), T_SRC - 1))
+        else:
+            stack(torch.randn(B, T_TGT, D), torch.randn(B, T_SRC, D), causal_mask(T_TGT + 1))
+
+
+def test_decoder_batch_mismatch():
+    dec = Decoder(2, D, H, D_FF)
+    with pytest.raises(ValueError, match="different batch sizes"):
+        dec(torch.randn(B, T_TGT, D), torch.randn(B + 1, T_SRC, D))
+
+
+# ---------------------------------------------------------------- parity with PyTorch's stacks
+def torch_gradient(theirs: nn.Module, name: str, d_model: int) -> torch.Tensor:
+    """The gradient in PyTorch's stack that corresponds to our parameter `name`."""
+    name = name.replace("cross_attn", "multihead_attn")
+    name = name.replace("ffn.0", "linear1").replace("ffn.2", "linear2")
+    for i, proj in enumerate(("W_q", "W_k", "W_v")):
+        if f".{proj}." in name:
+            kind = name.rsplit(".", 1)[1]
+            packed = theirs.get_parameter(name.replace(f"{proj}.{kind}", f"in_proj_{kind}"))
+            return packed.grad[i * d_model : (i + 1) * d_model]
+    return theirs.get_parameter(name.replace("W_o", "out_proj")).grad
+
+
+def copy_stack(ours, theirs) -> None:
+    for a, b in zip(ours.layers, theirs.layers, strict=True):
+        copy_block_to_torch(a, b)
+    theirs.norm.load_state_dict(ours.norm.state_dict())
+
+
+def config(activation="relu"):
+    return dict(
+        d_model=D,
+        nhead=H,
+        dim_feedforward=D_FF,
+        dropout=0.0,
+        activation=activation,
+        batch_first=True,
+        norm_first=True,
+    )
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_encoder_parity_with_nn_transformer_encoder(activation):
+    ours = Encoder(N, D, H, D_FF, dropout_p=0.0, activation=activation)
+    randomize_vectors(ours)
+    theirs = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(**config(activation)),
+        N,
+        norm=nn.LayerNorm(D),
+        enable_nested_tensor=False,
+    )
+    copy_stack(ours, theirs)
+    mask = padding_mask(torch.tensor([7, 3]), T_SRC)
+    x = torch.randn(B, T_SRC, D)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    upstream = torch.randn(B, T_SRC, D)
+    ya = ours(xa, mask=mask)
+    yb = theirs(xb, src_key_padding_mask=~mask[:, 0, 0])
+    assert_close(ya, yb)
+    (ya * upstream).sum().backward()
+    (yb * upstream).sum().backward()
+    assert_close(xa.grad, xb.grad)
+    for name, p in ours.named_parameters():
+        assert_close(p.grad, torch_gradient(theirs, name, D), msg=name)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_decoder_parity_with_nn_transformer_decoder(activation):
+    ours = Decoder(N, D, H, D_FF, dropout_p=0.0, activation=activation)
+    randomize_vectors(ours)
+    theirs = nn.TransformerDecoder(
+        nn.TransformerDecoderLayer(**config(activation)), N, norm=nn.LayerNorm(D)
+    )
+    copy_stack(ours, theirs)
+    src_pad = padding_mask(torch.tensor([7, 4]), T_SRC)
+    tgt_pad = padding_mask(torch.tensor([5, 3]), T_TGT)
+    causal = causal_mask(T_TGT)
+    x, mem = torch.randn(B, T_TGT, D), torch.randn(B, T_SRC, D)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ma, mb = mem.clone().requires_grad_(), mem.clone().requires_grad_()
+    upstream = torch.randn(B, T_TGT, D)
+    ya = ours(xa, ma, self_mask=causal & tgt_pad, cross_mask=src_pad)
+    yb = theirs(
+        xb,
+        mb,
+        tgt_mask=~causal[0, 0],
+        tgt_key_padding_mask=~tgt_pad[:, 0, 0],
+        memory_key_padding_mask=~src_pad[:, 0, 0],
+    )
+    assert_close(ya, yb)
+    (ya * upstream).sum().backward()
+    (yb * upstream).sum().backward()
+    assert_close(xa.grad, xb.grad)
+    assert_close(ma.grad, mb.grad)
+    for name, p in ours.named_parameters():
+        assert_close(p.grad, torch_gradient(theirs, name, D), msg=name)
+
+
+def test_parity_in_eval_mode_with_dropout():
+    ours = Encoder(2, D, H, D_FF, dropout_p=0.2).eval()
+    layer = nn.TransformerEncoderLayer(**{**config(), "dropout": 0.2})
+    theirs = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(D), enable_nested_tensor=False)
+    copy_stack(ours, theirs)
+    theirs.eval()
+    x = torch.randn(B, T_SRC, D)
+    with torch.no_grad():
+        assert_close(ours(x), theirs(x))
