@@ -43,11 +43,14 @@ if "google.colab" in sys.modules:
 # | re-run notebooks and store their outputs | `make execute NB="01"` |
 # | build the static site into `site/` | `make html` |
 #
-# CI re-executes every notebook with **nbval** and compares each output with the stored one, so
-# everything printed here must come out the same on every run. Three habits make that work:
+# CI re-executes every notebook with **nbval**, a pytest plugin that runs each code cell again
+# and compares what it prints with the output stored in the `.ipynb` ("strict mode": any
+# difference fails), so everything printed here must come out the same on every run. Three habits make that work:
 # fixed seeds, rounded prints, and an `assert` after anything that depends on the machine.
 #
-# This notebook writes the package's first module, `utils`:
+# The pairing is done by **jupytext**; the export by a short script in `tools/`. This notebook
+# writes the package's first module, `utils`: the line `#| default_exp utils` below names the
+# module that the notebook's `#| export` cells go to.
 
 # %%
 #| default_exp utils
@@ -56,7 +59,6 @@ if "google.colab" in sys.modules:
 #| export
 """Small helpers every notebook uses: device choice, seeding, add_to_class, saving figures."""
 
-import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -128,11 +130,10 @@ print(device)
 # %%
 #| export
 def set_seed(seed: int = 0) -> torch.Generator:
-    """Seed Python, NumPy and PyTorch (all devices); return a CPU generator seeded alike."""
+    """Seed Python's random, NumPy and PyTorch (all devices); return a CPU generator alike."""
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     random.seed(seed)
-    os.environ["PYTHONHASHSEED"] = str(seed)
     try:
         import numpy as np
 
@@ -232,8 +233,11 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 
 
 # %% [markdown]
-# A first figure, the course's colour convention: the same colour always means the same thing
-# (blue for queries and "ours", orange for keys and PyTorch's built-ins, green for values).
+# A first figure, the course's colour convention. Whenever a figure compares *roles*, the role
+# has a fixed colour: blue for queries and for our implementation, orange for keys and for
+# PyTorch's built-ins, green for values, red for what the figure wants you to look at. Figures
+# whose series are not roles (heads, dimensions, encodings) use other colours, so blue, orange
+# and green never mean something else.
 
 # %%
 #| export
@@ -282,8 +286,9 @@ assert find_figures_dir(Path("/")) is None
 # ## Exercises
 #
 # 1. Call `set_seed(0)` and draw `torch.rand(2)` twice in a row. Are the two draws equal? Why?
-# 2. `add_to_class` returns the function it attaches. Why does that matter when you stack it
-#    with another decorator?
+# 2. `add_to_class` returns the function it attaches. What would the name `step` be at the
+#    top level of the notebook if it returned nothing? And if you want `@torch.no_grad()` on the
+#    *method*, does it go above or below `@add_to_class(Counter)`?
 #
 # **Solutions.**
 #
@@ -298,8 +303,36 @@ again = torch.rand(2)
 assert not torch.equal(first, second) and torch.equal(first, again)
 
 # %% [markdown]
-# 2. A decorator stacked above it (say `@torch.no_grad()`) receives what `add_to_class` returns;
-#    returning the plain function keeps it usable both as a method and as a function.
-#
+# 2. A decorator's return value replaces the name it decorates. Returning nothing would leave
+#    `step = None` at the top level, so the cell that taught the method could no longer call it
+#    as a plain function. Decorators apply from the bottom up, so the one *below*
+#    `@add_to_class` is applied first and its result is what the class receives: put
+#    `@torch.no_grad()` there to decorate the method. Put above, it would only wrap the
+#    top-level name, and the class would keep the undecorated function.
+
+# %%
+class Weights:
+    def __init__(self):
+        self.w = torch.ones(2, requires_grad=True)
+
+
+@add_to_class(Weights)
+@torch.no_grad()
+def scaled(self, k: float) -> torch.Tensor:
+    return k * self.w
+
+
+@torch.no_grad()
+@add_to_class(Weights)
+def doubled(self) -> torch.Tensor:
+    return 2 * self.w
+
+
+holder = Weights()
+assert not holder.scaled(3.0).requires_grad  # no_grad below add_to_class: the method has it
+assert holder.doubled().requires_grad  # no_grad above: the class got the plain function
+assert not doubled(holder).requires_grad  # ... and only the top-level name is wrapped
+
+# %% [markdown]
 # Next: [01 · Attention](01_attention.ipynb), where the weighted average at the heart of the
 # Transformer is built and its softmax taken apart.

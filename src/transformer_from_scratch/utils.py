@@ -4,7 +4,6 @@
 
 """Small helpers every notebook uses: device choice, seeding, add_to_class, saving figures."""
 
-import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -24,11 +23,10 @@ def get_device(prefer: str | None = None) -> torch.device:
 
 
 def set_seed(seed: int = 0) -> torch.Generator:
-    """Seed Python, NumPy and PyTorch (all devices); return a CPU generator seeded alike."""
+    """Seed Python's random, NumPy and PyTorch (all devices); return a CPU generator alike."""
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     random.seed(seed)
-    os.environ["PYTHONHASHSEED"] = str(seed)
     try:
         import numpy as np
 
