@@ -75,10 +75,11 @@ test: check unit nbval  ## everything CI runs
 html: $(STAMP)  ## render the static site into site/ (offline: MathJax and widget JS vendored)
 	$(BIN)/python tools/build_site.py site
 
-bench: $(STAMP)  ## side-by-side speed and memory measurements, written to bench.json
-	$(BIN)/python -m transformer_from_scratch.bench --threads 1 --out bench.json
+bench: $(STAMP)  ## side-by-side speed and memory: bench-attention.json (02), bench.json (12)
+	$(BIN)/python -m transformer_from_scratch.bench --threads 1 --out bench-attention.json
+	$(BIN)/python -m transformer_from_scratch.bench_model --threads 1 --out bench.json
 
 clean:  ## remove the environment and everything built
-	rm -rf $(VENV) site test-artifacts build .pytest_cache .ruff_cache bench.json
+	rm -rf $(VENV) site test-artifacts build .pytest_cache .ruff_cache bench.json bench-attention.json
 	find . -name __pycache__ -prune -exec rm -rf {} +
 	find . -name '*.egg-info' -prune -exec rm -rf {} +

@@ -278,9 +278,11 @@ V_2d = torch.tensor([[3.0, 1.0], [1.0, 3.0], [-2.0, 2.0],
 out_2d, w_2d = single_query_attention(q_2d, K_2d, V_2d)
 
 fig, (ax_k, ax_v) = plt.subplots(1, 2, figsize=(11, 4.6))
-ax_k.annotate("", xy=q_2d.tolist(), xytext=(0, 0),
-              arrowprops=dict(arrowstyle="-|>", color=COLORS["query"], lw=2.5))
-ax_k.text(0.05, 0.3, "query $q$", color=COLORS["query"], fontsize=11, rotation=37)
+# The arrow is drawn above the keys' markers (zorder), its label below the shaft.
+ax_k.annotate("", xy=q_2d.tolist(), xytext=(0, 0), zorder=4,
+              arrowprops=dict(arrowstyle="-|>", color=COLORS["query"], lw=2.5, shrinkA=0, shrinkB=0))
+ax_k.text(0.9, -0.05, "query $q$", color=COLORS["query"], fontsize=11, rotation=37,
+          rotation_mode="anchor", ha="left", va="top", zorder=4)
 ax_k.scatter(K_2d[:, 0], K_2d[:, 1], s=3000 * w_2d + 30, color=COLORS["key"], alpha=0.7,
              label="keys $k_j$ (area $\\propto \\alpha_j$)")
 for j, (x, y) in enumerate(K_2d.tolist()):
@@ -380,10 +382,17 @@ torch.testing.assert_close(softmax(z_large)[0], softmax(torch.tensor([2.0, 1.0, 
 #
 # $$J = \frac{\partial s}{\partial z} = \operatorname{diag}(s) - s\, s^\top .$$
 #
-# Three facts can be read off. $J$ is symmetric. Each row sums to zero, $J\mathbf{1} = 0$,
-# because shifting all logits together changes nothing. And every entry carries a factor $s_i$:
-# when the softmax is **saturated**, one $s_i \approx 1$ and the rest $\approx 0$, so
-# $s_i(\delta_{ij} - s_j) \approx 0$ for *all* $i, j$, and no gradient gets through.
+# Four facts can be read off. $J$ is symmetric. Each row sums to zero, $J\mathbf{1} = 0$,
+# because shifting all logits together changes nothing. $J$ is positive semi-definite: for any
+# vector $v$,
+#
+# $$v^\top J v = \sum_i s_i v_i^2 - \Big(\sum_i s_i v_i\Big)^2 \ge 0,$$
+#
+# since the right-hand side is the variance of the numbers $v_i$ when $i$ is drawn with
+# probabilities $s_i$. And every entry carries a factor $s_i$: when the softmax is
+# **saturated**, one $s_i \approx 1$ and the rest $\approx 0$, so $s_i(\delta_{ij} - s_j)
+# \approx 0$ for *all* $i, j$ (for the winner's own entry, because $1 - s_i \approx 0$), and no
+# gradient gets through.
 
 # %%
 def softmax_jacobian(z: torch.Tensor) -> torch.Tensor:
@@ -411,7 +420,7 @@ for b in range(3):
     J_b = torch.autograd.functional.jacobian(lambda x: torch.softmax(x, dim=-1), z_batch[b])
     torch.testing.assert_close(J_batch[b], J_b)
 
-# The three facts: symmetric, rows sum to zero, and positive semi-definite.
+# Three of the facts: symmetric, rows sum to zero, and positive semi-definite.
 torch.testing.assert_close(J_ours, J_ours.T)
 torch.testing.assert_close(J_ours.sum(dim=-1), torch.zeros(6, dtype=torch.float64))
 assert torch.linalg.eigvalsh(J_ours).min() > -1e-12
@@ -440,17 +449,34 @@ torch.testing.assert_close(softmax_backward(softmax(z_batch), upstream),
 
 # %% [markdown]
 # A picture of the Jacobian, for the same six logits at two scales: as they are, and multiplied
-# by 8. Multiplying the logits is what happens when scores grow with $d_k$: the softmax becomes
-# nearly one-hot and the Jacobian nearly all zeros.
+# by $32 = \sqrt{1024}$. Multiplying the logits is what happens when scores grow with $d_k$:
+# section 4 shows that at $d_k = 1024$ raw scores are about 32 times larger than scaled ones.
+# The softmax becomes nearly one-hot and the Jacobian nearly all zeros.
+
+# %%
+sharpen = 32                                   # sqrt(1024): raw over scaled scores at d_k = 1024
+J_sharp = softmax_jacobian(sharpen * z)        # (T, T)
+s_sharp = softmax(sharpen * z)                 # (T,)
+norm_z, norm_sharp = torch.linalg.matrix_norm(J_ours).item(), torch.linalg.matrix_norm(J_sharp).item()
+print(f"logits z:   max s_i = {softmax(z).max().item():.4f}, ||J||_F = {norm_z:.4f}")
+print(f"logits {sharpen}z: max s_i = {s_sharp.max().item():.4f}, ||J||_F = {norm_sharp:.4f}")
+
+# %% [markdown]
+# **Check:** at $32z$ the largest weight is above 0.99, and the Jacobian has shrunk a
+# hundredfold; its largest entry, the winner's own $s_i(1 - s_i)$, is below 0.001.
+
+# %%
+assert s_sharp.max() > 0.99 and softmax(z).max() < 0.5
+assert norm_sharp < norm_z / 100
+assert J_sharp.abs().max() < 1e-3
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2))
-J_sharp = softmax_jacobian(8 * z)
 limit = J_ours.abs().max().item()
-for ax, J, title in zip(axes, (J_ours, J_sharp), ("logits $z$", "logits $8z$"), strict=True):
+titles = ("logits $z$", f"logits ${sharpen}z$")
+for ax, J, s, title in zip(axes, (J_ours, J_sharp), (softmax(z), s_sharp), titles, strict=True):
     im = ax.imshow(J, cmap="RdBu_r", vmin=-limit, vmax=limit)
-    s_max = softmax(z if title == "logits $z$" else 8 * z).max().item()
-    ax.set_title(f"Jacobian for {title}\nmax $s_i$ = {s_max:.3f}, "
+    ax.set_title(f"Jacobian for {title}\nmax $s_i$ = {s.max().item():.4f}, "
                  f"$\\|J\\|_F$ = {torch.linalg.matrix_norm(J).item():.4f}")
     ax.set_xlabel("$j$ (logit $z_j$)")
     ax.set_ylabel("$i$ (weight $s_i$)")
@@ -485,21 +511,28 @@ plt.show()
 #   size of what passes back (checked below).
 #
 # This is a measurement of random numbers rather than a model, so it runs on the CPU in
-# float64. In the saturated regime many queries have a largest weight closer to 1 than float32
-# can resolve (about $6 \times 10^{-8}$); float32 would round it to exactly 1 and report a
-# gradient of exactly 0.
+# float64, from the random draws to the Jacobians. Float32 cannot resolve a weight closer to 1
+# than about $6 \times 10^{-8}$, and in the saturated regime many weights are that close: they
+# round to exactly 1, the winner's entry $s_i(1 - s_i)$ of $J$ comes out as exactly 0 instead of
+# a tiny positive number, and $\|J\|_F$ is distorted. Float64 moves that limit down to about
+# $10^{-16}$. A check after the table counts how often float32 would go wrong.
 
 # %%
 D_K_VALUES = [2**p for p in range(11)]    # 1, 2, 4, ..., 1024
 NUM_QUERIES, NUM_KEYS = 1000, 16
 
 
+def raw_scores(d_k: int) -> torch.Tensor:
+    """Unscaled scores q . k of 1,000 random queries against 16 random keys each, in float64."""
+    g = torch.Generator().manual_seed(d_k)  # one stream per d_k: results do not depend on order
+    q = torch.randn(NUM_QUERIES, 1, d_k, generator=g, dtype=torch.float64)          # (N, 1, d_k)
+    K = torch.randn(NUM_QUERIES, NUM_KEYS, d_k, generator=g, dtype=torch.float64)   # (N, T, d_k)
+    return (q @ K.mT).squeeze(1)   # (N, 1, d_k) @ (N, d_k, T) -> (N, 1, T) -> (N, T)
+
+
 def saturation_stats(d_k: int) -> dict:
     """Scores, max weights and Jacobian norms for random unit-variance q, k of width d_k."""
-    g = torch.Generator().manual_seed(d_k)  # one stream per d_k: results do not depend on order
-    q = torch.randn(NUM_QUERIES, 1, d_k, generator=g)                 # (N, 1, d_k)
-    K = torch.randn(NUM_QUERIES, NUM_KEYS, d_k, generator=g)          # (N, T, d_k)
-    raw = (q @ K.mT).squeeze(1).double()   # (N, 1, d_k) @ (N, d_k, T) -> (N, 1, T) -> (N, T)
+    raw = raw_scores(d_k)                                             # (N, T), float64
     stats = {"var_raw": raw.var().item(), "var_scaled": (raw / math.sqrt(d_k)).var().item()}
     for name, logits in (("raw", raw), ("scaled", raw / math.sqrt(d_k))):
         stats[f"max_weight_{name}"] = softmax(logits).amax(dim=-1)            # (N,)
@@ -513,10 +546,10 @@ results = {d_k: saturation_stats(d_k) for d_k in D_K_VALUES}
 # A table of the measurements, with medians over the 1,000 queries:
 
 # %%
-print(f"{'d_k':>5} | {'Var raw':>8} {'Var/√d_k':>8} | {'max α raw':>9} {'scaled':>7} |"
+print(f"{'d_k':>5} | {'Var(q·k)':>8} {'Var(q·k/√d_k)':>13} | {'max α raw':>9} {'scaled':>7} |"
       f" {'‖J‖ raw':>9} {'scaled':>7}")
 for d_k, r in results.items():
-    print(f"{d_k:5d} | {r['var_raw']:8.2f} {r['var_scaled']:8.3f} |"
+    print(f"{d_k:5d} | {r['var_raw']:8.2f} {r['var_scaled']:13.3f} |"
           f" {r['max_weight_raw'].median().item():9.3f} {r['max_weight_scaled'].median().item():7.3f} |"
           f" {r['jac_norm_raw'].median().item():9.2e} {r['jac_norm_scaled'].median().item():7.3f}")
 
@@ -546,6 +579,28 @@ jac_scaled = np.array([results[d]["jac_norm_scaled"].median().item() for d in D_
 assert np.all(np.abs(jac_scaled / jac_scaled[0] - 1) < 0.25)
 print(f"log-log slope of Var(q·k) against d_k: {slope:.3f}")
 print(f"median ‖J‖_F at d_k = 1024, scaled / raw: {jac_ratio.item():.2e}")
+
+# %% [markdown]
+# **Check** why the measurement runs in float64: the same raw scores at $d_k = 1024$, pushed
+# through the softmax and its Jacobian in float32. (The exact counts can differ by a few from
+# one CPU to another, since the last bit of a float32 `exp` does; the next cell asserts only
+# what holds everywhere.)
+
+# %% tags=["nbval-ignore-output"]
+raw_1024 = raw_scores(1024)                                                    # (N, T), float64
+norm_64 = torch.linalg.matrix_norm(softmax_jacobian(raw_1024))                 # (N,)
+norm_32 = torch.linalg.matrix_norm(softmax_jacobian(raw_1024.float())).double()  # (N,)
+rounds_to_one = (softmax(raw_1024.float()).amax(dim=-1) == 1).sum().item()
+off_by_10 = ((norm_32 - norm_64).abs() > 0.1 * norm_64).sum().item()
+exactly_zero = (norm_32 == 0).sum().item()
+print(f"float32, out of {NUM_QUERIES} queries: largest weight exactly 1: {rounds_to_one}; "
+      f"‖J‖_F off by more than 10%: {off_by_10}; ‖J‖_F exactly 0: {exactly_zero}")
+
+# %%
+assert rounds_to_one > NUM_QUERIES // 5      # many weights within 6e-8 of 1
+assert off_by_10 > NUM_QUERIES // 10         # the gradient's size is distorted for many queries
+assert exactly_zero < NUM_QUERIES // 10      # but rarely all the way to 0: losers' tiny weights survive
+assert (norm_64 > 0).all()
 
 # %% [markdown]
 # **Check** that $\|J\|_F$ measures the gradient that passes back: over many random upstream
@@ -614,15 +669,19 @@ plt.show()
 # scaled one stays at 1. (b) With raw scores the largest weight climbs towards 1 as $d_k$ grows:
 # the softmax picks one key and ignores the others. With the scale it stays put, far from
 # one-hot and far from uniform. (c) The consequence for learning: the typical gradient through
-# a raw softmax falls by orders of magnitude, because every entry of $J$ carries a factor
-# $s_i$ or $s_j$ that is nearly 0. Scaled, it does not depend on $d_k$ at all.
+# a raw softmax falls by orders of magnitude, because every entry $s_i(\delta_{ij} - s_j)$ of
+# $J$ has a factor that is nearly 0: $s_i$ or $s_j$ for a losing key, and $1 - s_i$ on the
+# winner's own diagonal entry. Scaled, it does not depend on $d_k$ at all.
 #
 # The bands in (c) are wide for raw scores: a query whose two best keys happen to score almost
 # the same keeps a sizeable gradient, most queries get almost none. A network cannot rely on
-# such lucky near-ties. (The chain rule adds a factor $1/\sqrt{d_k}$ to the gradient with
-# respect to the raw scores, but that is polynomial, and the gradient with respect to $q$ gets a
-# factor $\|k\| \approx \sqrt{d_k}$ back; the exponential decay of the raw softmax is what
-# matters.)
+# such lucky near-ties.
+#
+# Panel (c) is the gradient with respect to the logits; on the way back to $q$ the chain rule
+# multiplies it by $\partial(q \cdot k)/\partial q = k$, a vector of length about $\sqrt{d_k}$,
+# and, with the scale, by $1/\sqrt{d_k}$. For scaled scores the two factors cancel, and for raw
+# scores the extra factor is at most $\sqrt{1024} = 32$, far too little to make up for the
+# thousandfold drop measured above.
 #
 # **Takeaway: raw dot products have variance $d_k$, which drives the softmax into saturation
 # and its gradient towards zero; dividing by $\sqrt{d_k}$ keeps the scores at unit variance and

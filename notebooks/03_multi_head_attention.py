@@ -332,8 +332,11 @@ def _combine_heads(self, x: torch.Tensor) -> torch.Tensor:
 
 
 # %% [markdown]
-# **Check:** combining undoes splitting exactly, head $i$ of the split is channel block $i$, and
-# the split is free (a view of the same memory), while combining makes one copy.
+# **Check:** combining undoes splitting exactly, and head $i$ of the split is channel block $i$.
+# The split is free: a view of the same memory with other strides. Combining is also a view when
+# it merely undoes a split, as in the round trip. But the context that attention returns is a
+# new, contiguous $(B, h, T, d_k)$ tensor, in which the $d_{\text{model}}$ channels of one token
+# lie in $h$ separate places; `reshape` must gather them, and makes one copy.
 
 # %%
 mha = MultiHeadAttention(d_model=12, num_heads=3)
@@ -344,8 +347,14 @@ assert split.shape == (2, 3, 5, 4)
 assert torch.equal(mha._combine_heads(split), x)  # exact round trip
 for i in range(mha.num_heads):
     assert torch.equal(split[:, i], x[..., i * mha.d_k : (i + 1) * mha.d_k])
-assert split.data_ptr() == x.data_ptr() and not split.is_contiguous()  # a view: no copy
-print(tuple(x.shape), "->", tuple(split.shape), "->", tuple(mha._combine_heads(split).shape))
+assert split.data_ptr() == x.data_ptr() and not split.is_contiguous()  # split: a view, no copy
+assert mha._combine_heads(split).data_ptr() == x.data_ptr()  # undoing a split: a view too
+
+context = torch.randn(2, 3, 5, 4)  # (B, h, T, d_k), contiguous, as attention returns it
+combined = mha._combine_heads(context)  # (B, T, d_model)
+assert combined.data_ptr() != context.data_ptr() and combined.is_contiguous()  # one copy
+assert torch.equal(combined, torch.cat(context.unbind(dim=1), dim=-1))  # Concat(head_0, ..., head_2)
+print(tuple(x.shape), "->", tuple(split.shape), "->", tuple(combined.shape))
 
 # %% [markdown]
 # The picture: one sequence of $T = 5$ tokens with $d_{\text{model}} = 12$ channels, each cell
@@ -355,7 +364,8 @@ print(tuple(x.shape), "->", tuple(split.shape), "->", tuple(mha._combine_heads(s
 # %%
 from matplotlib.colors import ListedColormap
 
-head_colors = ListedColormap([COLORS["query"], COLORS["key"], COLORS["value"]])
+# Heads are not roles: they get colours from outside the course's role palette (tab10 from 4 on).
+head_colors = ListedColormap(plt.get_cmap("tab10").colors[4:7])  # purple, brown, pink
 channel = np.tile(np.arange(12), (5, 1))  # (T, d_model): channel number of every cell
 owner = channel // mha.d_k  # (T, d_model): which head owns the cell
 
@@ -370,7 +380,7 @@ for g, (colours, labels, title) in enumerate(panels):
     ax = fig.add_subplot(grid[g])
     ax.imshow(colours, cmap=head_colors, vmin=0, vmax=2)
     for (t, c), label in np.ndenumerate(labels):
-        ax.text(c, t, str(label), ha="center", va="center", color="white", fontsize=9)
+        ax.text(c, t, str(label), ha="center", va="center", color="white", fontsize=9, weight="bold")
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("channel" if g == 0 else "")
     ax.set_xticks([])
@@ -552,8 +562,7 @@ for what, call in bad_calls.items():
 # ## What the heads can do: four relations at once
 #
 # A freshly initialised module attends without a pattern that means anything; what heads attend to
-# is learned. To see
-# that the module *can* keep several relations apart, we set its weights by hand. Each token of
+# is learned. To see that the module *can* keep several relations apart, we set its weights by hand. Each token of
 # "the cat sat on the mat" is a vector that holds a one-hot **position** (channels 0–7) and a
 # one-hot **word** (channels 8–15). With $d_{\text{model}} = 32$ and $h = 4$ heads of
 # $d_k = 8$, we write four relations into the four blocks of `W_q` and `W_k`:
@@ -569,7 +578,8 @@ for what, call in bad_calls.items():
 # single match takes 99.8% of a row; a query with no match at all (the first token has no previous
 # token, the last no next one) scores every key $0$ and spreads its weight evenly. Every head's value
 # copies the word, and $W^O$ is the identity, so block $i$ of the output holds the words head $i$
-# found.
+# found. First the tokens and a module whose queries and keys are all zero (so every head starts
+# out uniform); then one head at a time, each followed by its check.
 
 # %%
 words = ["the", "cat", "sat", "on", "the", "mat"]
@@ -583,45 +593,106 @@ tokens[0, torch.arange(T), POS + torch.arange(T)] = 1.0
 tokens[0, torch.arange(T), WORD + word_id] = 1.0
 
 beta = 8 * math.sqrt(d_k)
-hand = MultiHeadAttention(d_model, num_heads)
+hand = MultiHeadAttention(d_model, num_heads).to(device)
+Wq, Wk, Wv, bq = hand.W_q.weight, hand.W_k.weight, hand.W_v.weight, hand.W_q.bias
 with torch.no_grad():
     for p in hand.parameters():
-        p.zero_()
-    Wq, Wk, Wv, bq = hand.W_q.weight, hand.W_k.weight, hand.W_v.weight, hand.W_q.bias
-    for j in range(d_k):  # rows of head i are i * d_k + j
-        Wq[0 * d_k + j, POS + j] = beta  # head 0 query: my position
-        Wq[1 * d_k + j, POS + j] = beta  # head 1 query: my position
-        Wq[2 * d_k + j, WORD + j] = beta  # head 2 query: my word
-        Wk[2 * d_k + j, WORD + j] = 1.0  # head 2 key: its word
-        for i in range(num_heads):
+        p.zero_()  # every head starts with zero queries: uniform attention
+    for i in range(num_heads):
+        for j in range(d_k):  # rows of head i are i * d_k + j
             Wv[i * d_k + j, WORD + j] = 1.0  # every head's value: its word
-    for j in range(d_k - 1):
-        Wk[0 * d_k + j + 1, POS + j] = 1.0  # head 0 key: position s + 1
-        Wk[1 * d_k + j, POS + j + 1] = 1.0  # head 1 key: position s - 1
-    bq[3 * d_k] = beta  # head 3 query: the same for every token
-    for noun in ("cat", "mat"):
-        Wk[3 * d_k, WORD + vocab.index(noun)] = 1.0  # head 3 key: "I am a noun"
-    hand.W_o.weight.copy_(torch.eye(d_model))
+    hand.W_o.weight.copy_(torch.eye(d_model))  # block i of the output is head i's context
 
-hand = hand.to(device)
-with torch.no_grad():
-    out, attn = hand(tokens.to(device), return_attn=True)  # (1, T, 32), (1, h, T, T)
-out, attn = out[0].cpu(), attn[0].cpu()
+
+def run_hand() -> tuple[torch.Tensor, torch.Tensor]:
+    """The hand-set module on the sentence: output (T, d_model) and weights (h, T, T), on the CPU."""
+    with torch.no_grad():
+        out, attn = hand(tokens.to(device), return_attn=True)  # (1, T, d_model), (1, h, T, T)
+    return out[0].cpu(), attn[0].cpu()
+
+
+def decode_block(out: torch.Tensor, i: int) -> list[str]:
+    """The word that block i of each output row (head i's context) holds most of."""
+    return [vocab[w] for w in out[:, i * d_k : i * d_k + len(vocab)].argmax(-1)]
+
 
 # %% [markdown]
-# **Check:** each head attends where the table says, and the output keeps the previous and the
-# next word in separate blocks: block 0 of token $t$ decodes to word $t-1$, block 1 to word
-# $t+1$.
+# **Head 0, the previous token.** The query at position $t$ lights up channel $t$ of the head; the
+# key at position $s$ lights up channel $s + 1$. They meet when $s = t - 1$.
 
 # %%
-prev_found = [vocab[i] for i in out[1:, 0 * d_k : 0 * d_k + len(vocab)].argmax(-1)]
-next_found = [vocab[i] for i in out[:-1, 1 * d_k : 1 * d_k + len(vocab)].argmax(-1)]
-assert prev_found == words[:-1] and next_found == words[1:]
-assert torch.equal(attn[0, 1:].argmax(-1), torch.arange(T - 1))  # previous token
+with torch.no_grad():
+    for j in range(d_k):
+        Wq[0 * d_k + j, POS + j] = beta  # query: my position t
+    for j in range(d_k - 1):
+        Wk[0 * d_k + j + 1, POS + j] = 1.0  # key: position s, written in channel s + 1
+
+# %%
+out, attn = run_hand()
+assert torch.equal(attn[0, 1:].argmax(-1), torch.arange(T - 1))  # previous token ...
+assert torch.all(attn[0, 1:].amax(-1) > 0.99)  # ... with 99.8% of the weight
+torch.testing.assert_close(attn[0, 0], torch.full((T,), 1 / T))  # the first token: no match
+assert decode_block(out, 0)[1:] == words[:-1]  # block 0 holds the previous word
+
+# %% [markdown]
+# **Head 1, the next token**: the same query, and the key of position $s$ in channel $s - 1$.
+
+# %%
+with torch.no_grad():
+    for j in range(d_k):
+        Wq[1 * d_k + j, POS + j] = beta  # query: my position t
+    for j in range(d_k - 1):
+        Wk[1 * d_k + j, POS + j + 1] = 1.0  # key: position s, written in channel s - 1
+
+# %%
+out, attn = run_hand()
 assert torch.equal(attn[1, :-1].argmax(-1), torch.arange(1, T))  # next token
-torch.testing.assert_close(attn[2, 0, [0, 4]], torch.tensor([0.5, 0.5]), atol=1e-3, rtol=0)
+assert torch.all(attn[1, :-1].amax(-1) > 0.99)
+torch.testing.assert_close(attn[1, -1], torch.full((T,), 1 / T))  # the last token: no match
+assert decode_block(out, 1)[:-1] == words[1:]  # block 1 holds the next word
+assert decode_block(out, 0)[1:] == words[:-1]  # head 0 is untouched
+
+# %% [markdown]
+# **Head 2, the same word**: query and key both read the word one-hot, so a token matches every
+# token with its word, itself included.
+
+# %%
+with torch.no_grad():
+    for j in range(d_k):
+        Wq[2 * d_k + j, WORD + j] = beta  # query: my word
+        Wk[2 * d_k + j, WORD + j] = 1.0  # key: its word
+
+# %%
+out, attn = run_hand()
+same_word = word_id[:, None] == word_id[None, :]  # (T, T): True where two tokens share a word
+torch.testing.assert_close(attn[2][same_word.logical_not()].max(), torch.tensor(0.0), atol=1e-3, rtol=0)
+torch.testing.assert_close(attn[2, 0, [0, 4]], torch.tensor([0.5, 0.5]), atol=1e-3, rtol=0)  # two "the"
+assert decode_block(out, 2) == words  # what a token finds is its own word
+
+# %% [markdown]
+# **Head 3, the nouns**: the query is the same for every token (a bias, no weight), and the key
+# says "I am a noun" in the head's first channel.
+
+# %%
+with torch.no_grad():
+    bq[3 * d_k] = beta  # query: a constant
+    for noun in ("cat", "mat"):
+        Wk[3 * d_k, WORD + vocab.index(noun)] = 1.0  # key: "I am a noun"
+
+# %%
+out, attn = run_hand()
 nouns = [words.index("cat"), words.index("mat")]
 torch.testing.assert_close(attn[3][:, nouns].sum(-1), torch.ones(T), atol=1e-2, rtol=0)
+torch.testing.assert_close(attn[3], attn[3][:1].expand(T, T))  # every row the same
+assert set(decode_block(out, 3)) <= {"cat", "mat"}
+
+# %% [markdown]
+# **Check** all four at once: the output keeps the previous and the next word in separate
+# blocks. Block 0 of token $t$ decodes to word $t-1$, block 1 to word $t+1$.
+
+# %%
+prev_found, next_found = decode_block(out, 0)[1:], decode_block(out, 1)[:-1]
+assert prev_found == words[:-1] and next_found == words[1:]
 for t, word in enumerate(words):
     before = prev_found[t - 1] if t > 0 else "-"
     after = next_found[t] if t < T - 1 else "-"
@@ -892,11 +963,16 @@ print("per-head context and its gradients match F.scaled_dot_product_attention")
 #    strength. The weights are tied too: with row sums $Z_i = \sum_k e^{S_{ik}}$,
 #    $A_{ij} Z_i = e^{S_{ij}} = A_{ji} Z_j$. Relations such as "previous token" or "my head
 #    noun" are directed.
-# 2. **Every token favours itself.** $S_{ii} = \lVert x_i W \rVert^2 / \sqrt{d_k} \ge 0$, and by
-#    Cauchy–Schwarz $S_{ij} \le \sqrt{S_{ii} S_{jj}} \le \max(S_{ii}, S_{jj})$: of any two tokens,
-#    at least one scores itself at least as high as the other. When the projected vectors have
-#    similar lengths, the diagonal wins every row and heads waste their attention on the token
-#    they already are.
+# 2. **Every token favours itself.** The simplest way to see it: $S_{ii} = \lVert x_i W
+#    \rVert^2 / \sqrt{d_k}$ is a sum of $d_k$ squares. If the projected components have mean 0
+#    and variance 1 (what the Xavier initialisation above gives), its mean is $d_k / \sqrt{d_k} =
+#    \sqrt{d_k}$, while the score $S_{ij}$ of two unrelated tokens is a sum of products with
+#    random signs, of mean 0 and variance about 1. Every diagonal entry starts about $\sqrt{d_k}$
+#    standard deviations ahead of the rest of its row. More strongly, by Cauchy–Schwarz
+#    $S_{ij} \le \sqrt{S_{ii} S_{jj}} \le \max(S_{ii}, S_{jj})$: of any two tokens, at least one
+#    scores itself at least as high as the other. When the projected vectors have similar
+#    lengths, the diagonal wins every row and heads waste their attention on the token they
+#    already are.
 #
 # With two matrices, $W^Q W^{K\top}$ is any $d_{\text{model}} \times d_{\text{model}}$ matrix of
 # rank at most $d_k$, not necessarily symmetric; with one it is forced to be symmetric and
@@ -920,13 +996,19 @@ with torch.no_grad():
     S_shared, S_separate = head_scores(shared, xs), head_scores(separate, xs)
 
 # %% [markdown]
-# **Check:** the shared scores are symmetric and obey the Cauchy–Schwarz bound; the separate ones
-# are not symmetric; and the share of queries whose largest weight is on themselves.
+# **Check:** the shared scores are symmetric, their diagonal has mean about $\sqrt{d_k}$ and the
+# rest mean about 0 and a spread of about 1, and they obey the Cauchy–Schwarz bound; the separate ones are not
+# symmetric; and the share of queries whose largest weight is on themselves.
 
 # %%
 torch.testing.assert_close(S_shared, S_shared.transpose(-2, -1))
-assert not torch.allclose(S_separate, S_separate.transpose(-2, -1), atol=1e-2)
 diag = S_shared.diagonal(dim1=-2, dim2=-1)  # (B, h, T)
+off_diag = S_shared[..., ~torch.eye(24, dtype=torch.bool, device=device)]  # (B, h, T * (T - 1))
+print(f"shared scores: diagonal mean {diag.mean():.2f} (sqrt(d_k) = {math.sqrt(shared.d_k):.2f}), "
+      f"off-diagonal mean {off_diag.mean():.2f}, std {off_diag.std():.2f}")
+assert abs(diag.mean() / math.sqrt(shared.d_k) - 1) < 0.15
+assert abs(off_diag.mean()) < 0.1 and abs(off_diag.std() - 1) < 0.3
+assert not torch.allclose(S_separate, S_separate.transpose(-2, -1), atol=1e-2)
 bound = torch.maximum(diag[..., :, None], diag[..., None, :])  # (B, h, T, T)
 assert torch.all(S_shared <= bound + 1e-5)
 assert torch.all(diag >= 0)
@@ -938,7 +1020,8 @@ self_share = {
 }
 print(f"queries attending most to themselves: shared {self_share['shared']:.2f}, "
       f"separate {self_share['separate']:.2f} (chance 1/24 = {1 / 24:.2f})")
-assert self_share["shared"] > 0.5 > 0.2 > self_share["separate"]
+assert self_share["shared"] > 0.5  # most queries pick themselves ...
+assert self_share["separate"] < 0.2  # ... against roughly chance with separate projections
 
 # %% [markdown]
 # The hand-set "previous token" head from above is directed, so it is far from symmetric, and its
@@ -963,8 +1046,8 @@ with torch.no_grad():
         rows.append((head_scores(module, emb)[0, 0].cpu(), w[0, 0].cpu()))
 
 fig, axes = plt.subplots(2, 2, figsize=(10, 8.2), layout="constrained")
-lim = max(S.abs().max().item() for S, _ in rows)  # one colour scale for both score maps
 for r, (name, (S, A)) in enumerate(zip(["separate W_q, W_k", "shared W_q = W_k"], rows, strict=True)):
+    lim = S.abs().max().item()  # each score map on its own symmetric scale, with its own colorbar
     for c, (values, kind, cmap, vmin, vmax, label) in enumerate([
         (S, "scores", "RdBu_r", -lim, lim, "score $q \\cdot k / \\sqrt{d_k}$"),
         (A, "attention weights", "Blues", 0, 1, "attention weight"),
@@ -975,9 +1058,11 @@ save_figure(fig, "mha_shared_qk")
 plt.show()
 
 # %% [markdown]
-# With a shared projection the score matrix is a mirror image of itself and its diagonal is bright:
-# each word mostly finds itself (and the other *the*, which is the same vector). With separate
-# projections the pattern has a direction.
+# Each score map has its own colour scale. With a shared projection the score matrix is a mirror
+# image of itself, and its diagonal holds the largest scores, several times the size of anything
+# the separate projections produce: each word mostly finds itself (and the other *the*, which is
+# the same vector). With separate projections the scores are smaller and the pattern has a
+# direction.
 #
 # **Takeaway: separate $W^Q$ and $W^K$ let "who looks at whom" be asymmetric; one shared
 # projection forces symmetric scores and pulls every token's attention towards itself.**
@@ -1031,7 +1116,8 @@ assert count(shared) == count(separate) - (32 * 32 + 32)  # tying removes one pr
 # 1. With `num_heads=1`, show that the module is plain scaled dot-product attention of width
 #    $d_{\text{model}}$ between the projections.
 # 2. Show that "concatenate, then $W^O$" equals a **sum over heads**: head $i$ writes into the
-#    output through its own block of columns $W^O_i$ of `W_o.weight`.
+#    output through its own block of rows $W^O_i$ of $W^O$ (in code, a block of *columns* of
+#    `W_o.weight`).
 # 3. Heads have no order. Permute the heads of a module (the row blocks of `W_q`, `W_k`, `W_v` and
 #    the column blocks of `W_o`) and check that the output does not change, while the attention
 #    weights come back permuted.
@@ -1050,20 +1136,23 @@ with torch.no_grad():
     torch.testing.assert_close(single(x), single.W_o(context))
 
 # %% [markdown]
-# 2. $\mathrm{Concat}(c_1, \dots, c_h)\, W^O = \sum_i c_i W^O_i$, where $W^O_i$ is the block of
-#    $W^O$ that multiplies head $i$'s channels. In `nn.Linear`'s transposed storage, that block is
-#    *columns* $i d_k, \dots, (i+1) d_k - 1$ of `W_o.weight`.
+# 2. Split $W^O \in \mathbb{R}^{h d_k \times d_{\text{model}}}$ into $h$ blocks of $d_k$ rows,
+#    $W^O_i \in \mathbb{R}^{d_k \times d_{\text{model}}}$ (rows $i d_k, \dots, (i+1) d_k - 1$): the
+#    rows that multiply head $i$'s channels of the concatenation. A row vector times a matrix
+#    splits the same way, so $\mathrm{Concat}(c_1, \dots, c_h)\, W^O = \sum_i c_i W^O_i$.
+#    `nn.Linear` stores $W^O$ transposed, as `W_o.weight` $= (W^O)^\top$, so $W^O_i$ is
+#    `W_o.weight[:, i * d_k : (i + 1) * d_k].T`, a block of *columns* of the stored weight.
 
 # %%
 with torch.no_grad():
     Q, K, V = (ours._split_heads(W(x)) for W in (ours.W_q, ours.W_k, ours.W_v))  # (B, h, T, d_k)
     context, _ = scaled_dot_product_attention(Q, K, V)  # (B, h, T, d_k)
     d_k = ours.d_k
-    per_head = [
-        context[:, i] @ ours.W_o.weight[:, i * d_k : (i + 1) * d_k].T  # (B, T, d_k) -> (B, T, d_model)
-        for i in range(ours.num_heads)
-    ]
+    W_O = ours.W_o.weight.T  # (h * d_k, d_model): the paper's W^O
+    blocks = [W_O[i * d_k : (i + 1) * d_k] for i in range(ours.num_heads)]  # W^O_i: (d_k, d_model)
+    per_head = [context[:, i] @ W_O_i for i, W_O_i in enumerate(blocks)]  # (B, T, d_k) -> (B, T, d_model)
     torch.testing.assert_close(sum(per_head) + ours.W_o.bias, ours(x))
+    torch.testing.assert_close(blocks[1], ours.W_o.weight[:, d_k : 2 * d_k].T)  # columns of the stored weight
 
 # %% [markdown]
 # 3. Reorder the head blocks with one permutation everywhere: rows of the three input projections

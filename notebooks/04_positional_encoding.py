@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+from transformer_from_scratch.utils import add_to_class, get_device, save_figure, set_seed
 
 set_seed(0)
 device = get_device()
@@ -336,7 +336,8 @@ wavelength = 2 * math.pi / omega  # in positions
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
 t_fine = torch.linspace(0, 60, 601, dtype=torch.float64)
-colors = [COLORS["query"], COLORS["key"], COLORS["value"], COLORS["accent"]]
+# Dimensions are not roles: colours from outside the course's role palette (tab10 from 4 on).
+colors = [plt.get_cmap("tab10").colors[c] for c in (4, 5, 6, 8)]  # purple, brown, pink, olive
 lifts, names = [], []
 for row, (i, color) in enumerate(zip([0, 4, 16, 32], colors, strict=True)):
     lift = 2.6 * (3 - row)  # stack the curves so that none hides another
@@ -348,7 +349,7 @@ ax1.set_yticks(lifts, names, fontsize=8)
 ax1.set_xlabel("position $t$ (tokens); dots: the entries of the table")
 ax1.set_ylabel("$\\sin(\\omega_i t)$, one curve per dimension")
 ax1.set_title("A few sine dimensions against position")
-ax2.semilogy(wavelength, "o", ms=3, color=COLORS["query"])
+ax2.semilogy(wavelength, "o", ms=3, color="0.2")
 ax2.axhline(2 * math.pi, ls="--", color="gray")
 ax2.axhline(10000 * 2 * math.pi, ls="--", color="gray")
 ax2.text(50, 2 * math.pi * 1.3, "$2\\pi$", color="gray")  # in the empty lower-right corner
@@ -444,7 +445,8 @@ ax1.set_xlabel("position $t'$ (tokens)")
 ax1.set_ylabel("position $t$ (tokens)")
 ax1.set_title("Dot products of sinusoidal codes")
 offsets = torch.arange(0, 200)
-for t0, color, marker in [(0, COLORS["query"], "-"), (300, COLORS["key"], "--"), (700, COLORS["value"], ":")]:
+palette = plt.get_cmap("tab10").colors  # starting positions are not roles: tab10 from 4 on
+for t0, color, marker in [(0, palette[4], "-"), (300, palette[5], "--"), (700, palette[6], ":")]:
     ax2.plot(offsets, S[t0, t0 + offsets], marker, color=color, lw=2, label=f"from $t$ = {t0}")
 ax2.set_xlabel("offset $k$ (positions)")
 ax2.set_ylabel("$PE(t) \\cdot PE(t+k)$")
@@ -540,6 +542,24 @@ for ax, table, title in [(axes[0], pe[:64], "sinusoidal (fixed)"),
 fig.colorbar(image, ax=axes, label="cosine similarity of the two position codes")
 fig.suptitle("Which positions look alike?")
 plt.show()
+
+# %% [markdown]
+# The sinusoidal map never gets far from red: even positions 60 apart have a cosine similarity
+# near 0.5. Every row has the same length, $\lVert PE(t) \rVert^2 = d_{\text{model}}/2$, so by
+# section 3 the cosine is the average $\frac{2}{d_{\text{model}}}\sum_i \cos(\omega_i k)$ over
+# the 64 pairs. The slow pairs hardly turn over 63 positions (30 of them by less than half a
+# radian), so they contribute almost 1 each, about $30/64 \approx 0.47$ together, while the
+# cosines of the fast pairs largely cancel. **Check:**
+
+# %%
+sin_cos = cosine_matrix(pe[:64]).double()  # (64, 64)
+offsets_k = torch.arange(64, dtype=torch.float64)
+assert_close(sin_cos[0], torch.cos(offsets_k[:, None] * omega).mean(-1), atol=1e-5, rtol=0)  # mean of cosines
+slow = int((omega * 63 < 0.5).sum())  # pairs that turn less than half a radian in 63 positions
+far = (offsets_k[:, None] - offsets_k[None, :]).abs() >= 20  # (64, 64): pairs at least 20 apart
+assert slow == 30 and sin_cos[far].min() > 0.4
+print(f"slow pairs: {slow} of 64; cosine of positions >= 20 apart: "
+      f"min {sin_cos[far].min():.2f}, mean {sin_cos[far].mean():.2f}")
 
 # %% [markdown]
 # **A learned table can fit whatever the data needs, but it holds exactly `max_len` positions
@@ -731,7 +751,8 @@ assert_close(rope.rotate(x, offset=123).norm(dim=-1), x.norm(dim=-1))
 # %% [markdown]
 # **Check 3: attention itself is shift-invariant.** Put a whole sequence at positions
 # $37, 38, \dots$ instead of $0, 1, \dots$; every score, and so PyTorch's attention output, is
-# the same. No additive encoding has this property: its scores change with the shift.
+# the same. An additive encoding does not have this property in general: its scores change
+# with the shift.
 
 # %%
 v = torch.randn(2, 4, 10, 64).to(device)
@@ -768,7 +789,7 @@ for ax, scores, title in [(axes[0], additive_scores, "additive sinusoid, then $W
     ax.set_xlabel("key position $n$")
     ax.set_ylabel("query position $m$")
     ax.set_title(title)
-axes[2].plot(decay, color=COLORS["query"], lw=1)
+axes[2].plot(decay, color="0.2", lw=1)
 axes[2].set_xscale("symlog", linthresh=10)
 axes[2].set_xlabel("offset $m - n$ (positions, log scale beyond 10)")
 axes[2].set_ylabel("$\\langle R_m \\mathbf{1}, R_n \\mathbf{1}\\rangle$")
@@ -791,12 +812,29 @@ plt.show()
 # We train the same one-layer model four times, on sequences of length 16: without position
 # information, with the sinusoidal table, with a learned table (`max_len` = 64, so it can run
 # on longer inputs at all) and with RoPE. Then we test each on sequences of length 48, three
-# times longer than anything seen in training. (We use no mask here: a causal mask alone lets a
-# model infer position, as Haviv et al. (2022) showed; masks are notebook 05's topic.)
+# times longer than anything seen in training.
+#
+# One design choice keeps the comparison clean. Each query may only attend to keys at most 7
+# positions away, a *local window* given to attention as a boolean mask (notebook 02). The window
+# fits inside the training length, so every offset a query meets at length 48, from $-7$ to $+7$,
+# was met in training; what is new at length 48 is the absolute positions $16, \dots, 47$ and
+# nothing else. (Without the window, a query at length 48 would also meet offsets up to $\pm 47$,
+# which no query of length 16 ever saw, and we could not tell which novelty a model trips over.
+# The window is symmetric, so it does not tell a query which neighbour comes first; a causal mask
+# would, as Haviv et al. (2022) showed, and masks are notebook 05's topic.)
 
 # %%
+WINDOW = 7  # a query sees the keys at offsets -7 .. +7
+
+
+def local_window(T: int) -> torch.Tensor:
+    """(T, T) bool mask, True where key s is at most WINDOW positions from query t."""
+    positions = torch.arange(T, device=device)
+    return (positions[:, None] - positions[None, :]).abs() <= WINDOW
+
+
 class PreviousTokenModel(nn.Module):
-    """Embedding, one head of attention with a chosen position scheme, linear readout."""
+    """Embedding, one head of windowed attention with a chosen position scheme, linear readout."""
 
     def __init__(self, scheme: str, vocab_size: int = 16, d_model: int = 32, max_len: int = 64):
         super().__init__()
@@ -819,7 +857,8 @@ class PreviousTokenModel(nn.Module):
         q, k, v = self.W_q(x), self.W_k(x), self.W_v(x)  # (B, T, d_model) each
         if self.scheme == "rotary":
             q, k = self.rope(q, k)  # position applied to queries and keys only
-        return self.readout(F.scaled_dot_product_attention(q, k, v))
+        window = local_window(tokens.size(1))  # (T, T), broadcast over the batch
+        return self.readout(F.scaled_dot_product_attention(q, k, v, attn_mask=window))
 
 
 def previous_token_batch(batch_size: int, T: int, generator: torch.Generator) -> torch.Tensor:
@@ -865,19 +904,40 @@ for s in schemes:
     print(f"{s:<12}{short_accuracy[s]:>8.2f}{accuracy[s][T_train - 1:].mean().item():>14.2f}")
 
 # %% [markdown]
+# What can the order-blind model do at all? It sees the *set* of tokens in its window, not which
+# one sits where, so its best bet is the token that occurs most often in the window. That bet is
+# right about a fifth of the time, and we can compute exactly how often (sharing the credit when
+# several tokens tie):
+
+# %%
+def most_frequent_bet(tokens: torch.Tensor) -> float:
+    """Accuracy of predicting token t-1 as the most frequent token in query t's window."""
+    one_hot = F.one_hot(tokens, 16).float()  # (B, T, vocab)
+    counts = local_window(tokens.size(1)).float() @ one_hot  # (B, T, vocab): what query t sees
+    is_mode = counts == counts.amax(-1, keepdim=True)  # (B, T, vocab), True for every tied mode
+    answer = tokens[:, :-1, None]  # (B, T-1, 1): the target of queries 1 .. T-1
+    credit = is_mode[:, 1:].gather(-1, answer).squeeze(-1) / is_mode[:, 1:].sum(-1)  # (B, T-1)
+    return credit.mean().item()
+
+
+bet_short, bet_long = most_frequent_bet(short), most_frequent_bet(long)
+print(f"betting on the most frequent token in the window: T=16 {bet_short:.2f}, T=48 {bet_long:.2f}")
+
+# %% [markdown]
 # **Check.** At the training length every scheme with positions solves the task, and the
-# order-blind model cannot: the best it can do is guess among the tokens it sees (about 0.2).
-# Beyond position 16 the learned table is back at chance: its rows 16 to 63 never received a
-# gradient and are exactly as initialised. The sinusoidal
-# model, although its code is defined everywhere, degrades on positions it never saw. RoPE
-# generalises, because what it learned ("attend to offset $-1$") is stated in offsets.
+# order-blind model does about as well as the bet above. Beyond position 15 the learned
+# table is back at that level: its rows 16 to 63 never received a gradient and are exactly as
+# initialised. The sinusoidal model, although its code is defined everywhere, loses accuracy on
+# the positions it never saw. RoPE is perfect everywhere: what it learned ("attend to offset
+# $-1$") is stated in offsets, and every offset in the window was seen in training.
 
 # %%
 beyond = {s: accuracy[s][T_train - 1:].mean().item() for s in schemes}
-assert short_accuracy["none"] < 0.25
+assert abs(short_accuracy["none"] - bet_short) < 0.05 and abs(beyond["none"] - bet_long) < 0.05
 assert all(short_accuracy[s] > 0.95 for s in ["sinusoidal", "learned", "rotary"])
-assert beyond["none"] < 0.25 and beyond["learned"] < 0.25
-assert beyond["rotary"] > 0.9 and beyond["sinusoidal"] < beyond["rotary"] - 0.2
+assert beyond["learned"] < bet_long + 0.05
+assert accuracy["rotary"].min() > 0.95  # at every position of the long sequences
+assert beyond["sinusoidal"] < beyond["rotary"] - 0.1
 learned_table = models["learned"].position.embedding.weight.detach()
 assert torch.equal(learned_table[T_train:], initial_tables["learned"][T_train:])  # untouched
 assert not torch.equal(learned_table[:T_train], initial_tables["learned"][:T_train])
@@ -888,23 +948,25 @@ assert not torch.equal(learned_table[:T_train], initial_tables["learned"][:T_tra
 # $16..63$ did not move at all.
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.3), layout="constrained",
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained",
                                gridspec_kw={"width_ratios": [1.3, 1]})
-styles = {"none": ("gray", ":"), "sinusoidal": (COLORS["query"], "-"),
-          "learned": (COLORS["key"], "-"), "rotary": (COLORS["value"], "--")}
+# Schemes are not roles: colours from outside the course's role palette (tab10 from 4 on).
+palette = plt.get_cmap("tab10").colors
+styles = {"none": ("0.45", ":"), "sinusoidal": (palette[4], "-"),
+          "learned": (palette[5], "-"), "rotary": (palette[6], "--")}
 positions = torch.arange(1, T_test)
 for s in schemes:
     color, ls = styles[s]
     ax1.plot(positions, accuracy[s], ls, color=color, lw=2, label=s)
 ax1.axvspan(T_train - 0.5, T_test, color="gray", alpha=0.12, label="longer than training")
-ax1.axhline(1 / 16, color="black", lw=0.8, ls="-.", label="1/16 (a random guess)")
+ax1.axhline(bet_long, color="black", lw=0.8, ls="-.", label="most frequent token in the window")
 ax1.set_xlabel("position $t$ in a length-48 sequence")
 ax1.set_ylabel("accuracy of predicting token $t-1$")
 ax1.set_ylim(-0.02, 1.05)
 ax1.set_title("Previous-token task, trained on length 16")
-ax1.legend(loc="center right", fontsize=8)
+ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8)
 moved = (learned_table - initial_tables["learned"]).norm(dim=-1).cpu()  # (max_len,)
-ax2.bar(range(64), moved, width=0.8, color=COLORS["key"])
+ax2.bar(range(64), moved, width=0.8, color=styles["learned"][0])
 ax2.axvspan(T_train - 0.5, 63.5, color="gray", alpha=0.12)
 ax2.text(40, moved.max().item() * 0.5, "never trained:\nexactly as initialised", ha="center")
 ax2.set_xlabel("row $t$ of the learned table (position)")
@@ -914,15 +976,45 @@ save_figure(fig, "positional_extrapolation")
 plt.show()
 
 # %% [markdown]
-# A caution about reading too much into a toy: here the only offset that matters, $-1$, was
-# seen in training, so RoPE had nothing new to handle. In large language models RoPE meets
-# unseen *offsets* (and rotation angles) on long inputs and does degrade; extending its
-# context is an active topic (position interpolation, Chen et al., 2023; a larger base, see
-# exercise 3). And Press et al.
-# (2022) measured the sinusoidal code failing to extrapolate in real language models too.
+# The sinusoidal curve beyond position 15 does not simply fall: it swings down and up again, back
+# to nearly full accuracy at several places (around 21, 27–32 and 39–44 in the run stored here). The model's only source of
+# position is the part of each score made of the two codes, $PE(t)\, W_q W_k^\top PE(s)^\top /
+# \sqrt{d}$. By section 3 that is a sum of sines and cosines of the positions, and training
+# shaped it on positions $0..15$ only, to be largest at $s = t - 1$. Further on, a sum of
+# periodic terms keeps oscillating: at some positions it happens to favour $t - 1$ again, at
+# others a different key in the window. **Check** that this explains the swings: the margin by
+# which the key at $t - 1$ beats the other keys of the window in these position-only scores
+# rises and falls with the accuracy.
+
+# %%
+sinusoidal_model = models["sinusoidal"]
+with torch.no_grad():
+    codes = sinusoidal_model.position.pe[0, :T_test]  # (T_test, d_model): PE(0) .. PE(47)
+    position_scores = sinusoidal_model.W_q(codes) @ sinusoidal_model.W_k(codes).T / math.sqrt(32)
+position_scores = position_scores.masked_fill(~local_window(T_test), float("-inf")).cpu()  # (T, T)
+t = torch.arange(1, T_test)  # queries 1 .. 47
+target = position_scores[t, t - 1]  # score of the previous position
+others = position_scores[t].index_put((torch.arange(T_test - 1), t - 1), torch.tensor(float("-inf")))
+margin = (target - others.amax(-1))[T_train - 1:]  # (32,): positions 16 .. 47
+acc_beyond = accuracy["sinusoidal"][T_train - 1:]
+correlation = torch.corrcoef(torch.stack([margin, acc_beyond]))[0, 1].item()
+print(f"positions 16..47: correlation of the position-only margin with the accuracy {correlation:.2f}")
+print(f"mean accuracy where the margin is positive {acc_beyond[margin > 0].mean():.2f}, "
+      f"where it is negative {acc_beyond[margin < 0].mean():.2f}")
+assert correlation > 0.5
+assert acc_beyond[margin > 0].mean() > acc_beyond[margin < 0].mean() + 0.2
+
+# %% [markdown]
+# A caution about reading too much into a toy: thanks to the window, every offset the models met
+# at length 48 had been seen in training, so RoPE had nothing new to handle. In large language
+# models RoPE does meet unseen *offsets* (and rotation angles) on long inputs, and degrades;
+# extending its context is an active topic (position interpolation, Chen et al., 2023; a larger
+# base, see exercise 3). And Press et al. (2022) measured the sinusoidal code failing to
+# extrapolate in real language models too.
 #
-# **Being defined for every position is not the same as generalising to it; encodings that
-# express relative offsets generalise to lengths the model has not seen.**
+# **Being defined for every position is not the same as generalising to it; an encoding that
+# expresses relative offsets carries over to longer sequences, as long as the offsets it meets
+# there are ones it was trained on.**
 #
 # ## Recap
 #

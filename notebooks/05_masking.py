@@ -24,10 +24,14 @@ if "google.colab" in sys.modules:
     )
 
 # %%
+import inspect
+import textwrap
+
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
 from matplotlib.colors import ListedColormap, PowerNorm
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from torch import nn
 
@@ -110,10 +114,11 @@ def draw_mask(ax, mask_2d, title):
     return image
 
 
-def mask_colorbar(fig, image, axes):
-    """A two-entry colorbar that says what the colours mean."""
+def mask_colorbar(fig, image, axes, show_bool=True):
+    """A two-entry colorbar that says what the colours mean (and, for our masks, which boolean)."""
     bar = fig.colorbar(image, ax=axes, ticks=[0.25, 0.75], fraction=0.046, pad=0.04)
-    bar.ax.set_yticklabels(["blocked\n(False)", "may attend\n(True)"])
+    labels = ["blocked\n(False)", "may attend\n(True)"] if show_bool else ["blocked", "may attend"]
+    bar.ax.set_yticklabels(labels, fontsize=11)
     return bar
 
 
@@ -121,9 +126,10 @@ def mask_colorbar(fig, image, axes):
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), layout="constrained")
 image = draw_mask(axes[0], allowed, "mask $M$")
 mask_colorbar(fig, image, axes[0])
-shown = scores.detach().masked_fill(~allowed, float("nan"))  # blocked scores: left blank
-plot_attention(shown, ax=axes[1], cmap="coolwarm", vmin=-2.5, vmax=2.5, label="score",
-               title=r"scores $s_{ij}$ (blocked: $-\infty$, blank)")
+shown = scores.detach().masked_fill(~allowed, float("nan"))  # blocked scores -> "bad" colour
+score_cmap = plt.get_cmap("coolwarm").with_extremes(bad=MASK_CMAP(0))  # blocked: the mask's grey
+plot_attention(shown, ax=axes[1], cmap=score_cmap, vmin=-2.5, vmax=2.5, label="score",
+               title=r"scores $s_{ij}$ (blocked: $-\infty$, grey)")
 plot_attention(attn, ax=axes[2], vmax=1, title=r"weights $\alpha_{ij}$ (rows sum to 1)")
 for ax in axes[1:]:
     ax.set_xlabel("key position $j$")
@@ -206,8 +212,9 @@ plt.show()
 # ### Why it is needed: a head that cheats
 #
 # Here is an attention head that a model could easily learn, built by hand: the query at position
-# $t$ points at position $t + 1$, keys carry their position, values carry their token. On a
-# reversal-task target (the toy task of notebook 11) it reads the answer straight off the input:
+# $t$ points at position $t + 1$, keys carry their position, values carry their token. Under
+# teacher forcing it reads the answer straight off the input, whatever the target is; here an
+# arbitrary one, $y = (7, 4, 9, 3, 5)$:
 
 # %%
 BOS, EOS = 1, 2
@@ -259,9 +266,10 @@ def self_attention(x, mask):
     return context  # (T, d_model)
 
 
-tokens = torch.randint(3, vocab, (T,), generator=g)
+tokens = torch.randperm(vocab, generator=g)[:T]  # T distinct tokens: no two inputs are equal
+unused = [v for v in range(vocab) if v not in tokens.tolist()]
 changed = tokens.clone()
-changed[5] = 3 if tokens[5] != 3 else 4  # a different token at position 5 only
+changed[5] = unused[0]  # a different token at position 5 only
 x, x_changed = embedding[tokens].to(device), embedding[changed].to(device)  # (T, d_model)
 
 causal = causal_mask(T, device=device)[0, 0]
@@ -276,7 +284,8 @@ assert (moved_full > 1e-3).all()
 # The same fact, for every pair at once: the Jacobian block
 # $\partial c_i / \partial x_j$ says how much output $i$ depends on input $j$. With the causal mask
 # its norm must vanish exactly above the diagonal, so the picture of what each output depends on
-# *is* the picture of the mask.
+# *is* the picture of the mask. (The eight tokens are distinct; with a repeated token, two inputs
+# would be equal and their columns in the picture identical.)
 
 # %%
 J_full = torch.autograd.functional.jacobian(lambda x: self_attention(x, None), x)
@@ -303,7 +312,7 @@ for ax, depends, title in [(axes[0], depends_full, "no mask"),
     ax.set_yticks(range(T))
 axes[0].set_ylabel("output (query) position $i$")
 axes[1].legend(handles=[Patch(color="#e6e6e6", label="exactly 0")], loc="upper right",
-               fontsize=8, framealpha=0.9)
+               fontsize=10, framealpha=0.9)
 fig.colorbar(image, ax=axes, fraction=0.046, pad=0.04,
              label=r"$\|\partial c_i / \partial x_j\|$ (Frobenius norm, square-root scale)")
 plt.show()
@@ -358,6 +367,27 @@ assert pad.shape == (3, 1, 1, 5) and pad.dtype == torch.bool and pad.device.type
 assert torch.equal(pad.sum(dim=-1).flatten().cpu(), lengths)
 assert torch.equal(pad, pad.cummin(dim=-1).values)  # Trues first, then Falses
 print(pad[:, 0, 0].int().cpu())
+
+# %% [markdown]
+# Lengths that cannot be right fail at once, with the offending value in the message, instead of
+# producing a mask that is silently wrong: a fractional length, a batch of lengths that is not
+# 1-D, a length longer than the sequence, a negative one, and $T_k = 0$.
+
+# %%
+bad_calls = {
+    "float lengths": lambda: padding_mask(torch.tensor([4.0, 2.5]), T_k=5),
+    "2-D lengths": lambda: padding_mask(torch.tensor([[4, 2]]), T_k=5),
+    "length > T_k": lambda: padding_mask([4, 6, 5], T_k=5),
+    "negative length": lambda: padding_mask([4, -1], T_k=5),
+    "T_k = 0": lambda: padding_mask([0, 0], T_k=0),
+}
+for name, call in bad_calls.items():
+    try:
+        call()
+    except (TypeError, ValueError) as err:
+        print(f"{name:16s} {type(err).__name__}: {err}")
+    else:
+        raise AssertionError(f"{name} was accepted")
 
 # %% [markdown]
 # **Check:** the point of it. A sequence of length 4 run alone gives the same outputs as when it
@@ -435,13 +465,22 @@ print(combined[1, 0].int().cpu())
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), sharey=True, layout="constrained")
 for b, ax in enumerate(axes):
-    image = draw_mask(ax, combined[b, 0], f"sequence {b}: length {lengths_demo[b].item()} of {T}")
-    ax.axvline(lengths_demo[b] - 0.5, color=COLORS["accent"], linestyle="--", linewidth=1.5)
-    ax.axhline(lengths_demo[b] - 0.5, color=COLORS["accent"], linestyle=":", linewidth=1.5)
+    length = lengths_demo[b].item()
+    title = f"sequence {b}: length {length} of {T}"
+    if length < T:  # mark where the padding starts (a full sequence has none to mark)
+        ax.axvline(length - 0.5, color=COLORS["accent"], linestyle="--", linewidth=2.5)
+        ax.axhline(length - 0.5, color=COLORS["accent"], linestyle=":", linewidth=2.5)
+    else:
+        title += " (no padding)"
+    image = draw_mask(ax, combined[b, 0], title)
 axes[1].set_ylabel("")
 mask_colorbar(fig, image, axes)
-fig.suptitle("causal_mask(7) & padding_mask([7, 4], 7): dashed = end of the real keys, "
-             "dotted = end of the real queries", fontsize=10)
+fig.legend(handles=[Line2D([], [], color=COLORS["accent"], linestyle="--", linewidth=2.5,
+                           label="end of the real keys"),
+                    Line2D([], [], color=COLORS["accent"], linestyle=":", linewidth=2.5,
+                           label="end of the real queries")],
+           loc="outside lower center", ncols=2, fontsize=10)
+fig.suptitle("causal_mask(7) & padding_mask([7, 4], 7)")
 save_figure(fig, "05_causal_and_padding")
 plt.show()
 
@@ -499,7 +538,7 @@ for ax in axes[1:]:
 mask_colorbar(fig, image, axes)
 fig.legend(handles=[Patch(fill=False, edgecolor=COLORS["accent"], linewidth=2.5,
                           label="query with no key to attend to")],
-           loc="outside lower center", fontsize=9)
+           loc="outside lower center", fontsize=11)
 fig.suptitle("Three masks that leave some queries with nothing to attend to")
 plt.show()
 
@@ -532,11 +571,26 @@ assert context_naive.isnan().equal(empty_rows.expand_as(context_naive))
 #
 # "The padded positions are ignored by the loss anyway" is true for the forward pass only. Take a
 # one-layer toy model on a padded batch, with the square mask, and a cross-entropy that ignores
-# `PAD` targets: the loss comes out finite, but the backward pass sends the NaN into the weights
-# ($\partial L / \partial V = \alpha^\top\, \partial L / \partial c$, and $\alpha$ has a NaN row),
-# so one optimiser step ruins the model. Stack a second layer and even the forward pass is NaN
-# everywhere, because $0 \cdot \text{NaN} = \text{NaN}$: the zero weight that blocks a padded key
-# cannot cancel the NaN value stored there.
+# `PAD` targets. The loss comes out finite, but the backward pass sends NaN into some of the
+# weights, and one optimiser step then ruins the model. Which weights, and why, follows from one
+# rule of floating point: $0 \cdot \text{NaN} = \text{NaN}$.
+#
+# - **`W_out`.** The padded positions' activations are NaN, and
+#   $\partial L / \partial W_\text{out} = x^\top\, \partial L / \partial \text{logits}$. The
+#   loss ignores those positions, so their upstream gradient is exactly 0, but $0 \cdot \text{NaN}$
+#   is still NaN.
+# - **`W_v`** (and through it `embed`). $\partial L / \partial V = \alpha^\top\, \partial L /
+#   \partial c$: the NaN rows of $\alpha$ meet the zero gradient of the padded queries, with the
+#   same result.
+# - **`W_q` and `W_k` stay finite.** The gradient reaches them through the scores, and every score
+#   of an empty row was overwritten by `masked_fill`. Its backward pass does not multiply, it puts
+#   an exact 0 where a value was overwritten, so the NaN coming back from the softmax never gets
+#   past it.
+#
+# Stack a second layer and the forward pass breaks too: the padded positions' NaN outputs are
+# the second layer's keys and values, and the zero weight that blocks a padded key cannot cancel
+# the NaN value stored there. Every position of the padded sequence becomes NaN, so the mean
+# loss over the batch is NaN. (The full-length sequence, with no empty row, stays finite.)
 
 # %%
 PAD = 0
@@ -551,14 +605,19 @@ weights = {name: (torch.randn(*shape, generator=g) / shape[0] ** 0.5).requires_g
                                ("W_out", (d_model, vocab))]}
 
 
-def toy_loss(attention, mask, num_layers=1):
-    """Embed, apply `num_layers` self-attention layers (residual), project, cross-entropy."""
+def toy_logits(attention, mask, num_layers=1):
+    """Embed, apply `num_layers` self-attention layers (residual), project to the vocabulary."""
     w = weights
     x = w["embed"][src_tokens]  # (B, T) -> (B, T, d_model)
     for _ in range(num_layers):
         context, _ = attention(x @ w["W_q"], x @ w["W_k"], x @ w["W_v"], mask)
         x = x + context  # (B, T, d_model)
-    logits = x @ w["W_out"]  # (B, T, d_model) -> (B, T, vocab)
+    return x @ w["W_out"]  # (B, T, d_model) -> (B, T, vocab)
+
+
+def toy_loss(attention, mask, num_layers=1):
+    """Cross-entropy of the toy model, ignoring PAD targets."""
+    logits = toy_logits(attention, mask, num_layers)  # (B, T, vocab)
     return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=PAD)
 
 
@@ -573,10 +632,15 @@ def loss_and_grads(attention, mask, num_layers=1):
 square_2d = square[:, 0]  # (B, 1, T, T) -> (B, T, T): the toy model has no head dimension
 loss_naive, grads_naive = loss_and_grads(naive_attention, square_2d)
 loss_naive_2, _ = loss_and_grads(naive_attention, square_2d, num_layers=2)
-print(f"one layer:  loss {loss_naive:.4f}, NaN in the gradient of "
-      f"{[name for name, gr in grads_naive.items() if gr.isnan().any()]}")
-print(f"two layers: loss {loss_naive_2}")
-assert torch.isfinite(torch.tensor(loss_naive)) and grads_naive["W_v"].isnan().any()
+with torch.no_grad():
+    nan_positions_2 = toy_logits(naive_attention, square_2d, num_layers=2).isnan().any(dim=-1)
+nan_grads = [name for name, gr in grads_naive.items() if gr.isnan().any()]
+print(f"one layer:  loss {loss_naive:.4f}, NaN in the gradient of {nan_grads}")
+print(f"two layers: NaN logits at positions {nan_positions_2.int().tolist()} (rows = sequences), "
+      f"loss {loss_naive_2}")
+assert torch.isfinite(torch.tensor(loss_naive))
+assert nan_grads == ["embed", "W_v", "W_out"]  # W_q and W_k are finite
+assert torch.equal(nan_positions_2, torch.tensor([[False] * T, [True] * T]))  # all of sequence 1
 assert torch.tensor(loss_naive_2).isnan()
 
 # %% [markdown]
@@ -587,11 +651,15 @@ assert torch.tensor(loss_naive_2).isnan()
 # finite score (pytorch/pytorch#131060), and torch 2.13's CPU kernels give zeros. Its boolean
 # `attn_mask` means "may attend", like ours, so our mask goes in unchanged.
 #
-# `nn.MultiheadAttention` is a different story: when it has to return the attention weights (its
-# default, `need_weights=True`) it computes them with a plain softmax and returns NaN; with
-# `need_weights=False` it calls `F.scaled_dot_product_attention` and returns zeros. Its boolean
-# masks mean the opposite of ours (section 6), hence the `~`. We check both on the CPU, whatever
-# `device` is, because fused GPU kernels have their own code for this case.
+# `nn.MultiheadAttention` is a different story. When it has to return the attention weights (its
+# default, `need_weights=True`) it computes them with a plain softmax, and both the weights and
+# the output of an empty row are NaN. With `need_weights=False` it calls
+# `F.scaled_dot_product_attention`, gets a zero context for the empty row, and passes it through
+# its output projection, so that row comes out as `out_proj(0)`, which is `out_proj.bias`: zero
+# only while that bias still has its initial value. To tell the two apart, the check gives the
+# bias random values first. Its boolean masks mean the opposite of ours (section 6), hence the
+# `~`. We check all of this on the CPU, whatever `device` is, because fused GPU kernels have
+# their own code for this case.
 
 # %%
 builtin_context = F.scaled_dot_product_attention(Q, K, V, attn_mask=square)  # (B, 1, T, d_k)
@@ -599,6 +667,8 @@ print("F.scaled_dot_product_attention, sequence 1, rows 4-5:")
 print(builtin_context[1, 0, 4:].round(decimals=4))
 
 mha = nn.MultiheadAttention(d_k, num_heads=1, batch_first=True)
+with torch.no_grad():  # a nonzero output bias, so that "zero" and "the bias" differ
+    mha.out_proj.bias.normal_(generator=torch.Generator().manual_seed(11))
 x_mha = Q[:, 0]  # (B, 1, T, d_k) -> (B, T, d_k)
 mha_attn_mask = ~square[:, 0]  # (B, 1, T, T) -> (B*h, T, T) with h = 1; True = blocked
 out_weights, attn_weights = mha(x_mha, x_mha, x_mha, attn_mask=mha_attn_mask)
@@ -609,14 +679,37 @@ print(attn_weights[1, 4:].detach().round(decimals=4))
 assert (builtin_context[1, 0, 4:] == 0).all() and not builtin_context.isnan().any()
 assert attn_weights[1, 4:].isnan().all() and out_weights[1, 4:].isnan().all()
 assert not out_no_weights.isnan().any()
+# need_weights=False: the empty rows' zero context, through out_proj, is exactly out_proj's bias
+torch.testing.assert_close(out_no_weights[1, 4:], mha.out_proj.bias.detach().expand(2, d_k))
 
 # %% [markdown]
 # ### The course's answer: zero weights, zero context
 #
 # Notebook 02 fixed the policy for the whole course: a query whose keys are all masked gets
-# attention weights of all zeros and a zero context vector, never NaN. That is the limit the
-# formula of section 1 has no value for, and the choice `F.scaled_dot_product_attention` makes
-# now.
+# attention weights of all zeros and a zero context vector, never NaN. The formula of section 1
+# has no value there ($0/0$), so any answer is a convention. Zeros are the natural one: a weighted
+# sum over no keys is an empty sum, which is 0; it is the choice `F.scaled_dot_product_attention`
+# makes now; and, as the next subsection shows, nothing downstream reads it.
+#
+# The fix is three lines of `scaled_dot_product_attention` (notebook 02), the ones that mention
+# `no_key`. Here is the mask-and-softmax part of the function, printed from the package's source:
+
+# %%
+source = textwrap.dedent(inspect.getsource(scaled_dot_product_attention)).splitlines()
+start = next(i for i, line in enumerate(source) if line.strip() == "no_key = None")
+end = next(i for i, line in enumerate(source) if "attn = attn.masked_fill(no_key" in line)
+print(textwrap.dedent("\n".join(source[start:end + 1])))
+
+# %% [markdown]
+# 1. `no_key = torch.isneginf(scores).all(...)` marks the rows in which every score is $-\infty$:
+#    the queries with no allowed key, one flag per query, of shape $(\dots, T_q, 1)$.
+# 2. `scores.masked_fill(no_key, 0.0)`, before the softmax, sets those rows' scores to $0$. Their
+#    softmax is then a harmless uniform row instead of $0/0$, so no NaN is produced, neither in
+#    the forward pass nor in the backward pass through the softmax. Rows with an allowed key are
+#    untouched.
+# 3. `attn.masked_fill(no_key, 0.0)`, after the softmax, sets the flagged rows' weights to $0$,
+#    so the context $\alpha V$ of such a query is $0$. `masked_fill` writes constants there, so
+#    no gradient flows back through those rows either.
 #
 # **Check:** on the same inputs, ours has no NaN, zeros on the empty rows, and on the other rows
 # the same weights as the naive version; it equals the built-in everywhere, values and gradients.
@@ -724,6 +817,8 @@ fig, axes = plt.subplots(1, 3, figsize=(13, 4.4), sharey=True, layout="constrain
 for ax, (title, weights_2d) in zip(axes, panels, strict=True):
     plot_attention(weights_2d, ax=ax, cmap=cmap, vmax=1, colorbar=False, title=title,
                    annotate=True)
+    for text in ax.texts:  # the annotated weights, larger than plot_attention's default
+        text.set_fontsize(10)
     ax.add_patch(Rectangle((-0.5, 3.5), T, 2, fill=False, edgecolor="black", linewidth=2,
                            linestyle="--"))
     ax.set_xlabel("key position $j$")
@@ -733,7 +828,7 @@ fig.colorbar(axes[0].images[0], ax=axes, fraction=0.046, pad=0.04, label="attent
 fig.legend(handles=[Patch(color=COLORS["accent"], label="NaN"),
                     Patch(fill=False, edgecolor="black", linestyle="--",
                           label="padded queries: no key to attend to")],
-           loc="outside lower center", ncols=2, fontsize=9)
+           loc="outside lower center", ncols=2, fontsize=11)
 fig.suptitle("Sequence 1 (length 4 of 6) under the square padding mask: three answers to 0/0")
 save_figure(fig, "05_fully_masked_row")
 plt.show()
@@ -837,13 +932,13 @@ for ax, (title, spelled, kind) in zip(axes, spellings, strict=True):
                 text = "T" if spelled[i, j] else "F"
             else:
                 text = "0" if spelled[i, j] == 0 else r"$-\infty$"
-            ax.text(j, i, text, ha="center", va="center", fontsize=8,
-                    color="white" if allowed_2d[i, j] else "#555555")
+            ax.text(j, i, text, ha="center", va="center", fontsize=11,
+                    color="white" if allowed_2d[i, j] else "#444444")
 for ax in axes[1:]:
     ax.set_ylabel("")
-mask_colorbar(fig, image, axes)
+mask_colorbar(fig, image, axes, show_bool=False)  # colour = meaning, whatever the spelling
 fig.suptitle("One mask (sequence 1: causal, length 4 of 7) in three spellings; "
-             "colour = what it means, text = what you pass", fontsize=10)
+             "colour = what it means, text = what you pass")
 save_figure(fig, "05_mask_conventions")
 plt.show()
 

@@ -28,6 +28,7 @@ import math
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.colors import ListedColormap
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 from torch import nn
 from torch.testing import assert_close
@@ -55,9 +56,12 @@ device = get_device()
 # loss surface smoother, so that larger learning rates are safe.)
 #
 # The drift is easy to see. Below, a 32-layer stack of `Linear` + ReLU with He-initialised
-# weights scaled by a gain: 0.8 (a little too small) and 1.2 (a little too large). With no
-# normalisation, the root-mean-square (RMS) of the activations changes geometrically with
-# depth; standardising each token's feature vector before each layer pins it. For now the
+# weights scaled by a gain: 0.8 (a little too small) and 1.2 (a little too large). He
+# initialisation keeps the root-mean-square (RMS) of a unit-RMS input at 1, so each such layer
+# multiplies the RMS by about its gain. We record the RMS of each layer's *output*. With no
+# normalisation the factors compound, and the RMS changes geometrically with depth, like
+# $0.8^l$ or $1.2^l$. Standardising each token's feature vector before each layer resets the
+# input to RMS 1, so each layer's output should stay near its gain at every depth. For now the
 # standardisation is two lines; the real `LayerNorm` follows.
 
 # %%
@@ -69,50 +73,54 @@ def standardise(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
 
 
 def rms_through_depth(gain: float, normalise: bool, num_layers: int = 32, d: int = 256) -> list[float]:
-    """RMS of each layer's input in a ReLU stack whose weights are He init times `gain`."""
+    """RMS of each layer's output in a ReLU stack whose weights are He init times `gain`."""
     g = torch.Generator().manual_seed(1)  # the same weights and inputs for every variant
     x = torch.randn(64, d, generator=g)  # (N, D): 64 tokens
     rms = []
     for _ in range(num_layers):
         if normalise:
             x = standardise(x)
-        rms.append(x.pow(2).mean().sqrt().item())
         W = torch.randn(d, d, generator=g) * gain * math.sqrt(2 / d)  # He init, scaled
         x = torch.relu(x @ W.T)  # (N, D) -> (N, D)
+        rms.append(x.pow(2).mean().sqrt().item())  # the output, before any normalisation
     return rms
 
 
 depth_runs = {(gain, norm): rms_through_depth(gain, norm) for gain in (0.8, 1.2) for norm in (False, True)}
 for (gain, norm), rms in depth_runs.items():
-    print(f"gain {gain}  normalised {norm!s:5}  RMS at layer 32: {rms[-1]:.3g}")
+    print(f"gain {gain}  normalised {norm!s:5}  output RMS of layer 32: {rms[-1]:.3g}")
 
 # %% [markdown]
-# **Check:** without normalisation the last layer sees an input about a thousand times too small
-# or hundreds of times too large; with it, every layer sees RMS 1 (up to the tiny $\epsilon$).
+# **Check:** without normalisation the last layer's output is about a thousand times too small
+# or hundreds of times too large. With it, every layer's output, at any depth, has an RMS within
+# 10 % of that layer's own gain: the factor is applied once and then reset by the next
+# standardisation instead of being passed on. (The RMS is measured *before* the next
+# standardisation, so this could fail: a standardisation that did not reset the scale would let
+# the factors compound again.)
 
 # %%
 assert depth_runs[(0.8, False)][-1] < 1e-2 and depth_runs[(1.2, False)][-1] > 1e2
 for gain in (0.8, 1.2):
-    assert all(abs(r - 1) < 1e-3 for r in depth_runs[(gain, True)])
+    assert all(abs(r / gain - 1) < 0.1 for r in depth_runs[(gain, True)]), gain
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.6))
 layers = range(1, 33)
-for gain, color, dashes in ((0.8, COLORS["value"], (6, 3)), (1.2, COLORS["accent"], (2, 3))):
+for gain, color in ((0.8, COLORS["value"]), (1.2, COLORS["accent"])):
     ax.plot(layers, depth_runs[(gain, False)], color=color, label=f"gain {gain}, no normalisation")
-    ax.plot(layers, depth_runs[(gain, True)], color=color, dashes=dashes, linewidth=2.5,
+    ax.plot(layers, depth_runs[(gain, True)], color=color, linestyle="--", linewidth=2,
             label=f"gain {gain}, standardised before each layer")
 ax.set_yscale("log")
-ax.set_xlabel("layer")
-ax.set_ylabel("RMS of the layer's input (log scale)")
+ax.set_xlabel("layer $l$")
+ax.set_ylabel("RMS of layer $l$'s output (log scale)")
 ax.set_title("Activation scale through a 32-layer ReLU stack")
-ax.legend(fontsize=8)
+ax.legend(fontsize=9)
 ax.grid(alpha=0.3)
 plt.show()
 
 # %% [markdown]
-# **Normalising before every layer keeps each layer's input at the same scale, whatever the
-# depth and whatever the weights.**
+# **Normalising before every layer stops the scale from compounding: each layer's output stays
+# at the scale its own weights give it, whatever the depth.**
 #
 # ## Layer normalisation, per token
 #
@@ -365,7 +373,7 @@ for ax in axes:
     ax.grid(alpha=0.3)
 axes[0].set_ylabel("feature value")
 axes[1].set_ylabel("normalised value")
-fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+fig.legend(loc="lower center", ncol=3, fontsize=9, frameon=False)
 plt.tight_layout(rect=(0, 0.07, 1, 1))
 plt.show()
 
@@ -392,6 +400,7 @@ plt.show()
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
 n_tokens, n_features = 12, 6
+group_cmap = ListedColormap(["#f2f2f2", COLORS["query"]])  # two values: other, in the group
 for ax, title, highlight in (
     (axes[0], "LayerNorm: one token,\nall of its features", "row"),
     (axes[1], "BatchNorm: one feature,\nall tokens of the batch", "column"),
@@ -401,15 +410,15 @@ for ax, title, highlight in (
         grid[5, :] = 1  # token 5 is normalised with its own 6 features
     else:
         grid[:, 2] = 1  # feature 2 is normalised over all 12 tokens
-    image = ax.imshow(grid, cmap="Blues", vmin=0, vmax=1.4, aspect="auto")
+    image = ax.imshow(grid, cmap=group_cmap, vmin=0, vmax=1, aspect="auto")
     for boundary in (3.5, 7.5):  # sequence boundaries
         ax.axhline(boundary, color="black", linewidth=1.5)
     ax.set_xticks(range(n_features))
-    ax.set_yticks(range(n_tokens), [f"seq {t // 4}, token {t % 4}" for t in range(n_tokens)], fontsize=7)
+    ax.set_yticks(range(n_tokens), [f"seq {t // 4}, token {t % 4}" for t in range(n_tokens)], fontsize=8)
     ax.set_xlabel("feature (D = 6)")
     ax.set_title(title, fontsize=10)
-colorbar = fig.colorbar(image, ax=axes, ticks=[0, 1], shrink=0.8)
-colorbar.ax.set_yticklabels(["other", "one\nnormalisation\ngroup"], fontsize=8)
+colorbar = fig.colorbar(image, ax=axes, ticks=[0.25, 0.75], shrink=0.8)
+colorbar.ax.set_yticklabels(["other\nentries", "one\nnormalisation\ngroup"], fontsize=9)
 plt.show()
 
 # %% [markdown]
@@ -479,8 +488,12 @@ plt.show()
 #    sentence is normalised differently depending on how long its batch-mates are. (One could
 #    mask the padding out of the statistics, but every implementation then has to.)
 # 2. **Train versus eval.** In training, batch norm uses the current batch's statistics; in
-#    evaluation, running averages collected during training. A model behaves differently in
-#    the two modes, and a single sequence at inference has no batch to take statistics from.
+#    evaluation, running averages collected during training. The same input therefore gives a
+#    different output in the two modes: the model is evaluated as a function it was never
+#    trained as. Keeping the batch's own statistics at inference is no way out. A decoder
+#    generates one token at a time, so each step would normalise over one new position per
+#    sequence (a single vector, when one sequence is decoded alone): statistics unlike any it
+#    saw in training, or none at all.
 # 3. **Small batches.** Statistics from a few tokens are noisy; from one token, impossible.
 #
 # Each of these is a short experiment. First, padding: the same two sentences (lengths 5 and 3)
@@ -590,7 +603,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True,
 # A check needs many samples. We drop out the same random vector $x$ (of 256 features) 2,000
 # times with $p = 0.1$, with our function and with `nn.Dropout`. Each feature's sample mean
 # then has standard error $|x_i|\sqrt{p/((1-p)\,S)}$ with $S = 2000$ samples; we allow six
-# standard errors, so the check would fail less than once in a million seeds, not just for
+# standard errors, so the check would fail about once in a million seeds, not just for
 # this one. The fraction of zeros among the 512,000 draws has standard error
 # $\sqrt{p(1-p)/512000} \approx 0.0004$, and we allow 0.003.
 
@@ -633,9 +646,10 @@ assert not torch.equal(drop_module(samples), samples)
 # %% [markdown]
 # The picture: on the left, which entries of a $(T, D) = (12, 48)$ activation one dropout mask
 # zeroes at $p = 0.1$; on the right, the running mean of one activation ($x_i = 1$) over
-# repeated draws. Inverted dropout averages to $x_i$; plain masking without the rescale
-# averages to $(1-p)\,x_i$, which is what the next layer would wrongly see as "normal" if we
-# then switched dropout off.
+# repeated draws. Inverted dropout averages to $x_i$. Plain masking without the rescale
+# averages to $(1-p)\,x_i$: during training the next layer would see inputs 10 % smaller on
+# average than at evaluation, where dropout is off and nothing is zeroed, so the trained model
+# would meet inputs of a different scale as soon as it is evaluated.
 
 # %%
 mask_image = (dropout(torch.ones(12, 48), p, generator=generator) != 0).float()  # (T, D)
@@ -645,13 +659,14 @@ running_inverted = torch.cumsum(draws / (1 - p), dim=0) / steps
 running_plain = torch.cumsum(draws.float(), dim=0) / steps
 
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [1.3, 1]})
-image = axes[0].imshow(mask_image, cmap="Greys_r", vmin=0, vmax=1, aspect="auto")
+drop_cmap = ListedColormap([COLORS["accent"], "#e6e6e6"])  # two values: dropped, kept
+image = axes[0].imshow(mask_image, cmap=drop_cmap, vmin=0, vmax=1, aspect="auto")
 axes[0].set_xlabel("feature")
 axes[0].set_ylabel("token position")
 axes[0].set_title(f"One dropout mask, p = {p}: {int((mask_image == 0).sum())} of 576 zeroed",
                   fontsize=10)
-colorbar = fig.colorbar(image, ax=axes[0], ticks=[0, 1])
-colorbar.ax.set_yticklabels(["dropped", "kept"])
+colorbar = fig.colorbar(image, ax=axes[0], ticks=[0.25, 0.75])
+colorbar.ax.set_yticklabels(["dropped\n(0)", "kept\n(x / (1-p))"])
 axes[1].plot(steps, running_inverted, color=COLORS["ours"], label="inverted: mask / (1 - p)")
 axes[1].plot(steps, running_plain, color=COLORS["accent"], label="mask only")
 axes[1].axhline(1.0, color="black", linewidth=0.8, linestyle="--")
@@ -661,7 +676,7 @@ axes[1].set_ylim(0.6, 1.4)
 axes[1].set_xlabel("number of draws (log scale)")
 axes[1].set_ylabel(r"running mean of $y_i$ for $x_i = 1$")
 axes[1].set_title("The 1/(1-p) scale keeps the expectation", fontsize=10)
-axes[1].legend(fontsize=8)
+axes[1].legend(fontsize=9)
 plt.tight_layout()
 plt.show()
 
@@ -674,21 +689,25 @@ plt.show()
 #
 # ## The three places dropout sits
 #
-# Vaswani et al. (2017, §5.4, "Residual Dropout") apply dropout in two places, and most
-# implementations add a third:
+# Vaswani et al. (2017, §5.4, "Residual Dropout") specify dropout in two places, with
+# $P_{\text{drop}} = 0.1$ for the base model; most implementations add a third. Numbered from the
+# bottom of the stack up:
 #
 # 1. **On the sum of the token embeddings and the positional encodings**, at the bottom of the
-#    encoder and of the decoder stack (notebook 04's `PositionalEncoding(dropout_p=...)`).
+#    encoder and of the decoder stack (notebook 04's `PositionalEncoding(dropout_p=...)`). In
+#    the paper, $P_{\text{drop}} = 0.1$.
 # 2. **On the attention weights**, after the softmax and before they average the values. The
-#    paper does not list it, but the authors' tensor2tensor library offers it, and so do
-#    `nn.MultiheadAttention(dropout=...)`, `F.scaled_dot_product_attention(dropout_p=...)` and
-#    this course's `scaled_dot_product_attention` (notebooks 02–03).
+#    paper does not mention it: it is an implementation choice, made by the authors'
+#    tensor2tensor library, by PyTorch's layers (`nn.MultiheadAttention(dropout=...)`, which
+#    `nn.TransformerEncoderLayer` gives its one `dropout` rate), by
+#    `F.scaled_dot_product_attention(dropout_p=...)` and by this course's
+#    `scaled_dot_product_attention` (notebooks 02–03). It usually gets the same rate, 0.1.
 # 3. **On the output of every sub-layer** (attention or feed-forward), before it is added to the
-#    residual stream. The residual path itself is never dropped.
+#    residual stream. In the paper, $P_{\text{drop}} = 0.1$. The residual path itself is never
+#    dropped.
 #
-# For the base model, $P_{\text{drop}} = 0.1$ everywhere. (PyTorch's `nn.TransformerEncoderLayer`
-# also drops out inside the feed-forward network, after the activation; this course's
-# feed-forward network of notebook 07 does not.)
+# (PyTorch's `nn.TransformerEncoderLayer` also drops out inside the feed-forward network, after
+# the activation; this course's feed-forward network of notebook 07 does not.)
 
 # %%
 def draw_box(ax, xy, text, color, width=2.2, height=0.62, text_color="white"):
@@ -740,7 +759,7 @@ for name, base in (("multi-head attention", 2.9), ("feed-forward network", 7.0))
     ax.plot([branch_x, branch_x], [base + 3.06, top], color="black", linewidth=1.2)
     draw_arrow(ax, (branch_x, top), (stream_x + 0.22, top))
     ax.text(stream_x - 0.15, base + 1.9, "residual path\n(never dropped)", ha="right",
-            va="center", fontsize=8)
+            va="center", fontsize=9)
 
 # the residual stream itself
 draw_arrow(ax, (stream_x, 2.51), (stream_x, 6.3 - 0.22))
@@ -755,20 +774,22 @@ draw_arrow(ax, (inner_x, 4.96), (inner_x, 5.24))
 ax.text(inner_x, 6.0, "then weights @ V", ha="center", va="bottom", fontsize=9)
 ax.plot([branch_x + 1.45, inner_x - 1.25], [4.65, 4.65], color="black", linewidth=0.8,
         linestyle=":")
-ax.text(inner_x, 4.1, "inside the attention", ha="center", va="top", fontsize=8, style="italic")
+ax.text(inner_x, 4.1, "inside the attention", ha="center", va="top", fontsize=9, style="italic")
 
 # a frame around one block, and the key to the three spots
 ax.add_patch(FancyBboxPatch((0.55, 2.75), 9.85, 7.95, boxstyle="round,pad=0.05,rounding_size=0.2",
                             facecolor="none", edgecolor="0.6", linestyle="--"))
 ax.text(10.3, 10.55, "one pre-norm encoder block", ha="right", va="top", fontsize=9, color="0.35")
-legend_text = ("$P_{drop}$ = 0.1 in all three places in the base model (Vaswani et al., 2017)\n"
-               "(1) on the sum of embeddings and positional encodings (paper, §5.4)\n"
-               "(2) on the attention weights (tensor2tensor, PyTorch, this course)\n"
-               "(3) on each sub-layer's output, before the residual add (paper, §5.4)")
+legend_text = ("(1) on the sum of embeddings and positional encodings:\n"
+               "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)\n"
+               "(2) on the attention weights: not in the paper; an implementation\n"
+               "     choice (tensor2tensor, PyTorch's layers, this course), usually 0.1\n"
+               "(3) on each sub-layer's output, before the residual add:\n"
+               "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)")
 ax.text(0.2, -0.55, legend_text, ha="left", va="top", fontsize=9, linespacing=1.5,
         bbox={"boxstyle": "round", "facecolor": "#fbeaea", "edgecolor": drop})
 ax.set_xlim(0, 10.6)
-ax.set_ylim(-2.6, 11.7)
+ax.set_ylim(-3.2, 11.7)
 ax.set_aspect("equal")
 ax.set_axis_off()
 ax.set_title("Where dropout sits in a pre-norm Transformer block")
@@ -812,9 +833,9 @@ print("eval:  two passes equal: ", torch.equal(eval_a, eval_b))
 # %% [markdown]
 # **Check:** training passes are random and evaluation passes deterministic; with the
 # sub-layer's output dropout at $p = 1$ the sub-layer is exactly the identity, because dropout
-# acts on the branch and never on the residual path; and PyTorch's own encoder layer defaults
-# to the paper's $P_{\text{drop}} = 0.1$ in the same places (attention weights, each
-# sub-layer's output).
+# acts on the branch and never on the residual path; and PyTorch's own encoder layer puts its
+# single `dropout=0.1` default in the same places: the paper's (each sub-layer's output), the
+# attention weights, and one more inside the feed-forward network.
 
 # %%
 assert not torch.equal(train_a, train_b)
@@ -848,9 +869,9 @@ assert (row_sums[0] - 1).abs().max() > 0.05  # one draw: not a distribution any 
 assert_close(row_sums.mean(dim=0), torch.ones(6), atol=6 * math.sqrt(0.1 / 0.9 / 4000), rtol=0)
 
 # %% [markdown]
-# **Dropout goes on the embeddings, on the attention weights and on every sub-layer's output
-# before the residual add, with $P_{\text{drop}} = 0.1$ in the base model, and never on the
-# residual path.**
+# **Dropout goes on the embeddings and on every sub-layer's output before the residual add (the
+# paper's two places, $P_{\text{drop}} = 0.1$ in the base model), usually on the attention
+# weights as well (an implementation choice), and never on the residual path.**
 #
 # ## Recap
 #
@@ -863,7 +884,7 @@ assert_close(row_sums.mean(dim=0), torch.ones(6), atol=6 * math.sqrt(0.1 / 0.9 /
 # | batch norm (contrast) | `nn.BatchNorm1d(D)` on `x.transpose(1, 2)`: statistics over $B \cdot T$ | $(B, D, T)$ |
 # | inverted dropout | `x * mask / (1 - p)`, identity in `eval()` | any, unchanged |
 # | dropout (1) | `PositionalEncoding(d_model, dropout_p=0.1)` | $(B, T, D)$ |
-# | dropout (2) | `scaled_dot_product_attention(..., dropout_p=0.1)` | $(B, h, T_q, T_k)$ |
+# | dropout (2) | `scaled_dot_product_attention(..., dropout_p=0.1, training=self.training)`: its `training` defaults to `True`, so without it the weights are dropped in evaluation too | $(B, h, T_q, T_k)$ |
 # | dropout (3) | `x + dropout(sublayer(norm(x)))` | $(B, T, D)$ |
 #
 # ## Exercises

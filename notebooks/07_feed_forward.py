@@ -41,9 +41,9 @@ device = get_device()
 # %% [markdown]
 # ## Why a block needs a second sublayer
 #
-# Self-attention moves information *between* positions. For fixed attention weights $a_{ts}$, the
-# output at position $t$ is $\sum_s a_{ts}\, v_s$: a weighted average of value vectors, which are
-# themselves linear maps of the inputs. The only nonlinearity is the softmax that picks the
+# Self-attention moves information *between* positions. For fixed attention weights
+# $\alpha_{ij}$ (notebooks 01–02), the output at position $i$ is $\sum_j \alpha_{ij}\, v_j$: a
+# weighted average of value vectors, which are themselves linear maps of the inputs. The only nonlinearity is the softmax that picks the
 # weights; what gets averaged is never transformed by anything but a matrix.
 #
 # The feed-forward sublayer does the complementary job. It transforms the vector *at* each
@@ -55,7 +55,7 @@ device = get_device()
 # W_2 \in \mathbb{R}^{d_{ff} \times d_\text{model}},$$
 #
 # with $d_\text{model} = 512$ and a hidden width $d_{ff} = 2048$ in the base model: the vector is
-# widened four times, passed through a ReLU, and projected back. The same $W_1, b_1, W_2, b_2$
+# widened fourfold, passed through a ReLU, and projected back. The same $W_1, b_1, W_2, b_2$
 # are used at every position $t$ of a sequence $x \in \mathbb{R}^{T \times d_\text{model}}$ (each
 # layer has its own). In short: **attention mixes across positions, the FFN transforms within a
 # position.**
@@ -83,6 +83,11 @@ device = get_device()
 #
 # The builder takes the activation by name, so a block can say `activation="gelu"`. It also knows
 # SiLU, $x\,\sigma(x)$ (Swish with $\beta = 1$), which the gated variant at the end uses.
+#
+# Which one is the default depends on what is being built. `feed_forward` defaults to `"relu"`,
+# the paper's choice (and PyTorch's `nn.TransformerEncoderLayer`'s). The blocks of notebook 08
+# default to `"gelu"`, the choice of the tutorial this course follows; they pass it on to
+# `feed_forward` explicitly.
 
 # %%
 #| export
@@ -480,7 +485,16 @@ print(f"paper base: FFN {counts['paper base']['ffn']:,} = 2·512·2048 + 2048 + 
 # Across a whole model the picture is the same. The base model has 6 encoder and 6 decoder
 # layers, so 12 FFNs. The course's model (2 + 2 layers, $d = 128$, $d_{ff} = 512$, a vocabulary of
 # 12 tokens for the reversal task) has 930,828 parameters, the number the source tutorial reports
-# and notebook 10 reproduces; we rebuild that total from the parts:
+# and notebook 10 reproduces. We rebuild that total from the parts. Besides the 2 encoder and 2
+# decoder blocks it holds:
+#
+# - **two final `LayerNorm`s**, one after the last block of each stack: the course's blocks are
+#   pre-norm, whose residual stream is never normalised inside the stack (notebook 08 shows why
+#   it needs this last norm, notebook 10 adds it);
+# - **two embedding tables**, $12 \times 128$ each: the source and the target have separate
+#   vocabularies in general, so each side has its own (notebooks 09 and 10);
+# - **the output head**, an `nn.Linear(128, 12)` with its own weight and bias, *not* tied to the
+#   target embedding (notebook 09 shows weight tying, which would save the $12 \times 128$).
 
 # %%
 c = counts["paper base"]
@@ -492,8 +506,9 @@ c = counts["course"]
 vocab, d = 12, 128
 encoder_layer = c["attention"] + c["ffn"] + 2 * c["layernorm"]
 decoder_layer = 2 * c["attention"] + c["ffn"] + 3 * c["layernorm"]
-embeddings_and_head = 2 * vocab * d + (d * vocab + vocab)  # src/tgt embeddings, output Linear
-course_total = 2 * encoder_layer + 2 * decoder_layer + 2 * c["layernorm"] + embeddings_and_head
+embeddings_and_head = 2 * vocab * d + (d * vocab + vocab)  # src + tgt tables, untied output Linear
+final_norms = 2 * c["layernorm"]  # one after each pre-norm stack
+course_total = 2 * encoder_layer + 2 * decoder_layer + final_norms + embeddings_and_head
 course_ffn_total = 4 * c["ffn"]
 assert course_total == 930_828
 print(f"course model: {course_total:,} parameters, of which its 4 FFNs hold "
@@ -521,12 +536,12 @@ for k, (part, color) in enumerate(zip(["attention", "FFN", "LayerNorms (under 0.
     for i in range(len(rows)):
         if shares[i, k] > 0.05:
             ax_bar.text(left[i] + shares[i, k] / 2, i, f"{shares[i, k]:.1%}\n({int(parts[i, k]):,})",
-                        ha="center", va="center", color="white", fontsize=8)
+                        ha="center", va="center", color="white", fontsize=9)
     left += shares[:, k]
 ax_bar.invert_yaxis()
 ax_bar.set(xlim=(0, 1), xlabel="share of the block's parameters",
            title="Parameters per block (counted from real modules)")
-ax_bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8)
+ax_bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=9)
 
 ratios = np.linspace(0.5, 8, 200)
 ax_r.plot(ratios, ratios / (ratios + 2), color=COLORS["value"], lw=2, label="$r/(r+2)$")
@@ -541,7 +556,7 @@ ax_r.annotate("$r = 4$: 2/3", (4, 2 / 3), xytext=(5, 0.5), fontsize=9,
               arrowprops=dict(arrowstyle="->", color="grey"))
 ax_r.set(xlabel="expansion ratio $r = d_{ff} / d_{model}$", ylabel="FFN share of an encoder block",
          title="FFN share against width", ylim=(0, 1))
-ax_r.legend(fontsize=8, loc="lower right")
+ax_r.legend(fontsize=9, loc="lower right")
 ax_r.grid(alpha=0.3)
 fig.tight_layout()
 save_figure(fig, "ffn_parameter_share")
@@ -597,9 +612,11 @@ def forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 # %% [markdown]
-# In `src/`, the exporter folds `forward` back into the class body. **Check:** all three variants against a computation written out with plain
-# matrix products and PyTorch's functional activations, the gradients too, and the error for a
-# wrong width.
+# (`make export` moves a method added with `@add_to_class` back into the class body in `src/`,
+# so the package has one ordinary class; notebook 00 explains how.)
+#
+# **Check:** all three variants against a computation written out with plain matrix products and
+# PyTorch's functional activations, the gradients too, and the error for a wrong width.
 
 # %%
 d_hidden = 48
@@ -624,12 +641,14 @@ try:
     with_bias(torch.randn(B, T, d_model + 1).to(device))
 except ValueError as err:
     print(f"ValueError: {err}")
+else:
+    raise AssertionError("an input of the wrong width was accepted")
 
 # %% [markdown]
 # ### Matching the parameter count
 #
 # Three matrices instead of two: at the same $d_{ff}$ a gated FFN has 1.5 times the parameters and
-# the compute. To compare fairly, Shazeer shrinks the hidden width by $2/3$. Without biases the
+# the compute. To compare fairly, Shazeer shrinks the hidden width to $2/3$ of $d_{ff}$. Without biases the
 # counts are $2\, d\, d_{ff}$ and $3\, d\, d_{ff}'$, equal when
 #
 # $$d_{ff}' = \tfrac23\, d_{ff}.$$
@@ -663,15 +682,14 @@ assert num_params(GatedFeedForward(768, 2048)) == num_params(feed_forward(768, 3
 grid = torch.linspace(-3, 3, 241)
 a, b = torch.meshgrid(grid, grid, indexing="xy")  # a varies along x, b along y: (241, 241)
 surfaces = [("ReLU unit: ReLU(a)", F.relu(a)), ("SwiGLU unit: SiLU(a) · b", F.silu(a) * b)]
-fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2), layout="constrained")
+limit = max(z.abs().max().item() for _, z in surfaces)  # one colour scale for both panels
 for ax, (title, z) in zip(axes, surfaces, strict=True):
-    limit = z.abs().max().item()
     image = ax.imshow(z, origin="lower", extent=(-3, 3, -3, 3), cmap="RdBu_r", vmin=-limit, vmax=limit)
     ax.contour(a, b, z, levels=[0], colors="black", linewidths=0.8)
     ax.set(title=title, xlabel="gate pre-activation $a = x \\cdot w$",
            ylabel="linear reading $b = x \\cdot v$")
-    fig.colorbar(image, ax=ax, fraction=0.046, label="unit output")
-fig.tight_layout()
+fig.colorbar(image, ax=axes, fraction=0.046, label="unit output (same scale in both panels)")
 save_figure(fig, "ffn_gated_unit")
 plt.show()
 
@@ -716,19 +734,29 @@ assert attention_count - ffn_count == d
 print(f"d_ff = {2 * d}: FFN {ffn_count:,}, attention {attention_count:,}")
 
 # %% [markdown]
-# 2. Without the activation, $(xW_1 + b_1)W_2 + b_2 = x\,(W_1W_2) + (b_1W_2 + b_2)$: one $d \times d$
-#    matrix and one bias. The product $W_1W_2$ has rank at most $d$, so the $d_{ff}$-wide middle adds
-#    parameters but no expressive power; the nonlinearity is what the width is for.
+# 2. Without the activation, $(xW_1 + b_1)W_2 + b_2 = x\,(W_1W_2) + (b_1W_2 + b_2)$: two affine maps
+#    compose into one affine map, with the $d \times d$ matrix $A = W_1W_2$ and the bias
+#    $c = b_1W_2 + b_2$. So a single `nn.Linear(d_model, d_model)` holding $A$ and $c$ computes
+#    exactly the same function, with $d^2 + d$ parameters instead of $2\,d\,d_{ff} + d_{ff} + d$.
+#    The $d_{ff}$-wide middle adds parameters but no function that one $d \times d$ layer could not
+#    already compute; only a nonlinearity between the two maps makes the width worth having.
 
 # %%
 linear_ffn = feed_forward(d_model, d_ff).to(device)
 linear_ffn[1] = nn.Identity()
-A = linear_ffn[0].weight.T @ linear_ffn[2].weight.T  # (d_model, d_ff) @ (d_ff, d_model) -> (d_model, d_model)
-c_bias = linear_ffn[0].bias @ linear_ffn[2].weight.T + linear_ffn[2].bias  # (d_model,)
+W_1, b_1 = linear_ffn[0].weight.T, linear_ffn[0].bias  # (d_model, d_ff), (d_ff,)
+W_2, b_2 = linear_ffn[2].weight.T, linear_ffn[2].bias  # (d_ff, d_model), (d_model,)
+single = nn.Linear(d_model, d_model).to(device)  # the one affine map
+with torch.no_grad():
+    single.weight.copy_((W_1 @ W_2).T)  # A = W_1 W_2: (d_model, d_ff) @ (d_ff, d_model); Linear stores A^T
+    single.bias.copy_(b_1 @ W_2 + b_2)  # c: (d_model,)
 x = torch.randn(B, T, d_model).to(device)
-assert_close(linear_ffn(x), x @ A + c_bias)
-assert torch.linalg.matrix_rank(A.detach()) <= d_model < d_ff
-print(f"A: {tuple(A.shape)}, rank {int(torch.linalg.matrix_rank(A.detach()))}")
+assert_close(single(x), linear_ffn(x))  # one Linear reproduces the two-layer output
+relu_ffn = feed_forward(d_model, d_ff).to(device)
+relu_ffn.load_state_dict(linear_ffn.state_dict())  # the same weights, with the ReLU back in
+assert not torch.allclose(single(x), relu_ffn(x), atol=1e-3)  # with the ReLU: another function
+print(f"two Linears without activation: {num_params(linear_ffn):,} parameters; "
+      f"the same function as one Linear: {num_params(single):,}")
 
 # %% [markdown]
 # 3. The fused projection holds $[W \mid V]$ side by side; `chunk(2, dim=-1)` splits its output

@@ -127,7 +127,7 @@ def token_kind(ids: torch.Tensor) -> np.ndarray:
     return ids.clamp(max=3).numpy()
 
 
-fig, axes = plt.subplots(1, 3, figsize=(12, 2.6), layout="constrained")
+fig, axes = plt.subplots(1, 3, figsize=(12, 2.8), layout="constrained", width_ratios=[T_max, T_max + 1, T_max + 1])
 cmap = ListedColormap(list(kinds.values()))
 for ax, (name, ids) in zip(axes, {"src": src, "tgt_in (decoder reads)": tgt_in,
                                   "tgt_out (decoder predicts)": tgt_out}.items(), strict=True):
@@ -140,6 +140,7 @@ for ax, (name, ids) in zip(axes, {"src": src, "tgt_in (decoder reads)": tgt_in,
 fig.legend(handles=[Patch(color=c, label=k) for k, c in kinds.items()], loc="outside lower center",
            ncols=4, fontsize=9)
 fig.suptitle("A padded batch of the reversal task (vocabulary of 12: PAD=0, BOS=1, EOS=2, symbols 3..11)")
+fig.get_layout_engine().set(h_pad=0.06)  # keep the panel titles clear of the figure title
 save_figure(fig, "embeddings_special_tokens")
 plt.show()
 
@@ -159,25 +160,31 @@ plt.show()
 # absent from the batch get a zero gradient.
 
 # %%
-d_model = 8
-emb = nn.Embedding(V, d_model).to(device)  # no padding_idx yet
+d_small = 8  # a narrow table, so that its numbers fit on screen
+emb = nn.Embedding(V, d_small).to(device)  # no padding_idx yet
 ids = src.to(device)  # (B, T_src)
 onehot = F.one_hot(ids, num_classes=V).float()  # (B, T_src) -> (B, T_src, V)
 assert_close(emb(ids), onehot @ emb.weight)  # (B, T, V) @ (V, d) -> (B, T, d)
 
-upstream = torch.randn(B, T_max, d_model, generator=generator).to(device)
-(emb(ids) * upstream).sum().backward()
+upstream_emb = torch.randn(B, T_max, d_small, generator=generator).to(device)  # a stand-in dL/d(emb)
+(emb(ids) * upstream_emb).sum().backward()
 grad_lookup = emb.weight.grad.clone()
 emb.weight.grad = None
-((onehot @ emb.weight) * upstream).sum().backward()
+((onehot @ emb.weight) * upstream_emb).sum().backward()
 assert_close(grad_lookup, emb.weight.grad)
 used = torch.zeros(V, dtype=torch.bool, device=device)
 used[ids.unique()] = True
 assert (grad_lookup[~used] == 0).all() and (grad_lookup[used].abs().sum(dim=1) > 0).all()
-print("rows with a gradient:", used.nonzero().flatten().tolist(), "(BOS=1 and EOS=2 are not in src)")
+assert used[PAD]  # the padding row is trained like any other
+print("rows with a gradient:", used.nonzero().flatten().tolist(),
+      "(PAD=0 among them; BOS=1 and EOS=2 are not in src)")
 
 # %% [markdown]
 # ### `padding_idx`: a row that stays zero
+#
+# Look at the rows with a gradient above: row 0, `PAD`, is one of them. Every padded position
+# sends its upstream gradient into the padding row, so a plain embedding trains a vector for a
+# token that carries no information. `padding_idx` exists to stop that.
 #
 # `nn.Embedding(V, d_model, padding_idx=PAD)` does two things for the padding row: it is filled
 # with zeros when the table is built, and the backward pass never writes a gradient into it. A
@@ -185,18 +192,18 @@ print("rows with a gradient:", used.nonzero().flatten().tolist(), "(BOS=1 and EO
 # vector is zero and stays zero for the whole of training. The masks of notebook 05 keep other
 # positions from reading it, and `ignore_index=PAD` keeps the loss from grading it.
 #
-# **Check:** at construction the `PAD` row is zero; after a backward pass through a batch full of
-# padding its gradient is exactly zero; and after a few Adam steps the row is still exactly zero
-# (Adam's update is $m / (\sqrt{v} + \epsilon)$, and a gradient that is always zero leaves
-# $m = v = 0$).
+# **Check:** at construction the `PAD` row is zero; after a backward pass through a batch that
+# contains padding its gradient is exactly zero; and after a few Adam steps the row is still
+# exactly zero (Adam's update is $m / (\sqrt{v} + \epsilon)$, and a gradient that is always zero
+# leaves $m = v = 0$).
 
 # %%
-emb = nn.Embedding(V, d_model, padding_idx=PAD).to(device)
+emb = nn.Embedding(V, d_small, padding_idx=PAD).to(device)
 assert torch.count_nonzero(emb.weight[PAD]) == 0
 optimizer = torch.optim.Adam(emb.parameters(), lr=0.1)
 for _ in range(5):
     optimizer.zero_grad()
-    (emb(ids) * upstream).sum().backward()
+    (emb(ids) * upstream_emb).sum().backward()
     assert torch.count_nonzero(emb.weight.grad[PAD]) == 0
     optimizer.step()
 assert torch.count_nonzero(emb.weight[PAD]) == 0
@@ -210,10 +217,10 @@ print(f"PAD appears {int((ids == PAD).sum())} times; its row after 5 Adam steps:
 # The gradient masking still works; the zero row is gone.
 
 # %%
-emb = nn.Embedding(V, d_model, padding_idx=PAD).to(device)
-nn.init.normal_(emb.weight, std=d_model**-0.5)  # re-initialised after construction
+emb = nn.Embedding(V, d_small, padding_idx=PAD).to(device)
+nn.init.normal_(emb.weight, std=d_small**-0.5)  # re-initialised after construction
 print("PAD row after nn.init.normal_:", [round(v, 3) for v in emb.weight[PAD].tolist()])
-assert torch.count_nonzero(emb.weight[PAD]) == d_model  # no longer zero
+assert torch.count_nonzero(emb.weight[PAD]) == d_small  # no longer zero
 
 # %% [markdown]
 # **`padding_idx=PAD` gives the padding token a zero vector that no gradient ever changes, but
@@ -223,11 +230,65 @@ assert torch.count_nonzero(emb.weight[PAD]) == d_model  # no longer zero
 #
 # The input of the first block is the token's vector plus its position's (notebook 04):
 #
-# $$x_t = \sqrt{d_\text{model}}\; E_{w_t} + \mathrm{PE}_t .$$
+# $$x_t = \sqrt{d_\text{model}}\; E_{w_t} + \mathrm{PE}_t ,$$
 #
-# Vaswani et al. (2017, §3.4) write only that "in the embedding layers, we multiply those
-# weights by $\sqrt{d_\text{model}}$". The multiply only makes sense together with the scale the
-# table starts at, so compare the sizes of the two terms.
+# where $w_t$ is the token id at position $t$ and $E_{w_t}$ its row of the table. Vaswani et al.
+# (2017, §3.4) write only that "in the embedding layers, we multiply those weights by
+# $\sqrt{d_\text{model}}$".
+#
+# First, plainly: **for a table that is not shared with anything, the multiply changes nothing
+# at initialisation, provided the table's scale matches it.** A table drawn from
+# $\mathcal{N}(0, 1/d_\text{model})$ and multiplied by $\sqrt{d_\text{model}}$, and a table drawn
+# from $\mathcal{N}(0, 1)$ and not multiplied, give the first block the same inputs: entries of
+# variance 1, token vectors of norm $\approx \sqrt{d_\text{model}}$. What the convention buys is
+# elsewhere:
+#
+# 1. **Tying.** When the same matrix is also the output layer (as in the paper; the last section
+#    of this notebook), its rows must be small, $\mathcal{N}(0, 1/d_\text{model})$, for the logits
+#    $h_t \cdot E_v$ to start at unit scale. The multiply then brings those small rows back to
+#    unit-scale entries at the input.
+# 2. **A different step size.** Adam changes every entry of a parameter by about the learning
+#    rate per step, whatever the size of its gradient. Through the multiply, the same change of
+#    $E$ moves the input $\sqrt{d_\text{model}}$ times more (11 times at $d_\text{model} = 128$).
+#    Two set-ups that start out identical therefore train differently.
+#
+# **Check (the second point; the first is checked in the section on tying):** two tables that
+# give the same inputs, one step of Adam on each with the same loss and learning rate. On its first step Adam moves every entry with a non-zero
+# gradient by exactly the learning rate (up to its $\epsilon$), so the input behind the multiply
+# moves $\sqrt{d_\text{model}}$ times further.
+
+# %%
+set_seed(0)
+d_model = 128  # the course's model width, from here on
+table_scaled = nn.Embedding(V, d_model).to(device)  # E ~ N(0, 1/d), multiplied by sqrt(d)
+nn.init.normal_(table_scaled.weight, std=d_model**-0.5)
+table_plain = nn.Embedding(V, d_model).to(device)  # E' = sqrt(d) E ~ N(0, 1), not multiplied
+with torch.no_grad():
+    table_plain.weight.copy_(table_scaled.weight * math.sqrt(d_model))
+
+tokens = src.to(device)  # (B, T_src)
+x_start = (table_scaled(tokens) * math.sqrt(d_model)).detach()  # (B, T_src, d)
+assert_close(table_plain(tokens), x_start)  # the same input at initialisation
+x_goal = torch.randn(B, T_max, d_model, generator=generator).to(device)  # any loss of the input will do
+moved = {}
+for name, table, scale in (("N(0, 1/d), times sqrt(d)", table_scaled, math.sqrt(d_model)),
+                           ("N(0, 1), no multiply", table_plain, 1.0)):
+    optimizer = torch.optim.Adam(table.parameters(), lr=1e-3)
+    (table(tokens) * scale - x_goal).pow(2).sum().backward()
+    optimizer.step()  # the same learning rate for both
+    moved[name] = (table(tokens) * scale - x_start).norm().item()  # how far the input moved
+    print(f"{name:>24}: the input moved by {moved[name]:.4f}")
+ratio = moved["N(0, 1/d), times sqrt(d)"] / moved["N(0, 1), no multiply"]
+assert abs(ratio / math.sqrt(d_model) - 1) < 1e-3
+print(f"ratio {ratio:.3f} = sqrt({d_model}) = {math.sqrt(d_model):.3f}")
+
+# %% [markdown]
+# **At initialisation, $\mathcal{N}(0, 1/d)$ times $\sqrt d$ and $\mathcal{N}(0, 1)$ alone are
+# the same input; the multiply matters for a tied output layer and for the size of each step.**
+#
+# What does go wrong is the third combination, which many published implementations carry:
+# the multiply **together with** PyTorch's default table. Compare the sizes of the two terms of
+# $x_t$:
 #
 # * **The positional encoding** has a fixed size. Its $d_\text{model}/2$ (sin, cos) pairs each
 #   have $\sin^2 + \cos^2 = 1$, so for every position
@@ -236,17 +297,20 @@ assert torch.count_nonzero(emb.weight[PAD]) == d_model  # no longer zero
 #   $\mathbb{E}\,\|E_v\|^2 = d_\text{model}\,\sigma^2$, so after the multiply
 #   $\|\sqrt{d_\text{model}}\,E_v\| \approx d_\text{model}\,\sigma$.
 #
-# The paper shares this matrix with the output layer (the last section of this notebook), and the
-# authors' code (tensor2tensor) draws it at the scale of a linear layer's weights,
-# $\sigma = d_\text{model}^{-1/2}$. Then the
-# scaled token vector has norm $\approx \sqrt{d_\text{model}}$, a factor $\sqrt 2$ above the
-# positional encoding: the two are comparable, each visible to the first layer. PyTorch's
-# `nn.Embedding` instead starts from $\mathcal{N}(0, 1)$. Keep the multiply with that default and
-# the token vector has norm $\approx d_\text{model}$, a factor $\sqrt{2 d_\text{model}}$ (16 at
+# The authors' code (tensor2tensor) draws the shared matrix from a normal distribution with
+# $\sigma = d_\text{model}^{-1/2}$. (This is not PyTorch's `nn.Linear` default, which is uniform
+# on $[-1/\sqrt{d}, 1/\sqrt{d}]$ for fan-in $d$, variance $1/(3d)$.) Then the scaled token
+# vector has norm $\approx \sqrt{d_\text{model}}$, a factor $\sqrt 2$ above the positional
+# encoding: the two are comparable, each visible to the first layer. PyTorch's `nn.Embedding`
+# instead starts from $\mathcal{N}(0, 1)$. Keep the multiply with that default and the token
+# vector has norm $\approx d_\text{model}$, a factor $\sqrt{2 d_\text{model}}$ (16 at
 # $d_\text{model} = 128$, 32 at 512) above the positional encoding, which then barely moves the
-# input. The course's tutorial measures what this costs: with the default initialisation and the
-# multiply, its reversal model ends training at a loss of about 0.0985 instead of 0.0059, and
-# gets 244 of 256 test sequences right instead of all 256 (notebook 11 reproduces the ablation).
+# input. The course's tutorial measures what this costs on its reversal model: with the default
+# initialisation and the multiply, the loss at its last training step (6,000) is 0.0985 instead
+# of 0.0059, and the model gets 244 of 256 test sequences right instead of all 256 (notebook 11
+# reproduces the ablation). Those two losses are each measured on a single batch of 64 and move
+# a lot from step to step (the well-initialised run logged 0.0018 at step 4,000), so the
+# exact-match counts are the firmer evidence.
 #
 # The fix is one line, kept in one function so that the model cannot forget it: draw the table
 # from $\mathcal{N}(0, 1/d_\text{model})$, then zero the padding row again.
@@ -270,14 +334,14 @@ def init_token_embedding(embedding: nn.Embedding) -> nn.Embedding:
 # are tight), and the zero `PAD` row, which still gets no gradient.
 
 # %%
-big = init_token_embedding(nn.Embedding(20_000, 128, padding_idx=PAD)).to(device)
-rows = big.weight[1:]  # every row but PAD
-print(f"std {rows.std().item():.4f} (target 128^-0.5 = {128**-0.5:.4f}), "
-      f"mean row norm {rows.norm(dim=1).mean().item():.3f} (target 1)")
-assert abs(rows.std().item() - 128**-0.5) < 0.002
+big = init_token_embedding(nn.Embedding(20_000, d_model, padding_idx=PAD)).to(device)
+non_pad_rows = big.weight[1:]  # (20_000 - 1, d): every row but PAD's
+print(f"std {non_pad_rows.std().item():.4f} (target {d_model}^-0.5 = {d_model**-0.5:.4f}), "
+      f"mean row norm {non_pad_rows.norm(dim=1).mean().item():.3f} (target 1)")
+assert abs(non_pad_rows.std().item() - d_model**-0.5) < 0.002
 assert torch.count_nonzero(big.weight[PAD]) == 0
 big(torch.tensor([[PAD, 5, PAD]], device=device)).sum().backward()
-assert torch.count_nonzero(big.weight.grad[PAD]) == 0 and torch.count_nonzero(big.weight.grad[5]) == 128
+assert torch.count_nonzero(big.weight.grad[PAD]) == 0 and torch.count_nonzero(big.weight.grad[5]) == d_model
 
 # %% [markdown]
 # Now the measurement: for $d_\text{model}$ from 16 to 1024, build a table of $V = 1000$ tokens
@@ -322,32 +386,34 @@ print(f"token/PE ratio, N(0,1/d): {', '.join(f'{r:.2f}' for r in paper_n / pe_n)
 
 # %% [markdown]
 # The picture: the norms against $d_\text{model}$ (left), and the twelve rows of the course's
-# table at $d_\text{model} = 128$ token by token (right), next to the positional encoding.
+# table at $d_\text{model} = 128$ token by token (right, on a linear scale), next to the
+# positional encoding.
 
 # %%
 set_seed(0)
-d = 128
-tables = {"N(0, 1): nn.Embedding's default": nn.Embedding(V, d, padding_idx=PAD),
-          "N(0, 1/d_model): init_token_embedding": init_token_embedding(nn.Embedding(V, d, padding_idx=PAD))}
-per_token = {name: (t.weight.detach() * math.sqrt(d)).norm(dim=1).numpy() for name, t in tables.items()}
+tables = {"N(0, 1): nn.Embedding's default": nn.Embedding(V, d_model, padding_idx=PAD),
+          "N(0, 1/d_model): init_token_embedding": init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD))}
+per_token = {name: (t.weight.detach() * math.sqrt(d_model)).norm(dim=1).numpy() for name, t in tables.items()}
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
-ax1.plot(dims, default_n, "o-", color=COLORS["accent"], label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1)$ (default)")
-ax1.plot(dims, paper_n, "o-", color=COLORS["ours"], label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1/d)$ (paper)")
-ax1.plot(dims, pe_n, "s--", color=COLORS["value"], label=r"$\|\mathrm{PE}_t\| = \sqrt{d/2}$")
-ax1.set(xscale="log", yscale="log", xlabel=r"$d_\mathrm{model}$", ylabel="vector norm (mean over tokens)",
+ax1.plot(dims, default_n, "o-", color=COLORS["accent"],
+         label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1)$ (default), mean over 999 tokens")
+ax1.plot(dims, paper_n, "o-", color=COLORS["ours"],
+         label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1/d)$ (paper), mean over 999 tokens")
+ax1.plot(dims, pe_n, "s--", color=COLORS["value"], label=r"$\|\mathrm{PE}_t\| = \sqrt{d/2}$, the same for every $t$")
+ax1.set(xscale="log", yscale="log", xlabel=r"$d_\mathrm{model}$", ylabel="vector norm",
         title="Scaled token vector vs positional encoding")
 ax1.set_xticks(d_models, [str(x) for x in d_models])
 ax1.minorticks_off()
 ax1.grid(alpha=0.3, which="both")
-ax1.legend(fontsize=9)
-tokens = np.arange(V)
+ax1.legend(fontsize=8.5)
+token_ids = np.arange(V)
 for offset, (name, n), color in zip((-0.2, 0.2), per_token.items(), (COLORS["accent"], COLORS["ours"]), strict=True):
-    ax2.bar(tokens + offset, n, width=0.4, color=color, label=name)
-ax2.axhline(math.sqrt(d / 2), color=COLORS["value"], ls="--", label=r"$\|\mathrm{PE}_t\| = 8$ (any $t$)")
-ax2.set(yscale="symlog", xlabel="token id (0 = PAD: zero vector)", ylabel=r"$\|\sqrt{d}\,E_v\|$",
-        title=r"Each token at $d_\mathrm{model}$ = 128 (symlog scale)", xticks=tokens)
-ax2.set_ylim(0, 5000)
+    ax2.bar(token_ids + offset, n, width=0.4, color=color, label=name)
+ax2.axhline(math.sqrt(d_model / 2), color=COLORS["value"], ls="--", label=r"$\|\mathrm{PE}_t\| = 8$ (any $t$)")
+ax2.set(xlabel="token id (0 = PAD: zero vector in both tables)", ylabel=r"$\|\sqrt{d}\,E_v\|$",
+        title=r"Each token at $d_\mathrm{model}$ = 128", xticks=token_ids)
+ax2.set_ylim(0, 1.45 * max(n.max() for n in per_token.values()))  # room for the legend above the bars
 ax2.legend(fontsize=9, loc="upper left")
 save_figure(fig, "embeddings_norms")
 plt.show()
@@ -417,11 +483,11 @@ def embed_tokens(embedding: nn.Embedding, tokens: torch.Tensor, name: str = "tok
 # gets a message that names it.
 
 # %%
-table = init_token_embedding(nn.Embedding(V, 128, padding_idx=PAD)).to(device)
-x = embed_tokens(table, src.to(device))  # (B, T_src) -> (B, T_src, 128)
-assert x.shape == (B, T_max, 128)
-assert_close(x, table(src.to(device)) * math.sqrt(128))
-assert (x[src.to(device) == PAD] == 0).all()  # padding: exact zeros
+table = init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)).to(device)
+x_tok = embed_tokens(table, src.to(device))  # (B, T_src) -> (B, T_src, d_model)
+assert x_tok.shape == (B, T_max, d_model)
+assert_close(x_tok, table(src.to(device)) * math.sqrt(d_model))
+assert (x_tok[src.to(device) == PAD] == 0).all()  # padding: exact zeros
 
 bad_inputs = [torch.tensor([[3, 12]]), torch.tensor([[-1, 4]]), torch.tensor([3, 4]),
               torch.tensor([[3.0, 4.0]])]
@@ -448,8 +514,9 @@ for bad in bad_inputs:
 #   it computes $\log \operatorname{softmax}$ in one fused, stable step,
 #   $$\log p_{t,v} = z_{t,v} - m_t - \log \sum_{u} e^{z_{t,u} - m_t}, \qquad m_t = \max_u z_{t,u},$$
 #   where no exponential can overflow and none of the terms that matter can underflow.
-# * **Greedy decoding** takes $\arg\max_v z_{t,v}$, which is $\arg\max_v p_{t,v}$ because the
-#   softmax is strictly increasing in each coordinate.
+# * **Greedy decoding** takes $\arg\max_v z_{t,v}$, which is $\arg\max_v p_{t,v}$: every
+#   $p_{t,v} = e^{z_{t,v}} / \sum_u e^{z_{t,u}}$ has the same positive denominator, and $\exp$ is
+#   strictly increasing, so the largest logit gives the largest probability.
 #
 # The head is an `nn.Linear(d_model, V)`. Feed it vectors like the ones the decoder's final
 # `LayerNorm` produces, and grade it with `ignore_index=PAD` so that padded positions count for
@@ -457,13 +524,13 @@ for bad in bad_inputs:
 
 # %%
 set_seed(0)
-d_model = 128
 out_proj = nn.Linear(d_model, V).to(device)
 final_norm = LayerNorm(d_model).to(device)
-h = final_norm(torch.randn(B, T_max + 1, d_model, generator=generator).to(device))  # (B, T_tgt, d)
-logits = out_proj(h)  # (B, T_tgt, d) -> (B, T_tgt, V)
+h_dec = final_norm(torch.randn(B, T_max + 1, d_model, generator=generator).to(device))  # (B, T_tgt, d)
+logits = out_proj(h_dec)  # (B, T_tgt, d) -> (B, T_tgt, V)
 targets = tgt_out.to(device)  # (B, T_tgt)
 print("logits", tuple(logits.shape), " first row:", [round(v, 2) for v in logits[0, 0].tolist()])
+print(f"standard deviation of the initial logits: {logits.std().item():.2f}")
 
 # %% [markdown]
 # **Check:** `F.cross_entropy` on logits is `nll_loss` on `log_softmax`, is the mean over the real
@@ -489,77 +556,156 @@ print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
 # ### Where softmax-then-log breaks
 #
 # Take two classes with logits $(0, -m)$ and a target on the second: a confidently wrong
-# prediction, which happens early in training and on hard examples. The true loss is
-# $-\log p_2 = m + \log(1 + e^{-m}) \approx m$. Computing $p_2 = e^{-m}/(1 + e^{-m})$ first and
-# taking its log afterwards fails once $e^{-m}$ is too small for the number format: it loses
-# precision where $e^{-m}$ is *subnormal*, and becomes exactly 0, hence a loss of $+\infty$ and
-# a NaN gradient, where it underflows. In float32 that is at $m \approx 104$; in float16, the
-# format of mixed-precision training on GPUs, already at $m \approx 17$.
+# prediction. A freshly initialised model does not make these (the head above starts with logits
+# of standard deviation about 0.6); an overconfident model does, later in training, on a hard or
+# mislabelled example, and a bug that mis-scales the logits makes them at any time. The true loss
+# is $-\log p_2 = m + \log(1 + e^{-m}) \approx m$. Computing $p_2 = e^{-m}/(1 + e^{-m})$ first
+# and taking its log afterwards fails once $e^{-m}$ is too small for the number format:
+#
+# * Below the format's smallest **normal** number ($2^{-126} \approx 1.2 \cdot 10^{-38}$ in
+#   float32, $2^{-14} \approx 6.1 \cdot 10^{-5}$ in float16) values are **subnormal**: stored
+#   with fewer significant bits the smaller they get, so $p_2$ loses relative precision and its
+#   log loses digits.
+# * Below half the smallest subnormal ($2^{-149}$ in float32, $2^{-24}$ in float16) they round to
+#   exactly 0: the loss becomes $-\log 0 = +\infty$ and the gradient NaN.
+#
+# Both limits, as margins $m$, follow from `torch.finfo`: in float32 digits are lost from
+# $m \approx 87.3$ and the loss is infinite from $m \approx 104$; in float16 already from
+# $m \approx 9.7$ and $m \approx 17.3$.
+
+# %%
+def underflow_margins(dtype: torch.dtype) -> tuple[float, float]:
+    """Margins m beyond which e^-m is subnormal, and beyond which it rounds to 0, in `dtype`."""
+    info = torch.finfo(dtype)
+    smallest_subnormal = info.smallest_normal * info.eps  # 2^-149 (float32), 2^-24 (float16)
+    return -math.log(info.smallest_normal), -math.log(smallest_subnormal / 2)
+
+
+limits = {dtype: underflow_margins(dtype) for dtype in (torch.float32, torch.float16)}
+for dtype, (subnormal_from, zero_from) in limits.items():
+    print(f"{str(dtype):>14}: e^-m subnormal from m = {subnormal_from:.2f}, zero from m = {zero_from:.2f}")
+
+# %% [markdown]
+# Now both routes over a grid of margins, in each format: softmax then log, and the fused
+# `F.log_softmax` (what `F.cross_entropy` uses), both computed in the format itself.
 
 # %%
 margins = torch.arange(0.0, 130.5, 0.5)  # (M,)
 stability = {}
 for dtype in (torch.float32, torch.float16):
-    z = torch.stack([torch.zeros_like(margins), -margins], dim=1).to(device, dtype)  # (M, 2)
-    target = torch.ones(len(margins), dtype=torch.long, device=device)  # the unlikely class
-    naive = -torch.log(torch.softmax(z, dim=-1))[:, 1]  # (M,): softmax, then log
-    stable = F.cross_entropy(z.float(), target, reduction="none")  # (M,): fused log-softmax
-    stable_low = -F.log_softmax(z, dim=-1)[:, 1]  # the fused route in the low precision itself
-    stability[dtype] = {k: v.float().cpu() for k, v in
-                        (("naive", naive), ("stable", stable), ("stable_low", stable_low))}
+    z_margin = torch.stack([torch.zeros_like(margins), -margins], dim=1).to(device, dtype)  # (M, 2)
+    naive = -torch.log(torch.softmax(z_margin, dim=-1))[:, 1]  # (M,): softmax, then log
+    fused = -F.log_softmax(z_margin, dim=-1)[:, 1]  # (M,): one fused, shifted step
+    stability[dtype] = {"naive": naive.float().cpu(), "fused": fused.float().cpu()}
     first_inf = margins[torch.isinf(stability[dtype]["naive"])][0].item()
     print(f"{str(dtype):>14}: softmax-then-log gives inf from m = {first_inf:5.1f};"
-          f" log_softmax at m = 130: {stability[dtype]['stable_low'][-1].item():.1f}")
+          f" log_softmax at m = 130: {stability[dtype]['fused'][-1].item():.1f}")
 
 # %% [markdown]
-# **Check:** the fused route is exact at every margin (its error is that of rounding $m$ to the
-# format), while the naive route reaches $+\infty$ at the thresholds above, and its gradient
+# **Check:** the fused route is exact at every margin up to rounding: its relative error stays
+# below one unit in the last place of the format ($2^{-23}$ in float32, $2^{-10}$ in float16,
+# which keep 24 and 11 significant bits), while the naive
+# route reaches $+\infty$ from the first margin past the limit computed above, and its gradient
 # becomes NaN there. At $m = 120$ the fused route's gradient is the textbook
 # $\operatorname{softmax}(z) - \operatorname{onehot}(y) = (1, -1)$.
 
 # %%
-true_loss = margins + torch.log1p(torch.exp(-margins))  # (M,) float32: m + log(1 + e^-m)
-assert_close(stability[torch.float32]["stable"], true_loss)
-assert_close(stability[torch.float16]["stable_low"], true_loss, rtol=2e-3, atol=0)  # fp16 rounding of m
-assert torch.isinf(stability[torch.float32]["naive"][margins >= 104]).all()
-assert torch.isinf(stability[torch.float16]["naive"][margins >= 17.5]).all()
-assert torch.isfinite(stability[torch.float32]["naive"][margins <= 100]).all()
+true_loss = margins.double() + torch.log1p(torch.exp(-margins.double()))  # (M,): m + log(1 + e^-m)
+for dtype, (_, zero_from) in limits.items():
+    one_ulp = torch.finfo(dtype).eps  # relative size of one unit in the last place
+    assert_close(stability[dtype]["fused"].double(), true_loss, rtol=one_ulp, atol=0)
+    naive = stability[dtype]["naive"]
+    assert torch.isinf(naive[margins > zero_from]).all() and torch.isfinite(naive[margins < zero_from]).all()
 
-z = torch.tensor([[0.0, -120.0]], device=device, requires_grad=True)
-naive_loss = -torch.log(torch.softmax(z, dim=-1))[0, 1]
-(naive_grad,) = torch.autograd.grad(naive_loss, z)
-stable_loss = F.cross_entropy(z, torch.tensor([1], device=device))
-(stable_grad,) = torch.autograd.grad(stable_loss, z)
+z120 = torch.tensor([[0.0, -120.0]], device=device, requires_grad=True)
+naive_loss = -torch.log(torch.softmax(z120, dim=-1))[0, 1]
+(naive_grad,) = torch.autograd.grad(naive_loss, z120)
+fused_loss = F.cross_entropy(z120, torch.tensor([1], device=device))
+(fused_grad,) = torch.autograd.grad(fused_loss, z120)
 assert torch.isinf(naive_loss) and torch.isnan(naive_grad).all()
-assert stable_loss.item() == 120.0 and torch.equal(stable_grad, torch.tensor([[1.0, -1.0]], device=device))
+assert fused_loss.item() == 120.0 and torch.equal(fused_grad, torch.tensor([[1.0, -1.0]], device=device))
 print(f"m = 120: naive loss {naive_loss.item()}, gradient {naive_grad.tolist()};"
-      f" cross_entropy {stable_loss.item()}, gradient {stable_grad.tolist()}")
+      f" cross_entropy {fused_loss.item()}, gradient {fused_grad.tolist()}")
+
+# %% [markdown]
+# The picture: the two losses (top), and the error of each against the exact value computed in
+# float64 (bottom, log scale). The grey band is the error that rounding the result to the format
+# may cause on its own, up to half a unit in its last place; beyond $m \approx 17$ in float32 the
+# term $\log(1 + e^{-m})$ is smaller than that, both routes return $m$ itself, and the error
+# falls with $e^{-m}$. The naive route leaves the band once $e^{-m}$ turns subnormal and ends at
+# $+\infty$; the fused route never leaves it.
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
-limits = {torch.float32: (87.3, 103.97, 130), torch.float16: (9.7, 17.33, 25)}  # subnormal, zero, plot end
-for ax, (dtype, curves) in zip(axes, stability.items(), strict=True):
-    sub, zero, end = limits[dtype]
+fig, axes = plt.subplots(2, 2, figsize=(12, 7.4), sharex="col", layout="constrained")
+for col, (dtype, curves) in enumerate(stability.items()):
+    subnormal_from, zero_from = limits[dtype]
+    end = 130 if dtype == torch.float32 else 25
     shown = margins <= end
-    ax.axvspan(sub, zero, color=COLORS["key"], alpha=0.15, label=r"$e^{-m}$ subnormal: digits lost")
-    ax.axvspan(zero, end, color=COLORS["accent"], alpha=0.12, label=r"$e^{-m}$ = 0: loss $+\infty$")
-    ax.plot(margins[shown], curves["stable_low"][shown], color=COLORS["ours"], lw=3,
-            label="F.log_softmax / F.cross_entropy")
+    m_shown = margins[shown]
     naive = curves["naive"][shown].clone()
     naive[torch.isinf(naive)] = float("nan")  # matplotlib cannot draw inf: leave a gap
-    ax.plot(margins[shown], naive, color=COLORS["accent"], lw=1.5, ls="--", label="-log(softmax(z))")
     m_inf = margins[torch.isinf(curves["naive"])][0].item()
+
+    ax = axes[0, col]
+    ax.axvspan(zero_from, end, color=COLORS["accent"], alpha=0.12, label=r"$e^{-m}$ rounds to 0: loss $+\infty$")
+    ax.plot(m_shown, curves["fused"][shown], color=COLORS["ours"], lw=3, label="F.log_softmax / F.cross_entropy")
+    ax.plot(m_shown, naive, color=COLORS["accent"], lw=1.5, ls="--", label="-log(softmax(z))")
     ax.plot([m_inf], [m_inf], "X", color=COLORS["accent"], ms=10, zorder=5)
     ax.annotate(f"softmax-then-log: $+\\infty$ from $m$ = {m_inf:g},\nNaN gradient",
                 xy=(m_inf, m_inf), xytext=(0.04 * end, 0.85 * end), fontsize=9,
                 color=COLORS["accent"], arrowprops=dict(arrowstyle="->", color=COLORS["accent"]))
-    ax.set(xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
-           ylabel=r"loss $-\log p_2$ (nats)", title=f"{str(dtype).replace('torch.', '')}",
-           xlim=(0, end), ylim=(0, end * 1.05))
+    ax.set(ylabel=r"loss $-\log p_2$ (nats)", title=str(dtype).replace("torch.", ""), xlim=(0, end),
+           ylim=(0, end * 1.05))
+    ax.legend(fontsize=8, loc="lower right")
+
+    ax = axes[1, col]
+    exact = true_loss[shown]
+    half_ulp = torch.finfo(dtype).eps / 2 * 2.0 ** torch.floor(torch.log2(exact))  # of the result, in dtype
+    ax.fill_between(m_shown, 1e-9, half_ulp, color="#d9d9d9", step="mid",
+                    label="below half a unit in the last place: rounding")
+    for name, values, color, style in (("F.log_softmax", curves["fused"][shown], COLORS["ours"], "-"),
+                                       ("-log(softmax(z))", naive, COLORS["accent"], "--")):
+        error = (values.double() - exact).abs()
+        error[error == 0] = float("nan")  # exactly right: nothing to draw on a log scale
+        ax.plot(m_shown, error, style, color=color, lw=1.5, label=f"|{name} - exact|")
+    ax.axvline(subnormal_from, color=COLORS["key"], lw=1.2)
+    ax.axvline(zero_from, color=COLORS["accent"], lw=1.2)
+    ax.text(subnormal_from, 3, r" $e^{-m}$ subnormal" + "\n " + f"from {subnormal_from:.1f}", fontsize=8,
+            color=COLORS["key"], va="top", ha="right")
+    ax.text(zero_from, 3, f" zero from\n {zero_from:.2f}", fontsize=8, color=COLORS["accent"], va="top")
+    ax.set(yscale="log", ylim=(1e-9, 10), xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
+           ylabel="absolute error (nats)")
     ax.legend(fontsize=8, loc="lower right")
 fig.suptitle("Cross-entropy of a confidently wrong prediction: fused log-softmax against softmax-then-log")
 save_figure(fig, "embeddings_logit_stability")
 plt.show()
+
+# %% [markdown]
+# ### Which format applies: mixed precision
+#
+# The float16 limits hold for tensors that really are float16: a model converted with
+# `model.half()`, or logits cast by hand. Ordinary mixed-precision training does not do that.
+# It runs the forward pass under `torch.autocast`, which picks a dtype op by op: matrix products
+# in the low precision, and a list of ops that need range or accuracy in float32. On CUDA that
+# list contains `softmax`, `log`, `log_softmax` and `cross_entropy` (PyTorch's "Automatic Mixed
+# Precision" op reference), so there even softmax-then-log fails only at the float32 limit.
+# The lists differ by device: the CPU's has `cross_entropy` but not `softmax` (the cell below
+# prints both dtypes). `F.cross_entropy` on the logits is the one route that is safe in every
+# case. **Check:** under
+# autocast on the CPU with bfloat16, the logits come out in bfloat16 and `F.cross_entropy`
+# computes in float32.
+
+# %%
+amp_layer = nn.Linear(d_model, V)  # on the CPU, so that the CPU's autocast rules apply on any machine
+amp_targets = torch.tensor([3, 4, 5])
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    amp_logits = amp_layer(torch.randn(3, d_model, generator=generator))  # (3, d) -> (3, V)
+    amp_loss = F.cross_entropy(amp_logits, amp_targets)
+    amp_softmax = torch.softmax(amp_logits, dim=-1)
+print(f"under torch.autocast('cpu', bfloat16): logits {amp_logits.dtype}, softmax {amp_softmax.dtype},"
+      f" cross_entropy {amp_loss.dtype}")
+assert amp_logits.dtype == torch.bfloat16 and amp_loss.dtype == torch.float32
+assert_close(amp_loss, F.cross_entropy(amp_logits.float(), amp_targets))  # float32 on the bf16 logits
 
 # %% [markdown]
 # ### The double softmax
@@ -599,18 +745,10 @@ print(f"cross_entropy(softmax(z)) of a perfect model: {double.item():.4f} = log(
 # use (a large share of a small model with a big vocabulary) and gives rare tokens an input vector
 # that is also trained by every output step.
 #
-# It also explains the initialisation above. The output layer sees $h_t$ from a `LayerNorm`, with
-# unit-variance entries and $\|h_t\| \approx \sqrt{d}$. With rows $E_v \sim \mathcal{N}(0, 1/d)$
-# the logits $z_{t,v} = h_t \cdot E_v$ have variance $\approx 1$: a softmax that starts neither
-# flat nor saturated. With rows from $\mathcal{N}(0, 1)$ they would have standard deviation
-# $\sqrt{d}$, about 11 at $d = 128$. The $\sqrt d$ multiply then brings the same small rows back to
-# unit-variance entries at the input.
-#
 # In PyTorch, tying is one assignment: the `Parameter` object itself is shared.
 
 # %%
 set_seed(0)
-d_model = 128
 tied_embed = init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)).to(device)
 tied_head = nn.Linear(d_model, V).to(device)
 tied_head.weight = tied_embed.weight  # the same Parameter: (V, d) in both roles
@@ -620,46 +758,71 @@ print(f"tied: {sum(p.numel() for p in tied.parameters()):,} parameters, untied: 
 
 # %% [markdown]
 # **Check:** the module counts the shared matrix once; the shared gradient is the sum of the
-# gradients from its two uses (computed with two separate copies); and the initial logits of a
-# tied head have standard deviation $\approx 1$ with the paper's scale, $\approx \sqrt d$ with
-# PyTorch's default, whose softmax is saturated before training starts (the largest of the 11
-# probabilities is close to 1, where a uniform guess would give $1/11$).
+# gradients from its two uses (computed with two separate copies); and one optimiser step through
+# the tied pair moves both roles at once, so that afterwards the head computes its logits with
+# the updated table. None of the three would hold for a copy of the matrix,
+# `nn.Parameter(tied_embed.weight.clone())`.
 
 # %%
-assert tied_head.weight is tied_embed.weight
 assert sum(p.numel() for p in tied.parameters()) == untied_count - V * d_model
 
 tokens_in = tgt_in.to(device)  # (B, T_tgt)
-upstream = torch.randn(B, T_max + 1, V, generator=generator).to(device)
-x = final_norm(embed_tokens(tied_embed, tokens_in))  # a stand-in for the decoder: just a norm
-(tied_head(x) * upstream).sum().backward()
+upstream_logits = torch.randn(B, T_max + 1, V, generator=generator).to(device)  # a stand-in dL/d(logits)
+x_norm = final_norm(embed_tokens(tied_embed, tokens_in))  # a stand-in for the decoder: just a norm
+(tied_head(x_norm) * upstream_logits).sum().backward()
 
 copy_embed = nn.Embedding(V, d_model, padding_idx=PAD).to(device)
 copy_head = nn.Linear(d_model, V).to(device)
 copy_embed.load_state_dict(tied_embed.state_dict())
 copy_head.load_state_dict(tied_head.state_dict())
-x = final_norm(embed_tokens(copy_embed, tokens_in))
-(copy_head(x) * upstream).sum().backward()
+x_copy = final_norm(embed_tokens(copy_embed, tokens_in))
+(copy_head(x_copy) * upstream_logits).sum().backward()
 assert_close(tied_embed.weight.grad, copy_embed.weight.grad + copy_head.weight.grad)
 
-h = final_norm(torch.randn(4096, d_model, generator=generator).to(device))  # (N, d), |h| ~ sqrt(d)
-rows = {"N(0, 1/d_model) (paper)": tied_embed.weight[1:],  # (V - 1, d): the real tokens
-        "N(0, 1) (nn.Embedding default)": nn.Embedding(V, d_model).weight[1:].to(device)}
-initial_logits = {k: (h @ E.T).detach() for k, E in rows.items()}  # (N, d) @ (d, V - 1)
-stds = {k: z.std().item() for k, z in initial_logits.items()}
-top_p = {k: torch.softmax(z, dim=-1).max(dim=-1).values.mean().item() for k, z in initial_logits.items()}
+table_before = tied_embed.weight.detach().clone()
+torch.optim.SGD(tied.parameters(), lr=0.1).step()  # one update of everything the pair owns
+assert not torch.equal(tied_embed.weight, table_before)  # the step changed the table...
+with torch.no_grad():  # ...and the head's logits already use the changed table
+    assert_close(tied_head(x_norm), x_norm @ tied_embed.weight.T + tied_head.bias)
+print("shared gradient = embedding's + head's; one step updates the table in both roles")
+
+# %% [markdown]
+# Tying is where the first point of the $\sqrt{d_\text{model}}$ section comes from. The output
+# layer sees $h_t$ from a `LayerNorm`, with unit-variance entries and $\|h_t\| \approx \sqrt{d}$.
+# With rows $E_v \sim \mathcal{N}(0, 1/d)$ the logits $z_{t,v} = h_t \cdot E_v$ have variance
+# $\approx 1$: a softmax that starts neither flat nor saturated. With rows from
+# $\mathcal{N}(0, 1)$ they would have standard deviation $\sqrt{d}$, about 11 at $d = 128$. The
+# $\sqrt d$ multiply then brings the same small rows back to unit-variance entries at the input.
+#
+# **Check:** the initial logits of a tied head have standard deviation $\approx 1$ with the
+# paper's scale and $\approx \sqrt d$ with PyTorch's default, whose softmax is saturated before
+# training starts. The logits are those of the 11 tokens other than `PAD` (whose zero row always
+# gives a logit of 0); the largest of their 11 probabilities is close to 1 with the default,
+# where a uniform guess would give $1/11$.
+
+# %%
+set_seed(0)
+h_samples = final_norm(torch.randn(4096, d_model, generator=generator).to(device))  # (N, d), |h| ~ sqrt(d)
+candidate_tables = {"N(0, 1/d_model) (paper)": init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)),
+                    "N(0, 1) (nn.Embedding default)": nn.Embedding(V, d_model, padding_idx=PAD)}
+initial_logits = {  # (N, d) @ (d, V - 1) -> (N, V - 1): every row but PAD's
+    name: (h_samples @ table.weight[1:].to(device).T).detach() for name, table in candidate_tables.items()
+}
+stds = {name: zs.std().item() for name, zs in initial_logits.items()}
+top_p = {name: torch.softmax(zs, dim=-1).max(dim=-1).values.mean().item() for name, zs in initial_logits.items()}
 assert 0.8 < stds["N(0, 1/d_model) (paper)"] < 1.25
 assert 0.8 < stds["N(0, 1) (nn.Embedding default)"] / math.sqrt(d_model) < 1.25
-assert top_p["N(0, 1/d_model) (paper)"] < 0.5 < 0.8 < top_p["N(0, 1) (nn.Embedding default)"]
-for k in rows:
-    print(f"{k:>31}: logit std {stds[k]:5.2f}, mean largest softmax probability {top_p[k]:.2f}")
+assert top_p["N(0, 1/d_model) (paper)"] < 0.5
+assert top_p["N(0, 1) (nn.Embedding default)"] > 0.8
+for name in candidate_tables:
+    print(f"{name:>31}: logit std {stds[name]:5.2f}, mean largest softmax probability {top_p[name]:.2f}")
 
 # %%
 fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
 bins = np.linspace(-45, 45, 181)
 for name, color in (("N(0, 1) (nn.Embedding default)", COLORS["accent"]),
-                    ("N(0, 1/d_model) (paper)", COLORS["ours"])):  # the wide one first, underneath
-    ax.hist(initial_logits[name].flatten().cpu().numpy(), bins=bins, density=True, alpha=0.75,
+                    ("N(0, 1/d_model) (paper)", COLORS["ours"])):
+    ax.hist(initial_logits[name].flatten().cpu().numpy(), bins=bins, density=True, histtype="step", lw=2,
             color=color, label=f"rows from {name}: std {stds[name]:.2f}")
 ax.set(xlabel=r"initial logit $z_{t,v} = h_t \cdot E_v$ (tied head, $\|h_t\| \approx \sqrt{128}$)",
        ylabel="density (log scale)", yscale="log", title="Initial logits of a tied output head, $d_{model}$ = 128")
@@ -683,10 +846,11 @@ plt.show()
 # | teacher forcing | `tgt_in = [BOS, y...]`, `tgt_out = [y..., EOS]`, both PAD-padded | $(B, T+1)$ each |
 # | embedding table | `nn.Embedding(V, d_model, padding_idx=PAD)`; PAD row zero, no gradient | weight $(V, d)$ |
 # | its initialisation | `init_token_embedding(emb)`: $\mathcal{N}(0, 1/d)$, PAD row zeroed again | row norm $\approx 1$ |
+# | why $\sqrt d$ | same input as $\mathcal{N}(0, 1)$ unscaled; unit logits when tied, $\sqrt d$ larger Adam steps of $x_t$ | entries of variance 1 |
 # | lookup and scale | `embed_tokens(emb, tokens)` $= \sqrt{d}\, E_{w_t}$, ids checked first | $(B, T) \to (B, T, d)$ |
 # | positional encoding | notebook 04, $\|\mathrm{PE}_t\| = \sqrt{d/2}$ | $(1, T, d)$ added |
 # | output head | `nn.Linear(d_model, V)` returns logits | $(B, T, d) \to (B, T, V)$ |
-# | loss | `F.cross_entropy(logits.reshape(-1, V), tgt_out.reshape(-1), ignore_index=PAD)` | scalar |
+# | loss | `F.cross_entropy(logits.reshape(-1, V), tgt_out.reshape(-1), ignore_index=PAD)`: fused, never `log(softmax)` | scalar |
 # | decoding | `logits.argmax(-1)`: no softmax needed | $(B, T)$ |
 # | weight tying (optional) | `head.weight = embed.weight` | saves $V d$ parameters |
 #
@@ -727,11 +891,11 @@ assert_close(pe_sq, torch.full_like(pe_sq, d / 2))
 
 # %%
 set_seed(0)
-head = nn.Linear(128, V).to(device)
-h = LayerNorm(128).to(device)(torch.randn(64, 20, 128, generator=generator).to(device))  # (B, T, d)
+head = nn.Linear(d_model, V).to(device)
+h_ex = LayerNorm(d_model).to(device)(torch.randn(64, 20, d_model, generator=generator).to(device))  # (B, T, d)
 y = torch.randint(3, V, (64, 20), generator=generator).to(device)  # random targets
-first_loss = F.cross_entropy(head(h).reshape(-1, V), y.reshape(-1)).item()
-print(f"first loss {first_loss:.3f}, log V = {math.log(V):.3f}, logit variance {head(h).var().item():.3f}")
+first_loss = F.cross_entropy(head(h_ex).reshape(-1, V), y.reshape(-1)).item()
+print(f"first loss {first_loss:.3f}, log V = {math.log(V):.3f}, logit variance {head(h_ex).var().item():.3f}")
 assert abs(first_loss - math.log(V)) < 0.2
 
 # %% [markdown]
@@ -746,9 +910,9 @@ def my_log_softmax(z: torch.Tensor) -> torch.Tensor:
 
 
 for dtype in (torch.float32, torch.float16):
-    z = (10 * torch.randn(16, V, generator=generator)).to(device, dtype)  # (16, V)
+    z_rand = (10 * torch.randn(16, V, generator=generator)).to(device, dtype)  # (16, V)
     tol = dict(rtol=1e-3, atol=1e-2) if dtype == torch.float16 else {}
-    assert_close(my_log_softmax(z), F.log_softmax(z, dim=-1), **tol)
+    assert_close(my_log_softmax(z_rand), F.log_softmax(z_rand, dim=-1), **tol)
     extreme = torch.tensor([[0.0, -120.0]], device=device, dtype=dtype)
     assert my_log_softmax(extreme)[0, 1].item() == -120.0
 print("my_log_softmax matches F.log_softmax, and gives -120 at the margin-120 example")

@@ -161,24 +161,25 @@ class Decoder(nn.Module):
 # output vector has mean 0 and variance 1.
 
 # %%
-B, T_src, T_tgt, d_model, num_heads, d_ff, N = 2, 7, 5, 32, 4, 64, 3
-x_src = torch.randn(B, T_src, d_model, generator=generator).to(device)
-x_tgt = torch.randn(B, T_tgt, d_model, generator=generator).to(device)
-encoder = Encoder(N, d_model, num_heads, d_ff, dropout_p=0.0).to(device)
-decoder = Decoder(N, d_model, num_heads, d_ff, dropout_p=0.0).to(device)
+small = dict(num_layers=3, d_model=32, num_heads=4, d_ff=64)  # a small stack for the checks
+B, T_src, T_tgt, d_small = 2, 7, 5, small["d_model"]
+x_src = torch.randn(B, T_src, d_small, generator=generator).to(device)
+x_tgt = torch.randn(B, T_tgt, d_small, generator=generator).to(device)
+encoder = Encoder(**small, dropout_p=0.0).to(device)
+decoder = Decoder(**small, dropout_p=0.0).to(device)
 
-enc_out = encoder(x_src)  # (B, T_src, d_model)
-dec_out = decoder(x_tgt, enc_out)  # (B, T_tgt, d_model)
-assert enc_out.shape == (B, T_src, d_model) and dec_out.shape == (B, T_tgt, d_model)
+enc_out = encoder(x_src)  # (B, T_src, d_small)
+dec_out = decoder(x_tgt, enc_out)  # (B, T_tgt, d_small)
+assert enc_out.shape == (B, T_src, d_small) and dec_out.shape == (B, T_tgt, d_small)
 
-h = x_src
+stream = x_src  # the residual stream, block by block
 for block in encoder.layers:
-    h = block(h)
-assert_close(enc_out, encoder.norm(h))
-h = x_tgt
+    stream = block(stream)
+assert_close(enc_out, encoder.norm(stream))
+stream = x_tgt
 for block in decoder.layers:
-    h = block(h, enc_out)  # the same enc_out for every block
-assert_close(dec_out, decoder.norm(h))
+    stream = block(stream, enc_out)  # the same enc_out for every block
+assert_close(dec_out, decoder.norm(stream))
 
 for out in (enc_out, dec_out):
     assert_close(out.mean(dim=-1), torch.zeros(out.shape[:-1], device=device), atol=1e-5, rtol=0)
@@ -193,13 +194,13 @@ print(f"encoder {tuple(enc_out.shape)}, decoder {tuple(dec_out.shape)}: blocks i
 # %%
 set_seed(0)
 deep = Encoder(6, 128, 4, 512, dropout_p=0.0).to(device)
-h = torch.randn(8, 16, 128, generator=generator).to(device)  # (B, T, d): RMS 1
-rms = [h.pow(2).mean().sqrt().item()]
+stream = torch.randn(8, 16, 128, generator=generator).to(device)  # (B, T, d): RMS 1
+rms = [stream.pow(2).mean().sqrt().item()]
 with torch.no_grad():
     for block in deep.layers:
-        h = block(h)
-        rms.append(h.pow(2).mean().sqrt().item())
-    rms.append(deep.norm(h).pow(2).mean().sqrt().item())
+        stream = block(stream)
+        rms.append(stream.pow(2).mean().sqrt().item())
+    rms.append(deep.norm(stream).pow(2).mean().sqrt().item())
 print("RMS: input", round(rms[0], 3), "| after blocks", [round(r, 3) for r in rms[1:-1]],
       "| after the final norm", round(rms[-1], 3))
 assert all(b > a for a, b in zip(rms[:-1], rms[1:-1], strict=False))  # grows at every block
@@ -240,26 +241,26 @@ def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-good, bad = Encoder(N, d_model, num_heads, d_ff), ListEncoder(N, d_model, num_heads, d_ff)
-block_params = num_params(EncoderBlock(d_model, num_heads, d_ff))
+good, bad = Encoder(**small), ListEncoder(**small)
+block_params = num_params(EncoderBlock(small["d_model"], small["num_heads"], small["d_ff"]))
 print(f"ModuleList: {num_params(good):,} parameters, {len(good.state_dict())} state_dict entries")
 print(f"plain list: {num_params(bad):,} parameters, {len(bad.state_dict())} state_dict entries")
 
 # %% [markdown]
-# **Check:** the `ModuleList` stack owns $N$ blocks' parameters plus the final norm's and names
+# **Check:** the `ModuleList` stack owns its 3 blocks' parameters plus the final norm's and names
 # them `layers.0...`; the plain list owns only the norm's. And `.to()` moves only what it can
 # see: after `.double()`, the `ModuleList` stack runs in float64, while the list's blocks are
 # still float32 and the forward pass fails.
 
 # %%
-assert num_params(good) == N * block_params + 2 * d_model
-assert num_params(bad) == 2 * d_model  # only the final norm
+assert num_params(good) == small["num_layers"] * block_params + 2 * d_small
+assert num_params(bad) == 2 * d_small  # only the final norm
 assert "layers.2.ffn.0.weight" in good.state_dict() and not any(k.startswith("layers") for k in bad.state_dict())
 
 good, bad = good.double(), bad.double()
 assert {p.dtype for p in good.parameters()} == {torch.float64}
 assert {p.dtype for p in bad.layers[0].parameters()} == {torch.float32}  # left behind
-x64 = torch.randn(B, T_src, d_model, dtype=torch.float64, generator=generator)
+x64 = torch.randn(B, T_src, d_small, dtype=torch.float64, generator=generator)
 assert good(x64).dtype == torch.float64
 try:
     bad(x64)
@@ -274,16 +275,26 @@ else:
 #
 # ## The model
 #
-# The whole model, bottom to top (with $S$ the source length, $T$ the target length and
-# $d = d_\text{model}$):
+# The whole model, bottom to top, with $S$ the source length, $T$ the target length,
+# $d = d_\text{model}$, $w^\text{src} \in \{0, \dots, V_\text{src} - 1\}^{B \times S}$ the source
+# ids, $w^\text{tgt}$ the target ids (`tgt_in`), and $E[w]$ the rows of a table $E$ picked by the
+# ids $w$ (notebook 09's $E_{w_t}$ at every position):
 #
 # $$
 # \begin{aligned}
-# \text{enc\_out} &= \mathrm{Encoder}\bigl(\sqrt{d}\, E^\text{src}_{\text{src}} + \mathrm{PE}_{0..S-1}\bigr) &&\in \mathbb{R}^{B \times S \times d},\\
-# \text{dec\_out} &= \mathrm{Decoder}\bigl(\sqrt{d}\, E^\text{tgt}_{\text{tgt}} + \mathrm{PE}_{0..T-1},\ \text{enc\_out}\bigr) &&\in \mathbb{R}^{B \times T \times d},\\
+# \text{enc\_out} &= \mathrm{Encoder}\Bigl(\mathrm{Dropout}\bigl(\sqrt{d}\, E^\text{src}[w^\text{src}] + \mathrm{PE}_{0..S-1}\bigr)\Bigr) &&\in \mathbb{R}^{B \times S \times d},\\
+# \text{dec\_out} &= \mathrm{Decoder}\Bigl(\mathrm{Dropout}\bigl(\sqrt{d}\, E^\text{tgt}[w^\text{tgt}] + \mathrm{PE}_{0..T-1}\bigr),\ \text{enc\_out}\Bigr) &&\in \mathbb{R}^{B \times T \times d},\\
 # \text{logits} &= \text{dec\_out}\, W_\text{out}^\top + b_\text{out} &&\in \mathbb{R}^{B \times T \times V_\text{tgt}}.
 # \end{aligned}
 # $$
+#
+# Dropout ($p = 0.1$ by default, active only in training mode) acts in three places. Two are the
+# paper's (Vaswani et al., 2017, §5.4): the sum of embedding and positional encoding above
+# (`model.pos.dropout`), and the output of every sub-layer before it is added to the residual
+# stream (each block's `dropout1`, `dropout2`, ...:
+# $x + \mathrm{Dropout}(\mathrm{sublayer}(\mathrm{norm}(x)))$, notebook 08). The third, as in the
+# authors' code and in `nn.Transformer`, is on the attention weights inside every attention
+# layer (notebook 06).
 #
 # The source and the target get separate embedding tables (their vocabularies may differ) and
 # share the positional encoding, which has no parameters. The constructor builds the parts from
@@ -301,7 +312,8 @@ else:
 # %%
 #| export
 def _check_length(name: str, tokens: torch.Tensor, max_len: int) -> None:
-    if tokens.shape[1] > max_len:
+    """Raise if (B, T) tokens are longer than max_len; check_token_ids reports other problems."""
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] > max_len:
         raise ValueError(
             f"{name} has length {tokens.shape[1]}, longer than the model's max_len={max_len} "
             "(the rows of its positional encoding)"
@@ -324,6 +336,13 @@ def _check_mask(name: str, mask: torch.Tensor | None, shape: tuple, what: str, h
             + (f"; {hint}" if hint else "")
         )
 
+
+# %% [markdown]
+# One detail of the next cell: it imports `Encoder` and `Decoder` from the package. The model is
+# exported to `model.py`, which has to use the exported stacks in `layers.py`, not classes that
+# only exist in this notebook. The import therefore replaces the notebook's `Encoder` and
+# `Decoder` with the package's, which are the same code: `make export` wrote them to
+# `layers.py` from the two cells above.
 
 # %%
 #| export
@@ -375,8 +394,8 @@ class Transformer(nn.Module):
 
 
 # %% [markdown]
-# `encode` turns source ids into the encoder's output: look up and scale (notebook 09's
-# `embed_tokens`, which checks the ids), add positions, run the stack. `src_mask` is the source's
+# `encode` turns source ids into the encoder's output: check the length against `max_len`, look
+# up and scale (notebook 09's `embed_tokens`, which checks the ids), add positions, run the stack. `src_mask` is the source's
 # padding mask (notebook 05), True on real tokens.
 
 # %%
@@ -384,8 +403,8 @@ class Transformer(nn.Module):
 @add_to_class(Transformer)
 def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Source ids (B, T_src) -> enc_out (B, T_src, d_model); src_mask True = a real token."""
+    _check_length("src", src, self.max_len)  # first; the lookup checks the ids
     x = embed_tokens(self.src_embed, src, "src")  # (B, T_src) -> (B, T_src, d_model), * sqrt(d)
-    _check_length("src", src, self.max_len)
     B, T_src = src.shape
     _check_mask("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T_src, T_src)")
     return self.encoder(self.pos(x), mask=src_mask)  # + PE, then N blocks and the final norm
@@ -408,8 +427,8 @@ def decode(
     cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_src)
 ) -> torch.Tensor:
     """Target ids (B, T_tgt) and enc_out (B, T_src, d_model) -> dec_out (B, T_tgt, d_model)."""
-    x = embed_tokens(self.tgt_embed, tgt, "tgt")  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
     _check_length("tgt", tgt, self.max_len)
+    x = embed_tokens(self.tgt_embed, tgt, "tgt")  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
     if not isinstance(enc_out, torch.Tensor):
         raise TypeError(f"enc_out must be a torch.Tensor, got {type(enc_out).__name__}")
     if enc_out.dim() != 3:
@@ -443,7 +462,7 @@ def forward(
     src: torch.Tensor,  # (B, T_src) source ids
     tgt: torch.Tensor,  # (B, T_tgt) target ids [BOS, y_1, ...] (teacher forcing)
     src_mask: torch.Tensor | None = None,  # (B, 1, 1, T_src) source padding, True = real token
-    tgt_mask: torch.Tensor | None = None,  # (1, 1, T_tgt, T_tgt) causal (& target padding)
+    tgt_mask: torch.Tensor | None = None,  # causal (1, 1, T, T); with padding (B, 1, T, T)
 ) -> torch.Tensor:
     """Logits (B, T_tgt, tgt_vocab_size) for every target position; no softmax."""
     src_ok, tgt_ok = (isinstance(ids, torch.Tensor) and ids.dim() == 2 for ids in (src, tgt))
@@ -476,6 +495,7 @@ def forward(
 set_seed(0)
 VOCAB = 12
 model = Transformer(VOCAB, VOCAB).to(device)
+d_model = model.d_model  # 128, the width used in the shapes below
 print(f"{num_params(model):,} parameters")
 
 # %% [markdown]
@@ -487,21 +507,22 @@ print(f"{num_params(model):,} parameters")
 # parts cover every parameter exactly once, and the total is 930,828.
 
 # %%
-d, dff, L, V = 128, 512, 2, VOCAB
-attn, ffn, norm = 4 * d**2 + 4 * d, 2 * d * dff + dff + d, 2 * d
+c = model.config  # the sizes the model was built with
+d, d_ff, N, V = c["d_model"], c["d_ff"], c["num_layers"], c["tgt_vocab_size"]
+attn, ffn, norm = 4 * d**2 + 4 * d, 2 * d * d_ff + d_ff + d, 2 * d
 enc_blocks, dec_blocks = model.encoder.layers, model.decoder.layers
 parts = [  # (part, its modules, formula as text, formula's value)
     ("src_embed", [model.src_embed], "V·d", V * d),
     ("tgt_embed", [model.tgt_embed], "V·d", V * d),
     ("pos (a buffer)", [model.pos], "0", 0),
-    ("encoder self-attention", [b.self_attn for b in enc_blocks], "N(4d² + 4d)", L * attn),
-    ("encoder FFN", [b.ffn for b in enc_blocks], "N(2·d·d_ff + d_ff + d)", L * ffn),
-    ("encoder block norms", [n for b in enc_blocks for n in (b.norm1, b.norm2)], "N·2·2d", L * 2 * norm),
+    ("encoder self-attention", [b.self_attn for b in enc_blocks], "N(4d² + 4d)", N * attn),
+    ("encoder FFN", [b.ffn for b in enc_blocks], "N(2·d·d_ff + d_ff + d)", N * ffn),
+    ("encoder block norms", [n for b in enc_blocks for n in (b.norm1, b.norm2)], "N·2·2d", N * 2 * norm),
     ("encoder final norm", [model.encoder.norm], "2d", norm),
-    ("decoder self-attention", [b.self_attn for b in dec_blocks], "N(4d² + 4d)", L * attn),
-    ("decoder cross-attention", [b.cross_attn for b in dec_blocks], "N(4d² + 4d)", L * attn),
-    ("decoder FFN", [b.ffn for b in dec_blocks], "N(2·d·d_ff + d_ff + d)", L * ffn),
-    ("decoder block norms", [n for b in dec_blocks for n in (b.norm1, b.norm2, b.norm3)], "N·3·2d", L * 3 * norm),
+    ("decoder self-attention", [b.self_attn for b in dec_blocks], "N(4d² + 4d)", N * attn),
+    ("decoder cross-attention", [b.cross_attn for b in dec_blocks], "N(4d² + 4d)", N * attn),
+    ("decoder FFN", [b.ffn for b in dec_blocks], "N(2·d·d_ff + d_ff + d)", N * ffn),
+    ("decoder block norms", [n for b in dec_blocks for n in (b.norm1, b.norm2, b.norm3)], "N·3·2d", N * 3 * norm),
     ("decoder final norm", [model.decoder.norm], "2d", norm),
     ("out_proj", [model.out_proj], "d·V + V", d * V + V),
 ]
@@ -519,14 +540,16 @@ assert sum(counted.values()) == num_params(model) == 930_828
 shares = {kind: sum(v for k, v in counted.items() if kind in k) / 930_828 for kind in ("attention", "FFN")}
 assert round(shares["attention"], 2) == 0.43 and round(shares["FFN"], 2) == 0.57
 print(f"attention {shares['attention']:.1%}, FFN {shares['FFN']:.1%}, the rest {1 - sum(shares.values()):.1%}")
-assert model.pos.pe.shape == (1, 512, 128) and "pos.pe" in model.state_dict()  # saved, not trained
+assert model.pos.pe.shape == (1, 512, d_model) and "pos.pe" in model.state_dict()  # saved, not trained
 assert not any(p is model.pos.pe for p in model.parameters())
 print(f"the positional table holds {model.pos.pe.numel():,} numbers, saved in the state_dict but not trained")
 
 # %% [markdown]
 # The same numbers as a picture. The embeddings and the output layer, the only parts that depend
-# on the vocabulary, hold 0.5 % of the model here; with a real vocabulary of tens of thousands of
-# tokens they dominate a model this narrow (exercise 1).
+# on the vocabulary, hold 0.5 % of the model here. With a real vocabulary they take over: at this
+# width, three matrices for the paper's 37,000 tokens would hold 14.2 M parameters against the
+# stacks' 0.93 M, and even at the paper's base width they are 56 % of the untied model
+# (exercise 1).
 
 # %%
 fig, ax = plt.subplots(figsize=(9, 4.6), layout="constrained")
@@ -589,45 +612,70 @@ with torch.no_grad():
     model.train()
     assert not torch.equal(model(src, tgt_in, src_mask, tgt_mask), model(src, tgt_in, src_mask, tgt_mask))
     model.eval()
-assert enc_out.shape == (B, T_src, 128) and dec_out.shape == (B, T_tgt, 128)
+assert enc_out.shape == (B, T_src, d_model) and dec_out.shape == (B, T_tgt, d_model)
 assert abs(loss.item() - math.log(VOCAB)) < 0.5
 
 # %% [markdown]
-# Which inputs can each output see? Autograd answers exactly, as in notebook 08, now through the
-# whole model: the norm of $\partial\, \text{logits}_t / \partial x_s$, where $x_s$ is the
-# embedded (and position-encoded) input at position $s$, is zero if and only if input $s$ cannot
-# influence output $t$. Forward hooks on the positional encoding keep its two outputs (source and
-# target) so that autograd can differentiate with respect to them. The first sequence of the
-# batch (source length 5, target length 6), with the correct masks, and with the causal mask
-# forgotten.
+# Which inputs can each output see? Autograd answers, as in notebook 08, now through the whole
+# model: take $x_s$, the embedded and position-encoded input at position $s$, and the norm of
+# the Jacobian block $\partial\, \text{logits}_t / \partial x_s$. A nonzero norm proves that
+# input $s$ influences output $t$. A zero on its own is local (the derivative could vanish at
+# this one input by accident), but where a mask removes every path from $x_s$ to
+# $\text{logits}_t$, the block is exactly zero for every input, and that is what the masks should
+# guarantee.
+#
+# The inputs $x_s$ are made inside `forward`. A forward hook on the positional encoding keeps its
+# two outputs (source, then target), so that autograd can differentiate with respect to them:
+
+# %%
+def embedded_inputs_and_logits(model: Transformer, src, tgt, src_mask, tgt_mask):
+    """Run the model on batch row 0; return what `pos` produced for it, (x_src, x_tgt), and the logits."""
+    kept = []
+    hook = model.pos.register_forward_hook(lambda module, args, out: kept.append(out))
+    try:
+        row0 = [m if m is None else m[:1] for m in (src_mask, tgt_mask)]  # masks of shape (1 or B, ...)
+        logits = model(src[:1], tgt[:1], *row0)  # (1, T_tgt, V)
+    finally:
+        hook.remove()
+    x_src, x_tgt = kept  # encode runs first: (1, T_src, d), then (1, T_tgt, d)
+    return x_src, x_tgt, logits
+
+
+# %% [markdown]
+# Then one backward pass per output logit, $(t, v)$, accumulating over $v$ and over the
+# $d_\text{model}$ coordinates of $x_s$ the squared entries of the Jacobian:
 
 # %%
 def dependency_maps(model: Transformer, src, tgt, src_mask, tgt_mask) -> dict:
     """||d logits_t / d x_s|| for batch row 0: (T_tgt, T_src) to the source, (T_tgt, T_tgt) to the target."""
-    kept = []
-    hook = model.pos.register_forward_hook(lambda module, args, out: kept.append(out))
-    logits = model(src[:1], tgt[:1], src_mask if src_mask is None else src_mask[:1],
-                   tgt_mask if tgt_mask is None else tgt_mask[:1])  # (1, T_tgt, V)
-    hook.remove()
-    x_src, x_tgt = kept  # encode runs first: (1, T_src, d), then (1, T_tgt, d)
+    x_src, x_tgt, logits = embedded_inputs_and_logits(model, src, tgt, src_mask, tgt_mask)
     T, V = logits.shape[1:]
     to_src, to_tgt = torch.zeros(T, x_src.shape[1]), torch.zeros(T, x_tgt.shape[1])
     for t in range(T):
         for v in range(V):  # one row of the Jacobian per (t, v)
             g_src, g_tgt = torch.autograd.grad(logits[0, t, v], (x_src, x_tgt), retain_graph=True)
-            to_src[t] += g_src[0].pow(2).sum(dim=-1).cpu()  # sum over d of (d logit / d x_s)^2
-            to_tgt[t] += g_tgt[0].pow(2).sum(dim=-1).cpu()
+            to_src[t] += g_src[0].pow(2).sum(dim=-1).cpu()  # (T_src,): sum over d of (d logit / d x_s)^2
+            to_tgt[t] += g_tgt[0].pow(2).sum(dim=-1).cpu()  # (T_tgt,)
     return {"source": to_src.sqrt(), "target": to_tgt.sqrt()}
 
 
+# %% [markdown]
+# The first sequence of the batch (source length 5, target length 6), twice: with the correct
+# masks, and with the causal part of `tgt_mask` forgotten, that is with the target's padding
+# mask alone.
+
+# %%
+tgt_padding_only = padding_mask(tgt_lengths, T_tgt).to(device)  # (B, 1, 1, T_tgt): no causal part
 maps = dependency_maps(model, src, tgt_in, src_mask, tgt_mask)
-maps_no_causal = dependency_maps(model, src, tgt_in, src_mask, None)
+maps_no_causal = dependency_maps(model, src, tgt_in, src_mask, tgt_padding_only)
 
 # %% [markdown]
 # **Check:** with the masks, $\text{logits}_t$ depends on the target inputs $0..t$ only (lower
 # triangular) and on every real source position but on no padded one, for the real target
-# positions $t < 6$; without the causal mask it also depends on the target inputs after $t$,
-# among them $x_{t+1}$ = the token it is supposed to predict.
+# positions $t < 6$. Without the causal part it depends on every real target input, after $t$
+# too, among them $x_{t+1}$ = the token it is supposed to predict; the padded target inputs
+# stay hidden from the real positions in both cases. The padded positions 6 and 7 see their own
+# input but not each other's (explained below the picture).
 
 # %%
 n_src, n_tgt = int(src_lengths[0]), int(tgt_lengths[0])  # 5 and 6 real positions
@@ -635,21 +683,27 @@ m_src, m_tgt = maps["source"][:n_tgt], maps["target"][:n_tgt]  # the real target
 lower = torch.ones(n_tgt, T_tgt, dtype=torch.bool).tril()  # (n_tgt, T_tgt): s <= t
 assert (m_tgt[~lower] == 0).all() and (m_tgt[lower] > 0).all()
 assert (m_src[:, n_src:] == 0).all() and (m_src[:, :n_src] > 0).all()
-leak = maps_no_causal["target"][torch.arange(n_tgt - 1), torch.arange(1, n_tgt)]  # d logits_t / d x_{t+1}
-assert (leak > 0).all()
+m_open = maps_no_causal["target"][:n_tgt]  # (n_tgt, T_tgt)
+assert (m_open[:, :n_tgt] > 0).all() and (m_open[:, n_tgt:] == 0).all()  # every real input, no padding
+leak = m_open[torch.arange(n_tgt - 1), torch.arange(1, n_tgt)]  # d logits_t / d x_{t+1}
+for m in (maps["target"], maps_no_causal["target"]):  # the padded queries 6 and 7
+    assert m[6, 6] > 0 and m[7, 7] > 0  # their own input, through the residual stream
+    assert m[7, 6] == 0 and m[6, 7] == 0  # the other padded input: only attention could carry it
 print("with the masks: causal in the target, blind to source padding;"
-      f" without the causal mask, logits_t sees x_(t+1): norms {[round(v, 2) for v in leak.tolist()]}")
+      f" without the causal part, logits_t sees x_(t+1): norms {[round(v, 2) for v in leak.tolist()]}")
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(15, 4.3), layout="constrained")
+fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), layout="constrained")
 panels = [(maps["source"], "to the source, with src_mask", "source position $s$ (5 real + 2 PAD)"),
-          (maps["target"], "to the target, with tgt_mask (causal)", "target input position $s$ (tgt_in)"),
-          (maps_no_causal["target"], "to the target, causal mask forgotten", "target input position $s$ (tgt_in)")]
+          (maps["target"], "to the target, with tgt_mask\n(causal & target padding)", "target input position $s$ (tgt_in)"),
+          (maps_no_causal["target"], "to the target, causal part forgotten\n(target padding only)",
+           "target input position $s$ (tgt_in)")]
 vmax = max(m.max().item() for m, *_ in panels)
 for ax, (m, title, xlabel) in zip(axes, panels, strict=True):
     shown = np.ma.masked_where(m.numpy() == 0, m.numpy())  # exact zeros drawn white
     image = ax.imshow(shown, cmap="viridis", vmin=0, vmax=vmax)
-    ax.set(title=title, xlabel=xlabel, ylabel="output position $t$ (logits)",
+    ax.axhline(n_tgt - 0.5, color="black", lw=1, ls="--")  # below: the padded target positions
+    ax.set(title=title, xlabel=xlabel, ylabel="output position $t$ (logits; 6, 7: PAD)",
            xticks=range(m.shape[1]), yticks=range(m.shape[0]))
 fig.colorbar(image, ax=axes, fraction=0.02,
              label=r"$\|\partial\,\mathrm{logits}_t / \partial x_s\|$ (white: exactly 0)")
@@ -658,10 +712,19 @@ save_figure(fig, "model_dependencies")
 plt.show()
 
 # %% [markdown]
-# The last two target rows (positions 6 and 7) are padding: they compute something, which
-# `ignore_index=PAD` keeps out of the loss. In the right panel the whole upper triangle lights
-# up: trained like that, the decoder would learn to copy $x_{t+1}$ and be useless at generation
-# time, when $x_{t+1}$ does not exist yet.
+# In the right panel the upper triangle of the real positions lights up: trained like that, the
+# decoder would learn to copy $x_{t+1}$ and be useless at generation time, when $x_{t+1}$ does
+# not exist yet.
+#
+# The rows below the dashed line, positions 6 and 7, are padded *queries*: they compute
+# something, which `ignore_index=PAD` keeps out of the loss. Two things in them are worth
+# reading:
+#
+# * **$(6, 6)$ and $(7, 7)$ are bright** although the padding mask hides keys 6 and 7 from
+#   every query. Attention is not the only path: $x_t$ flows to output $t$ through the residual
+#   stream and the position-wise feed-forward networks, and no mask touches that.
+# * **$(7, 6)$ is white** (and so is $(6, 7)$). Input 6 could reach output 7 only through
+#   attention, and key 6 is padding.
 #
 # **`forward` = `encode` → `decode` → `out_proj`; `src_mask` serves the encoder and the
 # cross-attention, `tgt_mask` the decoder's self-attention, and the model applies no mask it is
@@ -730,10 +793,10 @@ def their_gradient(theirs: nn.Transformer, name: str, d_model: int) -> torch.Ten
 
 
 # %% [markdown]
-# **Check:** a model with random biases and norm parameters (fresh ones are 0 and 1, which would
-# hide a missed copy), dropout 0, the padded batch above, and a random upstream gradient on the
-# logits. The logits, the gradients of all 88 parameter tensors of the stacks and those of the
-# embeddings and the output layer must agree.
+# The set-up: a model with random biases and norm parameters (fresh ones are 0 and 1, which
+# would hide a missed copy), dropout 0, the padded batch above, and a random upstream gradient
+# on the logits. A deep copy of it, `twin`, supplies the embeddings and the head around
+# `nn.Transformer`, so that their gradients can be compared too.
 
 # %%
 set_seed(0)
@@ -744,7 +807,7 @@ with torch.no_grad():
             p.normal_(std=0.3)  # biases, gamma and beta
 twin = copy.deepcopy(ours)  # supplies the embeddings and the head around nn.Transformer
 theirs = torch_transformer_like(ours)
-upstream = torch.randn(B, T_tgt, VOCAB, generator=generator).to(device)
+upstream = torch.randn(B, T_tgt, VOCAB, generator=generator).to(device)  # a stand-in dL/d(logits)
 
 logits_ours = ours(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T_tgt, V)
 x_src = twin.pos(embed_tokens(twin.src_embed, src))  # (B, T_src, d): what encode feeds its stack
@@ -753,17 +816,24 @@ logits_theirs = twin.out_proj(theirs(x_src, x_tgt, **torch_masks(src_mask, tgt_l
 (logits_ours * upstream).sum().backward()
 (logits_theirs * upstream).sum().backward()
 
+# %% [markdown]
+# **Check:** the logits, the gradients of all 88 parameter tensors of the stacks and those of
+# the embeddings and the output layer agree.
+
+# %%
 assert_close(logits_ours, logits_theirs)
 gaps = {"logits": (logits_ours - logits_theirs).abs().max().item()}
 stack_params = [(n, p) for n, p in ours.named_parameters() if n.startswith(("encoder", "decoder"))]
 for name, p in stack_params:
-    assert_close(p.grad, their_gradient(theirs, name, 128), msg=name)
+    assert_close(p.grad, their_gradient(theirs, name, ours.d_model), msg=name)
 outer = [(n, p) for n, p in ours.named_parameters() if not n.startswith(("encoder", "decoder"))]
 for name, p in outer:
     assert_close(p.grad, twin.get_parameter(name).grad, msg=name)
-gaps["stack gradients"] = max((p.grad - their_gradient(theirs, n, 128)).abs().max().item() for n, p in stack_params)
+gaps["stack gradients"] = max(
+    (p.grad - their_gradient(theirs, n, ours.d_model)).abs().max().item() for n, p in stack_params
+)
 gaps["embedding and head gradients"] = max((p.grad - twin.get_parameter(n).grad).abs().max().item() for n, p in outer)
-assert len(stack_params) + len(outer) == len(list(ours.parameters()))
+assert len(stack_params) == 88 and len(stack_params) + len(outer) == len(list(ours.parameters()))
 print(f"{len(stack_params)} stack and {len(outer)} embedding/head parameter tensors: same logits and gradients as nn.Transformer")
 
 # %% tags=["nbval-ignore-output"]
@@ -794,9 +864,10 @@ print("evaluation mode, dropout_p=0.1: equal to nn.Transformer")
 # ## The architecture, drawn from the code
 #
 # The paper's Figure 1, redrawn for this model: the pre-norm blocks (norm before each sub-layer,
-# the residual stream untouched), the final norms, and the output layer without a softmax. The
-# labels are the attribute names, so every box can be found in `print(model)`; the shapes are
-# those of a batch of $B$ sources of length $S$ and targets of length $T$.
+# the residual stream untouched), the dropouts (purple labels), the final norms, and the output
+# layer without a softmax. The labels are the attribute names, so every box can be found in
+# `print(model)`; the shapes are those of a batch of $B$ sources of length $S$ and targets of
+# length $T$.
 
 # %%
 PALETTE = {"embed": "#c9a0dc", "pos": "#f2c6de", "attn": COLORS["query"], "ffn": COLORS["value"],
@@ -828,8 +899,17 @@ def shape(ax, x, y, text, ha="left"):
     ax.text(x, y, text, ha=ha, va="center", fontsize=8.5, color="#444444", style="italic", zorder=4)
 
 
+DROPOUT_COLOR = "#6a3d9a"
+
+
+def dropout_tag(ax, x, y, side):
+    """A small 'dropout' label beside the arrow at (x, y), on the side opposite `side`."""
+    ax.text(x - side * 0.12, y, "dropout", ha="right" if side > 0 else "left", va="center", fontsize=8,
+            color=DROPOUT_COLOR, style="italic", zorder=4)
+
+
 def sublayers(ax, x, y0, specs, side):
-    """Pre-norm sub-layers from y0 upwards: norm -> sub-layer -> add, with the residual on `side`."""
+    """Pre-norm sub-layers from y0 upwards: norm -> sub-layer -> dropout -> add, the residual on `side`."""
     y = y0
     for norm_name, text, kind in specs:
         box(ax, x, y + 0.45, norm_name, "norm", w=2.2, h=0.45, fontsize=8.5)
@@ -837,6 +917,7 @@ def sublayers(ax, x, y0, specs, side):
         arrow(ax, [(x, y), (x, y + 0.22)])
         arrow(ax, [(x, y + 0.68), (x, y + 0.9)])
         arrow(ax, [(x, y + 1.7), (x, y + 1.95)])
+        dropout_tag(ax, x, y + 1.83, side)  # dropout1/2/3: on the sub-layer's output, before the add
         add(ax, x, y + 2.15)
         rx = x + side * 1.8  # the residual stream goes around the sub-layer
         arrow(ax, [(x, y + 0.1), (rx, y + 0.1), (rx, y + 2.15), (x + side * 0.2, y + 2.15)], color=COLORS["accent"])
@@ -857,6 +938,7 @@ box(ax, ex - 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45)
 arrow(ax, [(ex - 1.65, 2.2), (ex - 0.2, 2.2)])
 shape(ax, ex + 0.3, 2.62, "(B, S, d)")
 arrow(ax, [(ex, 2.4), (ex, 3.1)])
+dropout_tag(ax, ex, 2.75, +1)  # pos.dropout, on embedding + PE
 ax.add_patch(FancyBboxPatch((ex - 2.3, 3.0), 4.4, 4.9, boxstyle="round,pad=0.05,rounding_size=0.2",
                             facecolor=PALETTE["frame"], edgecolor="#888888", lw=1.2, zorder=1))
 ax.text(ex - 2.5, 6.85, "N × EncoderBlock\nencoder.layers", ha="right", va="center", fontsize=10, weight="bold")
@@ -880,6 +962,7 @@ box(ax, dx + 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45)
 arrow(ax, [(dx + 1.65, 2.2), (dx + 0.2, 2.2)])
 shape(ax, dx - 0.3, 2.62, "(B, T, d)", ha="right")
 arrow(ax, [(dx, 2.4), (dx, 3.1)])
+dropout_tag(ax, dx, 2.75, -1)
 ax.add_patch(FancyBboxPatch((dx - 2.1, 3.0), 4.4, 7.25, boxstyle="round,pad=0.05,rounding_size=0.2",
                             facecolor=PALETTE["frame"], edgecolor="#888888", lw=1.2, zorder=1))
 ax.text(dx + 2.5, 9.2, "N × DecoderBlock\ndecoder.layers", ha="left", va="center", fontsize=10, weight="bold")
@@ -902,6 +985,9 @@ ax.text(6.4, 14.3, "Transformer(src_vocab_size, tgt_vocab_size, d_model=128, num
         ha="center", fontsize=11, weight="bold")
 ax.text(0.2, 13.5, "red: the residual connections;\nthe stream itself is never normalised\ninside a block (pre-norm)",
         fontsize=9, color=COLORS["accent"], va="center")
+ax.text(0.2, 12.35, "dropout (p = 0.1, training only): on embedding + PE,\n"
+        "on each sub-layer's output before ⊕, and on the\nattention weights inside every attention layer",
+        fontsize=9, color=DROPOUT_COLOR, style="italic", va="center")
 ax.set_xlim(-0.2, 12.8)
 ax.set_ylim(0, 14.6)
 ax.set_aspect("equal")
@@ -923,12 +1009,12 @@ plt.show()
 # |---|---|---|
 # | input embedding | `embed_tokens(model.src_embed, src)`: lookup × $\sqrt d$ | $(B, S, d)$ |
 # | output embedding | `embed_tokens(model.tgt_embed, tgt)` | $(B, T, d)$ |
-# | positional encoding ⊕ | `model.pos` | $(B, S, d)$, $(B, T, d)$ |
+# | positional encoding ⊕, then dropout | `model.pos` (its `dropout`, training only) | $(B, S, d)$, $(B, T, d)$ |
 # | Q, K, V projections, split into heads | `W_q`, `W_k`, `W_v`, then `_split_heads` | $(B, h, \cdot, d_k)$ |
-# | encoder self-attention weights | `scaled_dot_product_attention` inside `self_attn` | $(B, h, S, S)$ |
+# | encoder self-attention weights (dropout on them in training) | `scaled_dot_product_attention` inside `self_attn` | $(B, h, S, S)$ |
 # | multi-head attention (concat → $W_o$) | `encoder.layers[i].self_attn` | $(B, S, d)$ |
 # | feed-forward | `encoder.layers[i].ffn` | $(B, S, d)$ |
-# | add & norm (pre-norm) | `x + dropout(sublayer(norm(x)))` | $(B, S, d)$ |
+# | add & norm (pre-norm), with dropout | `x + dropout(sublayer(norm(x)))`: each block's `dropout1`, `dropout2`, ... | $(B, S, d)$ |
 # | $N\times$ encoder block | `encoder.layers` (`nn.ModuleList`) | $(B, S, d)$ |
 # | encoder output | `encoder.norm`, `model.encode(src, src_mask)` | $(B, S, d)$ |
 # | masked self-attention, its weights | `decoder.layers[i].self_attn`, `tgt_mask` | $(B, T, d)$; $(B, h, T, T)$ |
@@ -939,9 +1025,9 @@ plt.show()
 # | softmax | left to `F.cross_entropy` / `argmax` | — |
 #
 # **Check:** every row, on the forward pass of the padded batch above ($B = 2$, $S = 7$,
-# $T = 8$, $d = 128$, $h = 4$, $V = 12$). Forward hooks record the output shape of each module
-# as the model runs; the attention weights are recomputed with `return_attn=True` from the
-# inputs the hooks saw.
+# $T = 8$, $d = 128$, $h = 4$, $V = 12$). Forward hooks record the inputs and the output of each
+# module as the model runs (`with_kwargs=True` also keeps the keyword arguments, such as the
+# masks); the hooks return nothing, so they must leave the logits exactly as they are without them.
 
 # %%
 recorded = {}
@@ -949,7 +1035,7 @@ recorded = {}
 
 def record(name):
     def hook(module, args, kwargs, out):
-        recorded.setdefault(name, []).append((args, kwargs, out))
+        recorded.setdefault(name, []).append((args, kwargs, out))  # returns None: out is kept as it is
     return hook
 
 
@@ -962,20 +1048,22 @@ watch = {"src_embed": model.src_embed, "tgt_embed": model.tgt_embed, "pos": mode
          "decoder.layers.0.ffn": model.decoder.layers[0].ffn,
          "decoder.layers": model.decoder.layers[-1], "decoder.norm": model.decoder.norm,
          "out_proj": model.out_proj}
-handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in watch.items()]
 with torch.no_grad():
-    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
-for handle in handles:
-    handle.remove()
+    logits_plain = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # no hooks yet
+    handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in watch.items()]
+    try:
+        logits_hooked = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # hooks attached
+    finally:
+        for handle in handles:
+            handle.remove()
+assert torch.equal(logits_hooked, logits_plain)  # recording changed nothing
+print(f"recorded {sum(len(v) for v in recorded.values())} module calls; logits with and without hooks identical")
 
+# %% [markdown]
+# The output shape of every module, against the table:
 
-def attention_weights(name):
-    (args, kwargs, _), = recorded[name]
-    with torch.no_grad():
-        return model.get_submodule(name)(*args, **kwargs, return_attn=True)[1]
-
-
-d, h, S, T = 128, 4, T_src, T_tgt
+# %%
+d, h, S, T = model.d_model, model.num_heads, T_src, T_tgt
 expected = {
     "src_embed": [(B, S, d)], "tgt_embed": [(B, T, d)], "pos": [(B, S, d), (B, T, d)],
     "encoder.layers.0.self_attn": [(B, S, d)], "encoder.layers.0.ffn": [(B, S, d)],
@@ -988,6 +1076,18 @@ for name, shapes in expected.items():
     got = [tuple(out.shape) for _, _, out in recorded[name]]
     assert got == shapes, (name, got, shapes)
     print(f"{name:<28} {', '.join(str(s) for s in got)}")
+
+# %% [markdown]
+# The attention weights are not an output of the layers in a normal call; they are recomputed
+# with `return_attn=True` from the very inputs and masks the hooks saw.
+
+# %%
+def attention_weights(name):
+    (args, kwargs, _), = recorded[name]
+    with torch.no_grad():
+        return model.get_submodule(name)(*args, **kwargs, return_attn=True)[1]
+
+
 weights = {n: attention_weights(n) for n in ("encoder.layers.0.self_attn", "decoder.layers.0.self_attn",
                                              "decoder.layers.0.cross_attn")}
 assert weights["encoder.layers.0.self_attn"].shape == (B, h, S, S)
@@ -997,13 +1097,13 @@ assert model.encoder.layers[0].self_attn._split_heads(torch.zeros(B, S, d, devic
 for name, w in weights.items():
     assert_close(w.sum(dim=-1), torch.ones(w.shape[:-1], device=device))  # rows sum to 1
     print(f"{name:<28} attention weights {tuple(w.shape)}")
-assert torch.equal(logits, model(src, tgt_in, src_mask, tgt_mask))  # hooks changed nothing
 
 # %% [markdown]
 # ## Clear errors
 #
 # The mistakes that are easy to make with a model like this, and what each one says. Every one
-# is a `ValueError` (or a `TypeError` for a wrong kind of object) raised before any computation,
+# is a `ValueError` (or a `TypeError` for a wrong kind of object) raised before the bad argument
+# is used (ids and lengths before the embedding lookup, masks and `enc_out` before the stacks),
 # naming the argument and the shapes or values involved. For comparison, `nn.Transformer` answers
 # the first one with `RuntimeError: the batch number of src and tgt must be equal`, and
 # `nn.Embedding` answers an id out of range with `IndexError: index out of range in self` on the
@@ -1085,7 +1185,7 @@ tied_model.out_proj.weight = shared
 with torch.no_grad():  # the untied copy gets the same values, so it computes the same function
     untied_model.tgt_embed.weight.copy_(shared)
     untied_model.out_proj.weight.copy_(shared)
-assert num_params(tied_model) == 930_828 - 2 * VOCAB * 128 == 927_756
+assert num_params(tied_model) == 930_828 - 2 * VOCAB * d_model == 927_756
 
 
 def reversal_loss(m: Transformer) -> torch.Tensor:
@@ -1099,7 +1199,7 @@ uses = {"src_embed": untied_model.src_embed.weight.grad, "tgt_embed": untied_mod
         "out_proj": untied_model.out_proj.weight.grad}
 assert_close(shared.grad, sum(uses.values()))  # the shared gradient is the sum of the three uses
 assert torch.count_nonzero(uses["src_embed"][PAD]) == torch.count_nonzero(uses["tgt_embed"][PAD]) == 0
-assert torch.count_nonzero(uses["out_proj"][PAD]) == 128  # the head trains the PAD row
+assert torch.count_nonzero(uses["out_proj"][PAD]) == d_model  # the head trains the PAD row
 print(f"tied: {num_params(tied_model):,} parameters; largest gradient in the PAD row from each use:",
       {k: f"{g[PAD].abs().max().item():.1e}" for k, g in uses.items()})
 

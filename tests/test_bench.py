@@ -38,13 +38,32 @@ def test_time_attention_restores_the_thread_count():
 
 
 @pytest.mark.parametrize("T", [8, 16, 33])
-def test_attention_memory_is_the_bytes_of_the_weights(T):
+def test_attention_memory_weights_and_measured_peak(T):
     memory = attention_memory(T, d_k=4, batch=2, num_heads=3, device="cpu")
     assert memory["weights_bytes"] == 2 * 3 * T * T * 4  # float32
-    assert memory["peak_bytes"] is None  # measured on CUDA only
+    # Scores and weights alive together, plus the context (d_v = d_k = 4).
+    assert memory["peak_bytes"] == 2 * 3 * (2 * T * T + T * 4) * 4
     double = attention_memory(T, d_k=4, dtype=torch.float64, device="cpu")
     assert double["weights_bytes"] == T * T * 8
-    assert attention_memory(T, d_k=4, impl="torch", device="cpu")["weights_bytes"] is None
+    assert double["peak_bytes"] == (2 * T * T + T * 4) * 8
+    theirs = attention_memory(T, d_k=4, impl="torch", device="cpu")
+    assert theirs == {"weights_bytes": None, "peak_bytes": None}  # no allocator stats on a CPU
+
+
+def test_peak_memory_tracker_sees_frees_and_views():
+    from transformer_from_scratch.bench import _PeakMemory
+
+    x = torch.randn(64)  # 256 bytes, allocated outside: not counted
+    with _PeakMemory() as tracker:
+        y = x * 2  # +256
+        z = y.view(8, 8)  # a view: +0
+        del y, z  # freed: -256
+        w = x + 1  # +256, peak still 256
+        w.add_(1)  # in place: +0
+    assert tracker.peak_bytes == 256
+    assert tracker.live_bytes == 256
+    del w
+    assert tracker.live_bytes == 0
 
 
 @pytest.mark.parametrize("impl", ["ours", "torch"])
@@ -81,6 +100,8 @@ def test_run_suite_rows_and_slopes():
     assert [r["T"] for r in rows] == [8, 16, 32]  # sorted
     for r in rows:
         assert r["weights_bytes"] == r["T"] ** 2 * 4
+        assert r["peak_bytes_ours"] == (2 * r["T"] ** 2 + r["T"] * 4) * 4
+        assert r["peak_bytes_torch"] is None  # CUDA only
         assert r["flops"] == 2 * r["T"] ** 2 * 8
         assert r["ours_s"] > 0 and r["torch_s"] > 0
         assert math.isclose(r["ours_over_torch"], r["ours_s"] / r["torch_s"])

@@ -434,6 +434,20 @@ def test_sequences_longer_than_max_len():
     model(torch.full((2, 64), 5), torch.full((2, 64), 5))  # exactly max_len is fine
 
 
+def test_length_is_checked_before_the_embedding_lookup():
+    model = small_model()  # max_len 64
+    src, *_ = reversal_batch()
+    lookups = []
+    for embedding in (model.src_embed, model.tgt_embed):
+        embedding.register_forward_hook(lambda module, args, out: lookups.append(module))
+    with pytest.raises(ValueError, match="src has length 65"):
+        model.encode(torch.full((2, 65), 5))
+    enc_out = torch.zeros(2, 7, 32)
+    with pytest.raises(ValueError, match="tgt has length 65"):
+        model.decode(torch.full((2, 65), 5), enc_out)
+    assert lookups == []
+
+
 def test_wrong_mask_shapes():
     model = small_model()
     src, tgt_in, _, src_len, _, src_mask, tgt_mask = reversal_batch()

@@ -12,6 +12,44 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def scaled_dot_product_attention(
+    Q: Tensor,  # (..., T_q, d_k)
+    K: Tensor,  # (..., T_k, d_k)
+    V: Tensor,  # (..., T_k, d_v)
+    mask: Tensor | None = None,  # bool (True = may attend) or float (added); (..., T_q, T_k)
+    dropout_p: float = 0.0,
+    training: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """softmax(Q K^T / sqrt(d_k) + mask) V, dropout on the weights; returns (context, attn)."""
+    _check_attention_inputs(Q, K, V, mask, dropout_p)
+    d_k = Q.size(-1)
+    # 1) Scores of every query against every key.
+    # (..., T_q, d_k) @ (..., d_k, T_k) -> (..., T_q, T_k)
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)
+    # 2) Mask: a forbidden pair scores -inf, so its weight is exactly 0.
+    no_key = None
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask.to(scores.dtype)
+        # A query with no allowed key would be softmax(-inf, ..., -inf) = 0/0 = NaN. Policy: zero
+        # weights and zero context. Setting its scores to 0 first keeps NaN out of the backward
+        # pass as well.
+        no_key = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (..., T_q, 1)
+        scores = scores.masked_fill(no_key, 0.0)
+    # 3) Softmax over the keys: each row becomes a distribution.
+    attn = torch.softmax(scores, dim=-1)  # (..., T_q, T_k)
+    if no_key is not None:
+        attn = attn.masked_fill(no_key, 0.0)
+    # 4) Dropout on the weights, in training only; survivors are scaled by 1 / (1 - dropout_p).
+    if training and dropout_p > 0.0:
+        attn = F.dropout(attn, p=dropout_p)
+    # 5) Weighted sum of the values.
+    context = attn @ V  # (..., T_q, T_k) @ (..., T_k, d_v) -> (..., T_q, d_v)
+    return context, attn
+
+
 def _check_attention_inputs(
     Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, dropout_p: float
 ) -> None:
@@ -60,44 +98,6 @@ def _check_attention_inputs(
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-
-
-def scaled_dot_product_attention(
-    Q: Tensor,  # (..., T_q, d_k)
-    K: Tensor,  # (..., T_k, d_k)
-    V: Tensor,  # (..., T_k, d_v)
-    mask: Tensor | None = None,  # bool (True = may attend) or float (added); (..., T_q, T_k)
-    dropout_p: float = 0.0,
-    training: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """softmax(Q K^T / sqrt(d_k) + mask) V, dropout on the weights; returns (context, attn)."""
-    _check_attention_inputs(Q, K, V, mask, dropout_p)
-    d_k = Q.size(-1)
-    # 1) Scores of every query against every key.
-    # (..., T_q, d_k) @ (..., d_k, T_k) -> (..., T_q, T_k)
-    scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)
-    # 2) Mask: a forbidden pair scores -inf, so its weight is exactly 0.
-    no_key = None
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.to(scores.dtype)
-        # A query with no allowed key would be softmax(-inf, ..., -inf) = 0/0 = NaN. Policy: zero
-        # weights and zero context. Setting its scores to 0 first keeps NaN out of the backward
-        # pass as well.
-        no_key = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (..., T_q, 1)
-        scores = scores.masked_fill(no_key, 0.0)
-    # 3) Softmax over the keys: each row becomes a distribution.
-    attn = torch.softmax(scores, dim=-1)  # (..., T_q, T_k)
-    if no_key is not None:
-        attn = attn.masked_fill(no_key, 0.0)
-    # 4) Dropout on the weights, in training only; survivors are scaled by 1 / (1 - dropout_p).
-    if training and dropout_p > 0.0:
-        attn = F.dropout(attn, p=dropout_p)
-    # 5) Weighted sum of the values.
-    context = attn @ V  # (..., T_q, T_k) @ (..., T_k, d_v) -> (..., T_q, d_v)
-    return context, attn
 
 
 class MultiHeadAttention(nn.Module):

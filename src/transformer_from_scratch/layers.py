@@ -267,6 +267,13 @@ def _copy_attention(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> 
         theirs.out_proj.bias.copy_(ours.W_o.bias)
 
 
+def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
+    """Our LayerNorm's gamma and beta into nn.LayerNorm (which has no beta when bias=False)."""
+    theirs.weight.copy_(ours.weight)
+    if theirs.bias is not None:
+        theirs.bias.copy_(ours.bias)
+
+
 def _check_norm_pair(ours: LayerNorm, theirs: nn.LayerNorm, name: str) -> None:
     """Raise a ValueError if nn.LayerNorm cannot hold our LayerNorm's numbers."""
     if ours.eps != theirs.eps:
@@ -275,18 +282,11 @@ def _check_norm_pair(ours: LayerNorm, theirs: nn.LayerNorm, name: str) -> None:
         raise ValueError(f"{name}: theirs has no bias (bias=False) but ours has a nonzero one")
 
 
-def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
-    """Our LayerNorm's gamma and beta into nn.LayerNorm (which has no beta when bias=False)."""
-    theirs.weight.copy_(ours.weight)
-    if theirs.bias is not None:
-        theirs.bias.copy_(ours.bias)
-
-
-def copy_block_to_torch(
+def _check_block_pair(
     ours: EncoderBlock | DecoderBlock,
     theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
-) -> None:
-    """Copy our block's weights into the PyTorch layer of the same configuration, in place."""
+) -> list[str]:
+    """Raise TypeError/ValueError unless the blocks compute the same function; return the norms."""
     pairs = {EncoderBlock: nn.TransformerEncoderLayer, DecoderBlock: nn.TransformerDecoderLayer}
     if type(ours) not in pairs or type(theirs) is not pairs[type(ours)]:
         raise TypeError(
@@ -321,8 +321,17 @@ def copy_block_to_torch(
     if not (their_act is as_function or same_module):
         raise ValueError(f"activations differ: ours {act!r}, theirs {their_act!r}")
     norms = ["norm1", "norm2", "norm3"] if isinstance(ours, DecoderBlock) else ["norm1", "norm2"]
-    for name in norms:  # check everything before copying anything
+    for name in norms:
         _check_norm_pair(getattr(ours, name), getattr(theirs, name), name)
+    return norms
+
+
+def copy_block_to_torch(
+    ours: EncoderBlock | DecoderBlock,
+    theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
+) -> None:
+    """Copy our block's weights into the PyTorch layer of the same configuration, in place."""
+    norms = _check_block_pair(ours, theirs)  # everything is checked before anything is copied
     with torch.no_grad():
         _copy_attention(ours.self_attn, theirs.self_attn)
         if isinstance(ours, DecoderBlock):

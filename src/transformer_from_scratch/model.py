@@ -59,7 +59,8 @@ def embed_tokens(
 
 
 def _check_length(name: str, tokens: torch.Tensor, max_len: int) -> None:
-    if tokens.shape[1] > max_len:
+    """Raise if (B, T) tokens are longer than max_len; check_token_ids reports other problems."""
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] > max_len:
         raise ValueError(
             f"{name} has length {tokens.shape[1]}, longer than the model's max_len={max_len} "
             "(the rows of its positional encoding)"
@@ -134,8 +135,8 @@ class Transformer(nn.Module):
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Source ids (B, T_src) -> enc_out (B, T_src, d_model); src_mask True = a real token."""
+        _check_length("src", src, self.max_len)  # first; the lookup checks the ids
         x = embed_tokens(self.src_embed, src, "src")  # (B, T_src) -> (B, T_src, d_model), * sqrt(d)
-        _check_length("src", src, self.max_len)
         B, T_src = src.shape
         _check_mask("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T_src, T_src)")
         return self.encoder(self.pos(x), mask=src_mask)  # + PE, then N blocks and the final norm
@@ -148,8 +149,8 @@ class Transformer(nn.Module):
         cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_src)
     ) -> torch.Tensor:
         """Target ids (B, T_tgt) and enc_out (B, T_src, d_model) -> dec_out (B, T_tgt, d_model)."""
-        x = embed_tokens(self.tgt_embed, tgt, "tgt")  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
         _check_length("tgt", tgt, self.max_len)
+        x = embed_tokens(self.tgt_embed, tgt, "tgt")  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
         if not isinstance(enc_out, torch.Tensor):
             raise TypeError(f"enc_out must be a torch.Tensor, got {type(enc_out).__name__}")
         if enc_out.dim() != 3:
@@ -172,7 +173,7 @@ class Transformer(nn.Module):
         src: torch.Tensor,  # (B, T_src) source ids
         tgt: torch.Tensor,  # (B, T_tgt) target ids [BOS, y_1, ...] (teacher forcing)
         src_mask: torch.Tensor | None = None,  # (B, 1, 1, T_src) source padding, True = real token
-        tgt_mask: torch.Tensor | None = None,  # (1, 1, T_tgt, T_tgt) causal (& target padding)
+        tgt_mask: torch.Tensor | None = None,  # causal (1, 1, T, T); with padding (B, 1, T, T)
     ) -> torch.Tensor:
         """Logits (B, T_tgt, tgt_vocab_size) for every target position; no softmax."""
         src_ok, tgt_ok = (isinstance(ids, torch.Tensor) and ids.dim() == 2 for ids in (src, tgt))
