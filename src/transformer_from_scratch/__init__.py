@@ -9,6 +9,8 @@
 #   notebooks/08_blocks.py
 #   notebooks/09_embeddings_and_output_head.py
 #   notebooks/10_full_model.py
+#   notebooks/11_training.py
+#   notebooks/12_generation.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """The Transformer from scratch: the library that the course's notebooks build."""
@@ -16,6 +18,19 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from .attention import MultiHeadAttention, scaled_dot_product_attention
+from .data import FIRST_SYMBOL, MIN_LEN, make_batch
+from .decoding import (
+    Hypothesis,
+    KVCache,
+    beam_search,
+    cross_attention_weights,
+    decode_step,
+    greedy_decode,
+    length_penalty_wu,
+    next_token_probs,
+    sample,
+    sequence_log_prob,
+)
 from .layers import (
     Decoder,
     DecoderBlock,
@@ -35,6 +50,22 @@ from .positional import (
     PositionalEncoding,
     RotaryEmbedding,
     sinusoidal_table,
+)
+from .train import (
+    CHECKPOINT_FORMAT,
+    EVAL_SEED,
+    REVERSAL_RECIPE,
+    CheckpointError,
+    exact_match,
+    get_reversal_model,
+    load_checkpoint,
+    lr_lambda,
+    reversal_correct,
+    reversal_loss,
+    reversal_recipe,
+    save_checkpoint,
+    train_model,
+    train_reversal,
 )
 from .utils import COLORS, add_to_class, find_figures_dir, get_device, save_figure, set_seed
 from .viz import plot_attention
@@ -77,4 +108,31 @@ __all__ = [
     "check_token_ids",
     "embed_tokens",
     "Transformer",
+    "FIRST_SYMBOL",
+    "MIN_LEN",
+    "make_batch",
+    "lr_lambda",
+    "reversal_loss",
+    "train_model",
+    "REVERSAL_RECIPE",
+    "reversal_recipe",
+    "train_reversal",
+    "EVAL_SEED",
+    "reversal_correct",
+    "exact_match",
+    "CHECKPOINT_FORMAT",
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "get_reversal_model",
+    "greedy_decode",
+    "cross_attention_weights",
+    "KVCache",
+    "decode_step",
+    "length_penalty_wu",
+    "Hypothesis",
+    "beam_search",
+    "sequence_log_prob",
+    "next_token_probs",
+    "sample",
 ]

@@ -1,0 +1,314 @@
+"""Unit tests of transformer_from_scratch.decoding (notebook 12), on tiny random models."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+from transformer_from_scratch.decoding import (
+    KVCache,
+    beam_search,
+    cross_attention_weights,
+    decode_step,
+    greedy_decode,
+    length_penalty_wu,
+    next_token_probs,
+    sample,
+    sequence_log_prob,
+)
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.model import BOS, EOS, PAD, Transformer
+
+VOCAB = 11
+
+
+def tiny_model(seed: int = 0, num_layers: int = 2, max_len: int = 64) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(
+        VOCAB, VOCAB, d_model=16, num_heads=2, d_ff=32, num_layers=num_layers, max_len=max_len
+    )
+    return model.eval()
+
+
+def padded_batch(B: int, S: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sources of random lengths 1..S (the first of full length), PAD-padded, and their mask."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, S + 1, (B,), generator=gen)
+    lengths[0] = S
+    src = torch.randint(3, VOCAB, (B, S), generator=gen)
+    src = src.masked_fill(torch.arange(S) >= lengths[:, None], PAD)
+    return src, padding_mask(lengths, S)
+
+
+def set_eos_bias(model: Transformer, value: float) -> Transformer:
+    with torch.no_grad():
+        model.out_proj.bias[EOS] = value
+    return model
+
+
+def check_format(tokens: torch.Tensor, max_new_tokens: int) -> None:
+    """BOS first, at most one EOS per row, only PAD after it, no longer than allowed."""
+    assert tokens.dtype == torch.long and tokens.size(1) <= max_new_tokens + 1
+    assert (tokens[:, 0] == BOS).all()
+    is_eos = (tokens == EOS).long()
+    assert (is_eos.sum(1) <= 1).all()
+    after = (is_eos.cumsum(1) - is_eos) > 0
+    assert (tokens[after] == PAD).all()
+
+
+# ------------------------------------------------------------------ greedy and the cache
+@pytest.mark.parametrize(
+    "B, S, n, seed, num_layers",
+    [(1, 1, 1, 0, 1), (1, 5, 30, 1, 2), (3, 7, 40, 2, 3), (8, 6, 17, 3, 2), (32, 9, 25, 4, 1)],
+)
+def test_cache_gives_the_same_tokens(B, S, n, seed, num_layers):
+    model = tiny_model(seed, num_layers)
+    src, mask = padded_batch(B, S, seed)
+    plain = greedy_decode(model, src, n, src_mask=mask)
+    cached = greedy_decode(model, src, n, src_mask=mask, use_cache=True)
+    assert torch.equal(plain, cached)
+    check_format(plain, n)
+    no_mask = greedy_decode(model, src, n, use_cache=True)  # without a mask, too
+    assert torch.equal(no_mask, greedy_decode(model, src, n))
+
+
+def test_cache_follows_post_norm_blocks_too():
+    """The cached step wires the sub-layers through the blocks' own sublayer_connection."""
+    model = tiny_model(12)
+    torch.manual_seed(12)
+    model.decoder.layers = nn.ModuleList(
+        DecoderBlock(16, 2, 32, activation="relu", norm_first=False) for _ in range(2)
+    )
+    model.eval()
+    src, mask = padded_batch(5, 6, 12)
+    assert torch.equal(
+        greedy_decode(model, src, 20, mask), greedy_decode(model, src, 20, mask, use_cache=True)
+    )
+
+
+def test_decode_step_logits_match_the_forward_pass():
+    model = tiny_model(5)
+    src, mask = padded_batch(4, 6, 5)
+    tgt = torch.randint(3, VOCAB, (4, 9), generator=torch.Generator().manual_seed(0))
+    tgt[:, 0] = BOS
+    with torch.no_grad():
+        full = model(src, tgt, src_mask=mask, tgt_mask=causal_mask(9))  # (B, T, V)
+        cache = KVCache(model, model.encode(src, src_mask=mask), max_len=9)
+        stepped = torch.stack([decode_step(model, tgt[:, t], cache, mask) for t in range(9)], 1)
+        assert cache.length == 9
+        with pytest.raises(ValueError, match="cache is full"):
+            decode_step(model, tgt[:, 0], cache, mask)
+    assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_shapes_bytes_and_reorder():
+    model = tiny_model(0, num_layers=3)
+    src, mask = padded_batch(4, 5)
+    with torch.no_grad():
+        cache = KVCache(model, model.encode(src, src_mask=mask), max_len=7)
+    assert len(cache.self_k) == len(cache.cross_v) == 3
+    assert cache.self_k[0].shape == (4, 2, 7, 8) and cache.cross_k[0].shape == (4, 2, 5, 8)
+    assert cache.num_bytes() == 2 * 3 * 4 * 16 * (7 + 5) * 4  # float32
+    before = cache.cross_k[1].clone()
+    cache.reorder(torch.tensor([3, 3, 0, 1]))
+    assert torch.equal(cache.cross_k[1], before[[3, 3, 0, 1]])
+
+
+def test_greedy_rows_stop_on_their_own_and_match_single_decoding():
+    model = set_eos_bias(tiny_model(11), 1.5)  # some rows end early, some never
+    src, mask = padded_batch(12, 6, 11)
+    out = greedy_decode(model, src, 40, src_mask=mask)
+    ended = (out == EOS).any(1)
+    assert 0 < int(ended.sum()) < 12, "the test needs rows that end and rows that do not"
+    for b in range(12):
+        alone = greedy_decode(model, src[b : b + 1], 40, src_mask=mask[b : b + 1])
+        width = alone.size(1)
+        assert torch.equal(out[b, :width], alone[0])
+        assert (out[b, width:] == PAD).all()
+
+
+def test_eos_at_the_first_step_and_never():
+    src, mask = padded_batch(3, 4)
+    always = set_eos_bias(tiny_model(), 1e4)
+    assert torch.equal(greedy_decode(always, src, 10, mask), torch.tensor([[BOS, EOS]] * 3))
+    never = set_eos_bias(tiny_model(), -math.inf)
+    out = greedy_decode(never, src, 10, mask, use_cache=True)
+    assert out.shape == (3, 11) and not (out == EOS).any()
+
+
+def test_decoding_restores_the_training_mode_and_ignores_dropout():
+    model = tiny_model(3)
+    model.train()
+    src, mask = padded_batch(2, 5, 3)
+    first = greedy_decode(model, src, 12, mask)
+    assert model.training
+    assert torch.equal(first, greedy_decode(model.eval(), src, 12, mask))
+
+
+# ------------------------------------------------------------------ beam search
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_beam_of_one_is_greedy(seed, alpha):
+    model = tiny_model(seed)
+    src, mask = padded_batch(6, 7, seed)
+    greedy = greedy_decode(model, src, 20, mask)
+    tokens, log_p = beam_search(model, src, 1, 20, mask, length_penalty=alpha)
+    assert torch.equal(tokens, greedy)
+    assert_close(log_p, sequence_log_prob(model, src, greedy, mask), atol=1e-4, rtol=1e-4)
+
+
+def test_beam_scores_are_the_log_probs_of_its_outputs():
+    model = tiny_model(4)
+    src, mask = padded_batch(5, 6, 4)
+    tokens, log_p = beam_search(model, src, 3, 15, mask, length_penalty=0.6)
+    check_format(tokens, 15)
+    assert_close(log_p, sequence_log_prob(model, src, tokens, mask), atol=1e-4, rtol=1e-4)
+
+
+def test_a_full_width_beam_finds_the_best_short_output():
+    """With k = V and two steps the search is exhaustive: compare with brute force."""
+    model = tiny_model(6)
+    src, mask = padded_batch(3, 5, 6)
+    tokens, log_p = beam_search(model, src, VOCAB, 2, mask, length_penalty=0.0)
+    for b in range(3):
+        candidates = [[BOS, EOS]]
+        for y1, y2 in itertools.product(range(VOCAB), repeat=2):
+            if y1 != EOS:
+                candidates.append([BOS, y1, y2])
+        ids = torch.tensor([c + [PAD] * (3 - len(c)) for c in candidates])  # (n, 3)
+        scores = sequence_log_prob(
+            model,
+            src[b : b + 1].expand(len(ids), -1),
+            ids,
+            mask[b : b + 1].expand(len(ids), -1, -1, -1),
+        )
+        best = int(scores.argmax())
+        assert_close(log_p[b], scores[best], atol=1e-4, rtol=1e-4)
+        assert torch.equal(tokens[b, : len(candidates[best])], torch.tensor(candidates[best]))
+
+
+def test_length_penalty_wu():
+    assert length_penalty_wu(1, 0.6) == 1.0  # (5 + 1) / 6 = 1
+    assert length_penalty_wu(7, 0.0) == 1.0
+    assert math.isclose(length_penalty_wu(7, 0.6), 2.0**0.6)
+
+
+# ------------------------------------------------------------------ sampling
+def test_next_token_probs_temperature_and_top_k():
+    logits = torch.tensor([[2.0, 0.5, -1.0, 3.0, 0.0], [0.1, 0.2, 0.3, 0.4, 0.5]])
+    assert_close(next_token_probs(logits), F.softmax(logits, -1))
+    assert_close(next_token_probs(logits, 0.5), F.softmax(logits / 0.5, -1))
+    top2 = next_token_probs(logits, top_k=2)
+    assert ((top2 > 0).sum(-1) == 2).all()
+    assert_close(top2.sum(-1), torch.ones(2))
+    assert torch.equal(next_token_probs(logits, 1e-6).argmax(-1), logits.argmax(-1))
+    assert_close(next_token_probs(logits, top_k=1), F.one_hot(logits.argmax(-1), 5).float())
+    assert_close(next_token_probs(logits, top_k=99), F.softmax(logits, -1))  # k >= V: all kept
+
+
+def test_top_1_and_cold_sampling_are_greedy():
+    model = tiny_model(7)
+    src, mask = padded_batch(5, 6, 7)
+    greedy = greedy_decode(model, src, 20, mask)
+    assert torch.equal(sample(model, src, 20, top_k=1, src_mask=mask), greedy)
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(
+        sample(model, src, 20, temperature=1e-4, generator=gen, src_mask=mask), greedy
+    )
+
+
+def test_sampling_is_deterministic_with_a_generator():
+    model = set_eos_bias(tiny_model(8), -5.0)  # long outputs, so that draws can differ
+    src, mask = padded_batch(4, 6, 8)
+
+    def draw(seed, use_cache=True, **kwargs):
+        gen = torch.Generator().manual_seed(seed)
+        return sample(model, src, 30, generator=gen, src_mask=mask, use_cache=use_cache, **kwargs)
+
+    first = draw(0)
+    check_format(first, 30)
+    assert torch.equal(first, draw(0)) and torch.equal(first, draw(0, use_cache=False))
+    assert not torch.equal(first, draw(1))
+    assert torch.equal(draw(3, temperature=2.0, top_k=3), draw(3, temperature=2.0, top_k=3))
+
+
+# ------------------------------------------------------------------ cross-attention weights
+def test_cross_attention_weights():
+    model = tiny_model(9, num_layers=3)
+    src, mask = padded_batch(4, 6, 9)
+    tgt = greedy_decode(model, src, 7, mask, use_cache=True)
+    weights = cross_attention_weights(model, src, tgt, mask)
+    assert len(weights) == 3
+    for w in weights:
+        assert w.shape == (4, 2, tgt.size(1), 6)
+        assert_close(w.sum(-1), torch.ones(4, 2, tgt.size(1)))
+        assert (w.masked_select(~mask) == 0).all()
+    assert all(not block.cross_attn._forward_hooks for block in model.decoder.layers)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("n", [0, -1, 65])
+def test_bad_max_new_tokens(n):
+    model = tiny_model()  # max_len = 64
+    src, mask = padded_batch(2, 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        greedy_decode(model, src, n, mask)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        beam_search(model, src, 2, n, mask)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        sample(model, src, n, src_mask=mask)
+
+
+def test_bad_src():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="src"):
+        greedy_decode(model, torch.tensor([3, 4, 5]), 5)  # (T,) instead of (B, T)
+    with pytest.raises(ValueError, match="src"):
+        beam_search(model, torch.ones(1, 2, 3, dtype=torch.long), 2, 5)
+    with pytest.raises(ValueError, match="src"):
+        sample(model, torch.tensor([[3, 99]]), 5)  # id outside the vocabulary
+    with pytest.raises(TypeError, match="src"):
+        greedy_decode(model, torch.ones(2, 3), 5)  # floats are not token ids
+    with pytest.raises(ValueError, match="src_mask"):
+        greedy_decode(
+            model, torch.full((2, 3), 4), 5, src_mask=torch.ones(2, 1, 1, 4, dtype=torch.bool)
+        )
+
+
+@pytest.mark.parametrize("k", [0, -2, 1.5, True])
+def test_bad_beam_size(k):
+    with pytest.raises(ValueError, match="beam_size"):
+        beam_search(tiny_model(), torch.full((1, 3), 4), k, 5)
+
+
+def test_bad_length_penalty():
+    with pytest.raises(ValueError, match="length_penalty"):
+        beam_search(tiny_model(), torch.full((1, 3), 4), 2, 5, length_penalty=-0.5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, math.inf, math.nan])
+def test_bad_temperature(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        sample(tiny_model(), torch.full((1, 3), 4), 5, temperature=temperature)
+    with pytest.raises(ValueError, match="temperature"):
+        next_token_probs(torch.zeros(3), temperature)
+
+
+@pytest.mark.parametrize("top_k", [0, -1, 2.5])
+def test_bad_top_k(top_k):
+    with pytest.raises(ValueError, match="top_k"):
+        sample(tiny_model(), torch.full((1, 3), 4), 5, top_k=top_k)
+
+
+def test_bad_tokens_for_sequence_log_prob():
+    model = tiny_model()
+    src = torch.full((2, 3), 4)
+    with pytest.raises(ValueError, match="tokens"):
+        sequence_log_prob(model, src, torch.full((2, 1), BOS))  # BOS alone predicts nothing
+    with pytest.raises(ValueError, match="tokens"):
+        sequence_log_prob(model, src, torch.full((3, 4), 5))  # batch sizes differ

@@ -1,0 +1,353 @@
+"""Unit tests of transformer_from_scratch.train (notebook 11)."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer_from_scratch.data import make_batch
+from transformer_from_scratch.decoding import greedy_decode
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.model import EOS, PAD, Transformer
+from transformer_from_scratch.train import (
+    EVAL_SEED,
+    REVERSAL_RECIPE,
+    CheckpointError,
+    exact_match,
+    get_reversal_model,
+    load_checkpoint,
+    lr_lambda,
+    reversal_correct,
+    reversal_loss,
+    reversal_recipe,
+    save_checkpoint,
+    train_model,
+    train_reversal,
+)
+
+TINY = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 1, "steps": 6, "batch_size": 8}
+
+
+def tiny_model(seed=0, V=12, dropout_p=0.0):
+    torch.manual_seed(seed)
+    return Transformer(V, V, d_model=32, num_heads=2, d_ff=64, num_layers=1, dropout_p=dropout_p)
+
+
+# ---------------------------------------------------------------- lr_lambda
+
+
+def test_lr_lambda_formula_values():
+    assert lr_lambda(1, 128, 400) == pytest.approx(128**-0.5 * 400**-1.5, rel=1e-12)
+    assert lr_lambda(1000, 128, 400) == pytest.approx(128**-0.5 * 1000**-0.5, rel=1e-12)
+    assert lr_lambda(200, 512, 4000) == pytest.approx(512**-0.5 * 200 * 4000**-1.5, rel=1e-12)
+    # The tutorial's printed rate at step 1000 (after sched.step()): 2.80e-03.
+    assert f"{lr_lambda(1000, 128, 400):.2e}" == "2.80e-03"
+
+
+def test_lr_lambda_step_zero_is_clamped():
+    assert lr_lambda(0, 128, 400) == lr_lambda(1, 128, 400) > 0
+
+
+@pytest.mark.parametrize(("d_model", "warmup"), [(128, 400), (512, 4000), (64, 7)])
+def test_lr_lambda_peak_at_warmup(d_model, warmup):
+    rates = [lr_lambda(s, d_model, warmup) for s in range(0, 5 * warmup)]
+    assert max(range(len(rates)), key=rates.__getitem__) == warmup
+    assert max(rates) == pytest.approx((d_model * warmup) ** -0.5, rel=1e-12)
+    assert rates[4 * warmup] == pytest.approx(max(rates) / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        ((-1, 128, 400), ValueError, "step must be a non-negative int"),
+        ((1.5, 128, 400), ValueError, "step must be a non-negative int"),
+        ((1, 0, 400), ValueError, "d_model must be positive"),
+        ((1, 128, -4), ValueError, "warmup must be positive"),
+        ((1, "128", 400), TypeError, "d_model must be a number"),
+    ],
+)
+def test_lr_lambda_bad_input(args, error, match):
+    with pytest.raises(error, match=match):
+        lr_lambda(*args)
+
+
+# ---------------------------------------------------------------- the loss and the loop
+
+
+def test_reversal_loss_ignores_pad_and_matches_manual():
+    model = tiny_model().eval()
+    batch = make_batch(16, 8, 12, torch.Generator().manual_seed(0))
+    src, tgt_in, tgt_out, lengths = batch
+    loss = reversal_loss(model, batch)
+    logits = model(
+        src,
+        tgt_in,
+        src_mask=padding_mask(lengths, 8),
+        tgt_mask=torch.ones(9, 9, dtype=torch.bool).tril(),
+    )
+    log_p = logits.log_softmax(-1).gather(-1, tgt_out[..., None])[..., 0]
+    torch.testing.assert_close(loss, -log_p[tgt_out != PAD].mean())
+    smoothed = reversal_loss(model, batch, label_smoothing=0.1)
+    expected = F.cross_entropy(
+        logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD, label_smoothing=0.1
+    )
+    torch.testing.assert_close(smoothed, expected)
+
+
+def test_reversal_loss_gradient_reaches_every_used_parameter():
+    model = tiny_model()
+    reversal_loss(model, make_batch(16, 8, 12, torch.Generator().manual_seed(0))).backward()
+    assert model.out_proj.weight.grad.abs().sum() > 0
+    assert model.src_embed.weight.grad.abs().sum() > 0
+    assert (model.src_embed.weight.grad[PAD] == 0).all()  # padding_idx
+
+
+def test_train_model_lowers_the_loss_and_records_the_schedule():
+    model = tiny_model()
+    history = train_model(
+        model, 30, batch_size=32, warmup=10, generator=torch.Generator().manual_seed(1)
+    )
+    assert len(history["loss"]) == len(history["lr"]) == 30
+    assert history["lr"] == pytest.approx([lr_lambda(s, 32, 10) for s in range(1, 31)], rel=1e-12)
+    first, last = sum(history["loss"][:5]) / 5, sum(history["loss"][-5:]) / 5
+    assert last < 0.9 * first and last < math.log(9)  # better than a uniform guess of a symbol
+    assert all(math.isfinite(x) for x in history["loss"])
+    assert model.training
+
+
+def test_train_model_is_deterministic_on_the_cpu():
+    runs = []
+    for _ in range(2):
+        model = tiny_model(dropout_p=0.1)
+        torch.manual_seed(5)  # dropout masks
+        runs.append(
+            train_model(model, 8, batch_size=16, generator=torch.Generator().manual_seed(2))
+        )
+    assert runs[0] == runs[1]
+
+
+def test_callback_runs_every_step_and_does_not_change_the_run():
+    seen = []
+
+    def evaluate(step, model):
+        seen.append(step)
+        exact_match(model, n=4)  # switches to eval mode and back; draws from its own generator
+
+    plain, _ = train_reversal(**TINY)
+    watched, history = train_reversal(callback=evaluate, **{**TINY, "dropout_p": 0.1})
+    again, history_again = train_reversal(**{**TINY, "dropout_p": 0.1})
+    assert seen == list(range(1, TINY["steps"] + 1))
+    assert history == history_again
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(watched.state_dict().values(), again.state_dict().values(), strict=True)
+    )
+
+
+def test_train_model_prints_when_asked(capsys):
+    train_model(
+        tiny_model(), 4, batch_size=4, log_every=2, generator=torch.Generator().manual_seed(0)
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("step     2  loss ")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"steps": 0}, ValueError, "steps must be positive"),
+        ({"steps": 2.5}, TypeError, "steps must be an int"),
+        ({"steps": 3, "label_smoothing": 1.0}, ValueError, r"label_smoothing must be in \[0, 1\)"),
+        ({"steps": 3, "clip_norm": 0.0}, ValueError, "clip_norm must be positive"),
+    ],
+)
+def test_train_model_bad_input(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        train_model(tiny_model(), **kwargs)
+
+
+# ---------------------------------------------------------------- greedy decoding, exact match
+
+
+class ReverseOracle(nn.Module):
+    """A 'model' that reverses perfectly (one wrong first token for sequences of length `bad`)."""
+
+    def __init__(self, vocab_size=12, bad=None):
+        super().__init__()
+        self.tgt_embed = nn.Embedding(vocab_size, 1)  # for vocab_size and the device
+        self.out_proj = nn.Identity()
+        self.vocab_size, self.bad = vocab_size, bad
+
+    def encode(self, src, src_mask=None):
+        return F.one_hot(src, self.vocab_size).float()  # (B, T_src, V)
+
+    def decode(self, ys, enc_out, self_mask=None, cross_mask=None):
+        src = enc_out.argmax(-1)  # (B, T_src)
+        L = (src != PAD).sum(1, keepdim=True)  # (B, 1)
+        t = torch.arange(ys.size(1))[None]  # (1, T)
+        nxt = src.gather(1, (L - 1 - t).clamp(min=0, max=src.size(1) - 1))  # reversed
+        nxt = torch.where(t == L, EOS, torch.where(t > L, PAD, nxt))  # (B, T)
+        if self.bad is not None:
+            nxt[:, 0] = torch.where(L[:, 0] == self.bad, 3 + (nxt[:, 0] == 3), nxt[:, 0])
+        return F.one_hot(nxt, self.vocab_size).float()  # logits: (B, T, V)
+
+
+def test_exact_match_counts_exactly():
+    n, g = 100, torch.Generator().manual_seed(EVAL_SEED)
+    lengths = make_batch(n, 8, 12, generator=g)[3]
+    assert exact_match(ReverseOracle(), n=n) == n
+    assert exact_match(ReverseOracle(bad=5), n=n) == n - int((lengths == 5).sum())
+
+
+def test_reversal_correct_per_row():
+    src, _, tgt_out, lengths = make_batch(20, 6, 12, torch.Generator().manual_seed(0))
+    correct = reversal_correct(ReverseOracle(bad=4), src, tgt_out, lengths)
+    assert correct.shape == (20,) and correct.dtype == torch.bool
+    assert torch.equal(correct, lengths != 4)
+
+
+def test_exact_match_uses_greedy_decoding_of_a_real_model():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(EVAL_SEED)
+    src, _, tgt_out, lengths = make_batch(16, 8, 12, generator=g)
+    decoded = greedy_decode(model, src, 9, src_mask=padding_mask(lengths, 8))[:, 1:]
+    expected = (F.pad(decoded, (0, 9 - decoded.size(1)), value=PAD) == tgt_out).all(dim=1)
+    assert exact_match(model, n=16) == int(expected.sum())
+    assert model.training  # handed back in the mode it came in
+
+
+def test_exact_match_bad_n():
+    with pytest.raises(ValueError, match="n must be positive"):
+        exact_match(ReverseOracle(), n=0)
+
+
+# ---------------------------------------------------------------- recipes
+
+
+def test_reversal_recipe_defaults_and_errors():
+    assert reversal_recipe() == REVERSAL_RECIPE
+    assert reversal_recipe(steps=7)["steps"] == 7 and REVERSAL_RECIPE["steps"] != 7
+    with pytest.raises(ValueError, match=r"unknown recipe keys \['stpes'\]"):
+        reversal_recipe(stpes=7)
+    with pytest.raises(ValueError, match="embedding_init must be 'paper' or 'default'"):
+        reversal_recipe(embedding_init="xavier")
+
+
+def test_train_reversal_is_bit_reproducible_and_default_init_changes_only_embeddings():
+    a, history_a = train_reversal(**TINY)
+    b, history_b = train_reversal(**TINY)
+    assert history_a == history_b
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+    assert not a.training
+    c, _ = train_reversal(**{**TINY, "steps": 1, "embedding_init": "default"})
+    assert c.src_embed.weight[3:].std() > 0.5  # N(0, 1), not N(0, 1/d)
+    assert (c.src_embed.weight[PAD] == 0).all()
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_round_trip_through_weights_only_load(tmp_path):
+    model = tiny_model()
+    path = save_checkpoint(tmp_path / "sub" / "m.pt", model, recipe={"steps": 3}, losses=[1.0, 0.5])
+    raw = torch.load(path, weights_only=True)
+    assert raw["config"] == model.config and raw["meta"]["losses"] == [1.0, 0.5]
+    restored, meta = load_checkpoint(path)
+    assert meta == {"recipe": {"steps": 3}, "losses": [1.0, 0.5]} and not restored.training
+    for (k, v), (k2, v2) in zip(
+        model.state_dict().items(), restored.state_dict().items(), strict=True
+    ):
+        assert k == k2 and torch.equal(v, v2)
+
+
+def test_load_checkpoint_map_location_and_config(tmp_path):
+    model = Transformer(7, 9, d_model=8, num_heads=2, d_ff=16, num_layers=1, max_len=20)
+    restored, meta = load_checkpoint(save_checkpoint(tmp_path / "m.pt", model), map_location="cpu")
+    assert meta == {} and restored.config == model.config
+    assert restored.out_proj.weight.device.type == "cpu"
+    assert restored.src_embed.num_embeddings == 7 and restored.tgt_embed.num_embeddings == 9
+
+
+def test_save_is_atomic_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "m.pt"
+    save_checkpoint(path, tiny_model())
+    save_checkpoint(path, tiny_model(seed=1))  # replaces the file in one step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+    assert torch.equal(load_checkpoint(path)[0].out_proj.weight, tiny_model(seed=1).out_proj.weight)
+
+
+def test_failed_save_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "m.pt"
+    save_checkpoint(path, tiny_model())
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, tiny_model(seed=1))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+
+
+def test_unsafe_metadata_is_refused_at_save_time(tmp_path):
+    with pytest.raises(TypeError, match=r"meta\['when'\] is a object"):
+        save_checkpoint(tmp_path / "m.pt", tiny_model(), when=object())
+    assert not (tmp_path / "m.pt").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty", "not ours"])
+def test_corrupt_checkpoints_give_a_clear_value_error(tmp_path, damage):
+    good = save_checkpoint(tmp_path / "good.pt", tiny_model())
+    bad = tmp_path / "bad.pt"
+    if damage == "truncated":
+        bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    elif damage == "random":
+        bad.write_bytes(bytes(range(256)) * 8)
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    else:
+        torch.save({"weights": torch.zeros(3)}, bad)
+    with pytest.raises(ValueError, match=str(bad)) as info:
+        load_checkpoint(bad)
+    assert isinstance(info.value, CheckpointError)
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="no checkpoint file at .*missing.pt"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_get_reversal_model_trains_saves_then_loads(tmp_path, capsys):
+    path = tmp_path / "checkpoints" / "reversal.pt"
+    first = get_reversal_model(path, device="cpu", **TINY)
+    assert "trained" in capsys.readouterr().out and path.is_file()
+    second = get_reversal_model(path, device="cpu", **TINY)
+    assert "loaded" in capsys.readouterr().out
+    trained, _ = train_reversal(**TINY)
+    for a, b, c in zip(
+        first.state_dict().values(),
+        second.state_dict().values(),
+        trained.state_dict().values(),
+        strict=True,
+    ):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not second.training
+
+
+def test_get_reversal_model_retrains_on_a_corrupt_file_or_another_recipe(tmp_path, capsys):
+    path = tmp_path / "reversal.pt"
+    path.write_bytes(b"garbage")
+    get_reversal_model(path, device="cpu", **TINY)
+    out = capsys.readouterr().out
+    assert "cannot read the checkpoint" in out and "trained" in out
+    get_reversal_model(path, device="cpu", **{**TINY, "steps": 2})
+    assert "another recipe" in capsys.readouterr().out
+    assert load_checkpoint(path)[1]["recipe"]["steps"] == 2
