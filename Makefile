@@ -11,19 +11,16 @@ STAMP := $(VENV)/.installed
 NB ?=
 # pytest-xdist workers for the notebook run.
 JOBS ?= 2
-# Same environment for the kernels that store outputs and for those that check them.
-export PYTHONHASHSEED := 0
-export MPLBACKEND := module://matplotlib_inline.backend_inline
-# Kernels that store or compare outputs run on one thread each (tools/notebooks.py does the
-# same): reductions add up in the same order every time, and two nbval workers share two cores.
-execute figures nbval unit bench: export OMP_NUM_THREADS := 1
-execute figures nbval unit bench: export MKL_NUM_THREADS := 1
+# The kernels that store outputs and those that check them share one environment, defined in
+# tools/kernel.env (tools/notebooks.py reads the same file).
+include tools/kernel.env
+export PYTHONHASHSEED MPLBACKEND OMP_NUM_THREADS MKL_NUM_THREADS
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test check lint sync links export execute figures nbval unit html bench clean
+.PHONY: help setup lab preflight test test-compat check lint sync links fork export execute figures nbval unit html bench clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | expand -t 12
+	@grep -E '^[a-z-]+:.*## ' Makefile | sed -E 's/:.*## /\t/' | expand -t 12
 
 $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,11 +44,15 @@ check: $(STAMP)  ## fast checks: ruff, pairs in sync and clean, src/ matches the
 lint: check
 
 sync: $(STAMP)  ## bring each .py/.ipynb pair together (the newer file wins) and fill in links
-	$(BIN)/jupytext --sync notebooks/[0-9][0-9]_*.ipynb
+	$(BIN)/jupytext --quiet --sync notebooks/[0-9][0-9]_*.ipynb
 	$(BIN)/python tools/notebooks.py links
 
-links: $(STAMP)
+links: $(STAMP)  ## write the GitHub location into Colab links, setup cells and README's table
 	$(BIN)/python tools/notebooks.py links
+
+fork: $(STAMP)  ## point the Colab links and installs at a fork: make fork REPO=owner/name [BRANCH=main]
+	@test -n "$(REPO)" || { echo "usage: make fork REPO=owner/name [BRANCH=main]"; exit 2; }
+	$(BIN)/python tools/notebooks.py fork $(REPO) --branch $(or $(BRANCH),main)
 
 export: $(STAMP)  ## write src/transformer_from_scratch/ from the notebooks' export cells
 	$(BIN)/python tools/export.py
@@ -70,7 +71,24 @@ nbval: $(STAMP)  ## re-execute every notebook and compare with its stored output
 	  --nbval-sanitize-with tests/nbval_sanitize.cfg -n $(JOBS) --dist loadfile \
 	  $(if $(strip $(NB)),$(foreach n,$(NB),notebooks/$(n)_*.ipynb),notebooks/)
 
-test: check unit nbval  ## everything CI runs
+preflight:  ## say at once what `make test` needs that this machine lacks (Chromium, npm)
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) tools/preflight.py
+
+test: preflight check unit nbval  ## everything CI runs
+
+# Compatibility runs: another PyTorch (and Colab's package versions) in .venv-compat/NAME,
+# every notebook executed top to bottom, no output comparison. Profiles live in compat/.
+COMPAT ?= oldest
+.venv-compat/%/.installed: compat/%.txt pyproject.toml
+	@test -x .venv-compat/$*/bin/python || $(PYTHON) -m venv .venv-compat/$*
+	.venv-compat/$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-compat/$*/bin/python -m pip install --quiet -r compat/$*.txt
+	.venv-compat/$*/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	.venv-compat/$*/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@touch $@
+
+test-compat: .venv-compat/$(COMPAT)/.installed  ## run every notebook under compat/$(COMPAT).txt (oldest, newest, colab; downloads GBs)
+	.venv-compat/$(COMPAT)/bin/python tools/notebooks.py run $(NB)
 
 html: $(STAMP)  ## render the static site into site/ (offline: MathJax and widget JS vendored)
 	$(BIN)/python tools/build_site.py site
@@ -80,6 +98,6 @@ bench: $(STAMP)  ## side-by-side speed and memory: bench-attention.json (02), be
 	$(BIN)/python -m transformer_from_scratch.bench_model --threads 1 --out bench.json
 
 clean:  ## remove the environment and everything built
-	rm -rf $(VENV) site test-artifacts build .pytest_cache .ruff_cache bench.json bench-attention.json
+	rm -rf $(VENV) .venv-compat site test-artifacts build .pytest_cache .ruff_cache bench.json bench-attention.json
 	find . -name __pycache__ -prune -exec rm -rf {} +
 	find . -name '*.egg-info' -prune -exec rm -rf {} +

@@ -15,11 +15,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %% [markdown]
 # ## How the course is put together
@@ -88,6 +94,7 @@ print(f"cuda        {torch.cuda.is_available()}")
 torch_major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 assert torch_major_minor >= (2, 1), "the course needs torch 2.1 or newer"
 
+
 # %% [markdown]
 # ## Choosing a device
 #
@@ -118,6 +125,7 @@ assert get_device("cpu") == torch.device("cpu")
 
 # %% tags=["nbval-ignore-output"]
 print(device)
+
 
 # %% [markdown]
 # ## Seeding
@@ -156,6 +164,7 @@ set_seed(1)
 c = torch.randn(3)
 assert torch.equal(a, b) and not torch.equal(a, c)
 print(a.round(decimals=4))
+
 
 # %% [markdown]
 # The printed numbers are the same on every machine with this PyTorch version: the CPU generator
@@ -301,6 +310,7 @@ first, second = torch.rand(2), torch.rand(2)
 set_seed(0)
 again = torch.rand(2)
 assert not torch.equal(first, second) and torch.equal(first, again)
+
 
 # %% [markdown]
 # 2. A decorator's return value replaces the name it decorates. Returning nothing would leave

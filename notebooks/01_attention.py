@@ -16,11 +16,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import math
@@ -35,6 +41,7 @@ from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_
 
 set_seed(0)
 device = get_device()
+
 
 # %% [markdown]
 # ## 1. The fixed-length bottleneck
@@ -151,6 +158,7 @@ assert (sentence_1 - sentence_2).norm() > 1.0
 torch.testing.assert_close(W_enc @ sentence_1, W_enc @ sentence_2)
 print("input distance:  ", round((sentence_1 - sentence_2).norm().item(), 4))
 print("summary distance:", round((W_enc @ sentence_1 - W_enc @ sentence_2).norm().item(), 4))
+
 
 # %% [markdown]
 # A recurrent encoder is not linear, but the point stands: $d$ numbers of finite precision hold
@@ -314,6 +322,7 @@ for ax in (ax_k, ax_v):
 fig.tight_layout()
 plt.show()
 
+
 # %% [markdown]
 # **Takeaway: attention is a weighted average of values, with weights from a softmax over
 # query–key scores; with one query it is three lines of code and matches PyTorch's built-in.**
@@ -365,6 +374,7 @@ assert softmax_naive(z_large).isnan().all()
 torch.testing.assert_close(softmax(z_large), torch.softmax(z_large, dim=-1))
 # Shift invariance: both rows are the logits (2, 1, 0) shifted, reversed in the second.
 torch.testing.assert_close(softmax(z_large)[0], softmax(torch.tensor([2.0, 1.0, 0.0])).flip(0))
+
 
 # %% [markdown]
 # ### The Jacobian of the softmax
@@ -425,6 +435,7 @@ torch.testing.assert_close(J_ours, J_ours.T)
 torch.testing.assert_close(J_ours.sum(dim=-1), torch.zeros(6, dtype=torch.float64))
 assert torch.linalg.eigvalsh(J_ours).min() > -1e-12
 print(J_ours.round(decimals=4))
+
 
 # %% [markdown]
 # In backpropagation we never build $J$: we need the product of an upstream gradient
@@ -613,6 +624,7 @@ g_many = torch.randn(20_000, 8, NUM_KEYS, generator=gen, dtype=torch.float64)   
 passed_back = softmax_backward(softmax(z_8), g_many)           # J^T g for each sample, (S, 8, T)
 mean_sq = passed_back.pow(2).sum(dim=-1).mean(dim=0)                                 # (8,)
 torch.testing.assert_close(mean_sq, torch.linalg.matrix_norm(J_8) ** 2, rtol=0.05, atol=0.0)
+
 
 # %% [markdown]
 # The three measurements in one figure. Lines are medians over the 1,000 queries; the shaded

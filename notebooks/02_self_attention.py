@@ -16,11 +16,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import json
@@ -37,6 +43,7 @@ from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_
 
 set_seed(0)
 device = get_device()
+
 
 # %% [markdown]
 # This notebook writes three modules of the package: `attention` (the function at the heart of
@@ -678,6 +685,7 @@ assert attn_sentence[0, position["cat"]].argmax().item() == position["chased"]
 print(f"e^3 / (2 e^3 + 6) = {expected:.4f}")
 print("context of 'the':", [round(v, 3) for v in context_sentence[0, position["the"]].tolist()])
 
+
 # %% [markdown]
 # Note what the head *cannot* do. "hungry" belongs to "cat" and "small grey" to "mouse", yet each
 # adjective splits its attention evenly between the two nouns, and "the" and "a" have identical
@@ -886,6 +894,7 @@ assert flops[1] == 4 * flops[0]
 print(f"one head, d_k = d_v = 64: T = 512 -> {flops[0] / 1e6:.0f} MFLOP, T = 1024 -> {flops[1] / 1e6:.0f} MFLOP")
 print(f"T = 32768: {attention_flops(32768) / 1e12:.2f} TFLOP per head")
 
+
 # %% [markdown]
 # ### Memory: the peak of one call
 #
@@ -981,6 +990,7 @@ for T in (64, 128, 256, 512, 1024):
           f" {memory['peak_bytes'] / weights:>15.3f}")
 peaks = [attention_memory(T, d_k=64, device=device)["peak_bytes"] for T in (1024, 2048)]
 assert 3.9 < peaks[1] / peaks[0] < 4.0  # quadruples with T, once T^2 dominates T * d_v
+
 
 # %% [markdown]
 # ### Time: a noisy measurement
@@ -1110,6 +1120,7 @@ for ax in (ax_time, ax_mem):
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8)
 plt.show()
+
 
 # %% [markdown]
 # The memory panel is exact: the measured peak sits on the accounting at every length, and

@@ -18,11 +18,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import math
@@ -132,6 +138,7 @@ plt.show()
 #| export
 import torch
 from torch import nn
+
 
 # %% [markdown]
 # The constructor holds the four packed projections, named after the paper's matrices, and
@@ -299,6 +306,7 @@ ours_var = MultiHeadAttention(512, 8).W_q.weight.var().item() * 512
 print(f"d_model x Var(W):  ours {ours_var:.2f}   their in_proj {in_var:.2f}   their out_proj {out_var:.2f}")
 assert abs(ours_var - 1) < 0.03 and abs(in_var - 0.5) < 0.02 and abs(out_var - 1 / 3) < 0.02
 
+
 # %% [markdown]
 # **Takeaway: for a square projection, Xavier's variance $1/d_{\text{model}}$ keeps unit-variance
 # inputs at unit variance, which is what the $1/\sqrt{d_k}$ scaling of the scores assumes;
@@ -388,6 +396,7 @@ for g, (colours, labels, title) in enumerate(panels):
     ax.set_ylabel("token" if g == 0 else "")
 fig.suptitle("_split_heads: the channel axis is cut into h = 3 blocks of d_k = 4", y=1.04)
 plt.show()
+
 
 # %% [markdown]
 # **Takeaway: splitting is a reshape and a transpose, no arithmetic; the heads never mix until
@@ -750,6 +759,7 @@ fig.suptitle("Per-head attention weights: a fresh module (top) and hand-set head
 save_figure(fig, "mha_heads")
 plt.show()
 
+
 # %% [markdown]
 # **Takeaway: each head has its own query–key subspace, so one layer can follow several
 # relations at once, and concatenation keeps their answers apart for $W^O$.**
@@ -945,6 +955,7 @@ with torch.no_grad():  # the whole module with the fused kernel as step 2
     torch.testing.assert_close(y_fused, ours(x_q, x_k, x_v, mask=mask))
 print("per-head context and its gradients match F.scaled_dot_product_attention")
 
+
 # %% [markdown]
 # **Takeaway: a multi-head layer is projections around one batched scaled dot-product attention;
 # the fused kernel can replace ours in step 2 without changing a number.**
@@ -1056,6 +1067,7 @@ for r, (name, (S, A)) in enumerate(zip(["separate W_q, W_k", "shared W_q = W_k"]
                        title=f"{name}: {kind} (head 0)")
 save_figure(fig, "mha_shared_qk")
 plt.show()
+
 
 # %% [markdown]
 # Each score map has its own colour scale. With a shared projection the score matrix is a mirror

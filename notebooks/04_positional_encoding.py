@@ -19,11 +19,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import math
@@ -366,6 +372,7 @@ ratios = wavelength[1:] / wavelength[:-1]
 assert_close(ratios, torch.full_like(ratios, 10000 ** (2 / 128)))  # one constant ratio
 print(f"longest wavelength: {wavelength[-1].item():.0f} positions")
 
+
 # %% [markdown]
 # **Each pair of dimensions is a clock running at its own speed; together they give every
 # position a distinct, bounded code.**
@@ -454,6 +461,7 @@ ax2.set_title("Depends on the offset only")
 ax2.legend()
 plt.show()
 
+
 # %% [markdown]
 # **Moving $k$ positions is the same rotation $M_k$ from every starting point, so the distance
 # between two tokens is a linear, position-independent feature of their codes.**
@@ -519,6 +527,7 @@ try:
 except ValueError as err:
     print("ValueError:", err)
 assert torch.equal(PositionalEncoding(128, max_len=100).pe, PositionalEncoding(128).pe[:, :100])
+
 
 # %% [markdown]
 # Before training, a learned table is noise: rows of different positions are nearly
@@ -616,6 +625,7 @@ for k in [0, 1, 5]:
 print("scores at offset 1, from m = 0, 20, 40:",
       [round(additive_scores[m, m + 1].item(), 3) for m in [0, 20, 40]])
 
+
 # %% [markdown]
 # Now the module. Like the sinusoidal one it precomputes a table, here $\cos m\theta_j$ and
 # $\sin m\theta_j$ for $m < \text{max\_len}$. These buffers are *not persistent*: they are
@@ -697,6 +707,7 @@ q = torch.randn(2, 4, 10, 64).to(device)  # (B, h, T, d_head)
 k = torch.randn(2, 4, 10, 64).to(device)
 q_rot, k_rot = rope(q, k)
 print(q_rot.shape, k_rot.shape, "buffers in state_dict:", list(rope.state_dict()))
+
 
 # %% [markdown]
 # **Check 1: against complex numbers.** Treating pair $j$ as the complex number
@@ -903,6 +914,7 @@ print(f"{'scheme':<12}{'T=16':>8}{'T=48, t>=16':>14}")
 for s in schemes:
     print(f"{s:<12}{short_accuracy[s]:>8.2f}{accuracy[s][T_train - 1:].mean().item():>14.2f}")
 
+
 # %% [markdown]
 # What can the order-blind model do at all? It sees the *set* of tokens in its window, not which
 # one sits where, so its best bet is the token that occurs most often in the window. That bet is
@@ -1003,6 +1015,7 @@ print(f"mean accuracy where the margin is positive {acc_beyond[margin > 0].mean(
       f"where it is negative {acc_beyond[margin < 0].mean():.2f}")
 assert correlation > 0.5
 assert acc_beyond[margin > 0].mean() > acc_beyond[margin < 0].mean() + 0.2
+
 
 # %% [markdown]
 # A caution about reading too much into a toy: thanks to the window, every offset the models met
@@ -1111,6 +1124,7 @@ for base, expected_longest in [(10_000, 54_410), (500_000, 2_559_196)]:
     assert slow_pairs == {10_000: 14, 500_000: 29}[base]
     print(f"base {base:>7}: longest wavelength {wavelengths[-1].item():>9.0f}, "
           f"pairs that never turn once in 8192 tokens: {slow_pairs} of 64")
+
 
 # %% [markdown]
 # **4.** A plain tensor attribute is invisible to `nn.Module`: `.to()` leaves it where it was

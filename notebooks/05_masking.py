@@ -17,11 +17,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import inspect
@@ -317,6 +323,7 @@ fig.colorbar(image, ax=axes, fraction=0.046, pad=0.04,
              label=r"$\|\partial c_i / \partial x_j\|$ (Frobenius norm, square-root scale)")
 plt.show()
 
+
 # %% [markdown]
 # **A causal mask makes output $i$ a function of inputs $0..i$ only, so teacher-forced training
 # sees exactly what generation will see.**
@@ -542,6 +549,7 @@ fig.legend(handles=[Patch(fill=False, edgecolor=COLORS["accent"], linewidth=2.5,
 fig.suptitle("Three masks that leave some queries with nothing to attend to")
 plt.show()
 
+
 # %% [markdown]
 # ### A naive masked softmax returns NaN there
 #
@@ -752,6 +760,7 @@ full_rows_d = full_rows[..., :1].expand_as(builtin_on_device).to(device)  # (B, 
 torch.testing.assert_close(ours_on_device[full_rows_d], builtin_on_device[full_rows_d])
 assert (ours_on_device[~full_rows_d] == 0).all()
 
+
 # %% [markdown]
 # ### Why zeros are safe
 #
@@ -941,6 +950,7 @@ fig.suptitle("One mask (sequence 1: causal, length 4 of 7) in three spellings; "
              "colour = what it means, text = what you pass")
 save_figure(fig, "05_mask_conventions")
 plt.show()
+
 
 # %% [markdown]
 # **Booleans mean "may attend" for us and for `F.scaled_dot_product_attention`, but "blocked"

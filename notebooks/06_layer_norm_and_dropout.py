@@ -17,11 +17,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import math
@@ -37,6 +43,7 @@ from transformer_from_scratch.utils import COLORS, add_to_class, get_device, sav
 
 generator = set_seed(0)
 device = get_device()
+
 
 # %% [markdown]
 # ## Why normalise
@@ -161,6 +168,7 @@ import math
 import torch
 from torch import nn
 
+
 # %% [markdown]
 # The parameters are called `weight` ($\gamma$) and `bias` ($\beta$), the names `nn.LayerNorm`
 # uses, so a `state_dict` moves between the two unchanged. The constructor refuses values that
@@ -265,6 +273,7 @@ for name, a, b in zip(("y", "dL/dx", "dL/dgamma", "dL/dbeta"),
                       output_and_grads(ours, x), output_and_grads(reference, x), strict=True):
     assert_close(a, b)
     print(f"{name:10} matches nn.LayerNorm: {torch.allclose(a, b, rtol=1.3e-6, atol=1e-5)}")
+
 
 # %% [markdown]
 # ### The unbiased-variance mistake
@@ -563,6 +572,7 @@ assert (bn_train_out - bn_eval_out).abs().max() > 0.1
 assert torch.equal(ln_train_out, ln_eval_out)
 assert "more than 1 value per channel" in single_token_error
 
+
 # %% [markdown]
 # **Layer norm depends on nothing but the token itself, so padding, batch size and train/eval
 # mode cannot change it; that is why Transformers use it.**
@@ -680,6 +690,7 @@ axes[1].legend(fontsize=9)
 plt.tight_layout()
 plt.show()
 
+
 # %% [markdown]
 # **Inverted dropout zeroes a fraction $p$ and rescales the rest by $1/(1-p)$: the expectation
 # is unchanged in training, and evaluation is the identity.**
@@ -796,6 +807,7 @@ ax.set_title("Where dropout sits in a pre-norm Transformer block")
 save_figure(fig, "dropout_placement")
 plt.show()
 
+
 # %% [markdown]
 # In code, one pre-norm sub-layer with all its dropouts is three lines. Notebook 08 builds the
 # real encoder and decoder blocks; here the attention is PyTorch's own, so that the only new
@@ -867,6 +879,7 @@ print("mean row sum over 4000 draws:      ", [round(v, 3) for v in row_sums.mean
 assert (row_sums[0] - 1).abs().max() > 0.05  # one draw: not a distribution any more
 # the sum of a row has std at most sqrt(p / (1 - p) / S) = 0.0053 over S draws; allow 6x
 assert_close(row_sums.mean(dim=0), torch.ones(6), atol=6 * math.sqrt(0.1 / 0.9 / 4000), rtol=0)
+
 
 # %% [markdown]
 # **Dropout goes on the embeddings and on every sub-layer's output before the residual add (the

@@ -17,11 +17,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import math
@@ -142,6 +148,7 @@ print(f"GELU's minimum: {gelu_exact(xs)[i_min].item():.4f} at x = {xs[i_min].ite
 assert gap.max() < 1e-3
 assert -0.18 < gelu_exact(xs).min() < -0.16
 
+
 # %% [markdown]
 # The approximation is off by less than $5 \cdot 10^{-4}$ anywhere, well below what matters for
 # training, but not zero: swapping one for the other in a trained model changes its outputs a
@@ -191,6 +198,7 @@ ax_f.legend(loc="upper left", fontsize=9)
 fig.tight_layout()
 save_figure(fig, "ffn_activations")
 plt.show()
+
 
 # %% [markdown]
 # **ReLU cuts negative inputs to zero and its gradient with them; GELU (and SiLU) bend smoothly,
@@ -418,6 +426,7 @@ assert_close(x_conv.grad, x_grad.grad)
 assert_close(conv_ffn[0].weight.grad.squeeze(-1), ffn[0].weight.grad)
 print("1x1 convolution == position-wise FFN (outputs and gradients)")
 
+
 # %% [markdown]
 # **A position-wise FFN is a pair of kernel-size-1 convolutions: same weights, same numbers.**
 #
@@ -562,6 +571,7 @@ fig.tight_layout()
 save_figure(fig, "ffn_parameter_share")
 plt.show()
 
+
 # %% [markdown]
 # **With $d_{ff} = 4\,d_\text{model}$ the FFN holds two thirds of an encoder block's parameters
 # (half of a decoder block's, which has a second attention): most of a Transformer's weights are in
@@ -643,6 +653,7 @@ except ValueError as err:
     print(f"ValueError: {err}")
 else:
     raise AssertionError("an input of the wrong width was accepted")
+
 
 # %% [markdown]
 # ### Matching the parameter count
@@ -757,6 +768,7 @@ relu_ffn.load_state_dict(linear_ffn.state_dict())  # the same weights, with the 
 assert not torch.allclose(single(x), relu_ffn(x), atol=1e-3)  # with the ReLU: another function
 print(f"two Linears without activation: {num_params(linear_ffn):,} parameters; "
       f"the same function as one Linear: {num_params(single):,}")
+
 
 # %% [markdown]
 # 3. The fused projection holds $[W \mid V]$ side by side; `chunk(2, dim=-1)` splits its output

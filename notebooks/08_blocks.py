@@ -19,11 +19,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import matplotlib.pyplot as plt
@@ -153,6 +159,7 @@ print(f"input      mean {x.mean().item():+.3f}  std {x.std().item():.3f}")
 print(f"pre-norm   mean {pre.mean().item():+.3f}  std {pre.std().item():.3f}   (unchanged)")
 print(f"post-norm  mean {post.mean().item():+.3f}  std {post.std().item():.3f}   (renormalised)")
 
+
 # %% [markdown]
 # The picture of the two arrangements, with the path from a block's input to its output
 # highlighted. In pre-norm that path meets nothing but additions; in post-norm it goes through
@@ -227,6 +234,7 @@ fig.text(0.5, 0.02, "S = a sub-layer (attention or FFN); red: the path from the 
 fig.tight_layout(rect=(0, 0.04, 1, 1))
 save_figure(fig, "blocks_pre_post_norm")
 plt.show()
+
 
 # %% [markdown]
 # **Every sub-layer adds a correction to the residual stream; pre-norm normalises only what
@@ -380,6 +388,7 @@ for bad_x, bad_mask in bad_inputs:
     else:
         raise AssertionError("bad input was accepted")
 
+
 # %% [markdown]
 # Which input positions can change which output positions? Autograd measures it: the Jacobian
 # block $\partial y_t / \partial x_s$ is a $d_\text{model} \times d_\text{model}$ matrix for each
@@ -403,6 +412,7 @@ enc_maps = {
     "padding mask (length 4 of 6)": dependency_map(lambda s: block(s[None], mask=pad_one)[0], x_one),
     "causal mask": dependency_map(lambda s: block(s[None], mask=causal)[0], x_one),
 }
+
 
 # %%
 def plot_dependency_maps(maps: dict, xlabels: list[str], suptitle: str, figname: str):
@@ -439,6 +449,7 @@ assert torch.count_nonzero(m_pad[padded_key & ~diagonal]) == 0  # padded keys re
 assert (m_pad[~padded_key | diagonal] > 0).all()  # everything else depends on everything
 assert torch.count_nonzero(m_causal[~lower]) == 0 and (m_causal[lower] > 0).all()
 print("zero entries: padding", int((m_pad == 0).sum()), "of 36, causal", int((m_causal == 0).sum()), "of 36")
+
 
 # %% [markdown]
 # **An encoder block maps $(B, T, d_\text{model})$ to the same shape; its mask decides, exactly,
@@ -616,6 +627,7 @@ m_self, m_cross = dec_maps.values()
 assert torch.count_nonzero(m_self[~lower]) == 0 and (m_self[lower] > 0).all()
 assert torch.count_nonzero(m_cross[:, 5:]) == 0 and (m_cross[:, :5] > 0).all()
 print("cross-attention map: nonzero columns", (m_cross.sum(dim=0) > 0).nonzero().flatten().tolist())
+
 
 # %% [markdown]
 # Every target position reads every real source position, from the first target token on; the
@@ -938,6 +950,7 @@ with torch.no_grad():
                         memory_key_padding_mask=memory_key_padding))
 print("training: random; evaluation: deterministic, equal to dropout_p=0 and to PyTorch")
 
+
 # %% [markdown]
 # **Our blocks are PyTorch's layers, weight for weight: the same outputs and gradients in both
 # arrangements, with causal and padding masks, once the masks are flipped to PyTorch's
@@ -1084,6 +1097,7 @@ for seed in range(1, 5):
 print(f"seed 0: last/first pre-norm {ratio_pre:.2f}, post-norm {ratio_post:.2f};"
       f" slopes {slopes[True]:+.2f} and {slopes[False]:+.2f}; seeds 1-4 agree")
 
+
 # %% [markdown]
 # **Post-norm gives the layers next to the output large gradients at initialisation, at any
 # depth, and needs a warm-up; pre-norm scales them down like $1/\sqrt{L}$ and keeps an identity
@@ -1131,6 +1145,7 @@ for name, d, h, dff in configs:
 print("\n".join(lines))
 assert num_params(EncoderBlock(128, 1, 512)) == num_params(EncoderBlock(128, 16, 512))
 
+
 # %% [markdown]
 # Notebook 10's model has two encoder and two decoder blocks at the course's size:
 # $2 \times 198{,}272 + 2 \times 264{,}576 = 925{,}696$ of its $930{,}828$ parameters are in the
@@ -1173,6 +1188,7 @@ ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), fontsize=9, ncols=3)
 fig.tight_layout()
 save_figure(fig, "blocks_parameters")
 plt.show()
+
 
 # %% [markdown]
 # **A block's size is $4d^2$ per attention plus $2\,d\,d_{ff}$ for the FFN (plus small bias
@@ -1232,6 +1248,7 @@ assert all(b > a for a, b in zip(rms_pre, rms_pre[1:], strict=False))  # grows a
 assert rms_pre[-1] > 1.5 * rms_pre[0]
 assert_close(torch.tensor(rms_post), torch.ones(12), atol=1e-3, rtol=0)
 
+
 # %% [markdown]
 # 2. The parallel block drops one `LayerNorm` ($2d$ parameters) and reads both sub-layers from
 #    the same normalised input, so the two can run at the same time. With the attention silenced,
@@ -1260,6 +1277,7 @@ with torch.no_grad():
     sequential.self_attn.W_o.bias.zero_()
 assert_close(parallel(x), sequential(x))
 print(f"sequential {num_params(sequential):,} vs parallel {num_params(parallel):,} parameters")
+
 
 # %% [markdown]
 # 3. The same table as `copy_block_to_torch`, read from right to left; `chunk(3)` splits the

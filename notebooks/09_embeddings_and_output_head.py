@@ -19,11 +19,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import math
@@ -281,6 +287,7 @@ for name, table, scale in (("N(0, 1/d), times sqrt(d)", table_scaled, math.sqrt(
 ratio = moved["N(0, 1/d), times sqrt(d)"] / moved["N(0, 1), no multiply"]
 assert abs(ratio / math.sqrt(d_model) - 1) < 1e-3
 print(f"ratio {ratio:.3f} = sqrt({d_model}) = {math.sqrt(d_model):.3f}")
+
 
 # %% [markdown]
 # **At initialisation, $\mathcal{N}(0, 1/d)$ times $\sqrt d$ and $\mathcal{N}(0, 1)$ alone are
@@ -551,6 +558,7 @@ assert_close(grad_ce, grad_hand)
 assert torch.equal(logits.argmax(dim=-1), torch.softmax(logits, dim=-1).argmax(dim=-1))
 print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
       f" (a uniform guess gives log V = {math.log(V):.4f})")
+
 
 # %% [markdown]
 # ### Where softmax-then-log breaks
@@ -897,6 +905,7 @@ y = torch.randint(3, V, (64, 20), generator=generator).to(device)  # random targ
 first_loss = F.cross_entropy(head(h_ex).reshape(-1, V), y.reshape(-1)).item()
 print(f"first loss {first_loss:.3f}, log V = {math.log(V):.3f}, logit variance {head(h_ex).var().item():.3f}")
 assert abs(first_loss - math.log(V)) < 0.2
+
 
 # %% [markdown]
 # 3. Subtract the row maximum before exponentiating: the largest exponent is then $e^0 = 1$, so

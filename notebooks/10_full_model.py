@@ -19,11 +19,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import copy
@@ -46,6 +52,7 @@ from transformer_from_scratch.utils import COLORS, add_to_class, get_device, sav
 
 generator = set_seed(0)
 device = get_device()
+
 
 # %% [markdown]
 # The stacks join the blocks in the `layers` module; the model completes the `model` module that
@@ -219,6 +226,7 @@ ax.set(ylabel="RMS of the residual stream", xlabel="measured after", ylim=(0, ma
 save_figure(fig, "model_stack_rms")
 plt.show()
 
+
 # %% [markdown]
 # Now the `ModuleList` point, shown: the same encoder with its blocks in a plain Python list.
 
@@ -268,6 +276,7 @@ except RuntimeError:
     print("plain list after .double(): the blocks are still float32 and the forward pass fails (RuntimeError)")
 else:
     raise AssertionError("expected a dtype mismatch")
+
 
 # %% [markdown]
 # **A stack is $N$ blocks in an `nn.ModuleList` and, in pre-norm, a final `LayerNorm`; every
@@ -615,6 +624,7 @@ with torch.no_grad():
 assert enc_out.shape == (B, T_src, d_model) and dec_out.shape == (B, T_tgt, d_model)
 assert abs(loss.item() - math.log(VOCAB)) < 0.5
 
+
 # %% [markdown]
 # Which inputs can each output see? Autograd answers, as in notebook 08, now through the whole
 # model: take $x_s$, the embedded and position-encoded input at position $s$, and the norm of
@@ -710,6 +720,7 @@ fig.colorbar(image, ax=axes, fraction=0.02,
 fig.suptitle("What each output of the full model can see (sequence 0: source length 5, target length 6)")
 save_figure(fig, "model_dependencies")
 plt.show()
+
 
 # %% [markdown]
 # In the right panel the upper triangle of the real positions lights up: trained like that, the
@@ -1076,6 +1087,7 @@ for name, shapes in expected.items():
     got = [tuple(out.shape) for _, _, out in recorded[name]]
     assert got == shapes, (name, got, shapes)
     print(f"{name:<28} {', '.join(str(s) for s in got)}")
+
 
 # %% [markdown]
 # The attention weights are not an output of the layers in a normal call; they are recomputed

@@ -19,11 +19,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import math
@@ -154,6 +160,7 @@ for b in range(1000):
 again = make_batch(1000, MAX_LEN, VOCAB, torch.Generator().manual_seed(1))
 assert all(torch.equal(x, y) for x, y in zip((src, tgt_in, tgt_out, lengths), again, strict=True))
 print("1000 rows: reversal, BOS/EOS/PAD and lengths 3..8 as promised; same seed, same batch")
+
 
 # %% [markdown]
 # **Reversal needs an alignment that depends on the input's length; `make_batch` draws a padded
@@ -383,6 +390,7 @@ axes[0].legend(fontsize=9)
 save_figure(fig, "training_lr_schedule")
 plt.show()
 
+
 # %% [markdown]
 # The paper's base model ($d_\text{model} = 512$, $w = 4000$) never goes above $7 \times 10^{-4}$;
 # the tutorial's small model peaks about six times higher, at $4.4 \times 10^{-3}$, and ten times
@@ -566,6 +574,7 @@ n_params = sum(p.numel() for p in Transformer(VOCAB, VOCAB).parameters())
 assert n_params == 930_828
 print(f"parameters: {n_params:,}")
 
+
 # %% [markdown]
 # **A recipe (model, batches, schedule, seed) is all it takes to train; on the CPU it fixes the
 # result bit for bit.**
@@ -723,6 +732,7 @@ for s in range(500, STEPS + 1, 500):
     print(f"step {s:5d}  loss {losses[s - 1]:.4f}  lr {rates[s - 1]:.2e}  "
           f"exact match {em_curve[s]}/256")
 print(f"mean loss over the last 100 steps: {losses[-100:].mean():.4f}")
+
 
 # %%
 def smooth(x: np.ndarray, window: int = 50) -> np.ndarray:
@@ -1267,6 +1277,7 @@ try:
 except CheckpointError as err:
     print(f"{'missing':12s} -> {type(err).__name__}: {err}")
 
+
 # %% [markdown]
 # `get_reversal_model` is what notebook 12 calls: it loads the checkpoint when it is there,
 # readable, and was made with the requested recipe, and otherwise trains with the recipe (on the
@@ -1377,6 +1388,7 @@ for _ in range(200):
     nudged = q_logits + 0.1 * torch.randn(1, VOCAB, generator=g)
     assert F.cross_entropy(nudged, target, label_smoothing=eps_ls).item() >= at_optimum - 1e-7
 print(f"200 random perturbations: none below H(q) = {floor:.4f}")
+
 
 # %% [markdown]
 # 3. Without the mask, position $t$ of the decoder can read `tgt_in[t + 1]`, which *is* the

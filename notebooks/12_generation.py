@@ -17,11 +17,17 @@ import sys
 if "google.colab" in sys.modules:
     import subprocess
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q",
-         "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"],
-        check=True,
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
     )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
 
 # %%
 import math
@@ -106,6 +112,7 @@ from transformer_from_scratch.attention import MultiHeadAttention, scaled_dot_pr
 from transformer_from_scratch.layers import DecoderBlock, sublayer_connection
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.model import BOS, EOS, PAD, embed_tokens
+
 
 # %% [markdown]
 # ## Greedy decoding
@@ -311,6 +318,7 @@ ax.set_title(f"Next-token distributions, source {show(src[b])}")
 fig.colorbar(image, ax=ax, label="log10 probability")
 plt.show()
 
+
 # %% [markdown]
 # **Greedy decoding encodes once, then calls the decoder once per token; on the trained reversal
 # model it is already exact.**
@@ -424,6 +432,7 @@ for layer in range(num_layers):
 fig.suptitle("Cross-attention of the trained reversal model: the anti-diagonal is the alignment")
 save_figure(fig, "generation_cross_attention")
 plt.show()
+
 
 # %% [markdown]
 # **The decoder learnt to look up source position $L-1-t$ at step $t$: cross-attention *is* the
@@ -669,6 +678,7 @@ print(f"log-log slope: {slopes[False]:.2f} without cache, {slopes[True]:.2f} wit
 assert all(c < p for p, c in zip(flops[False], flops[True], strict=True))
 assert slopes[False] > 1.7 and slopes[True] < 1.1  # ~ n^2 against ~ n
 assert flops[False][-1] / flops[True][-1] > 0.3 * flop_lengths[-1]  # about n / 2
+
 
 # %% [markdown]
 # The wall-clock speed-up is measured in the last section, with the benchmark module.
@@ -962,6 +972,7 @@ for alpha in (0.0, 0.6, 1.0, 2.0):
     generated = ((out != PAD) & (out != BOS)).sum(1).float()  # tokens after BOS, EOS included
     print(f"alpha = {alpha}: mean output length {generated.mean().item():5.2f} tokens")
 
+
 # %% [markdown]
 # With $\alpha = 0.6$, and even with $\alpha = 1$, the penalty grows too slowly to pay for 2.5
 # nats a token, and the beam still stops after one or two tokens; with $\alpha = 2$ it pays for
@@ -1045,6 +1056,7 @@ for ax in axes:
 axes[0].set_ylabel("probability")
 save_figure(fig, "generation_temperature_top_k")
 plt.show()
+
 
 # %% [markdown]
 # Sampling plugs `next_token_probs` into the same loop as greedy decoding. The draws come from a
@@ -1176,6 +1188,7 @@ from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.model import BOS, EOS, PAD, Transformer, embed_tokens
 from transformer_from_scratch.utils import get_device
 
+
 # %% [markdown]
 # The reference model. Our masks say "may attend" with `True`; PyTorch's say "may **not**" with
 # `True` (notebook 05), so its forward pass flips them and otherwise takes the same call as ours.
@@ -1251,6 +1264,7 @@ with torch.no_grad():
     theirs_logits = reference(src, decoded[:, :-1], src_mask, causal_mask(T, device=device))
 assert_close(theirs_logits, logits, atol=1e-4, rtol=1e-4)
 print(f"largest logit difference from nn.Transformer: {(theirs_logits - logits).abs().max():.1e}")
+
 
 # %% [markdown]
 # Timing is "best of a few runs", synchronising first on a GPU, where kernels run asynchronously
@@ -1562,6 +1576,7 @@ ax2.set_title("What the cache buys grows with the output")
 ax2.axhline(1, color="grey", lw=1, ls="--")
 plt.show()
 
+
 # %% [markdown]
 # The speed-up is far below the $n/2$ of the arithmetic: a cached step does so little work that
 # the fixed cost of launching each of its few dozen operations (Python, PyTorch's dispatcher, our
@@ -1626,6 +1641,7 @@ nucleus = top_p_probs(z, 0.9)
 print(f"top-p 0.9 keeps {int((nucleus > 0).sum())} of {VOCAB} tokens")
 kept_mass = F.softmax(z, dim=-1)[nucleus > 0]  # the original probabilities of the kept tokens
 assert kept_mass.sum() >= 0.9 and kept_mass.sum() - kept_mass.min() < 0.9  # smallest such set
+
 
 # %% [markdown]
 # 2. Self-attention keeps a key and a value per layer, head and position, $h \cdot d_k = d$

@@ -21,8 +21,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import build_site  # noqa: E402
+import preflight  # noqa: E402
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = ROOT / "test-artifacts" / "site"
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # The flags that keep Chromium from calling home on a machine without a network.
@@ -62,12 +62,13 @@ def server(site):
 
 @pytest.fixture(scope="module")
 def browser():
-    if not CHROMIUM.exists():
-        pytest.fail("the site test needs Debian's chromium: apt-get install chromium")
+    chromium = preflight.find_chromium()
+    if chromium is None:
+        pytest.fail("the site test needs a Chromium: `python tools/preflight.py` says how")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         yield b
         b.close()
 
@@ -182,6 +183,14 @@ def test_notebook_page_in_chromium(browser, server, path):
             widget.scroll_into_view_if_needed()
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / f"{path.stem}-widget.png"))
+        hidden = sum(bool(c.metadata.get("jupyter", {}).get("source_hidden")) for c in nb.cells)
+        assert page.locator(".celltag_hide-input").count() == hidden
+        if hidden:  # figure code is collapsed, and one click shows it
+            cell = page.locator(".celltag_hide-input").first
+            code = cell.locator(".jp-Cell-inputWrapper")
+            assert not code.is_visible()
+            cell.locator("button.show-code").click()
+            assert code.is_visible()
         assert visit.broken_images() == []
         assert visit.external == [], f"requests left the machine: {visit.external[:5]}"
         assert visit.errors == []

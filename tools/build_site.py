@@ -28,10 +28,9 @@ import tarfile
 from pathlib import Path
 
 import nbformat
+from course import NOTEBOOKS, ROOT, notebook_info
 from nbconvert import HTMLExporter
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ROOT / "notebooks"
 VENDOR_SPEC = ROOT / "tools" / "vendor" / "package.json"
 VENDOR_CACHE = ROOT / "build" / "vendor"
 MATHJAX_CONFIG = "TeX-AMS_CHTML-full,Safe"
@@ -45,18 +44,6 @@ PARTS = [
 ]
 # Hosts a page must never load from; the browser test also blocks every non-local request.
 CDN_HOSTS = ("cdnjs.cloudflare.com", "unpkg.com", "cdn.jsdelivr.net", "googleapis.com")
-
-
-def notebook_info(path: Path) -> dict:
-    """Number, title and one-line summary, read from the title cell."""
-    nb = nbformat.read(path, as_version=4)
-    first = nb.cells[0].source if nb.cells else ""
-    match = re.match(r"#\s*(\d\d)\s*·\s*(.+)", first.splitlines()[0] if first else "")
-    if not match:
-        raise ValueError(f"{path.name}: the first line must be '# NN · Title'")
-    summary = re.search(r"\*\*What you will build:\*\*\s*(.+?)(?:\n\n|$)", first, re.S)
-    text = " ".join(summary.group(1).split()) if summary else ""
-    return {"number": int(match.group(1)), "title": match.group(2).strip(), "summary": text}
 
 
 def npm_tarballs() -> dict[str, Path]:
@@ -160,9 +147,48 @@ def nav(info: dict, prev: dict | None, nxt: dict | None) -> str:
     )
 
 
+# Cells whose code only draws a figure carry jupyter={"source_hidden": true}: JupyterLab shows
+# them collapsed, and so does the site, with a button that shows the code on demand.
+HIDDEN_TAG = "hide-input"
+TOGGLE = """
+<style>
+.celltag_hide-input > .jp-Cell-inputWrapper { display: none; }
+.celltag_hide-input.show-input > .jp-Cell-inputWrapper { display: block; }
+button.show-code { margin: 0.3em 0 0.3em 6em; font: 12px sans-serif; color: #555;
+  background: #f5f5f5; border: 1px solid #ccc; border-radius: 3px; cursor: pointer; }
+</style>
+<script>
+document.addEventListener("DOMContentLoaded", function () {
+  document.querySelectorAll(".celltag_hide-input").forEach(function (cell) {
+    var button = document.createElement("button");
+    button.className = "show-code";
+    button.textContent = "▸ show the code of this figure";
+    button.addEventListener("click", function () {
+      var shown = cell.classList.toggle("show-input");
+      button.textContent = (shown ? "▾ hide" : "▸ show") + " the code of this figure";
+    });
+    cell.insertBefore(button, cell.firstChild);
+  });
+});
+</script>
+"""
+
+
+def tag_hidden_cells(nb: nbformat.NotebookNode) -> int:
+    """Tag the cells JupyterLab shows collapsed, so the template marks them; return how many."""
+    count = 0
+    for cell in nb.cells:
+        if cell.metadata.get("jupyter", {}).get("source_hidden"):
+            cell.metadata.setdefault("tags", []).append(HIDDEN_TAG)
+            count += 1
+    return count
+
+
 def render_notebook(path: Path, out: Path, info: dict, prev, nxt) -> None:
     nb = nbformat.read(path, as_version=4)
+    tag_hidden_cells(nb)
     body, _ = exporter().from_notebook_node(nb, resources={"metadata": {"name": info["title"]}})
+    body = body.replace("</head>", TOGGLE + "</head>", 1)
     # Links between notebooks point at the rendered pages.
     body = re.sub(r'href="(\d\d_[a-z0-9_]+)\.ipynb', r'href="\1.html', body)
     body = body.replace(
@@ -237,7 +263,7 @@ def build(out: Path) -> list[Path]:
     paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     infos = []
     for path in paths:
-        info = notebook_info(path)
+        info = notebook_info(nbformat.read(path, as_version=4), path.name)
         info["stem"] = path.stem
         infos.append(info)
     for k, (path, info) in enumerate(zip(paths, infos, strict=True)):

@@ -4,8 +4,12 @@
                                                  store the outputs in the paired .ipynb
     python tools/notebooks.py figures [NN ...]   execute without storing outputs (refreshes
                                                  figures/ only)
+    python tools/notebooks.py run [NN ...]       execute copies in a scratch folder: nothing in
+                                                 the repository changes (compatibility runs)
     python tools/notebooks.py links              write the GitHub location from pyproject.toml
-                                                 into every Colab link and Colab install line
+                                                 into every Colab link and setup cell
+    python tools/notebooks.py fork OWNER/NAME [--branch B]
+                                                 point pyproject.toml and every link at a fork
     python tools/notebooks.py check              pairs in sync, links right, hygiene (fast)
 
 The .py file (jupytext percent format) is the source; the .ipynb holds the same cells plus
@@ -17,58 +21,36 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
-import tomllib
 from pathlib import Path
 
-import jupytext
 import nbformat
+from course import (
+    KERNELSPEC,
+    NOTEBOOKS,
+    PYPROJECT,
+    README,
+    colab_url,
+    kernel_env,
+    notebook_info,
+    py_text,
+    read_py,
+    settings,
+    setup_cell,
+    sources,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ROOT / "notebooks"
-KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info", "widgets"}
-ALLOWED_CELL_METADATA = {"tags"}
-KNOWN_TAGS = {"nbval-ignore-output", "nbval-skip", "raises-exception", "hide-input"}
+ALLOWED_CELL_METADATA = {"tags", "jupyter"}
+# `jupyter={"source_hidden": true}` collapses a cell's code in JupyterLab (and, through
+# tools/build_site.py, on the site): for cells that only draw a figure.
+HIDDEN = {"source_hidden": True}
+KNOWN_TAGS = {"nbval-ignore-output", "nbval-skip", "raises-exception"}
 COLAB_LINK = re.compile(r"https://colab\.research\.google\.com/github/[^)\s\"']+")
-INSTALL_URL = re.compile(r"git\+https://github\.com/[^\s\"']+")
-# Environment of every kernel that produces or checks stored outputs (the Makefile exports the
-# same): one thread per kernel, so that reductions add up in the same order every time and two
-# nbval workers share two cores without oversubscribing them.
-KERNEL_ENV = {
-    "PYTHONHASHSEED": "0",
-    "MPLBACKEND": "module://matplotlib_inline.backend_inline",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-}
-
-
-def settings() -> dict:
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["tool"]["course"]
-
-
-def colab_url(notebook: Path) -> str:
-    s = settings()
-    return (
-        f"https://colab.research.google.com/github/{s['github_repo']}/blob/{s['branch']}"
-        f"/notebooks/{notebook.stem}.ipynb"
-    )
-
-
-def install_url() -> str:
-    s = settings()
-    return f"git+https://github.com/{s['github_repo']}@{s['branch']}"
-
-
-def sources(selection: list[str] | None = None) -> list[Path]:
-    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
-    if selection:
-        paths = [p for p in paths if any(p.name.startswith(s) for s in selection)]
-        if not paths:
-            raise SystemExit(f"no notebook matches {selection}")
-    return paths
+TABLE_START, TABLE_END = "<!-- notebooks:start -->", "<!-- notebooks:end -->"
 
 
 def clean_metadata(nb: nbformat.NotebookNode) -> None:
@@ -79,8 +61,8 @@ def clean_metadata(nb: nbformat.NotebookNode) -> None:
     if widgets:
         nb.metadata["widgets"] = widgets
     for cell in nb.cells:
-        tags = cell.metadata.get("tags")
-        cell.metadata = nbformat.from_dict({"tags": tags} if tags else {})
+        kept = {k: cell.metadata[k] for k in ALLOWED_CELL_METADATA if cell.metadata.get(k)}
+        cell.metadata = nbformat.from_dict(kept)
         cell.pop("id", None)
         if cell.cell_type == "code":
             for output in cell.outputs:
@@ -88,74 +70,137 @@ def clean_metadata(nb: nbformat.NotebookNode) -> None:
     nb.nbformat, nb.nbformat_minor = 4, 4
 
 
-def execute(paths: list[Path], store: bool = True) -> None:
+def execute_one(path: Path, workdir: Path, timeout: int = 1800) -> nbformat.NotebookNode:
+    """Execute the notebook `path` (a .py) in a fresh kernel whose working folder is `workdir`."""
     from nbclient import NotebookClient
 
-    os.environ.update(KERNEL_ENV)
+    nb = read_py(path)
+    nb.metadata["kernelspec"] = KERNELSPEC
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(workdir)}},
+        store_widget_state=True,
+        record_timing=False,
+    )
+    client.execute()
+    return nb
+
+
+def execute(paths: list[Path], store: bool = True) -> None:
+    os.environ.update(kernel_env())
     for path in paths:
-        nb = jupytext.read(path)
-        nb.metadata["kernelspec"] = KERNELSPEC
         start = time.perf_counter()
-        client = NotebookClient(
-            nb,
-            timeout=1800,
-            kernel_name="python3",
-            resources={"metadata": {"path": str(NOTEBOOKS)}},
-            store_widget_state=True,
-            record_timing=False,
-        )
-        client.execute()
+        nb = execute_one(path, NOTEBOOKS)
         seconds = time.perf_counter() - start
         if store:
             clean_metadata(nb)
             nbformat.write(nb, path.with_suffix(".ipynb"))
-            # The .py is the source: keep it the newer file so `jupytext --sync` reads it.
-            os.utime(path)
         print(f"{path.stem}: executed in {seconds:.1f} s" + ("" if store else " (not stored)"))
 
 
+def run_elsewhere(paths: list[Path]) -> int:
+    """Execute every notebook top to bottom in a scratch copy; report each; 1 if any failed.
+
+    The copy has its own figures/ and pyproject.toml, so save_figure and the checkpoints of
+    notebooks 11-12 write there and the repository stays as it is. Outputs are not compared:
+    this is the compatibility run (another torch, Colab's pins), where only errors count.
+    """
+    from nbclient.exceptions import CellExecutionError
+
+    os.environ.update(kernel_env())
+    failed = []
+    with tempfile.TemporaryDirectory(prefix="course-run-") as scratch:
+        scratch = Path(scratch)
+        (scratch / "notebooks").mkdir()
+        (scratch / "figures").mkdir()
+        shutil.copy(PYPROJECT, scratch / "pyproject.toml")
+        for path in paths:
+            shutil.copy(path, scratch / "notebooks" / path.name)
+        for path in paths:
+            start = time.perf_counter()
+            try:
+                execute_one(scratch / "notebooks" / path.name, scratch / "notebooks")
+            except CellExecutionError as err:
+                failed.append(path.stem)
+                lines = str(err).strip().splitlines()
+                print(f"{path.stem}: FAILED after {time.perf_counter() - start:.1f} s")
+                print("\n".join("    " + line for line in lines[-25:]))
+                continue
+            print(f"{path.stem}: ran in {time.perf_counter() - start:.1f} s", flush=True)
+    import torch
+
+    print(f"torch {torch.__version__}: {len(paths) - len(failed)} of {len(paths)} notebooks ran")
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------- links, fork, README table
+def linked(nb: nbformat.NotebookNode, py: Path) -> bool:
+    """Write the Colab link into the title cell and the setup cell; True if anything changed."""
+    changed = False
+    if nb.cells and nb.cells[0].cell_type == "markdown":
+        fixed = COLAB_LINK.sub(colab_url(py), nb.cells[0].source)
+        changed |= fixed != nb.cells[0].source
+        nb.cells[0].source = fixed
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if code and "google.colab" in code[0].source and code[0].source != setup_cell():
+        code[0].source, changed = setup_cell(), True
+    return changed
+
+
 def write_links() -> None:
+    """The GitHub location from pyproject.toml into README's table, every title and setup cell.
+
+    Works on pairs that are in sync (`make sync` runs jupytext first): the .ipynb is updated and
+    the .py is written from it, so the pair stays byte-for-byte what jupytext would write.
+    """
     text = README.read_text()
     if readme_with_table(text) != text:
         README.write_text(readme_with_table(text))
         print("updated the table of notebooks in README.md")
     for py in sources():
-        text = py.read_text()
-        new = COLAB_LINK.sub(colab_url(py), text)
-        new = INSTALL_URL.sub(install_url(), new)
-        if new != text:
-            py.write_text(new)
-            print(f"updated links in {py.name}")
         ipynb = py.with_suffix(".ipynb")
-        if ipynb.exists():
-            nb = nbformat.read(ipynb, as_version=4)
-            changed = False
-            for cell in nb.cells:
-                fixed = INSTALL_URL.sub(install_url(), COLAB_LINK.sub(colab_url(py), cell.source))
-                if fixed != cell.source:
-                    cell.source, changed = fixed, True
-            if changed:
-                nbformat.write(nb, ipynb)
-                os.utime(py)
-                print(f"updated links in {ipynb.name}")
+        if not ipynb.exists():
+            nb = read_py(py)
+            if linked(nb, py):
+                py.write_text(py_text(nb))
+                print(f"updated links in {py.name}")
+            continue
+        nb = nbformat.read(ipynb, as_version=4)
+        if cells_of(read_py(py)) != cells_of(nb):
+            raise SystemExit(f"{py.name} and {ipynb.name} differ: run `make sync` first")
+        if linked(nb, py):
+            nbformat.write(nb, ipynb)
+            print(f"updated links in {ipynb.name}")
+        if py.read_text() != py_text(nb):
+            py.write_text(py_text(nb))
+            print(f"rewrote {py.name} as jupytext writes it")
 
 
-README = ROOT / "README.md"
-TABLE_START, TABLE_END = "<!-- notebooks:start -->", "<!-- notebooks:end -->"
+def fork(repo: str, branch: str) -> None:
+    """Point [tool.course] at another GitHub repository, then rewrite every link."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+", repo):
+        raise SystemExit(f"REPO must look like owner/name, got {repo!r}")
+    if not re.fullmatch(r"[A-Za-z0-9_./-]+", branch):
+        raise SystemExit(f"not a branch name: {branch!r}")
+    text = PYPROJECT.read_text()
+    table = re.search(r"(?ms)^\[tool\.course\]\n.*?(?=^\[|\Z)", text)
+    new_table = re.sub(r'(?m)^github_repo = ".*"$', f'github_repo = "{repo}"', table.group(0))
+    new_table = re.sub(r'(?m)^branch = ".*"$', f'branch = "{branch}"', new_table)
+    PYPROJECT.write_text(text[: table.start()] + new_table + text[table.end() :])
+    assert settings()["github_repo"] == repo and settings()["branch"] == branch
+    write_links()
+    print(f"the notebooks now install from and link to github.com/{repo} ({branch})")
 
 
 def readme_table() -> str:
     """The README's table of notebooks, made from their title cells."""
     rows = ["| # | notebook | what you build | |", "|---|---|---|---|"]
     for py in sources():
-        nb = jupytext.read(py)
-        first = nb.cells[0].source if nb.cells else ""
-        title = re.match(r"#\s*\d\d\s*·\s*(.+)", first.splitlines()[0] if first else "")
-        build = re.search(r"\*\*What you will build:\*\*\s*(.+?)(?:\n\n|$)", first, re.S)
-        summary = " ".join(build.group(1).split()) if build else ""
-        name = title.group(1).strip() if title else py.stem
+        info = notebook_info(read_py(py), py.name)
         rows.append(
-            f"| {py.name[:2]} | [{name}](notebooks/{py.stem}.ipynb) | {summary} "
+            f"| {py.name[:2]} | [{info['title']}](notebooks/{py.stem}.ipynb) | {info['summary']} "
             f"| [Colab]({colab_url(py)}) |"
         )
     return "\n".join(rows)
@@ -167,19 +212,24 @@ def readme_with_table(text: str) -> str:
 
 
 # ---------------------------------------------------------------- checks
+def cells_of(nb: nbformat.NotebookNode) -> list[tuple]:
+    return [(c.cell_type, c.source, dict(c.metadata)) for c in nb.cells]
+
+
 def problems_in(py: Path) -> list[str]:
     """Everything wrong with one pair, as messages; empty when the pair is fine."""
     found: list[str] = []
     ipynb = py.with_suffix(".ipynb")
     if not ipynb.exists():
         return [f"{ipynb.name} is missing: run `make execute NB={py.name[:2]}`"]
-    text_nb = jupytext.read(py)
+    text_nb = read_py(py)
     nb = nbformat.read(ipynb, as_version=4)
     name = ipynb.name
 
-    # 1. The pair holds the same cells (drift in either direction fails, whatever the mtimes).
-    a = [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in text_nb.cells]
-    b = [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
+    # 1. The pair holds the same cells, metadata included (drift either way fails, whatever the
+    #    file times), and the .py is exactly what jupytext writes from the .ipynb: then
+    #    `jupytext --sync` is the identity in both directions, on a fresh clone too.
+    a, b = cells_of(text_nb), cells_of(nb)
     if a != b:
         for i, (x, y) in enumerate(zip(a, b, strict=False)):
             if x != y:
@@ -187,6 +237,11 @@ def problems_in(py: Path) -> list[str]:
                 break
         else:
             found.append(f"{name}: {len(b)} cells but {py.name} has {len(a)}: run `make sync`")
+    elif py.read_text() != py_text(nb):
+        found.append(
+            f"{py.name} is not laid out as jupytext writes it (blank lines between cells): "
+            "run `make links`"
+        )
 
     # 2. Metadata: nothing from Colab, editors or jupytext's own bookkeeping.
     extra = set(nb.metadata) - ALLOWED_NOTEBOOK_METADATA
@@ -198,6 +253,10 @@ def problems_in(py: Path) -> list[str]:
         extra = set(cell.metadata) - ALLOWED_CELL_METADATA
         if extra:
             found.append(f"{name}: cell {i} metadata {sorted(extra)} should not be stored")
+        if cell.metadata.get("jupyter", HIDDEN) != HIDDEN:
+            found.append(f"{name}: cell {i}: the only `jupyter` metadata allowed is {HIDDEN}")
+        if cell.metadata.get("jupyter") and cell.cell_type != "code":
+            found.append(f"{name}: cell {i}: only code cells can have their source hidden")
         unknown = set(cell.metadata.get("tags", [])) - KNOWN_TAGS
         if unknown:
             found.append(f"{name}: cell {i} has unknown tags {sorted(unknown)}")
@@ -226,10 +285,9 @@ def problems_in(py: Path) -> list[str]:
     if not first or first.cell_type != "markdown" or not first.source.startswith("# "):
         found.append(f"{name}: the first cell must be the markdown title ('# NN · Title')")
     elif colab_url(py) not in first.source:
-        found.append(f"{name}: the title cell lacks the Open-in-Colab link: `make sync`")
-    setup = code[0].source if code else ""
-    if "google.colab" not in setup or install_url() not in setup:
-        found.append(f"{name}: the first code cell must be the setup cell with the Colab install")
+        found.append(f"{name}: the title cell lacks the Open-in-Colab link: `make links`")
+    if not code or code[0].source != setup_cell():
+        found.append(f"{name}: the first code cell must be the setup cell: `make links`")
     for i, cell in enumerate(nb.cells):
         if re.search(r"\bTODO\b|\bFIXME\b|\bTBD\b", cell.source):
             found.append(f"{name}: cell {i} has placeholder text")
@@ -246,23 +304,30 @@ def check(paths: list[Path]) -> int:
     for p in problems:
         print(p, file=sys.stderr)
     if not problems:
-        print(f"{len(paths)} notebook pairs: in sync, executed in order, clean.")
+        print(f"{len(paths)} notebook pairs: in sync both ways, executed in order, clean.")
     return 1 if problems else 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["execute", "figures", "links", "check"])
-    parser.add_argument("notebooks", nargs="*", help="number prefixes, e.g. 01 02")
-    args = parser.parse_args()
-    if args.command == "execute":
-        execute(sources(args.notebooks))
-    elif args.command == "figures":
-        execute(sources(args.notebooks), store=False)
-    elif args.command == "links":
+    parser.add_argument("command", choices=["execute", "figures", "run", "links", "fork", "check"])
+    parser.add_argument("args", nargs="*", help="number prefixes (e.g. 01 02), or OWNER/NAME")
+    parser.add_argument("--branch", default="main", help="for fork: the branch to link to")
+    ns = parser.parse_args()
+    if ns.command == "execute":
+        execute(sources(ns.args))
+    elif ns.command == "figures":
+        execute(sources(ns.args), store=False)
+    elif ns.command == "run":
+        return run_elsewhere(sources(ns.args))
+    elif ns.command == "links":
         write_links()
-    elif args.command == "check":
-        return check(sources(args.notebooks))
+    elif ns.command == "fork":
+        if len(ns.args) != 1:
+            raise SystemExit("usage: notebooks.py fork OWNER/NAME [--branch BRANCH]")
+        fork(ns.args[0], ns.branch)
+    elif ns.command == "check":
+        return check(sources(ns.args))
     return 0
 
 
