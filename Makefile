@@ -17,7 +17,7 @@ include tools/kernel.env
 export PYTHONHASHSEED MPLBACKEND OMP_NUM_THREADS MKL_NUM_THREADS
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab preflight test test-compat check lint sync links fork export execute figures nbval unit html bench clean
+.PHONY: help setup lab preflight test test-compat check lint sync links fork export execute figures twice nbval unit html bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed -E 's/:.*## /\t/' | expand -t 12
@@ -62,6 +62,9 @@ execute: $(STAMP)  ## run notebooks (NB="01 02" for some) in fresh kernels and s
 
 figures: $(STAMP)  ## run notebooks without storing outputs, to refresh figures/
 	$(BIN)/python tools/notebooks.py figures $(NB)
+
+twice: $(STAMP)  ## "Run All" twice in one kernel (NB="05" for some): every cell must survive a re-run
+	$(BIN)/python tools/notebooks.py twice $(NB)
 
 unit: $(STAMP)  ## unit tests of the package, notebook hygiene, site and browser checks
 	$(BIN)/python -m pytest tests

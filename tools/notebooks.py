@@ -6,6 +6,8 @@
                                                  figures/ only)
     python tools/notebooks.py run [NN ...]       execute copies in a scratch folder: nothing in
                                                  the repository changes (compatibility runs)
+    python tools/notebooks.py twice [NN ...]     "Run All" twice in one kernel, as a JupyterLab
+                                                 reader might: every cell must survive a re-run
     python tools/notebooks.py links              write the GitHub location from pyproject.toml
                                                  into every Colab link and setup cell
     python tools/notebooks.py fork OWNER/NAME [--branch B]
@@ -132,6 +134,44 @@ def run_elsewhere(paths: list[Path]) -> int:
     import torch
 
     print(f"torch {torch.__version__}: {len(paths) - len(failed)} of {len(paths)} notebooks ran")
+    return 1 if failed else 0
+
+
+def run_twice(paths: list[Path]) -> int:
+    """Execute every code cell, then all of them again in the same kernel; 1 if any failed."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    os.environ.update(kernel_env())
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="course-twice-") as scratch:
+        scratch = Path(scratch)
+        (scratch / "notebooks").mkdir()
+        (scratch / "figures").mkdir()
+        shutil.copy(PYPROJECT, scratch / "pyproject.toml")
+        for path in paths:
+            nb = read_py(path)
+            nb.metadata["kernelspec"] = KERNELSPEC
+            client = NotebookClient(
+                nb,
+                timeout=1800,
+                kernel_name="python3",
+                resources={"metadata": {"path": str(scratch / "notebooks")}},
+            )
+            start = time.perf_counter()
+            with client.setup_kernel():
+                for run in (1, 2):
+                    try:
+                        for index, cell in enumerate(nb.cells):
+                            client.execute_cell(cell, index)
+                    except CellExecutionError as err:
+                        failed += 1
+                        lines = str(err).strip().splitlines()
+                        print(f"{path.stem}: run {run} FAILED in cell {index}")
+                        print("\n".join("    " + line for line in lines[-15:]))
+                        break
+                else:
+                    print(f"{path.stem}: ran twice in {time.perf_counter() - start:.1f} s")
     return 1 if failed else 0
 
 
@@ -310,7 +350,9 @@ def check(paths: list[Path]) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["execute", "figures", "run", "links", "fork", "check"])
+    parser.add_argument(
+        "command", choices=["execute", "figures", "run", "twice", "links", "fork", "check"]
+    )
     parser.add_argument("args", nargs="*", help="number prefixes (e.g. 01 02), or OWNER/NAME")
     parser.add_argument("--branch", default="main", help="for fork: the branch to link to")
     ns = parser.parse_args()
@@ -320,6 +362,8 @@ def main() -> int:
         execute(sources(ns.args), store=False)
     elif ns.command == "run":
         return run_elsewhere(sources(ns.args))
+    elif ns.command == "twice":
+        return run_twice(sources(ns.args))
     elif ns.command == "links":
         write_links()
     elif ns.command == "fork":

@@ -70,7 +70,7 @@ def missing() -> list[str]:
     """What is missing, each with the commands that install it."""
     mac = platform.system() == "Darwin"
     found = []
-    if sys.version_info < (3, 10):
+    if sys.version_info < (3, 10):  # noqa: UP036 (this file runs before the venv exists)
         found.append(f"Python 3.10 or newer (this is {platform.python_version()})")
     if find_chromium() is None:
         how = (
