@@ -237,6 +237,27 @@ def test_sampling_is_deterministic_with_a_generator():
     assert torch.equal(draw(3, temperature=2.0, top_k=3), draw(3, temperature=2.0, top_k=3))
 
 
+def test_sample_draws_with_the_frequencies_of_next_token_probs():
+    model = tiny_model(9)
+    src, mask = padded_batch(1, 6, 9)
+    copies = 8000
+    first = sample(
+        model,
+        src.expand(copies, -1),
+        1,
+        temperature=2.0,
+        top_k=4,
+        generator=torch.Generator().manual_seed(0),
+        src_mask=mask.expand(copies, -1, -1, -1),
+    )[:, 1]
+    with torch.no_grad():
+        logits = model(src, torch.full((1, 1), BOS), src_mask=mask)[0, -1]
+    expected = next_token_probs(logits, temperature=2.0, top_k=4)
+    frequencies = first.bincount(minlength=VOCAB) / copies
+    assert_close(frequencies, expected, atol=0.025, rtol=0)  # > 4 standard deviations
+    assert (frequencies[expected == 0] == 0).all()
+
+
 # ------------------------------------------------------------------ cross-attention weights
 def test_cross_attention_weights():
     model = tiny_model(9, num_layers=3)

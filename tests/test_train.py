@@ -147,6 +147,30 @@ def test_callback_runs_every_step_and_does_not_change_the_run():
     )
 
 
+def test_train_model_follows_a_given_schedule():
+    flat = 3e-3
+    history = train_model(
+        tiny_model(),
+        5,
+        batch_size=4,
+        schedule=lambda s: flat / s,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert history["lr"] == pytest.approx([flat / s for s in range(1, 6)], rel=1e-12)
+    with pytest.raises(TypeError, match="schedule must be callable"):
+        train_model(tiny_model(), 2, schedule=0.1)
+
+
+def test_progress_bar_does_not_change_the_run(capsys):
+    runs = [
+        train_reversal(progress=progress, **{**TINY, "dropout_p": 0.1})[1]
+        for progress in (False, True)
+    ]
+    assert runs[0] == runs[1]
+    err = capsys.readouterr().err  # outside Jupyter, tqdm draws a text bar on stderr
+    assert "training" in err and f"{TINY['steps']}/{TINY['steps']}" in err
+
+
 def test_train_model_prints_when_asked(capsys):
     train_model(
         tiny_model(), 4, batch_size=4, log_every=2, generator=torch.Generator().manual_seed(0)
@@ -331,7 +355,9 @@ def test_get_reversal_model_trains_saves_then_loads(tmp_path, capsys):
     assert "trained" in capsys.readouterr().out and path.is_file()
     second = get_reversal_model(path, device="cpu", **TINY)
     assert "loaded" in capsys.readouterr().out
-    trained, _ = train_reversal(**TINY)
+    trained, _ = train_reversal(device="cpu", **TINY)
+    meta = load_checkpoint(path)[1]
+    assert meta["device"] == "cpu" and meta["torch"] == torch.__version__
     for a, b, c in zip(
         first.state_dict().values(),
         second.state_dict().values(),
