@@ -4,11 +4,15 @@
 # **What you will build:** everything it takes to train the Transformer of notebook 10 and to
 # know that it learned: the reversal task (`make_batch`), teacher forcing with the causal mask,
 # the paper's learning-rate schedule (`lr_lambda`), the training loop (`train_model`), an
-# exact-match test on fresh sequences (`exact_match`), and checkpoints that are saved atomically
-# and loaded safely (`save_checkpoint`, `load_checkpoint`, `get_reversal_model`). Then the
-# tutorial's results are reproduced side by side with its numbers: the parameter count, a perfect
-# exact-match score, and the initialisation ablation. Last, label smoothing, and what it does to
-# the model's confidence.
+# exact-match test on fresh sequences (`exact_match`), and checkpoints (`save_checkpoint`,
+# `load_checkpoint`, `get_reversal_model`). Then the tutorial's results are reproduced side by
+# side with its numbers: the parameter count, a perfect exact-match score, and the
+# initialisation ablation, with a study over several seeds that says which of them are findings
+# of one run. On the way: the same run without its warm-up, and what a half-trained model's
+# mistakes look like. Last, label smoothing, and what it does to the model's confidence.
+#
+# Training takes a few minutes on a CPU; the long cells show a progress bar and use the GPU when
+# there is one.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/11_training.ipynb) · Assumes: [05 · Masking](05_masking.ipynb), [09 · Embeddings and the output head](09_embeddings_and_output_head.ipynb), [10 · The full model](10_full_model.ipynb).
 
@@ -53,6 +57,10 @@ from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_
 
 set_seed(0)
 device = get_device()
+# Notebook 00's colours mean queries/keys/values and ours/PyTorch's; this notebook's curves are
+# none of those, so they get their own: training loss dark grey, exact match purple, learning
+# rate brown, and a variant of the recipe (another schedule, init or loss) pink.
+LOSS_COLOR, EM_COLOR, LR_COLOR, VARIANT_COLOR = "#404040", "#9467bd", "#8c564b", "#e377c2"
 
 # %% [markdown]
 # The functions this notebook writes go into two modules of the package: `data` (the task) and
@@ -192,10 +200,15 @@ print("1000 rows: reversal, BOS/EOS/PAD and lengths 3..8 as promised; same seed,
 # with $N$ the number of graded positions (each sequence contributes $L + 1$: its symbols and
 # the `EOS`).
 
-# %%
+# %% jupyter={"source_hidden": true}
+# Token colours: not the course's query/key/value colours, since tokens are none of those.
+TOKEN_COLORS = {"PAD": "#d9d9d9", "BOS": "#bcbd22", "EOS": "#c5b0d5", "symbol": "#fff3d6"}
+MAY_READ, HIDDEN = "#525252", "#eeeeee"
+
+
 def draw_tokens(ax, rows: dict[str, torch.Tensor], title: str) -> None:
-    """Draw token rows as coloured, labelled cells (PAD grey, BOS green, EOS red; -1: no slot)."""
-    kinds = ["white", "#d9d9d9", COLORS["value"], COLORS["accent"], COLORS["query"]]
+    """Draw token rows as coloured, labelled cells (PAD, BOS, EOS, symbols; -1: no slot)."""
+    kinds = ["white", *(TOKEN_COLORS[k] for k in ("PAD", "BOS", "EOS", "symbol"))]
     ids = torch.stack(list(rows.values()))  # (rows, T)
     ax.imshow(ids.clamp(max=3).numpy(), cmap=ListedColormap(kinds), vmin=-1.5, vmax=3.5,
               aspect="auto")
@@ -203,7 +216,7 @@ def draw_tokens(ax, rows: dict[str, torch.Tensor], title: str) -> None:
     for (r, t), v in np.ndenumerate(ids.numpy()):
         if v >= 0:
             ax.text(t, r, names.get(int(v), str(v)), ha="center", va="center", fontsize=8,
-                    color="black" if v == PAD else "white")
+                    color="black")
     ax.set_yticks(range(len(rows)), list(rows))
     ax.set_xticks(range(ids.shape[1]))
     ax.set_xlabel("position $t$")
@@ -223,17 +236,16 @@ for b in range(2):
                     arrowprops={"arrowstyle": "->", "color": "black", "lw": 1})
 ax = fig.add_subplot(grid[:, 1])
 mask = causal_mask(MAX_LEN + 1)[0, 0]  # (T, T)
-ax.imshow(mask.int().numpy(), cmap=ListedColormap(["#e6e6e6", COLORS["query"]]), vmin=0, vmax=1)
+ax.imshow(mask.int().numpy(), cmap=ListedColormap([HIDDEN, MAY_READ]), vmin=0, vmax=1)
 labels = [{PAD: "PAD", BOS: "BOS"}.get(int(v), str(int(v))) for v in tgt_in[0]]
 ax.set_xticks(range(MAX_LEN + 1), labels, fontsize=8)
 answers = [{PAD: "not graded", EOS: "predicts EOS"}.get(int(v), f"predicts {int(v)}")
            for v in tgt_out[0]]
 ax.set_yticks(range(MAX_LEN + 1), [f"position {t}: {a}" for t, a in enumerate(answers)], fontsize=8)
 ax.set_xlabel("tgt_in token it may read (key)")
-ax.set_title("causal mask for example 0\n(blue: may read, grey: hidden)", fontsize=10)
-fig.legend(handles=[Patch(color=c, label=k) for k, c in zip(
-    ["PAD", "BOS", "EOS", "symbol"], ["#d9d9d9", COLORS["value"], COLORS["accent"], COLORS["query"]],
-    strict=True)], loc="outside lower left", ncols=4, fontsize=9)
+ax.set_title("causal mask for example 0\n(dark: may read, light: hidden)", fontsize=10)
+fig.legend(handles=[Patch(facecolor=c, edgecolor="grey", label=k) for k, c in TOKEN_COLORS.items()],
+           loc="outside lower left", ncols=4, fontsize=9)
 fig.suptitle("Teacher forcing: tgt_out is tgt_in shifted left by one (arrows); "
              "the causal mask hides the answer")
 save_figure(fig, "training_teacher_forcing")
@@ -300,7 +312,8 @@ print(f"untrained loss {loss.item():.4f}  vs  ln V = {math.log(VOCAB):.4f} (a un
 # all: at initialisation the attention weights are near uniform and Adam's second-moment
 # estimate $v$ rests on a handful of gradients, so its steps are large and poorly aimed; a small
 # rate for the first few hundred steps lets both settle (Liu et al., 2020, trace the problem to
-# exactly that variance of Adam's early steps). Post-norm models, like the paper's, need it most.
+# exactly that variance of Adam's early steps). Post-norm models, like the paper's, need it
+# most; this notebook's model is pre-norm (notebook 08), and section 6 tests whether it needs it.
 
 # %%
 #| export
@@ -309,11 +322,13 @@ print(f"untrained loss {loss.item():.4f}  vs  ln V = {math.log(VOCAB):.4f} (a un
 import os
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
@@ -371,10 +386,10 @@ for d_model, warmup in settings:
 assert lr_lambda(0, 128, 400) == lr_lambda(1, 128, 400)  # clamped
 print("\n".join(report))
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
 styles = {128: "-", 512: "--"}
-colors = {400: COLORS["ours"], 4000: COLORS["torch"]}
+colors = {400: LR_COLOR, 4000: "#c49c94"}  # two browns: the warmup; the line style: d_model
 for ax in axes:
     for (d_model, warmup), rates in curves.items():
         ax.plot(steps[1:], rates[1:], styles[d_model], color=colors[warmup], lw=1.6,
@@ -455,24 +470,30 @@ def train_model(
     generator: torch.Generator | None = None,
     log_every: int = 0,
     callback: Callable[[int, Transformer], None] | None = None,
+    schedule: Callable[[int], float] | None = None,
+    progress: bool = False,
 ) -> dict[str, list[float]]:
     """Train on fresh reversal batches (Adam, the paper's schedule); return loss and lr per step.
 
     `callback(step, model)`, if given, runs after every update (to evaluate or snapshot).
+    `schedule(s)`, if given, is the rate of update s (from 1) instead of lr_lambda(s, d, warmup).
+    `progress=True` shows a progress bar (tqdm.auto: a widget in Jupyter, text elsewhere).
     """
     _positive_int("steps", steps)
     _positive("clip_norm", clip_norm)
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    if schedule is not None and not callable(schedule):
+        raise TypeError(f"schedule must be callable (step -> rate), got {type(schedule).__name__}")
     vocab_size = model.tgt_embed.num_embeddings
     d_model = model.d_model
+    rate = schedule if schedule is not None else partial(lr_lambda, d_model=d_model, warmup=warmup)
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
     # Base rate 1.0 times the lambda: the schedule is the rate. +1: update s uses lr(s).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s + 1, d_model, warmup)
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: rate(s + 1))
     history: dict[str, list[float]] = {"loss": [], "lr": []}
     model.train()  # dropout on
+    bar = tqdm(total=steps, desc="training", unit="step", disable=not progress)
     for step in range(1, steps + 1):
         batch = make_batch(batch_size, max_len, vocab_size, generator=generator)  # on the CPU
         loss = reversal_loss(model, batch, label_smoothing)
@@ -488,6 +509,10 @@ def train_model(
         if callback is not None:
             callback(step, model)
             model.train()  # in case the callback evaluated
+        bar.update(1)
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    bar.close()
     return history
 
 
@@ -534,9 +559,19 @@ def reversal_recipe(**changes) -> dict:
 
 
 def train_reversal(
-    log_every: int = 0, callback: Callable[[int, Transformer], None] | None = None, **changes
+    log_every: int = 0,
+    callback: Callable[[int, Transformer], None] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    schedule: Callable[[int], float] | None = None,
+    **changes,
 ) -> tuple[Transformer, dict[str, list[float]]]:
-    """Build and train a reversal model on the CPU as the recipe says; return it and its history."""
+    """Build a reversal model as the recipe says, train it on `device`; return it and its history.
+
+    The weights are drawn on the CPU, so they are the same on every device; on a GPU the dropout
+    masks come from the GPU's generator, so a GPU run is another run of the same recipe.
+    """
     recipe = reversal_recipe(**changes)
     seed, V = recipe["seed"], recipe["vocab_size"]
     set_seed(seed)  # the weights and the dropout masks
@@ -550,6 +585,7 @@ def train_reversal(
             for embedding in (model.src_embed, model.tgt_embed):
                 nn.init.normal_(embedding.weight, 0.0, 1.0, generator=embedding_generator)
                 embedding.weight[PAD].zero_()  # what nn.Embedding's own init does too
+    model = model.to(device)
     history = train_model(
         model,
         recipe["steps"],
@@ -560,6 +596,8 @@ def train_reversal(
         generator=torch.Generator().manual_seed(seed + 1),  # the batches
         log_every=log_every,
         callback=callback,
+        schedule=schedule,
+        progress=progress,
     )
     return model.eval(), history
 
@@ -658,9 +696,10 @@ def exact_match(
 
 # %% [markdown]
 # **Check:** the plain loop gives exactly the tokens of the package's `greedy_decode`, with and
-# without its cache; the output has the promised layout (`BOS` first, at most $L_\max + 1$
-# generated tokens, only `PAD` after an `EOS`); and the untrained model of section 2 gets none
-# of the 256 right. (The unit tests check `exact_match` against a hand-written perfect reverser.)
+# without its cache; a row that emits `EOS` gets nothing but `PAD` after it, and the loop runs
+# until every row has finished or $L_\max + 1$ tokens are out, not a step longer; and the
+# untrained model of section 2 gets none of the 256 right. (The unit tests check `exact_match`
+# against a hand-written perfect reverser.)
 
 # %%
 src, _, tgt_out, lengths = make_batch(32, MAX_LEN, VOCAB, torch.Generator().manual_seed(7))
@@ -669,11 +708,14 @@ ys = plain_greedy_decode(probe, src, MAX_LEN + 1, src_mask=src_mask)
 for use_cache in (False, True):
     assert torch.equal(ys, greedy_decode(probe, src, MAX_LEN + 1, src_mask, use_cache=use_cache))
 ys = ys.cpu()
-assert ys.shape[0] == 32 and ys.shape[1] <= MAX_LEN + 2 and (ys[:, 0] == BOS).all()
-after_eos = (ys == EOS).long().cumsum(dim=1) - (ys == EOS).long()  # (B, T): > 0 after an EOS
+is_eos = (ys == EOS).long()
+after_eos = is_eos.cumsum(dim=1) - is_eos  # (B, T): > 0 after a row's first EOS
 assert (ys[after_eos > 0] == PAD).all()
+finished_at = torch.where(is_eos.any(1), is_eos.argmax(1), ys.size(1))  # (B,): first EOS column
+assert ys.size(1) == min(int(finished_at.max()) + 1, MAX_LEN + 2)  # stops when all are done
 assert exact_match(probe) == 0
-print("untrained: 0/256; first greedy output:", ys[0].tolist())
+print(f"untrained: 0/256; {int(is_eos.any(1).sum())} of 32 rows emitted EOS; "
+      f"first greedy output: {ys[0].tolist()}")
 
 # %% [markdown]
 # **Exact match asks for the whole reversal and the `EOS`, generated token by token from the
@@ -683,11 +725,11 @@ print("untrained: 0/256; first greedy output:", ys[0].tolist())
 #
 # The tutorial trains for 6,000 steps; this notebook trains for 2,500 (section 7 says why). A
 # callback measures exact match every 100 steps, on the same 256 test sequences each time, and
-# keeps a copy of the weights at step 600 for section 8. Neither touches a random generator (the
-# test sequences have their own), so the run is exactly the one without them.
+# keeps copies of the weights at steps 100 and 600 for sections 8 and 9. Neither touches a random
+# generator (the test sequences have their own), so the run is exactly the one without them.
 
 # %%
-ABLATION_STEPS, SMOOTHING_STEPS = 800, 600  # the shorter runs of sections 7 and 8
+EARLY_STEPS, SMOOTHING_STEPS, ABLATION_STEPS = 100, 600, 800  # the snapshots and shorter runs
 
 
 def watch(curve: dict, every: int = 100, snapshots: dict | None = None, at: tuple = ()):
@@ -703,38 +745,55 @@ def watch(curve: dict, every: int = 100, snapshots: dict | None = None, at: tupl
 
 
 # %% [markdown]
-# The run. It logs every 500 steps; the cell is tagged `nbval-ignore-output` because its last
-# line is the time per step, and the next cell prints the logged numbers again, compared.
+# The run takes about «CPU_MINUTES» minutes on one CPU thread, the 25 exact-match evaluations
+# included: the cell prints the CPU time it used («CPU_MS» ms per step in the stored run), and the
+# wall-clock time, which is longer on a machine busy with other work. On a GPU it uses the GPU;
+# there the steps are short and bound by kernel launches, so expect well under a minute (an
+# estimate; the bar shows the real rate).
+# A GPU draws its dropout masks from its own generator, so a GPU run is another run of the same
+# recipe, like another seed: the checks below are bounds that hold over the six seeds of
+# section 7, not this run's exact numbers.
 
 # %% tags=["nbval-ignore-output"]
 em_curve, snapshots = {}, {}
-start = time.perf_counter()
+start, cpu_start = time.perf_counter(), time.process_time()
 model, history = train_reversal(
-    log_every=500, callback=watch(em_curve, snapshots=snapshots, at=(SMOOTHING_STEPS,))
+    device=device, progress=True,
+    callback=watch(em_curve, snapshots=snapshots, at=(EARLY_STEPS, SMOOTHING_STEPS)),
 )
-seconds = time.perf_counter() - start
-print(f"{seconds:.0f} s: {1000 * seconds / RECIPE['steps']:.0f} ms per step, "
-      "exact-match evaluations included (one thread)")
+seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+print(f"{seconds:.0f} s on {device.type}, {cpu_seconds:.0f} s of it on the CPU: "
+      f"{1000 * cpu_seconds / RECIPE['steps']:.0f} ms of CPU time per step, "
+      "exact-match evaluations included")
 
 # %% [markdown]
-# **Check:** the history holds one loss and one rate per update; the rates are the schedule's,
-# update for update; the loss fell from about $\ln 12$ (a uniform guess) to near zero; and exact
-# match climbed to 256/256.
+# What the run logged, every 500 steps (this run's numbers: another seed or machine prints
+# others):
 
-# %%
+# %% tags=["nbval-ignore-output"]
 losses, rates = np.array(history["loss"]), np.array(history["lr"])
 STEPS = RECIPE["steps"]
-assert len(losses) == len(rates) == STEPS
-assert np.allclose(rates, [lr_lambda(s, 128, 400) for s in range(1, STEPS + 1)], rtol=1e-12, atol=0)
-assert losses[:10].mean() > 2.0 and losses[-100:].mean() < 0.03
-assert sorted(em_curve) == list(range(100, STEPS + 1, 100)) and em_curve[STEPS] == 256
 for s in range(500, STEPS + 1, 500):
     print(f"step {s:5d}  loss {losses[s - 1]:.4f}  lr {rates[s - 1]:.2e}  "
           f"exact match {em_curve[s]}/256")
-print(f"mean loss over the last 100 steps: {losses[-100:].mean():.4f}")
+print(f"mean loss of the first 10 steps {losses[:10].mean():.4f}, of the last 100 "
+      f"{losses[-100:].mean():.4f}")
 
+# %% [markdown]
+# **Check:** the history holds one loss and one rate per update, and the rates are the
+# schedule's, update for update (a fact). The loss fell from about $\ln 12$ (a uniform guess)
+# to a few hundredths, and exact match climbed to «EM_FINAL_BOUND» or more, the lowest that any of
+# the six seeds of section 7 reached at step 2,500 (findings: bounds, not this run's numbers).
 
 # %%
+assert len(losses) == len(rates) == STEPS
+assert np.allclose(rates, [lr_lambda(s, 128, 400) for s in range(1, STEPS + 1)], rtol=1e-12, atol=0)
+assert sorted(em_curve) == list(range(100, STEPS + 1, 100))
+assert losses[:10].mean() > 2.0 and losses[-100:].mean() < 0.03
+assert em_curve[STEPS] >= 250
+
+
+# %% jupyter={"source_hidden": true}
 def smooth(x: np.ndarray, window: int = 50) -> np.ndarray:
     """Moving average over `window` steps (the first few average what there is)."""
     cumsum = np.cumsum(np.insert(x, 0, 0.0))
@@ -743,22 +802,22 @@ def smooth(x: np.ndarray, window: int = 50) -> np.ndarray:
 
 
 step_axis = np.arange(1, STEPS + 1)
-fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained",
-                         gridspec_kw={"width_ratios": [1.5, 1]})
+fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained",
+                         gridspec_kw={"width_ratios": [1.5, 1, 1]})
 ax = axes[0]
-ax.plot(step_axis, losses, color=COLORS["ours"], alpha=0.25, lw=0.8, label="loss per batch")
-ax.plot(step_axis, smooth(losses), color=COLORS["ours"], lw=2, label="50-step moving average")
-ax.set(xlabel="training step", ylabel="cross-entropy (nats, log scale)", yscale="log",
-       title="Loss (left axis) and learning rate (right axis)")
+ax.plot(step_axis, losses, color=LOSS_COLOR, alpha=0.25, lw=0.8, label="loss per batch")
+ax.plot(step_axis, smooth(losses), color=LOSS_COLOR, lw=2, label="50-step moving average")
 ax.axvline(RECIPE["warmup"], color="grey", ls=":", lw=1, label="end of warmup")
-twin = ax.twinx()
-twin.plot(step_axis, rates, color=COLORS["torch"], lw=1.5, label="learning rate")
-twin.set_ylabel("learning rate", color=COLORS["torch"])
-twin.set_ylim(0, rates.max() * 1.1)
-handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-ax.legend(handles=handles, loc="upper right", fontsize=9)
+ax.set(xlabel="training step", ylabel="cross-entropy (nats, log scale)", yscale="log",
+       title="Training loss")
+ax.legend(loc="upper right", fontsize=9)
 ax = axes[1]
-ax.plot(list(em_curve), list(em_curve.values()), "o-", ms=3, color=COLORS["ours"])
+ax.plot(step_axis, rates, color=LR_COLOR, lw=1.5)
+ax.axvline(RECIPE["warmup"], color="grey", ls=":", lw=1)
+ax.set(xlabel="training step", ylabel="learning rate", ylim=(0, rates.max() * 1.1),
+       title="Learning rate (section 3's schedule)")
+ax = axes[2]
+ax.plot(list(em_curve), list(em_curve.values()), "o-", ms=3, color=EM_COLOR)
 ax.axhline(256, color="grey", ls=":", lw=1)
 ax.set(xlabel="training step", ylabel="sequences decoded exactly (of 256)", ylim=(0, 265),
        title="Exact match, greedy decoding, every 100 steps")
@@ -767,18 +826,19 @@ save_figure(fig, "training_loss_curve")
 plt.show()
 
 # %% [markdown]
-# The loss falls fast while the rate warms up, from $\ln 12 \approx 2.5$ (a uniform guess) to
-# about 0.3 by step 300; it stalls, and bumps up a little, as the rate peaks at step 400; then it
-# keeps falling as the rate decays, to about 0.02 on average. The per-batch loss scatters over a
-# factor of ten around its average, so the loss of any single batch says little. Exact match
-# tracks the loss, but late in training it wobbles by a sequence or two between evaluations,
-# because the rate is still $1.8 \times 10^{-3}$ at the end and an unlucky batch can shift a
-# decision; section 7 shows how that plays out over several seeds.
+# In the stored run, the loss falls fast while the rate warms up, from $\ln 12 \approx 2.5$ (a
+# uniform guess) to about 0.3 by step 300; it stalls around the peak of the rate at step 400;
+# then it keeps falling as the rate decays, to about 0.02 on average. The per-batch loss scatters
+# over a factor of ten around its average, so the loss of any single batch says little. Exact
+# match tracks the loss but not smoothly: it can drop by a few dozen sequences for a while (here
+# from 253 at step 800 to 219 at step 1,100), and late in training it still wobbles by a
+# sequence or two between evaluations, because the rate is still $1.8 \times 10^{-3}$ at the end
+# and an unlucky batch can shift a decision. Section 7 shows how that plays out over several
+# seeds.
 #
 # The final model, on 256 fresh sequences, and three examples:
 
-# %%
-model = model.to(device)
+# %% tags=["nbval-ignore-output"]
 correct = exact_match(model, n=256)
 print(f"exact match on 256 fresh sequences: {correct}/256")
 src, _, tgt_out, lengths = make_batch(3, MAX_LEN, VOCAB, torch.Generator().manual_seed(7))
@@ -789,12 +849,12 @@ for b in range(3):
     print(f"source {src[b, :L].tolist()}  ->  decoded {decoded[b, 1 : L + 2].tolist()}")
 
 # %% [markdown]
-# **Check:** all 256 are right, as in the tutorial. And they are not remembered: replaying the
-# training generator lists every one of the $64 \times 2500$ training sequences, and most test
-# sequences, nearly all the long ones among them, never occurred in training.
+# **Check:** 250 or more of the 256 are right (the stored run: 255; the tutorial: all 256). And they are not remembered: replaying the training generator lists every one of
+# the $64 \times 2500$ training sequences, and most test sequences, nearly all the long ones among
+# them, never occurred in training.
 
 # %%
-assert correct == 256
+assert correct >= 250
 test_src, _, test_out, test_len = make_batch(256, MAX_LEN, VOCAB,
                                              torch.Generator().manual_seed(EVAL_SEED))
 replay = torch.Generator().manual_seed(RECIPE["seed"] + 1)  # the training batches, again
@@ -808,7 +868,7 @@ for L in range(3, MAX_LEN + 1):
     print(f"{L:6d}  {int(at_L.sum()):14d}  {int((in_training & at_L).sum()):16d}")
 long_new = int((~in_training & (test_len >= 6)).sum())
 assert long_new > 100 and int((~in_training).sum()) > 128
-print(f"{int((~in_training).sum())} of the 256 never occurred in training, and all are decoded exactly")
+print(f"{int((~in_training).sum())} of the 256 never occurred in training")
 
 # %% [markdown]
 # With nine symbols there are only $9^3 = 729$ sequences of length 3 and $9^4 = 6561$ of length
@@ -816,8 +876,94 @@ print(f"{int((~in_training).sum())} of the 256 never occurred in training, and a
 # length 8 there are $9^8 \approx 4.3 \times 10^7$, and a test sequence of that length is almost
 # surely new. Memorising cannot explain the score: the model computes the reversal.
 #
-# **256 of 256 fresh sequences come back exactly reversed and terminated: the model generates,
-# not only predicts under teacher forcing.**
+# **Nearly every fresh sequence, all 256 in the stored run, comes back exactly reversed and
+# terminated: the model generates, not only predicts under teacher forcing.**
+#
+# ### The same run without warm-up
+#
+# Section 3 gave the reason for the warm-up: Adam's first steps are large and poorly aimed (Liu
+# et al., 2020). Xiong et al. (2020) trace the need for it to the large gradients near the output
+# of a *post-norm* Transformer at initialisation, and find that pre-norm Transformers, like this
+# one, can train without it. Here that can be tested: the same recipe, seed and batches, with the
+# ramp cut off, so that the first update already gets the peak rate $(d_\text{model} w)^{-1/2}$
+# and the decay is unchanged.
+# `train_model` takes any schedule as a function of the step. Then the same pair again with the
+# rate doubled, to see where a ramp starts to matter. Three runs of 300 steps, about a minute
+# and a half on one CPU thread:
+
+# %%
+WARMUP_STEPS = 300  # the length of each run: the ramp lasts 400 steps, so they all still ramp
+
+
+def rate(scale: float, ramp: bool):
+    """The recipe's schedule times `scale`; without the ramp: its peak from update 1, then the decay."""
+    peak = scale * lr_lambda(RECIPE["warmup"], RECIPE["d_model"], RECIPE["warmup"])
+    if ramp:
+        return lambda s: scale * lr_lambda(s, RECIPE["d_model"], RECIPE["warmup"])
+    return lambda s: min(peak, scale * lr_lambda(s, RECIPE["d_model"], 1))  # warmup 1: d^-1/2 s^-1/2
+
+
+warmup_variants = {"no warm-up": (1.0, False), "2× rate, warm-up": (2.0, True),
+                   "2× rate, no warm-up": (2.0, False)}
+
+# %% tags=["nbval-ignore-output"]
+warmup_runs = {"warm-up (the recipe)": {"lr": rates[:WARMUP_STEPS],
+                                        "loss": losses[:WARMUP_STEPS], "em": em_curve}}
+for name, (scale, ramp) in warmup_variants.items():
+    curve = {}
+    _, run_history = train_reversal(steps=WARMUP_STEPS, schedule=rate(scale, ramp),
+                                    device=device, progress=True, callback=watch(curve))
+    warmup_runs[name] = {"lr": np.array(run_history["lr"]), "loss": np.array(run_history["loss"]),
+                         "em": curve}
+
+# %% [markdown]
+# This run's numbers (another seed or machine prints others; the seed study below has six):
+
+# %% tags=["nbval-ignore-output"]
+print(f"{'':22s}{'first rate':>11s}{'loss, steps 201-300':>21s}   exact match at 100 / 200 / 300")
+for name, run in warmup_runs.items():
+    em = " / ".join(f"{run['em'][s]:3d}" for s in (100, 200, 300))
+    print(f"{name:22s}{run['lr'][0]:11.2e}{run['loss'][200:300].mean():21.3f}   {em}")
+
+# %% [markdown]
+# **Check:** the schedules are what they say (facts), and «WARMUP_CLAIM»
+
+# %%
+peak = lr_lambda(RECIPE["warmup"], RECIPE["d_model"], RECIPE["warmup"])
+flat = warmup_runs["no warm-up"]
+assert np.allclose(flat["lr"], peak, rtol=1e-12, atol=0)  # the peak from the first update on
+assert np.allclose(warmup_runs["2× rate, warm-up"]["lr"], 2 * rates[:WARMUP_STEPS], rtol=1e-12)
+em_at = {name: run["em"][WARMUP_STEPS] for name, run in warmup_runs.items()}
+assert em_at["2× rate, no warm-up"] <= 20 and em_at["2× rate, warm-up"] >= 100
+assert em_at["no warm-up"] >= em_at["warm-up (the recipe)"] - 30
+
+# %% jupyter={"source_hidden": true}
+fig, axes = plt.subplots(1, 3, figsize=(15, 3.8), layout="constrained")
+styles = {"warm-up (the recipe)": (LOSS_COLOR, "-"), "no warm-up": (VARIANT_COLOR, "-"),
+          "2× rate, warm-up": (LOSS_COLOR, "--"), "2× rate, no warm-up": (VARIANT_COLOR, "--")}
+step_range = np.arange(1, WARMUP_STEPS + 1)
+for name, run in warmup_runs.items():
+    color, ls = styles[name]
+    axes[0].plot(step_range, run["lr"], color=color, ls=ls, lw=1.8, label=name)
+    axes[1].plot(step_range, smooth(run["loss"], 20), color=color, ls=ls, lw=1.8, label=name)
+    em_steps = [s for s in sorted(run["em"]) if s <= WARMUP_STEPS]
+    axes[2].plot(em_steps, [run["em"][s] for s in em_steps], "o", color=color, ls=ls, ms=5,
+                 label=name)
+axes[0].set(xlabel="training step", ylabel="learning rate", title="The four schedules")
+axes[1].set(xlabel="training step", ylabel="cross-entropy, 20-step average (log scale)",
+            yscale="log", title="Training loss")
+axes[2].set(xlabel="training step", ylabel="sequences decoded exactly (of 256)", ylim=(0, 265),
+            xticks=[100, 200, 300], title="Exact match")
+axes[0].legend(fontsize=8)
+fig.suptitle("The first 300 steps with and without the warm-up: same model, seed and batches "
+             "(grey: with the ramp, pink: without; dashed: twice the rate)")
+save_figure(fig, "training_warmup")
+plt.show()
+
+# %% [markdown]
+# «WARMUP_TEXT»
+#
+# **«WARMUP_TAKEAWAY»**
 #
 # ## 7 · Reproducing the tutorial, and the initialisation ablation
 #
@@ -848,21 +994,26 @@ print(f"RMS per coordinate: token (paper init) {paper_rms:.2f}, token (default i
 # %% [markdown]
 # The ablation trains the same recipe with `embedding_init="default"`: same seed, same batches,
 # same dropout masks, same weights everywhere except the two embedding tables. It runs for 800
-# steps and is compared with the main run *at step 800*, which the callback recorded; the gap
-# is already unmistakable there (the evidence is below the table).
+# steps (about a minute on one CPU thread) and is compared with the main run *at step 800*,
+# which the callback recorded; the gap is already unmistakable there (the seed study below
+# shows it for every seed).
 
 # %% tags=["nbval-ignore-output"]
 default_curve = {}
 start = time.perf_counter()
-default_model, default_history = train_reversal(embedding_init="default", steps=ABLATION_STEPS,
-                                                callback=watch(default_curve))
+default_model, default_history = train_reversal(
+    embedding_init="default", steps=ABLATION_STEPS, device=device, progress=True,
+    callback=watch(default_curve),
+)
 print(f"{time.perf_counter() - start:.0f} s")
 
-# %%
-default_model = default_model.to(device)
+# %% [markdown]
+# Side by side with the tutorial's numbers (ours are this run's; the seed study below gives
+# their spread):
+
+# %% tags=["nbval-ignore-output"]
 default_losses = np.array(default_history["loss"])
 K = ABLATION_STEPS
-assert exact_match(default_model) == default_curve[K]  # the final model is the one evaluated
 rows = [
     ("parameters", "930,828", f"{n_params:,}", ""),
     ("exact match, paper init", "256/256", f"{em_curve[STEPS]}/256", f"{em_curve[K]}/256"),
@@ -879,24 +1030,23 @@ for row in rows:
     print(f"{row[0]:44s}" + "".join(f"{cell:>11s}" for cell in row[1:]))
 
 # %% [markdown]
-# **Check:** the ablation's qualitative result: at the same step, the default initialisation
-# has a loss several times higher and decodes far fewer sequences, and it is behind at every
+# **Check:** the ablation's qualitative result, with the margins that every seed of the study
+# below clears: at the same step, the default initialisation has a loss «RATIO_BOUND» times the
+# paper init's or more, decodes at least «GAP_BOUND» fewer sequences, and is behind at every
 # evaluation, not only at the last.
 
 # %%
 paper_loss_K, default_loss_K = losses[K - 100 : K].mean(), default_losses[-100:].mean()
 assert default_loss_K > 3 * paper_loss_K
-assert default_curve[K] < em_curve[K] - 100
+assert default_curve[K] <= em_curve[K] - 150
 assert all(default_curve[s] < em_curve[s] for s in default_curve)
-print(f"at step {K}: loss {default_loss_K / paper_loss_K:.1f}x higher, "
-      f"{em_curve[K] - default_curve[K]} fewer sequences decoded exactly")
 
-# %%
-test_correct = reversal_correct(default_model, test_src, test_out, test_len).cpu()
+# %% jupyter={"source_hidden": true}
+default_correct = reversal_correct(default_model, test_src, test_out, test_len).cpu()  # (256,)
 fig, axes = plt.subplots(1, 3, figsize=(15, 4), layout="constrained",
                          gridspec_kw={"width_ratios": [1.3, 1.1, 1]})
-inits = (("paper init $\\mathcal{N}(0, 1/d_{model})$", losses, em_curve, COLORS["ours"]),
-         ("default init $\\mathcal{N}(0, 1)$", default_losses, default_curve, COLORS["accent"]))
+inits = (("paper init $\\mathcal{N}(0, 1/d_{model})$", losses, em_curve, LOSS_COLOR),
+         ("default init $\\mathcal{N}(0, 1)$", default_losses, default_curve, VARIANT_COLOR))
 for name, curve, em, color in inits:
     axes[0].plot(np.arange(1, len(curve) + 1), smooth(curve), color=color, lw=1.8, label=name)
     axes[1].plot(list(em), list(em.values()), "o-", ms=3, color=color, label=name)
@@ -909,10 +1059,10 @@ axes[1].set(xlabel="training step", ylabel="sequences decoded exactly (of 256)",
 for ax in axes[:2]:
     ax.legend(fontsize=8)
 by_length = range(3, MAX_LEN + 1)
-wrong = [int((~test_correct[test_len == L]).sum()) for L in by_length]
+wrong = [int((~default_correct[test_len == L]).sum()) for L in by_length]
 total = [int((test_len == L).sum()) for L in by_length]
 axes[2].bar(by_length, total, color="#d9d9d9", label="test sequences")
-axes[2].bar(by_length, wrong, color=COLORS["accent"], label="wrong, default init")
+axes[2].bar(by_length, wrong, color=VARIANT_COLOR, label="wrong, default init")
 axes[2].set(xlabel="sequence length $L$", ylabel="test sequences", ylim=(0, 1.35 * max(total)),
             title=f"Default init at step {K}: which fail")
 axes[2].legend(fontsize=8, loc="upper center", ncols=2)
@@ -926,54 +1076,177 @@ plt.show()
 #
 # ### What changed from the tutorial, and the evidence for it
 #
-# **Steps.** One training step of this model takes about 70 ms on one CPU thread (the timing
-# printed in section 6; the notebook runs single-threaded so that its numbers are reproducible).
-# The tutorial's 6,000 steps would take about 7 minutes for one model, and an ablation on the
-# same budget 7 more, far beyond what CI can spend on one notebook. The schedule has no end
-# point (it depends only on the step), so a shorter run is exactly the first part of the
-# tutorial's run, and the question is how early the results settle. To choose, the recipe was
-# trained offline with other seeds (0 to 5, with `train_reversal` and the `watch` callback
-# above), measuring exact match on the same 256 test sequences every 100 steps:
+# **Steps.** In the stored run one training step took about «MS_PER_STEP» ms on one CPU thread,
+# exact-match evaluations included (printed in section 6; the notebook runs single-threaded so
+# that its numbers are reproducible). The tutorial's 6,000 steps would take about «MINUTES»
+# minutes for one model, and an ablation on the same budget as long again (the appendix says
+# why that matters here). The schedule has no end point (it depends only on the step), so a
+# shorter run is exactly the first part of the tutorial's run, and the question is how early the
+# results settle. The **seed study** answers it: `tools/seed_study.py` trains the recipe with
+# several seeds exactly as this notebook does (on the CPU, one thread per run), and measures
+# exact match on the same 256 test sequences every 100 steps, together with every finding that
+# this notebook and the next one assert. Seed 0 is this notebook's run. Its first table, as
+# printed by
 #
-# | after step | 600 | 800 | 1,000 | 1,500 | 2,000 | **2,500** | 3,000 | 3,500 |
-# |---|---|---|---|---|---|---|---|---|
-# | paper init, 6 seeds: exact match | 211–234 | 233–242 | 248–255 | 252–256 | 253–256 | **256 (all 6)** | 251–256 | 256 (all 6) |
-# | seeds at 256/256 | 0 of 6 | 0 of 6 | 0 of 6 | 1 of 6 | 2 of 6 | **6 of 6** | 4 of 6 | 6 of 6 |
-# | default init, 4 seeds: exact match | 18–34 | 28–44 | 51–68 | 112–172 | 168–171 (2 seeds) | | | |
-# | loss, mean of 100 steps: paper init | 0.16–0.19 | 0.11–0.13 | 0.071–0.079 | 0.036–0.046 | 0.023–0.032 | 0.019–0.023 | 0.015–0.021 | 0.011–0.015 |
-# | loss, mean of 100 steps: default init | 1.08–1.10 | 0.93–0.96 | 0.75–0.79 | 0.44–0.53 | | | | |
+#     python tools/seed_study.py --seeds 0-3 --steps 2500 --jobs 4
 #
-# Two things stand out. The ablation's result is settled early and is the same for every
-# seed: at steps 600 to 1,000 the default initialisation decodes between a tenth and a quarter
-# as many sequences, and at step 800 its loss is 8.5 to 8.7 times the paper init's, for each of
-# the four seeds. So 800 steps show it, in a ninth of the tutorial's budget. The paper init's
-# 256/256 is different: late in training exact match *wobbles* between 251 and 256 from one
-# evaluation to the next (the rate is still $2 \times 10^{-3}$, and the occasional bad batch
-# knocks out a sequence or two), so any single count is a snapshot, the tutorial's included.
-# Step 2,500 is the first of these checkpoints at which all six seeds are at 256/256 (seed 0,
-# the notebook's, is at 256 at every evaluation from 2,100 to 2,600); across all evaluations
-# from step 2,000 to 3,600, seven in ten are 256 and the rest 251 to 255. That is the main
-# run's length. Label smoothing (section 8) needs a model that is fairly sure of itself but not
-# finished, and 600 steps give one.
+# (the per-seed tables are in `tools/seed_study.md`, the raw numbers in `tools/seed_study.json`):
+#
+«STUDY_TABLE»
+#
+# «STUDY_TEXT»
 #
 # **Differences in the numbers.** Ours are not the tutorial's, for three reasons. Our batches
 # come from a different random stream (drawn in one vectorised call, not sequence by
 # sequence), so the runs are different samples of the same process. Our main run stops at
-# 2,500 steps, not 6,000, and its loss is still falling: the 100-step mean is 0.019 here and
-# 0.011 to 0.015 at step 3,500 in the offline runs. And the ablation is compared at step 800,
-# where the default initialisation is much further behind than the tutorial's was at step 6,000
-# (it catches up slowly: 244/256 there). Mind also what the tutorial's "final loss" is: the
+# 2,500 steps, not 6,000, and its loss is still falling. And the ablation is compared at step
+# 800, where the default initialisation is much further behind than the tutorial's was at step
+# 6,000 (it catches up slowly: 244/256 there). Mind also what the tutorial's "final loss" is: the
 # loss of one batch of 64 sequences, which swings by a factor of ten from one step to the next
-# (the pale line in the loss plot). Our last batch's 0.0050 lands near its 0.0059 by luck; the
-# 100-step means are the numbers to compare, and the loss *ratio* between the two
-# initialisations at equal steps (8.6 here at step 800, 8.5 to 8.7 over four seeds; 17 in the
-# tutorial at step 6,000, from single batches) tells the same story.
+# (the pale line in the loss plot). «LAST_BATCH_TEXT» The 100-step means are the numbers to
+# compare, and the loss *ratio* between the two initialisations at equal steps («RATIO_TEXT»; 17 in
+# the tutorial at step 6,000, from single batches) tells the same story.
 #
 # **Reproduced: 930,828 parameters, 256/256 with the paper's initialisation, and a much worse
 # model, at every step, when PyTorch's default $\mathcal{N}(0, 1)$ init meets the
 # $\sqrt{d_\text{model}}$ multiply.**
 #
-# ## 8 · Label smoothing
+# ## 8 · What failure looks like
+#
+# Exact match counts the failures; it does not show them. Two weaker models are at hand: the
+# main run's weights at step 100 (the callback kept them) and the default-init model of section
+# 7 at step 800. Both decode the 256 test sequences, and for each output we find the first
+# position where it differs from the reversal.
+
+# %%
+early_model = Transformer(VOCAB, VOCAB)
+early_model.load_state_dict(snapshots[EARLY_STEPS])
+early_model = early_model.to(device).eval()
+test_mask = padding_mask(test_len, MAX_LEN).to(device)  # (256, 1, 1, L_max)
+test_graded = test_out != PAD  # (256, L_max + 1): the L symbols and EOS
+positions = torch.arange(MAX_LEN + 1)
+
+
+def first_errors(m: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy outputs (B, L_max + 1), PAD-padded, and each row's first wrong position (or L_max + 1)."""
+    out = greedy_decode(m, test_src.to(device), MAX_LEN + 1, src_mask=test_mask)[:, 1:].cpu()
+    out = F.pad(out, (0, MAX_LEN + 1 - out.size(1)), value=PAD)  # decoding may stop early
+    wrong = (out != test_out) & test_graded
+    return out, torch.where(wrong.any(1), wrong.int().argmax(1), MAX_LEN + 1)
+
+
+@torch.no_grad()
+def teacher_forced_tokens(m: Transformer) -> torch.Tensor:
+    """The argmax at every position when the decoder reads the true prefix: (B, L_max + 1)."""
+    test_in = torch.cat([torch.full((256, 1), BOS), test_out[:, :-1]], dim=1)  # BOS, then y
+    test_in = test_in.masked_fill(test_in == EOS, PAD)  # tgt_in holds no EOS
+    logits = m(test_src.to(device), test_in.to(device), src_mask=test_mask,
+               tgt_mask=causal_mask(MAX_LEN + 1, device=device))
+    return logits.argmax(-1).cpu()
+
+
+failures = {}
+for name, m in (("step 100", early_model), ("default init, step 800", default_model)):
+    out, first = first_errors(m)
+    after = (positions > first[:, None]) & test_graded  # (B, T): graded positions after the first error
+    failures[name] = {
+        "out": out, "first": first, "wrong": int((first <= MAX_LEN).sum()),
+        "free": (out == test_out)[after].float().mean().item(),
+        "forced": (teacher_forced_tokens(m) == test_out)[after].float().mean().item(),
+    }
+
+# %% [markdown]
+# The question is what happens *after* the first error. At every later position, compare two
+# things: the token the free-running decoder produced (reading its own, now wrong, prefix), and
+# the token the same model predicts when it reads the true prefix instead (teacher forcing, as in
+# training). Both are graded against the same reversal:
+
+# %% tags=["nbval-ignore-output"]
+print(f"{'model':24s}{'wrong outputs':>14s}   right after the first error: "
+      f"{'own prefix':>10s}{'true prefix':>12s}")
+for name, f in failures.items():
+    print(f"{name:24s}{f['wrong']:>10d}/256   {'':29s}{f['free']:>10.1%}{f['forced']:>12.1%}")
+
+# %% [markdown]
+# **Check:** for both models, and for every seed of the study in section 7, the positions after
+# a first error are right «FAIL_FORCED_BOUND» or more of the time with the true prefix, and at
+# most «FAIL_FREE_BOUND» of the time with the model's own: the error, not the position, is what
+# spoils them.
+
+# %%
+for name, f in failures.items():
+    assert f["wrong"] > 20, name  # weak models: plenty of failures to look at
+    assert f["forced"] >= 0.6 and f["free"] <= 0.5, name
+
+# %% jupyter={"source_hidden": true}
+CELL_RIGHT, FIRST_WRONG, LATER_WRONG = "#fff3d6", COLORS["accent"], "#f4b6b6"
+
+
+def draw_failures(ax, out: torch.Tensor, first: torch.Tensor, rows: list[int], title: str) -> None:
+    """Target and output of each row; the first wrong token red, later wrong tokens pink."""
+    names = {PAD: "·", BOS: "BOS", EOS: "EOS"}
+    for i, b in enumerate(rows):
+        L = int(test_len[b])
+        for kind, tokens in (("target", test_out[b]), ("output", out[b])):
+            y = 3 * i + (kind == "output")
+            for t in range(MAX_LEN + 1):
+                token = int(tokens[t])
+                color = CELL_RIGHT if t <= L else "white"
+                if kind == "output" and token != int(test_out[b, t]):
+                    color = FIRST_WRONG if t == int(first[b]) else LATER_WRONG
+                ax.add_patch(plt.Rectangle((t - 0.5, y - 0.5), 1, 1, facecolor=color,
+                                           edgecolor="white"))
+                ax.text(t, y, names.get(token, str(token)), ha="center", va="center", fontsize=8,
+                        color="white" if color == FIRST_WRONG else "black")
+            ax.text(-0.7, y, kind, ha="right", va="center", fontsize=8)
+    ax.set(xlim=(-3.2, MAX_LEN + 0.5), ylim=(3 * len(rows) - 1, -1), title=title,
+           xlabel="output position $t$")
+    ax.set_xticks(range(MAX_LEN + 1))
+    ax.set_yticks([])
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
+fig, axes = plt.subplots(1, 3, figsize=(15, 5.2), layout="constrained",
+                         gridspec_kw={"width_ratios": [1, 1, 0.8]})
+for ax, (name, f) in zip(axes[:2], failures.items(), strict=True):
+    rows = [b for b in range(256) if int(f["first"][b]) <= MAX_LEN and int(test_len[b]) >= 6][:5]
+    draw_failures(ax, f["out"], f["first"], rows, f"{name}: five wrong outputs")
+x = np.arange(len(failures))
+axes[2].bar(x - 0.2, [f["forced"] for f in failures.values()], 0.4, color=LOSS_COLOR,
+            label="true prefix (teacher forcing)")
+axes[2].bar(x + 0.2, [f["free"] for f in failures.values()], 0.4, color=EM_COLOR,
+            label="its own prefix (free-running)")
+axes[2].set_xticks(x, list(failures), fontsize=9)
+axes[2].set(ylim=(0, 1.15), ylabel="share of the positions after the first error that are right",
+            title="After the first error")
+axes[2].legend(fontsize=8, loc="upper center", ncols=1)
+fig.legend(handles=[Patch(facecolor=c, edgecolor="grey", label=k) for k, c in
+                    (("right", CELL_RIGHT), ("first wrong token", FIRST_WRONG),
+                     ("later wrong token", LATER_WRONG))],
+           loc="outside lower left", ncols=3, fontsize=9)
+fig.suptitle("How the weaker models fail: one wrong token, and the rest of the output follows it")
+save_figure(fig, "training_failures")
+plt.show()
+
+# %% [markdown]
+# In the stored run the model of step 100 gets 159 of the 256 outputs wrong, the default-init
+# model of step 800 gets 219 wrong. In the examples, the step-100 model's first errors are
+# symbols skipped or swapped, several of them where the source repeats a symbol (4 4 4 9 7 11,
+# or the 9 9 of the third example), which is where finding one's place is hardest; the
+# default-init model often goes wrong at the very first symbol. Then the error is read back, and
+# the rest of the output runs off course, sometimes ending early. After their first error, only
+# about a third (step 100) and a quarter (default init) of the later positions are right; reading
+# the true prefix instead, the same models get about four in five and two in three of those same
+# positions right. The error, not the difficulty of the later positions, is what spoils them.
+# This is called *exposure bias* (Ranzato et al., 2016): trained only on true prefixes, the model
+# has never seen its own mistakes, and has not learnt to recover from them.
+#
+# **A wrong token is not an isolated mistake: the decoder reads it back, and what follows is
+# built on it. Teacher forcing never shows the model its own errors, which is why exact match,
+# not the training loss, is the test.**
+#
+# ## 9 · Label smoothing
 #
 # Cross-entropy against a one-hot target is minimised by putting probability 1 on the right
 # token, which the model can only approach by making its logits ever larger: it is rewarded for
@@ -1002,12 +1275,14 @@ assert math.isclose(at_optimum, floor, rel_tol=1e-6)
 print(f"optimal max probability {q_true:.4f}, loss floor H(q) = {floor:.4f} nats")
 
 # %% [markdown]
-# The same recipe with $\varepsilon = 0.1$, for 600 steps; it is compared with the main run's
-# weights at step 600, which the callback kept: same seed, same batches, same number of updates.
+# The same recipe with $\varepsilon = 0.1$, for 600 steps (under a minute on one CPU thread);
+# it is compared with the main run's weights at step 600, which the callback kept: same seed,
+# same batches, same number of updates.
 
 # %% tags=["nbval-ignore-output"]
 start = time.perf_counter()
-smooth_model, smooth_history = train_reversal(label_smoothing=eps_ls, steps=SMOOTHING_STEPS)
+smooth_model, smooth_history = train_reversal(label_smoothing=eps_ls, steps=SMOOTHING_STEPS,
+                                              device=device, progress=True)
 print(f"{time.perf_counter() - start:.0f} s")
 
 # %% [markdown]
@@ -1018,7 +1293,7 @@ print(f"{time.perf_counter() - start:.0f} s")
 # %%
 plain_model = Transformer(VOCAB, VOCAB)
 plain_model.load_state_dict(snapshots[SMOOTHING_STEPS])
-plain_model, smooth_model = plain_model.to(device).eval(), smooth_model.to(device)
+plain_model = plain_model.to(device).eval()
 smooth_losses = np.array(smooth_history["loss"])
 probe_batch = make_batch(256, MAX_LEN, VOCAB, torch.Generator().manual_seed(11))
 
@@ -1044,6 +1319,11 @@ for name, m in (("no smoothing", plain_model), ("smoothing 0.1", smooth_model)):
         "accuracy": (p.argmax(dim=-1) == graded_targets).float().mean().item(),
         "exact": exact_match(m),
     }
+
+# %% [markdown]
+# This run's numbers (machine-dependent: another seed or PyTorch prints others):
+
+# %% tags=["nbval-ignore-output"]
 print(f"{'':14s}{'mean top p':>11s}{'max top p':>10s}{'top p > 0.99':>13s}{'entropy':>9s}"
       f"{'accuracy':>10s}{'exact':>7s}")
 for name, st in stats.items():
@@ -1057,24 +1337,36 @@ print(f"smoothing 0.1: mean loss of its last 100 steps {smooth_losses[-100:].mea
 # ("accuracy" is the share of graded positions whose top token is the right one, under teacher
 # forcing; "exact" is exact match with greedy decoding, out of 256.)
 #
-# **Check:** without smoothing most predictions put more than 0.99 on their top token; with it
-# none does, and the mean top probability sits at the optimum $0.908$. The entropy is several
-# times higher, the training loss never went below the floor $H(q)$, and the decisions barely
-# move: the accuracy is within a percentage point, and the two models' top tokens agree at
-# nearly every position.
+# **Check:** first the loss itself. PyTorch's smoothed cross-entropy of the smoothed model on
+# this batch equals $-\sum_k q_k \log p_k$ computed by hand with the uniform part over all 12
+# classes, `PAD` included, as claimed above; and it exceeds the floor $H(q)$ by exactly the mean
+# $\mathrm{KL}(q \,\|\, p) > 0$, which is why no model can go below the floor. Then the
+# findings, with margins that every seed of the study in section 7 clears: without smoothing
+# «SM_PLAIN_BOUND» of the predictions or more put over 0.99 on their top token; with it none
+# does, and the mean top probability is within «SM_Q_BOUND» of the optimum $0.908$. The entropy
+# is several times higher, and the decisions barely move: the accuracy is within
+# «SM_ACC_BOUND» percentage points, and the two models' top tokens agree at «SM_AGREE_BOUND» or
+# more of the positions.
 
 # %%
 plain, smoothed = stats["no smoothing"], stats["smoothing 0.1"]
-assert (plain["top"] > 0.99).float().mean() > 0.5 and (smoothed["top"] > 0.99).sum() == 0
+log_p = smoothed["p"].log()  # (N, V); a softmax output, so no zeros
+q = torch.full_like(log_p, eps_ls / VOCAB)  # the uniform part: all V classes, PAD included
+q[torch.arange(len(q)), graded_targets] += 1 - eps_ls
+by_hand = -(q * log_p).sum(dim=-1).mean()
+assert_close(F.cross_entropy(log_p, graded_targets, label_smoothing=eps_ls), by_hand)
+kl = (q * (q.log() - log_p)).sum(dim=-1).mean()
+assert_close(by_hand, floor + kl, rtol=1e-5, atol=1e-5)
+assert kl > 0
+
+assert (plain["top"] > 0.99).float().mean() >= 0.5 and (smoothed["top"] > 0.99).sum() == 0
 assert abs(smoothed["top"].mean() - q_true) < 0.02
 assert smoothed["entropy"].mean() > 4 * plain["entropy"].mean()
-assert smooth_losses.min() > floor
 assert abs(smoothed["accuracy"] - plain["accuracy"]) < 0.01
 agree = (plain["p"].argmax(dim=-1) == smoothed["p"].argmax(dim=-1)).float().mean().item()
-assert agree > 0.95
-print(f"top tokens agree at {agree:.1%} of the graded positions")
+assert agree >= 0.95
 
-# %%
+# %% jupyter={"source_hidden": true}
 # The first graded position where both models are right and the plain one is sure of itself.
 both_right = (plain["p"].argmax(-1) == graded_targets) & (smoothed["p"].argmax(-1) == graded_targets)
 position = int((both_right & (plain["top"] > 0.99)).nonzero()[0, 0])
@@ -1083,9 +1375,9 @@ fig, axes = plt.subplots(1, 2, figsize=(13, 4), layout="constrained",
                          gridspec_kw={"width_ratios": [1.4, 1]})
 ax = axes[0]
 tokens = np.arange(VOCAB)
-ax.bar(tokens - 0.2, plain["p"][position].numpy(), width=0.4, color=COLORS["ours"],
+ax.bar(tokens - 0.2, plain["p"][position].numpy(), width=0.4, color=LOSS_COLOR,
        label="no smoothing")
-ax.bar(tokens + 0.2, smoothed["p"][position].numpy(), width=0.4, color=COLORS["value"],
+ax.bar(tokens + 0.2, smoothed["p"][position].numpy(), width=0.4, color=VARIANT_COLOR,
        label="label smoothing ε = 0.1")
 ax.axhline(q_true, color=COLORS["accent"], ls="--", lw=1,
            label=f"smoothed target q: {q_true:.3f} and {q_other:.4f}")
@@ -1097,15 +1389,16 @@ ax.set(yscale="log", ylim=(1e-8, 300), xlabel="token", ylabel="predicted probabi
        title="One position's predicted distribution")
 ax.legend(fontsize=8, loc="upper center", ncols=3)
 ax = axes[1]
-bins = np.linspace(0.5, 1.0, 51)
-ax.hist(plain["top"].numpy(), bins=bins, color=COLORS["ours"], alpha=0.7, label="no smoothing")
-ax.hist(smoothed["top"].numpy(), bins=bins, color=COLORS["value"], alpha=0.7,
+bins = np.linspace(0.0, 1.0, 51)  # every position: a top probability is at least 1/V
+ax.hist(plain["top"].numpy(), bins=bins, color=LOSS_COLOR, alpha=0.6, label="no smoothing")
+ax.hist(smoothed["top"].numpy(), bins=bins, color=VARIANT_COLOR, alpha=0.6,
         label="smoothing 0.1")
 ax.axvline(q_true, color=COLORS["accent"], ls="--", lw=1, label=f"optimum {q_true:.3f}")
 ax.set(yscale="log", xlabel="probability of the top token",
        ylabel="graded positions (log scale)",
        title=f"Confidence over {len(plain['top'])} graded positions")
 ax.legend(fontsize=8, loc="upper left")
+ax.set_xlim(0, 1)
 fig.suptitle(f"Label smoothing after {SMOOTHING_STEPS} steps: the same decisions, capped confidence")
 save_figure(fig, "training_label_smoothing")
 plt.show()
@@ -1117,21 +1410,112 @@ plt.show()
 # to predict. After 600 steps the smoothed model is not at its optimum yet, so its top
 # probabilities scatter around $0.908$, some above it, but none comes near 1.
 #
-# On a task this clean, smoothing changes almost nothing about the decisions. Its exact match
-# is 11 sequences below the plain model's at this step, but at step 1,000 (an offline run of
-# the same two recipes) it was 253 against 252: the wobble of section 6, not an effect of
-# smoothing. On real data (notebook 13), where the "right" token is often one of several
+# On a task this clean, smoothing changes almost nothing about the decisions. «SM_EM_TEXT» On real data (later notebooks), where the "right" token is often one of several
 # plausible ones, a model that keeps some probability for the alternatives is what the paper
 # found to translate better.
 #
 # **Label smoothing caps the model's confidence near $1 - \varepsilon + \varepsilon/V$: the
 # loss has a floor, the predictions keep some entropy, and the decisions barely change.**
 #
-# ## 9 · Checkpoints
+# ## Recap
 #
-# Notebook 12 generates with this model, and should not have to train it again. A checkpoint
-# holds three things: the weights (`state_dict`), the constructor arguments that rebuild the
-# model, and free-form metadata (here the recipe and the history). Two details make it robust:
+# | piece | code | shape / value |
+# |---|---|---|
+# | the task | `make_batch(B, L_max, V, generator)` | src $(B, L_\max)$; tgt_in, tgt_out $(B, L_\max + 1)$; lengths $(B,)$ |
+# | teacher forcing | `tgt_in = [BOS, y]`, `tgt_out = [y, EOS]` | one parallel pass over $(B, T, V)$ logits |
+# | hiding the future | `causal_mask(T)` as `tgt_mask` | $(1, 1, T, T)$ |
+# | hiding source padding | `padding_mask(lengths, T_src)` as `src_mask` | $(B, 1, 1, T_\text{src})$ |
+# | the loss | `F.cross_entropy(..., ignore_index=PAD, label_smoothing=ε)` | mean over $\sum_b (L_b + 1)$ positions |
+# | the schedule | `lr_lambda(s, d_model, w)` via `LambdaLR`, Adam lr = 1 | peak $(d_\text{model} w)^{-1/2}$ at $s = w$ |
+# | the loop | `train_model(model, steps, ...)`, clip at norm 1 | history: loss and lr per step |
+# | a fixed recipe | `train_reversal(**changes)`, `REVERSAL_RECIPE` | bit-identical on the CPU |
+# | evaluation | `greedy_decode`, `exact_match(model, n=256)` | tokens $(B, \le L_\max + 2)$; 256/256 |
+# | checkpoints | `save_checkpoint`, `load_checkpoint`, `get_reversal_model` | atomic; `weights_only=True` |
+#
+# ## Exercises
+#
+# 1. `train_model` hands `LambdaLR` the lambda `s -> lr_lambda(s + 1, ...)`. What would the
+#    tutorial's `s -> lr_lambda(s, ...)` change? Find out which rate each update gets.
+# 2. Show that with label smoothing the loss $-\sum_k q_k \log p_k$ is smallest at $p = q$:
+#    perturb the optimal logits in random directions and check that the loss never goes down.
+# 3. Train a small model *without* the causal mask. What happens to the training loss, and to
+#    exact match? Explain both.
+#
+# **Solutions.**
+#
+# 1. `LambdaLR` sets the rate of the first update from `lambda(0)`, and `lr_lambda` clamps 0 to
+#    1, so without the shift updates 1 and 2 get the same rate $\mathrm{lr}(1)$, and from then
+#    on update $s$ gets $\mathrm{lr}(s - 1)$: the schedule runs one step late, and its peak falls
+#    on update $w + 1$. (The tutorial's printout is not affected: it prints the rate *after*
+#    `sched.step()`, which is the next update's.) Harmless, but the shift makes the code say what
+#    the formula says. Recording the rate each update uses:
+
+# %%
+param = nn.Parameter(torch.zeros(1))  # no gradient: Adam skips it, the schedule still runs
+optimizer = torch.optim.Adam([param], lr=1.0)
+unshifted = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, 128, 400))
+used = []
+for _ in range(800):
+    used.append(optimizer.param_groups[0]["lr"])  # the rate of this update
+    optimizer.step()
+    unshifted.step()
+assert used[0] == used[1] == lr_lambda(1, 128, 400)  # updates 1 and 2 share a rate
+assert used[1:] == [lr_lambda(s, 128, 400) for s in range(1, 800)]  # update s + 1 gets lr(s)
+assert int(np.argmax(used)) + 1 == 401  # the peak falls on update 401
+assert rates[399] == max(rates) == lr_lambda(400, 128, 400)  # ours: on update 400
+print(f"unshifted: updates 1 and 2 at {used[0]:.2e}, peak on update {int(np.argmax(used)) + 1}")
+
+# %% [markdown]
+# 2. The loss is $H(q) + \mathrm{KL}(q \,\|\, p)$, and the KL divergence is zero only at
+#    $p = q$ and positive elsewhere. Numerically:
+
+# %%
+g = torch.Generator().manual_seed(0)
+target = torch.tensor([5])
+for _ in range(200):
+    nudged = q_logits + 0.1 * torch.randn(1, VOCAB, generator=g)
+    assert F.cross_entropy(nudged, target, label_smoothing=eps_ls).item() >= at_optimum - 1e-7
+print(f"200 random perturbations: none below H(q) = {floor:.4f}")
+
+
+# %% [markdown]
+# 3. Without the mask, position $t$ of the decoder can read `tgt_in[t + 1]`, which *is* the
+#    answer `tgt_out[t]`. The model learns to copy it, so the training loss collapses much
+#    faster than with the mask. But at generation time position $t + 1$ does not exist yet, the
+#    copy has nothing to read, and exact match is near zero. A small model (one layer,
+#    $d_\text{model} = 32$) trained for 150 steps each way shows it:
+
+# %%
+def train_small(use_causal_mask: bool, steps: int = 150) -> tuple[Transformer, float]:
+    set_seed(0)
+    small = Transformer(VOCAB, VOCAB, d_model=32, num_heads=2, d_ff=64, num_layers=1, dropout_p=0.0)
+    optimizer = torch.optim.Adam(small.parameters(), lr=3e-3)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        src, tgt_in, tgt_out, lengths = make_batch(64, MAX_LEN, VOCAB, generator=data)
+        tgt_mask = causal_mask(MAX_LEN + 1) if use_causal_mask else None
+        logits = small(src, tgt_in, src_mask=padding_mask(lengths, MAX_LEN), tgt_mask=tgt_mask)
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return small.eval(), loss.item()
+
+
+honest, honest_loss = train_small(use_causal_mask=True)
+cheat, cheat_loss = train_small(use_causal_mask=False)
+honest_em, cheat_em = exact_match(honest), exact_match(cheat)
+print(f"with the causal mask   : training loss {honest_loss:.4f}, exact match {honest_em}/256")
+print(f"without the causal mask: training loss {cheat_loss:.4f}, exact match {cheat_em}/256")
+assert cheat_loss < honest_loss / 5 and cheat_em <= 5
+
+# %% [markdown]
+# ## Appendix · Checkpoints
+#
+# Notebook 12 generates with this notebook's model, and should not have to train it again. A
+# checkpoint holds three things: the weights (`state_dict`), the constructor arguments that
+# rebuild the model, and free-form metadata (here the recipe and the history). Two details make
+# it robust:
 #
 # - **Atomic save.** `torch.save` straight to the final path leaves a truncated file if the
 #   process dies halfway, and a reader (another notebook running at the same time) may find a
@@ -1280,9 +1664,10 @@ except CheckpointError as err:
 
 # %% [markdown]
 # `get_reversal_model` is what notebook 12 calls: it loads the checkpoint when it is there,
-# readable, and was made with the requested recipe, and otherwise trains with the recipe (on the
-# CPU: bit-identical to this notebook's model) and saves it. Either notebook can therefore run
-# first, or alone.
+# readable, and was made with the requested recipe, and otherwise trains with the recipe and saves
+# it. It trains on the device it is given (by default the best one): on the CPU the result is
+# bit-identical to this notebook's model, on a GPU it is another run of the same recipe. Either
+# notebook can therefore run first, or alone.
 
 # %%
 #| export
@@ -1290,9 +1675,13 @@ def get_reversal_model(
     checkpoint: str | os.PathLike = "checkpoints/reversal.pt",
     device: str | torch.device | None = None,
     verbose: bool = True,
+    progress: bool = False,
     **changes,
 ) -> Transformer:
-    """Notebook 11's reversal model: loaded from `checkpoint`, or else trained and saved there."""
+    """Notebook 11's reversal model: loaded from `checkpoint`, or else trained on `device`, saved.
+
+    `device=None` picks the best one (get_device); `progress=True` shows a bar while training.
+    """
     recipe = reversal_recipe(**changes)
     device = get_device() if device is None else torch.device(device)
     path = Path(checkpoint)
@@ -1309,11 +1698,13 @@ def get_reversal_model(
                 return model
             if verbose:
                 print(f"{path} was trained with another recipe; training a new model")
-    model, history = train_reversal(**recipe)
-    save_checkpoint(path, model, recipe=recipe, history=history)
+    model, history = train_reversal(device=device, progress=progress, **recipe)
+    save_checkpoint(
+        path, model, recipe=recipe, history=history, device=device.type, torch=str(torch.__version__)
+    )
     if verbose:
-        print(f"trained {recipe['steps']} steps and saved {path}")
-    return model.to(device)
+        print(f"trained {recipe['steps']} steps on {device.type} and saved {path}")
+    return model
 
 
 # %% tags=["nbval-ignore-output"]
@@ -1322,104 +1713,21 @@ reloaded = get_reversal_model(device=device)
 # %%
 assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                              reloaded.state_dict().values(), strict=True))
-assert exact_match(reloaded) == 256
-print("get_reversal_model returns this notebook's model: same weights, 256/256")
+print("get_reversal_model returns this notebook's model: the same weights")
 
 # %% [markdown]
 # **A checkpoint is weights + config + metadata, written to a temporary file and renamed into
 # place, read back with `weights_only=True`; anything unreadable is a clear `ValueError`.**
-#
-# ## Recap
-#
-# | piece | code | shape / value |
-# |---|---|---|
-# | the task | `make_batch(B, L_max, V, generator)` | src $(B, L_\max)$; tgt_in, tgt_out $(B, L_\max + 1)$; lengths $(B,)$ |
-# | teacher forcing | `tgt_in = [BOS, y]`, `tgt_out = [y, EOS]` | one parallel pass over $(B, T, V)$ logits |
-# | hiding the future | `causal_mask(T)` as `tgt_mask` | $(1, 1, T, T)$ |
-# | hiding source padding | `padding_mask(lengths, T_src)` as `src_mask` | $(B, 1, 1, T_\text{src})$ |
-# | the loss | `F.cross_entropy(..., ignore_index=PAD, label_smoothing=ε)` | mean over $\sum_b (L_b + 1)$ positions |
-# | the schedule | `lr_lambda(s, d_model, w)` via `LambdaLR`, Adam lr = 1 | peak $(d_\text{model} w)^{-1/2}$ at $s = w$ |
-# | the loop | `train_model(model, steps, ...)`, clip at norm 1 | history: loss and lr per step |
-# | a fixed recipe | `train_reversal(**changes)`, `REVERSAL_RECIPE` | bit-identical on the CPU |
-# | evaluation | `greedy_decode`, `exact_match(model, n=256)` | tokens $(B, \le L_\max + 2)$; 256/256 |
-# | checkpoints | `save_checkpoint`, `load_checkpoint`, `get_reversal_model` | atomic; `weights_only=True` |
-#
-# ## Exercises
-#
-# 1. `train_model` hands `LambdaLR` the lambda `s -> lr_lambda(s + 1, ...)`. What would the
-#    tutorial's `s -> lr_lambda(s, ...)` change? Find out which rate each update gets.
-# 2. Show that with label smoothing the loss $-\sum_k q_k \log p_k$ is smallest at $p = q$:
-#    perturb the optimal logits in random directions and check that the loss never goes down.
-# 3. Train a small model *without* the causal mask. What happens to the training loss, and to
-#    exact match? Explain both.
-#
-# **Solutions.**
-#
-# 1. `LambdaLR` sets the rate of the first update from `lambda(0)`, and `lr_lambda` clamps 0 to
-#    1, so without the shift updates 1 and 2 get the same rate $\mathrm{lr}(1)$, and from then
-#    on update $s$ gets $\mathrm{lr}(s - 1)$: the schedule runs one step late, and its peak falls
-#    on update $w + 1$. (The tutorial's printout is not affected: it prints the rate *after*
-#    `sched.step()`, which is the next update's.) Harmless, but the shift makes the code say what
-#    the formula says. Recording the rate each update uses:
-
-# %%
-param = nn.Parameter(torch.zeros(1))  # no gradient: Adam skips it, the schedule still runs
-optimizer = torch.optim.Adam([param], lr=1.0)
-unshifted = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, 128, 400))
-used = []
-for _ in range(800):
-    used.append(optimizer.param_groups[0]["lr"])  # the rate of this update
-    optimizer.step()
-    unshifted.step()
-assert used[0] == used[1] == lr_lambda(1, 128, 400)  # updates 1 and 2 share a rate
-assert used[1:] == [lr_lambda(s, 128, 400) for s in range(1, 800)]  # update s + 1 gets lr(s)
-assert int(np.argmax(used)) + 1 == 401  # the peak falls on update 401
-assert rates[399] == max(rates) == lr_lambda(400, 128, 400)  # ours: on update 400
-print(f"unshifted: updates 1 and 2 at {used[0]:.2e}, peak on update {int(np.argmax(used)) + 1}")
 
 # %% [markdown]
-# 2. The loss is $H(q) + \mathrm{KL}(q \,\|\, p)$, and the KL divergence is zero only at
-#    $p = q$ and positive elsewhere. Numerically:
-
-# %%
-g = torch.Generator().manual_seed(0)
-target = torch.tensor([5])
-for _ in range(200):
-    nudged = q_logits + 0.1 * torch.randn(1, VOCAB, generator=g)
-    assert F.cross_entropy(nudged, target, label_smoothing=eps_ls).item() >= at_optimum - 1e-7
-print(f"200 random perturbations: none below H(q) = {floor:.4f}")
-
-
-# %% [markdown]
-# 3. Without the mask, position $t$ of the decoder can read `tgt_in[t + 1]`, which *is* the
-#    answer `tgt_out[t]`. The model learns to copy it, so the training loss collapses much
-#    faster than with the mask. But at generation time position $t + 1$ does not exist yet, the
-#    copy has nothing to read, and exact match is near zero. A small model (one layer,
-#    $d_\text{model} = 32$) trained for 150 steps each way shows it:
-
-# %%
-def train_small(use_causal_mask: bool, steps: int = 150) -> tuple[Transformer, float]:
-    set_seed(0)
-    small = Transformer(VOCAB, VOCAB, d_model=32, num_heads=2, d_ff=64, num_layers=1, dropout_p=0.0)
-    optimizer = torch.optim.Adam(small.parameters(), lr=3e-3)
-    data = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        src, tgt_in, tgt_out, lengths = make_batch(64, MAX_LEN, VOCAB, generator=data)
-        tgt_mask = causal_mask(MAX_LEN + 1) if use_causal_mask else None
-        logits = small(src, tgt_in, src_mask=padding_mask(lengths, MAX_LEN), tgt_mask=tgt_mask)
-        loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return small.eval(), loss.item()
-
-
-honest, honest_loss = train_small(use_causal_mask=True)
-cheat, cheat_loss = train_small(use_causal_mask=False)
-honest_em, cheat_em = exact_match(honest), exact_match(cheat)
-print(f"with the causal mask   : training loss {honest_loss:.4f}, exact match {honest_em}/256")
-print(f"without the causal mask: training loss {cheat_loss:.4f}, exact match {cheat_em}/256")
-assert cheat_loss < honest_loss / 5 and cheat_em <= 5
+# ## Appendix · Why this notebook stops at 2,500 steps
+#
+# Every notebook of the course is executed top to bottom, and its outputs compared, on every
+# change (`make test`, and CI), on a machine with two CPU cores shared by two notebooks at a
+# time. This one already trains for «TOTAL_STEPS» steps in all (the main run, the ablation, the
+# warm-up runs and label smoothing), several minutes on one thread; the tutorial's 6,000 steps
+# and an ablation on the same budget would triple that. The seed study of section 7 shows what
+# the shorter runs lose: nothing that this notebook claims.
 
 # %% [markdown]
 # Next: [12 · Generation](12_generation.ipynb), where this model's cross-attention shows the

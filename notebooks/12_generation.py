@@ -5,8 +5,9 @@
 # generator: greedy decoding, a key–value cache that makes every step cost one position instead
 # of the whole prefix (with exactly the same tokens), beam search with length normalisation, and
 # sampling with a temperature and top-$k$. On the way you will look inside the trained reversal
-# model and find the anti-diagonal its cross-attention learnt, and you will write `bench_model`,
-# the benchmark that times our Transformer against `nn.Transformer` and the cache against no cache.
+# model and find the anti-diagonal its cross-attention learnt, and time the cache. An appendix
+# writes `bench_model`, the benchmark module that times our Transformer against `nn.Transformer`
+# and the cache against no cache.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/12_generation.ipynb) · Assumes: [10 · The full model](10_full_model.ipynb), [11 · Training](11_training.ipynb).
 
@@ -31,6 +32,8 @@ if "google.colab" in sys.modules:
 
 # %%
 import math
+import statistics
+import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -77,12 +80,17 @@ device = get_device()
 # ### The trained model
 #
 # Notebook 11 trained the tutorial's model (930,828 parameters) to reverse sequences of 3 to 8
-# symbols. `get_reversal_model` loads its checkpoint, or, when there is none yet, trains it again
-# with the same recipe and seed (the same weights, bit for bit, on a CPU) and saves it. Which of
-# the two happened depends on your machine, so the cell's output is not compared.
+# symbols. `get_reversal_model` loads its checkpoint, or, when there is none yet (on Colab, where
+# every notebook opens in a fresh runtime, or if you skipped notebook 11), trains it again with
+# the same recipe and seed and saves it: about four minutes on one CPU thread, well under a
+# minute on a GPU (an estimate), with a progress bar. On a CPU that gives notebook 11's weights
+# bit for bit; on a GPU, or with another PyTorch, it is another run of the same recipe, so the
+# checks below assert bounds that hold over the six seeds of notebook 11's seed study, and the
+# numbers quoted in the text are those of the stored run. Which of the two happened depends on
+# your machine, so the cell's output is not compared.
 
 # %% tags=["nbval-ignore-output"]
-model = get_reversal_model(device=device)
+model = get_reversal_model(device=device, progress=True)
 
 # %%
 VOCAB, MAX_LEN = model.out_proj.out_features, 8  # 12 token ids; sources of 3..8 symbols
@@ -247,7 +255,6 @@ src, tgt_out = src.to(device), tgt_out.to(device)
 src_mask = padding_mask(lengths, MAX_LEN).to(device)  # (B, 1, 1, T_src)
 
 decoded = greedy_decode(model, src, MAX_LEN + 1, src_mask=src_mask)  # L symbols, then EOS
-print("decoded shape:", tuple(decoded.shape))
 
 
 def pad_right(tokens: torch.Tensor, T: int) -> torch.Tensor:
@@ -266,27 +273,35 @@ def show(tokens: torch.Tensor) -> str:
     return " ".join(names.get(t, str(t)) for t in tokens.tolist())
 
 
+correct = reversed_correctly(decoded)  # (B,)
+
+# %% tags=["nbval-ignore-output"]
+print("decoded shape:", tuple(decoded.shape))
 for i in range(4):
     print(f"source   {show(src[i])}")
     print(f"reversal {show(tgt_out[i])}")
     print(f"decoded  {show(decoded[i, 1:])}\n")
-
-correct = reversed_correctly(decoded)  # (B,)
 print(f"exact match: {int(correct.sum())}/{len(correct)}")
 
 # %% [markdown]
-# **Check.** The output is well formed: `BOS` first, `EOS` exactly once and after exactly $L$
-# symbols, `PAD` after it. And greedy decoding is a fixed point of teacher forcing: feeding its
+# (The stored run decodes all 256 exactly; the output is not compared, because a model trained
+# on another machine or PyTorch is another run.)
+#
+# **Check.** Nearly every output is exact: «EM12_BOUND» or more of 256, the lowest that any seed
+# of notebook 11's study reached. The correct outputs are well formed: `EOS` once and after
+# exactly $L$ symbols, `PAD` after it. And greedy decoding is a fixed point of teacher forcing: feeding its
 # own output back as `tgt_in` in *one* parallel forward pass, the argmax at every position must
 # reproduce the next decoded token. This is an identity between the step-by-step loop and the
 # training-time forward pass; an off-by-one in positions or masks would break it.
 
 # %%
-assert (decoded[:, 0] == BOS).all()
-eos_at = (decoded == EOS).int().argmax(dim=1)  # (B,): the first EOS
-assert ((decoded == EOS).sum(dim=1) == 1).all() and torch.equal(eos_at.cpu(), lengths + 1)
+assert int(correct.sum()) >= 250
+is_eos = (decoded == EOS).int()
+eos_at = torch.where(is_eos.any(1), is_eos.argmax(dim=1), decoded.size(1))  # (B,): first EOS
+assert torch.equal(eos_at[correct].cpu(), (lengths + 1)[correct.cpu()])
+assert ((decoded == EOS).sum(dim=1)[correct] == 1).all()
 after_eos = torch.arange(decoded.size(1), device=device) > eos_at[:, None]  # (B, T)
-assert (decoded[after_eos] == PAD).all()
+assert (decoded[after_eos] == PAD).all()  # every row: nothing but PAD after its first EOS
 
 with torch.no_grad():
     model.eval()
@@ -294,20 +309,39 @@ with torch.no_grad():
     logits = model(src, decoded[:, :-1], src_mask=src_mask, tgt_mask=causal_mask(T, device=device))
 rows_alive = ~after_eos[:, 1:]  # positions up to and including EOS
 assert torch.equal(logits.argmax(-1)[rows_alive], decoded[:, 1:][rows_alive])
-assert correct.float().mean() >= 0.99
 
 # %% [markdown]
-# **Picture.** What the model believes at each step, for one source: the next-token
-# distribution as a heatmap (mind the logarithmic colour scale). Each row has one near-certain
-# token; every other token is at least a thousand times less likely.
+# **Picture.** What the model believes at each step, for one source of full length: the
+# next-token distribution, and how much more likely the chosen token is than the runner-up.
 
 # %%
-b = int((lengths == MAX_LEN).nonzero()[0])  # an example of full length
+b = int((lengths == MAX_LEN).nonzero()[0])  # the first source of full length
 with torch.no_grad():
     probs = F.softmax(logits[b, : lengths[b] + 1].float(), dim=-1).cpu()  # (L + 1, V)
+chosen = decoded[b, 1 : lengths[b] + 2].cpu()  # (L + 1,): L symbols and EOS
+top2 = probs.topk(2, dim=-1)  # values and indices (L + 1, 2)
+margin = top2.values[:, 0] / top2.values[:, 1]  # (L + 1,): chosen over runner-up
+runner_up = top2.indices[:, 1]  # (L + 1,)
+
+# %% tags=["nbval-ignore-output"]
+print(f"source {show(src[b])}")
+for step in range(len(chosen)):
+    print(f"step {step + 1}: {show(chosen[step : step + 1]):>4s} p = {top2.values[step, 0]:.5f}, "
+          f"runner-up {show(runner_up[step : step + 1]):>4s} p = {top2.values[step, 1]:.1e}: "
+          f"{margin[step]:9.0f} times less")
+
+# %% [markdown]
+# **Check.** At every step greedy's choice is the top token by a wide margin: the runner-up is
+# at least «MARGIN_BOUND» times less likely, in every seed of the study (the stored run's exact
+# numbers are above, not compared).
+
+# %%
+assert torch.equal(top2.indices[:, 0], chosen)
+assert margin.min() >= 5
+
+# %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(6.4, 3.8))
 image = ax.imshow(probs.clamp_min(1e-12).log10(), cmap="viridis", aspect="auto", vmin=-10, vmax=0)
-chosen = decoded[b, 1 : lengths[b] + 2].cpu()
 ax.scatter(chosen, range(len(chosen)), marker="o", s=40, facecolors="none",
            edgecolors=COLORS["accent"], linewidths=1.5)
 ax.set_xticks(range(VOCAB), ["PAD", "BOS", "EOS", *[str(i) for i in range(3, VOCAB)]], rotation=45)
@@ -320,6 +354,13 @@ plt.show()
 
 
 # %% [markdown]
+# In the stored run every step puts at least 99.7 % on its token, and the runner-up is at least
+# about 1,000 times less likely (the closest call is step 7); another run prints other numbers,
+# and the check asserts only the bound that held for every seed. The colour scale shows it: one
+# bright cell per row, every other cell dark. Near-certainty at every step is what exact match
+# needs, since one wrong token spoils an output (notebook 11 showed how). Where the model does
+# hesitate, and why, is the end of the next section.
+#
 # **Greedy decoding encodes once, then calls the decoder once per token; on the trained reversal
 # model it is already exact.**
 #
@@ -394,30 +435,42 @@ def aligned_fraction(weights: torch.Tensor, shift: int = 0) -> float:
 
 fractions = torch.tensor([[aligned_fraction(a[:, head]) for head in range(h)] for a in attn])
 averaged = [aligned_fraction(a.mean(dim=1)) for a in attn]  # heads averaged first
+shifted = torch.tensor([[aligned_fraction(a[:, head], shift=1) for head in range(h)] for a in attn])
+
+# %% tags=["nbval-ignore-output"]
 for layer in range(num_layers):
     row = "  ".join(f"{x:.3f}" for x in fractions[layer].tolist())
     print(f"layer {layer}: heads {row}   head-average {averaged[layer]:.3f}")
 
 # %% [markdown]
-# Both layers align: every head of the last layer, three of the four heads of the first, and the
-# head-averaged weights of each layer point at $L-1-t$ for nearly every position. The odd one out,
-# head 0 of layer 0, is not wrong but *shifted*: it looks one position to the right, at $L-t$,
-# the source position of the symbol the decoder has just read as its input
-# ($\hat y_{t-1} = x_{L-t}$). Measured with that shift:
+# In the stored run both layers align: every head of the last layer, three of the four heads of
+# the first, and the head-averaged weights of each layer point at $L-1-t$ for 95 % of the
+# positions or more. The odd one out, head 0 of layer 0, aligns at only 18 % of the steps. A head
+# can be useful without aligning: it may look one position to the right, at $L-t$, the source
+# position of the symbol the decoder has just read as its input ($\hat y_{t-1} = x_{L-t}$), a
+# landmark as good as the target itself. Measured with that shift:
+
+# %% tags=["nbval-ignore-output"]
+for layer in range(num_layers):
+    row = "  ".join(f"{x:.3f}" for x in shifted[layer].tolist())
+    print(f"layer {layer}: heads {row}   (share of positions peaking at L - t)")
+
+# %% [markdown]
+# In the stored run no head is shifted: head 0 of layer 0 looks mostly at the last source
+# symbol, position $L-1$, whatever the step (at 56 % of the steps). Which head does what is a
+# finding of one run: another seed, or the same seed on another machine or PyTorch (whose dropout
+# masks differ), lands on another division of labour. In notebook 11's seed study «ALIGN_STUDY_TEXT»
+# So the check asserts only what held for every seed: «ALIGN_CLAIM»
 
 # %%
-shifted = torch.tensor([[aligned_fraction(a[:, head], shift=1) for head in range(h)] for a in attn])
-layer, head = divmod(int(shifted.argmax()), h)
-print(f"layer {layer}, head {head} looks at L - t for {shifted.max().item():.3f} of the positions")
-assert averaged[-1] >= 0.95 and fractions[-1].min() >= 0.9  # the last layer: all heads align
-assert fractions.max() >= 0.95 and shifted.max() >= 0.9
+assert averaged[-1] >= 0.9 and fractions.max() >= 0.9
 
 # %% [markdown]
 # **Picture.** Every head of both decoder layers for one full-length source: source symbols
 # across, the decoder's input tokens down (the row of `<s>` is the step that emits the first
 # symbol).
 
-# %%
+# %% jupyter={"source_hidden": true}
 x_labels = [show(s) for s in src[b].split(1)]
 y_labels = [show(s) for s in decoded[b, :-1].split(1)]
 fig, axes = plt.subplots(num_layers, h, figsize=(3.3 * h, 3.1 * num_layers), squeeze=False,
@@ -433,6 +486,53 @@ fig.suptitle("Cross-attention of the trained reversal model: the anti-diagonal i
 save_figure(fig, "generation_cross_attention")
 plt.show()
 
+
+# %% [markdown]
+# ### Where the model hesitates
+#
+# The heatmap above showed a model near-certain at every step of one source. Over all 256
+# sources, where is it *least* sure of a token it gets right, and what is the runner-up there?
+# The margin is the ratio of the top probability to the runner-up's, at every step of every
+# correct output, teacher-forced on it as above:
+
+# %%
+with torch.no_grad():
+    step_probs = F.softmax(logits.float(), dim=-1)  # (B, T, V): every step of every source
+step_top2 = step_probs.topk(2, dim=-1)
+step_margin = step_top2.values[..., 0] / step_top2.values[..., 1]  # (B, T)
+emits_symbol = (t < L) & correct[:, None]  # symbol steps of correct outputs
+least = int(step_margin.masked_fill(~emits_symbol, math.inf).flatten().argmin())
+hb, ht = divmod(least, T_tgt)  # the source and the step
+hL = int(lengths[hb])
+runner = int(step_top2.indices[hb, ht, 1])
+right_pos = hL - 1 - ht  # the source position this step must read
+runner_pos = [i for i in range(hL) if int(src[hb, i]) == runner]  # where the runner-up sits
+
+# %% tags=["nbval-ignore-output"]
+print(f"source {show(src[hb, :hL])}, step {ht + 1} of {hL + 1}: emits {show(src[hb, right_pos : right_pos + 1])} "
+      f"(source position {right_pos}) with p = {step_top2.values[hb, ht, 0]:.3f}; runner-up "
+      f"{show(step_top2.indices[hb, ht, 1:2])} with p = {step_top2.values[hb, ht, 1]:.3f} "
+      f"({step_margin[hb, ht]:.1f} times less), found at source position(s) {runner_pos}")
+print("cross-attention weight on the right position / on the runner-up's position(s):")
+for layer in range(num_layers):
+    cells = [f"{attn[layer][hb, head, ht, right_pos]:.2f} / "
+             f"{attn[layer][hb, head, ht, runner_pos].sum():.2f}" for head in range(h)]
+    print(f"  layer {layer}: " + "   ".join(f"head {head}: {c}" for head, c in enumerate(cells)))
+
+# %% [markdown]
+# In the stored run the least sure step is step 4 of the source 7 9 5 8 5 10, which must emit
+# the 5 at source position 2: it does, with $p = 0.82$, against $0.18$ for 8, under five times less
+# likely. The 8 sits at position 3, one to the right, and holds the symbol the decoder has just
+# read. The cross-attention shows the same hesitation: the three aligned heads of layer 0 put all
+# their weight on position 2, but in layer 1 only head 0 does (0.90), while heads 1, 2 and 3 put
+# most of theirs on position 3 (0.99, 0.96 and 0.67). The output's runner-up is the symbol where
+# the attention strays, one position off.
+#
+# **Check.** The least sure step's runner-up is not a stray token but another symbol of the same
+# source: the model hesitates between source positions. (This held in every seed of the study.)
+
+# %%
+assert runner_pos, "the runner-up is a symbol of this source"
 
 # %% [markdown]
 # **The decoder learnt to look up source position $L-1-t$ at step $t$: cross-attention *is* the
@@ -607,7 +707,8 @@ def decode_step(
 # %% [markdown]
 # **Check 1: the same logits.** Step through a decoded batch with the cache, and compare every
 # step's logits with the teacher-forced forward pass (float tolerance: the same numbers, summed
-# in a different order by matrix products of different shapes).
+# in a different order by matrix products of different shapes, so the last bits differ by an
+# amount that depends on the machine; the largest difference is printed, not compared).
 
 # %%
 T = decoded.size(1) - 1  # decoder inputs: BOS and all but the last token
@@ -618,8 +719,15 @@ with torch.no_grad():
     stepped = torch.stack(
         [decode_step(model, decoded[:, t], cache, cross_mask=src_mask) for t in range(T)], dim=1
     )  # T x (B, V) -> (B, T, V)
-assert_close(stepped, logits, atol=1e-4, rtol=1e-4)
-print(f"largest logit difference: {(stepped - logits).abs().max().item():.1e}")
+cache_gap = (stepped - logits).abs().max().item()
+
+# %% tags=["nbval-ignore-output"]
+print(f"largest logit difference: {cache_gap:.1e}")
+
+# %%
+tolerance = 1e-4 if device.type == "cpu" else 1e-3  # a GPU may use other kernels (and TF32)
+assert_close(stepped, logits, atol=tolerance, rtol=tolerance)
+assert cache_gap < tolerance
 
 # %% [markdown]
 # **Check 2: the same tokens, exactly.** On the trained model and on random models, batch
@@ -677,11 +785,100 @@ print(f"log-log slope: {slopes[False]:.2f} without cache, {slopes[True]:.2f} wit
 # %%
 assert all(c < p for p, c in zip(flops[False], flops[True], strict=True))
 assert slopes[False] > 1.7 and slopes[True] < 1.1  # ~ n^2 against ~ n
-assert flops[False][-1] / flops[True][-1] > 0.3 * flop_lengths[-1]  # about n / 2
+for n, plain, cached in zip(flop_lengths[2:], flops[False][2:], flops[True][2:], strict=True):
+    assert 0.4 * n < plain / cached < 0.55 * n, n  # "about n / 2", from n = 32 on
 
 
 # %% [markdown]
-# The wall-clock speed-up is measured in the last section, with the benchmark module.
+# **Check 4: the time.** Less arithmetic need not mean less time, so we measure. A timing is
+# noisy (other processes, caches, the clock speed), so each measurement is one untimed warm-up
+# run, then five timed runs, of which we keep the median: a stray slow run does not move it, and
+# it does not flatter like the minimum. On a GPU the clock must wait for the kernels to finish
+# (`torch.cuda.synchronize`), or it measures only their launch. Uncached and cached decoding
+# are timed in turns at each length, on one CPU thread, about half a minute in all:
+
+# %%
+def synchronize() -> None:
+    """Wait until the device has finished its queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall-clock seconds of fn() over `repeats` runs, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# %% tags=["nbval-ignore-output"]
+timing_lengths = [16, 32, 64, 128, 256]
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+try:
+    timings = {n: {c: median_time(lambda n=n, c=c: greedy_decode(timing_model, one_src, n,
+                                                                 use_cache=c))
+                   for c in (False, True)}
+               for n in timing_lengths}
+finally:
+    torch.set_num_threads(threads)
+speedups = [timings[n][False] / timings[n][True] for n in timing_lengths]
+flop_ratio = [decoding_flops(n, False) / decoding_flops(n, True) for n in timing_lengths]
+print(f"{'n':>4} {'no cache ms':>12} {'cache ms':>9} {'cache ms/token':>15} {'speed-up':>9} "
+      f"{'FLOP ratio':>11}")
+for n, speedup, ratio in zip(timing_lengths, speedups, flop_ratio, strict=True):
+    print(f"{n:4d} {1e3 * timings[n][False]:12.1f} {1e3 * timings[n][True]:9.1f} "
+          f"{1e3 * timings[n][True] / n:15.2f} {speedup:8.1f}x {ratio:10.1f}x")
+
+# %% [markdown]
+# **Check.** The times are this machine's and are not compared. What is asserted on a CPU has a
+# wide margin (the stored run measured «SPEEDUP_256» at 256 tokens): the cache wins at the longest
+# output by more than 1.5×, and by more than at the shortest. The timed work is checked too: each
+# call decoded exactly $n$ tokens. On a GPU nothing is asserted: there
+# both loops are bound by kernel launches rather than arithmetic, and the speed-up can be small.
+
+# %%
+for n in timing_lengths:  # the timed work: exactly n new tokens each time, both ways
+    for c in (False, True):
+        assert greedy_decode(timing_model, one_src, n, use_cache=c).shape == (1, n + 1)
+if device.type == "cpu":
+    assert speedups[-1] > 1.5 and speedups[-1] > speedups[0]
+
+# %% jupyter={"source_hidden": true}
+fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 3.8), layout="constrained")
+ax.loglog(timing_lengths, [timings[n][False] for n in timing_lengths], marker="o",
+          color="#7f7f7f", label="without cache")
+ax.loglog(timing_lengths, [timings[n][True] for n in timing_lengths], marker="o",
+          color="#9467bd", label="with KV cache")
+ax.set_xticks(timing_lengths, [str(n) for n in timing_lengths])
+ax.xaxis.set_minor_locator(NullLocator())  # only the measured lengths as ticks
+ax.set_xlabel("new tokens n")
+ax.set_ylabel("time to decode, median of 5 (s)")
+ax.set_title("Greedy decoding of one source, 1 CPU thread" if device.type == "cpu"
+             else f"Greedy decoding of one source on {device.type}")
+ax.legend()
+ax2.loglog(timing_lengths, flop_ratio, ls="--", marker="s", color="#7f7f7f",
+           label="arithmetic saved (FLOP ratio)")
+ax2.loglog(timing_lengths, speedups, marker="o", color="#9467bd", label="time saved (speed-up)")
+ax2.set_xticks(timing_lengths, [str(n) for n in timing_lengths])
+ax2.xaxis.set_minor_locator(NullLocator())
+ax2.set_xlabel("new tokens n")
+ax2.set_ylabel("uncached / cached")
+ax2.set_title("The cache saves far more arithmetic than time")
+ax2.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# «TIMING_TEXT»
 #
 # **The KV cache turns each step from a pass over the whole prefix into a pass over one
 # position: the same tokens, about $n/2$ times less arithmetic.**
@@ -706,7 +903,8 @@ assert flops[False][-1] / flops[True][-1] > 0.3 * flop_lengths[-1]  # about n / 
 # \mathrm{lp}(y) = \left(\frac{5 + |y|}{6}\right)^{\alpha},$$
 #
 # where $|y|$ counts the generated tokens including `EOS`. $\alpha = 0$ switches it off;
-# Vaswani et al. (2017, §6.1) used $k = 4$ and $\alpha = 0.6$, our defaults.
+# Vaswani et al. (2017, §6.1) used a beam of $k = 4$ and $\alpha = 0.6$. The `length_penalty`
+# argument below defaults to their $0.6$; `beam_size` has no default: you choose $k$.
 #
 # **Early stopping.** A source is done once $k$ hypotheses have finished and the best live beam,
 # scored as if it ended now, does not beat the $k$-th best of them. For $\alpha = 0$ that is
@@ -873,8 +1071,9 @@ def sequence_log_prob(
 
 # %% [markdown]
 # **Check.** With one beam, beam search is greedy decoding: the same tokens, and a score equal to
-# the independent `sequence_log_prob`. On the trained model a wider beam finds nothing better:
-# the reversal is already near certain at every step, so beam and greedy agree.
+# the independent `sequence_log_prob` (facts). On the trained model a wider beam finds nothing
+# better: the reversal is near certain at every step, so beam and greedy agree (in the stored
+# run on all 256 sources; the bound is the study's).
 
 # %%
 beam_1, log_p_1 = beam_search(model, src, 1, MAX_LEN + 1, src_mask)
@@ -883,77 +1082,174 @@ assert_close(log_p_1, sequence_log_prob(model, src, decoded, src_mask), atol=1e-
 
 beam_4, log_p_4 = beam_search(model, src, 4, MAX_LEN + 1, src_mask)
 same = (pad_right(beam_4, decoded.size(1)) == pad_right(decoded, beam_4.size(1))).all(1)
+assert int(same.sum()) >= 250 and log_p_4.mean() >= log_p_1.mean() - 1e-4
+
+# %% tags=["nbval-ignore-output"]
 print(f"trained model: beam of 4 equals greedy on {int(same.sum())}/{len(same)} sources; "
       f"mean log p {log_p_1.mean().item():.4f} (greedy) vs {log_p_4.mean().item():.4f} (beam)")
-assert (log_p_4 >= log_p_1 - 1e-4).all()
 
 # %% [markdown]
 # Where the model is unsure, the beam earns its keep. A model early in training is a good
 # example: it has the rough shape of the task but spreads its probability. We take notebook
 # 11's recipe and stop after only 100 steps (checkpointed like the full model, so only the
-# first run trains it).
+# first run trains it, in a few seconds).
 
 # %% tags=["nbval-ignore-output"]
 early_model = get_reversal_model(checkpoint="checkpoints/reversal_100_steps.pt", device=device,
-                                 steps=100)
+                                 progress=True, steps=100)
 
 # %%
 greedy_early = greedy_decode(early_model, src, MAX_LEN + 1, src_mask)
 log_p_greedy = sequence_log_prob(early_model, src, greedy_early, src_mask)
 beam_sizes = [1, 2, 4, 8]
-beam_log_p, beam_match = {}, {}
+beam_out, beam_log_p, beam_match = {}, {}, {}
 for k in beam_sizes:
-    out, log_p = beam_search(early_model, src, k, MAX_LEN + 1, src_mask, length_penalty=0.0)
-    assert_close(log_p, sequence_log_prob(early_model, src, out, src_mask), atol=1e-4, rtol=1e-4)
-    beam_log_p[k] = log_p
-    beam_match[k] = reversed_correctly(out)
-    print(f"beam {k}: mean log p {log_p.mean().item():7.4f}, better than greedy on "
-          f"{int((log_p > log_p_greedy + 1e-4).sum()):3d}/{len(log_p)}, worse on "
-          f"{int((log_p < log_p_greedy - 1e-4).sum())}, exact match {int(beam_match[k].sum())}/256")
+    beam_out[k], beam_log_p[k] = beam_search(early_model, src, k, MAX_LEN + 1, src_mask,
+                                             length_penalty=0.0)
+    beam_match[k] = reversed_correctly(beam_out[k])
+better = {k: int((beam_log_p[k] > log_p_greedy + 1e-4).sum()) for k in beam_sizes}
+worse = {k: int((beam_log_p[k] < log_p_greedy - 1e-4).sum()) for k in beam_sizes}
+
+# %% tags=["nbval-ignore-output"]
+for k in beam_sizes:
+    print(f"beam {k}: mean log p {beam_log_p[k].mean().item():7.4f}, better than greedy on "
+          f"{better[k]:3d}/256, worse on {worse[k]}, exact match {int(beam_match[k].sum())}/256")
 
 # %% [markdown]
-# **Check.** Beam 1 is greedy on this model too, and with $\alpha = 0$ (pure log-probability) the
-# wider beams never did worse than greedy here and did strictly better on some sources.
-# (That is not a theorem: the greedy path can fall out of a beam. The early-stopping rule above
-# at least never gives up while a live beam could still win.)
+# **Check.** Each beam's score is the log-probability of its output, recomputed independently;
+# beam 1 is greedy on this model too (facts). With $\alpha = 0$ (pure log-probability), every
+# wider beam finds a more likely output than greedy on «BEAM_BETTER_BOUND» or more sources and a
+# less likely one on at most «BEAM_WORSE_BOUND», and is better on average (bounds from the study).
+# Worse is possible: beam search is not exhaustive, and the greedy path can fall out of a beam
+# when $k$ other prefixes look better at some step. (The early-stopping rule above at least never
+# gives up while a live beam could still win.)
 
 # %%
-assert torch.equal(beam_search(early_model, src, 1, MAX_LEN + 1, src_mask, 0.0)[0], greedy_early)
+for k in beam_sizes:
+    assert_close(beam_log_p[k], sequence_log_prob(early_model, src, beam_out[k], src_mask),
+                 atol=1e-4, rtol=1e-4)
+assert torch.equal(beam_out[1], greedy_early)
 assert_close(beam_log_p[1], log_p_greedy, atol=1e-4, rtol=1e-4)
 for k in beam_sizes[1:]:
-    assert (beam_log_p[k] >= log_p_greedy - 1e-4).all()
-    assert (beam_log_p[k] > log_p_greedy + 1e-4).sum() >= 5
+    assert better[k] >= 5 and worse[k] <= 5, k
+    assert beam_log_p[k].mean() > log_p_greedy.mean()
 
 # %% [markdown]
-# **Picture.** Each source's total log-probability under greedy decoding against beam search of
-# width 4; points above the diagonal are sources where the beam found a more likely output.
+# **A worked trace.** How `_advance_beams` decides is easiest to see on one source, with $k = 2$
+# and $\alpha = 0$. Below, beam search is written out plainly for a single source (no batch, no
+# cache: each step runs the decoder over every live beam's whole prefix), and it prints every
+# candidate it looks at. At each step it scores every one-token extension of every live beam by
+# its total log-probability, sorts them, and walks down the best $2k$: a candidate that ends with
+# `EOS` becomes a finished hypothesis if it ranks among the best $k$ (and is dropped otherwise);
+# any other candidate becomes a live beam, until there are $k$ of them. The search ends when $k$
+# hypotheses have finished and the best live beam scores no better than the $k$-th of them, or
+# when it runs out of room. The source is the first one on which a beam of 2 beats greedy.
 
 # %%
-fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
+@torch.no_grad()
+def beam_trace(m: Transformer, source: torch.Tensor, source_mask: torch.Tensor, k: int = 2,
+               max_new_tokens: int = MAX_LEN + 1) -> tuple[float, list[int]]:
+    """Beam search (alpha = 0) for one source (1, S), written out plainly, printing each step."""
+    beams = [(0.0, [BOS])]  # live beams: (total log p, tokens from BOS)
+    finished = []  # hypotheses: (total log p, tokens ending with EOS, or cut at the last step)
+    for step in range(1, max_new_tokens + 1):
+        prefixes = torch.tensor([ids for _, ids in beams], device=source.device)  # (live, t)
+        logits = m(source.expand(len(beams), -1), prefixes, src_mask=source_mask,
+                   tgt_mask=causal_mask(prefixes.size(1), device=source.device))[:, -1]
+        log_p = F.log_softmax(logits.float(), dim=-1).cpu()  # (live, V)
+        candidates = sorted(((score + log_p[i, v].item(), [*ids, v])
+                             for i, (score, ids) in enumerate(beams) for v in range(VOCAB)),
+                            key=lambda candidate: -candidate[0])[: 2 * k]
+        print(f"step {step}: {len(beams)} live beam(s), best {2 * k} of {len(beams) * VOCAB} "
+              "candidates:")
+        beams = []
+        for rank, (score, ids) in enumerate(candidates):
+            if len(beams) == k:
+                verdict = "not needed: the beam is full"
+            elif ids[-1] == EOS:
+                verdict = "finished" if rank < k else "ends with EOS outside the best k: dropped"
+                if rank < k:
+                    finished.append((score, ids))
+            else:
+                beams.append((score, ids))
+                verdict = f"live beam {len(beams)}"
+            print(f"   {score:8.3f}  {show(torch.tensor(ids[1:])):26s} {verdict}")
+        if step == max_new_tokens:  # out of room: the live beams end as they are
+            finished += beams
+            break
+        kth_best = sorted(score for score, _ in finished)[-k] if len(finished) >= k else -math.inf
+        if not beams or beams[0][0] <= kth_best:
+            print(f"stop: {len(finished)} finished, and no live beam can beat the k-th of them")
+            break
+    score, ids = max(finished)
+    print(f"best: {show(torch.tensor(ids[1:]))}  log p {score:.3f}")
+    return score, ids
+
+
+traced = int((beam_log_p[2] > log_p_greedy + 1e-4).nonzero()[0])  # beam 2 beats greedy here
+
+# %% tags=["nbval-ignore-output"]
+print(f"source {show(src[traced])}; greedy gives {show(greedy_early[traced, 1:])}, "
+      f"log p {log_p_greedy[traced].item():.3f}\n")
+trace_score, trace_ids = beam_trace(early_model, src[traced : traced + 1],
+                                    src_mask[traced : traced + 1])
+
+# %% [markdown]
+# **Check.** The plain version finds the same output, with the same score, as the batched,
+# cached `beam_search` with `beam_size=2`.
+
+# %%
+found = beam_out[2][traced]
+assert trace_ids == found[: len(trace_ids)].tolist() and (found[len(trace_ids) :] == PAD).all()
+assert math.isclose(trace_score, beam_log_p[2][traced].item(), abs_tol=1e-4)
+
+# %% [markdown]
+# Read the trace step by step. At step 1 there is a single live beam (`BOS`), so the candidates
+# are its 12 continuations, and the best two become the beams. From then on each step looks at
+# $2 \times 12 = 24$ candidates, the continuations of both beams, and keeps the best two that do
+# not end with `EOS`; the rest, even good ones, are not needed. In the stored run (source
+# 8 10 9 3 11 11 3) beam 1 follows greedy's path, 3 11 11 9 8 10, at every step, while beam 2
+# changes from one runner-up to the next; from step 5 on it holds 3 11 11 9 10, with the last two
+# symbols in the other order. At step 7 the best continuation of each beam ends with `EOS` and
+# both rank in the top two, so both finish: beam 2's output scores $-2.69$, greedy's $-2.85$. With
+# two hypotheses finished and the best live beam at $-3.74$, a score that can only fall as the
+# beam grows, the search stops and returns the more likely one. Both are wrong (the reversal is
+# 3 11 11 3 9 10 8): beam search finds what the *model* rates likely, and this half-trained model
+# is wrong about the source either way.
+#
+# **Picture.** Each source's total log-probability under greedy decoding against beam search of
+# width 4 (points above the diagonal: the beam found a more likely output), and what wider beams
+# do on average, on two separate scales.
+
+# %% jupyter={"source_hidden": true}
+fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), layout="constrained")
+ax = axes[0]
 lo = min(log_p_greedy.min().item(), beam_log_p[4].min().item()) - 0.2
 ax.plot([lo, 0], [lo, 0], color="grey", lw=1, ls="--", label="equal")
-better = beam_log_p[4] > log_p_greedy + 1e-4
-ax.scatter(log_p_greedy[~better].cpu(), beam_log_p[4][~better].cpu(), s=14, color=COLORS["ours"],
-           alpha=0.6, label="same output")
-ax.scatter(log_p_greedy[better].cpu(), beam_log_p[4][better].cpu(), s=22, color=COLORS["accent"],
-           label="beam found a better output")
+beam_better = beam_log_p[4] > log_p_greedy + 1e-4
+ax.scatter(log_p_greedy[~beam_better].cpu(), beam_log_p[4][~beam_better].cpu(), s=14,
+           color="#7f7f7f", alpha=0.6, label="same output (or no better)")
+ax.scatter(log_p_greedy[beam_better].cpu(), beam_log_p[4][beam_better].cpu(), s=22,
+           color=COLORS["accent"], label="beam found a more likely output")
 ax.set_xlabel("greedy: total log-probability (nats)")
 ax.set_ylabel("beam of 4: total log-probability (nats)")
 ax.set_title("Per source, after 100 training steps")
 ax.legend(fontsize=8)
-means = [beam_log_p[k].mean().item() for k in beam_sizes]
-ax2.plot(beam_sizes, means, marker="o", color=COLORS["ours"], label="mean log p")
-ax2.set_xscale("log", base=2)
-ax2.set_xticks(beam_sizes, [str(k) for k in beam_sizes])
-ax2.set_xlabel("beam size k (1 = greedy)")
-ax2.set_ylabel("mean total log-probability (nats)")
-ax3 = ax2.twinx()
-ax3.plot(beam_sizes, [beam_match[k].float().mean().item() for k in beam_sizes], marker="s",
-         color=COLORS["torch"], label="exact match")
-ax3.set_ylabel("exact match (fraction of 256)")
-ax2.set_title("Wider beams: more likely outputs")
-handles = ax2.get_legend_handles_labels()[0] + ax3.get_legend_handles_labels()[0]
-ax2.legend(handles, ["mean log p", "exact match"], fontsize=8, loc="lower right")
+for ax, values, label, ylim in (
+    (axes[1], [beam_log_p[k].mean().item() for k in beam_sizes],
+     "mean total log-probability (nats)", None),
+    (axes[2], [int(beam_match[k].sum()) for k in beam_sizes],
+     "exact match (of 256 sources)", (0, 256)),
+):
+    ax.plot(beam_sizes, values, marker="o", color="#404040")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(beam_sizes, [str(k) for k in beam_sizes])
+    ax.set_xlabel("beam size k (1 = greedy)")
+    ax.set_ylabel(label)
+    if ylim:
+        ax.set_ylim(*ylim)
+axes[1].set_title("Wider beams: more likely outputs")
+axes[2].set_title("… and a few more exact reversals")
 save_figure(fig, "generation_beam_search")
 plt.show()
 
@@ -1036,17 +1332,17 @@ assert_close(next_token_probs(z, temperature=1e6), torch.full_like(z, 1 / VOCAB)
 # **Picture.** One next-token distribution of the early model (the third output symbol of the
 # first test source), reshaped by three temperatures and by top-3.
 
-# %%
+# %% jupyter={"source_hidden": true}
 temperatures = [0.5, 1.0, 2.0]
 names = ["PAD", "BOS", "EOS", *[str(i) for i in range(3, VOCAB)]]
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), layout="constrained", sharey=True)
 width = 0.27
-for i, (tau, color) in enumerate(zip(temperatures, [COLORS["ours"], COLORS["value"], COLORS["torch"]],
-                                     strict=True)):
+tau_colors = plt.cm.plasma([0.15, 0.5, 0.8])  # a sequential colour map: dark = cold, light = hot
+for i, (tau, color) in enumerate(zip(temperatures, tau_colors, strict=True)):
     axes[0].bar(np.arange(VOCAB) + (i - 1) * width, next_token_probs(z, tau).cpu(), width,
                 color=color, label=f"τ = {tau}")
 axes[0].set_title("Temperature: τ < 1 sharpens, τ > 1 flattens")
-axes[1].bar(np.arange(VOCAB) - width / 2, p.cpu(), width, color=COLORS["ours"], label="all tokens")
+axes[1].bar(np.arange(VOCAB) - width / 2, p.cpu(), width, color="#7f7f7f", label="all tokens")
 axes[1].bar(np.arange(VOCAB) + width / 2, p3.cpu(), width, color=COLORS["accent"], label="top-3")
 axes[1].set_title("Top-k: the tail is cut and the rest renormalised")
 for ax in axes:
@@ -1061,7 +1357,10 @@ plt.show()
 # %% [markdown]
 # Sampling plugs `next_token_probs` into the same loop as greedy decoding. The draws come from a
 # `torch.Generator` when one is given, on the generator's device: a CPU generator gives the same
-# tokens on every machine, whatever device the model is on.
+# random numbers on every machine, whatever device the model is on. The same *tokens* follow
+# only where the probabilities agree too: a GPU computes them with other kernels, different in
+# the last bits, and a draw that falls right at the border between two tokens can go the other
+# way.
 
 # %%
 #| export
@@ -1090,9 +1389,12 @@ def sample(
 
 
 # %% [markdown]
-# **Check.** Top-1 sampling and sampling at a tiny temperature are greedy decoding; the same
-# seed gives the same draws, with or without the cache; another seed gives other draws; and over
-# many draws the frequencies match the probabilities.
+# **Check.** Top-1 sampling and sampling at a tiny temperature are greedy decoding (the latter on
+# the trained model, whose top token leads by a wide margin at every step: on a model with
+# near-ties a temperature of $10^{-3}$ is not yet an argmax); the same seed gives the same draws,
+# with or without the cache; another seed gives other draws. And `sample` draws with the right
+# frequencies: 20,000 copies of one source, one token each at $\tau = 2$ and top-3, against
+# `next_token_probs` of that step (three standard deviations are at most 0.011 here).
 
 # %%
 def seeded(seed: int) -> torch.Generator:
@@ -1100,17 +1402,25 @@ def seeded(seed: int) -> torch.Generator:
 
 
 assert torch.equal(sample(early_model, src, MAX_LEN + 1, top_k=1, src_mask=src_mask), greedy_early)
-cold = sample(early_model, src, MAX_LEN + 1, temperature=1e-3, generator=seeded(0),
-              src_mask=src_mask)
-assert torch.equal(cold, greedy_early)
+cold = sample(model, src, MAX_LEN + 1, temperature=1e-3, generator=seeded(0), src_mask=src_mask)
+assert torch.equal(cold, decoded)
 
 draws = [sample(early_model, src, MAX_LEN + 1, generator=seeded(s), src_mask=src_mask, use_cache=c)
          for s, c in [(0, True), (0, False), (1, True)]]
 assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
 
-counts = torch.multinomial(p.expand(20_000, -1).cpu(), 1, generator=seeded(0)).flatten().bincount(
-    minlength=VOCAB)
-assert_close(counts / 20_000, p.cpu(), atol=0.01, rtol=0)
+copies = 20_000
+first_tokens = sample(early_model, src[:1].expand(copies, -1), 1, temperature=2.0, top_k=3,
+                      generator=seeded(0), src_mask=src_mask[:1].expand(copies, -1, -1, -1))[:, 1]
+with torch.no_grad():
+    z_first = early_model(src[:1], decoded[:1, :1], src_mask=src_mask[:1],
+                          tgt_mask=causal_mask(1, device=device))[0, -1].float()  # (V,)
+expected = next_token_probs(z_first, temperature=2.0, top_k=3).cpu()
+frequencies = first_tokens.cpu().bincount(minlength=VOCAB) / copies
+assert_close(frequencies, expected, atol=0.015, rtol=0)
+assert (frequencies[expected == 0] == 0).all()  # outside the top 3: never drawn
+
+# %% tags=["nbval-ignore-output"]
 for i in range(3):
     print(f"early model, sample {i}: {show(draws[0][i, 1:])}    (reversal: {show(tgt_out[i])})")
 
@@ -1120,41 +1430,140 @@ for i in range(3):
 
 # %%
 sweep = [0.25, 0.5, 1.0, 1.5, 2.0, 3.0]
-trained_rates = {}
+sampled_rates = {}  # (model name, top_k) -> exact-match rate at each temperature
+for name, m in (("trained", model), ("100 steps", early_model)):
+    for top_k in (None, 3):
+        sampled_rates[name, top_k] = [
+            reversed_correctly(sample(m, src, MAX_LEN + 1, tau, top_k, generator=seeded(0),
+                                      src_mask=src_mask)).float().mean().item()
+            for tau in sweep
+        ]
+
+# %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(6.4, 3.8))
-for m, label, color in [(model, "trained", COLORS["ours"]), (early_model, "100 steps", COLORS["torch"])]:
-    for top_k, style in [(None, "-"), (3, ":")]:
-        rates = []
-        for tau in sweep:
-            out = sample(m, src, MAX_LEN + 1, tau, top_k, generator=seeded(0), src_mask=src_mask)
-            rates.append(reversed_correctly(out).float().mean().item())
-        ax.plot(sweep, rates, style, marker="o", color=color,
-                label=f"{label}, {'all tokens' if top_k is None else 'top-3'}")
-        if m is model:
-            trained_rates[top_k] = rates
+model_colors = {"trained": "#404040", "100 steps": "#e377c2"}
+for (name, top_k), rates in sampled_rates.items():
+    ax.plot(sweep, rates, "-" if top_k is None else ":", marker="o", color=model_colors[name],
+            label=f"{name}, {'all tokens' if top_k is None else 'top-3'}")
 ax.set_xlabel("temperature τ")
 ax.set_ylabel("exact match (fraction of 256)")
+ax.set_ylim(0, 1.02)
 ax.set_title("Sampled reversals: higher temperature, more mistakes")
 ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
-# At low temperature sampling is greedy decoding and the trained model is exact; the hotter the
-# distribution, the more often a wrong symbol is drawn somewhere in the output, and one is enough
-# to spoil it. Top-3 keeps the tail out of reach, so it degrades more slowly.
+# At low temperature sampling is greedy decoding and the trained model is (nearly) exact; the
+# hotter the distribution, the more often a wrong symbol is drawn somewhere in the output, and
+# one is enough to spoil it. Top-3 keeps the tail out of reach, so it degrades more slowly.
+#
+# **Check** (bounds from the study, which ran the same sweep for six seeds): «SWEEP_CLAIM»
 
 # %%
-assert trained_rates[None][0] >= 0.99 and trained_rates[None][-1] < trained_rates[None][0]
-assert trained_rates[3][-1] > trained_rates[None][-1]  # at tau = 3, top-3 makes fewer mistakes
+trained_all, trained_top3 = sampled_rates["trained", None], sampled_rates["trained", 3]
+assert trained_all[0] >= 0.97 and trained_top3[-1] > trained_all[-1]
 
 # %% [markdown]
 # **Temperature and top-$k$ reshape the next-token distribution before each draw; $\tau \to 0$ and
 # $k = 1$ both give back greedy decoding.**
 #
-# ## Measuring it: the `bench_model` module
+# ## Recap
 #
-# Claims about speed come from a benchmark that runs everything side by side in one process, on
-# the same thread count, and writes its numbers to a file: `make bench` runs
+# | idea | code | shapes |
+# |---|---|---|
+# | encode once, decode step by step | `greedy_decode(model, src, n, src_mask)` | `src (B, S)` → `(B, ≤ n+1)`, `BOS` first, `PAD` after `EOS` |
+# | cross-attention as alignment | `cross_attention_weights(model, src, tgt, src_mask)` | per layer `(B, h, T, S)` |
+# | KV cache | `KVCache(model, enc_out, max_len)`, `decode_step(model, tokens, cache)` | per layer `(B, h, max_len, d_k)` and `(B, h, S, d_k)`; `(B,)` → `(B, V)` |
+# | cached decoding | `greedy_decode(..., use_cache=True)` | same tokens, $\approx n/2$ less arithmetic |
+# | beam search | `beam_search(model, src, k, n, src_mask, length_penalty)` | `(B, T)` ids and `(B,)` log p; $k$ beams as `B·k` rows |
+# | length normalisation | `length_penalty_wu(length, alpha)` | $\mathrm{lp} = ((5+\lvert y\rvert)/6)^\alpha$ |
+# | scoring any output | `sequence_log_prob(model, src, tokens)` | `(B,)` |
+# | temperature, top-$k$ | `next_token_probs(logits, temperature, top_k)` | `(..., V)` → `(..., V)` |
+# | sampling | `sample(model, src, n, temperature, top_k, generator)` | `(B, ≤ n+1)` |
+# | timing the cache | `median_time(fn)`: warm-up, 5 runs, median | seconds; speed-up vs FLOP ratio |
+# | benchmark (appendix) | `python -m transformer_from_scratch.bench_model` | JSON with the ratios |
+#
+# ## Exercises
+#
+# 1. **Nucleus sampling.** Top-$k$ keeps a fixed number of tokens. *Top-$p$* (Holtzman et al.,
+#    2020) keeps the smallest set of most likely tokens whose probabilities add up to at least
+#    $p$. Write `top_p_probs(logits, p)`; check that a tiny $p$ gives the greedy one-hot and
+#    $p = 1$ the plain softmax.
+# 2. **The size of the cache.** How many bytes does a `KVCache` hold for a batch of $B$ sources of
+#    length $S$, decoding $n$ tokens with $N$ decoder layers of width $d$ in float32? Check your
+#    formula against `num_bytes()`, and compute it for the reversal model at $B = 64$,
+#    $n = 512$.
+# 3. **Why the padding mask matters when decoding.** Pad the test batch with 8 more `PAD` columns
+#    and decode it with and without `src_mask`. How many outputs change, and how many are still
+#    correct reversals?
+#
+# **Solutions.**
+#
+# 1. Sort the probabilities, keep a token while the mass *before* it is still below $p$ (so the
+#    token that crosses $p$ is kept), and renormalise:
+
+# %%
+def top_p_probs(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """softmax(logits) over the smallest set of top tokens with total probability >= p."""
+    if not 0 < p <= 1:
+        raise ValueError(f"p must be in (0, 1], got {p}")
+    probs = F.softmax(logits, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (..., V)
+    keep_sorted = mass_before < p  # the first token is always kept
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # back to vocab order
+    kept = probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+assert_close(top_p_probs(z, 1e-6), F.one_hot(z.argmax(), VOCAB).float())
+assert_close(top_p_probs(z, 1.0), F.softmax(z, dim=-1))
+nucleus = top_p_probs(z, 0.9)
+print(f"top-p 0.9 keeps {int((nucleus > 0).sum())} of {VOCAB} tokens")
+kept_mass = F.softmax(z, dim=-1)[nucleus > 0]  # the original probabilities of the kept tokens
+assert kept_mass.sum() >= 0.9 and kept_mass.sum() - kept_mass.min() < 0.9  # smallest such set
+
+
+# %% [markdown]
+# 2. Self-attention keeps a key and a value per layer, head and position, $h \cdot d_k = d$
+#    numbers each: $2 N B n d$; cross-attention the same over the source: $2 N B S d$; at 4 bytes
+#    a number, $8 N B d\,(n + S)$ bytes.
+
+# %%
+def cache_bytes(N: int, B: int, n: int, S: int, d: int, bytes_per_number: int = 4) -> int:
+    return 2 * N * B * d * (n + S) * bytes_per_number
+
+
+with torch.no_grad():
+    enc_small = model.encode(src[:5], src_mask[:5])  # (5, 8, 128)
+    assert KVCache(model, enc_small, max_len=30).num_bytes() == cache_bytes(2, 5, 30, 8, 128)
+print(f"reversal model, B=64, n=512: {cache_bytes(2, 64, 512, 8, 128) / 2**20:.1f} MiB")
+
+# %% [markdown]
+#    About 65 MiB for this tiny model; for a large model the cache, not the weights, is often what
+#    limits the batch size.
+#
+# 3. With the mask, the padded keys get weight exactly 0 in the encoder and in every
+#    cross-attention, so extra padding changes nothing. Without it, the `PAD` positions (a zero
+#    embedding plus a positional vector) become part of the source, something the model never saw
+#    in training:
+
+# %%
+wider = F.pad(src, (0, 8), value=PAD)  # (256, 8) -> (256, 16)
+wider_mask = padding_mask(lengths, wider.size(1)).to(device)
+with_mask = greedy_decode(model, wider, MAX_LEN + 1, wider_mask, use_cache=True)
+without_mask = greedy_decode(model, wider, MAX_LEN + 1, use_cache=True)
+changed = (pad_right(without_mask, 10) != pad_right(with_mask, 10)).any(1)
+print(f"with the mask: identical to the unpadded batch: {torch.equal(with_mask, decoded)}")
+print(f"without it: {int(changed.sum())}/256 outputs change, "
+      f"{int(reversed_correctly(without_mask).sum())}/256 still correct")
+assert torch.equal(with_mask, decoded) and changed.sum() > 128
+
+# %% [markdown]
+# ## Appendix · The benchmark module `bench_model`
+#
+# The course's claims about speed come from a benchmark that runs everything side by side in one
+# process, on the same thread count, and writes its numbers to a file: `make bench` runs
 # `python -m transformer_from_scratch.bench_model --threads 1 --out bench.json`. It measures two
 # things:
 #
@@ -1262,13 +1671,22 @@ reference = TorchReference(model).to(device).eval()
 T = decoded.size(1) - 1
 with torch.no_grad():
     theirs_logits = reference(src, decoded[:, :-1], src_mask, causal_mask(T, device=device))
-assert_close(theirs_logits, logits, atol=1e-4, rtol=1e-4)
-print(f"largest logit difference from nn.Transformer: {(theirs_logits - logits).abs().max():.1e}")
+reference_gap = (theirs_logits - logits).abs().max().item()
+
+# %% tags=["nbval-ignore-output"]
+print(f"largest logit difference from nn.Transformer: {reference_gap:.1e}")
+
+# %%
+assert_close(theirs_logits, logits, atol=tolerance, rtol=tolerance)  # 1e-4 on a CPU, 1e-3 on a GPU
+assert reference_gap < tolerance
 
 
 # %% [markdown]
-# Timing is "best of a few runs", synchronising first on a GPU, where kernels run asynchronously
-# and a timer would otherwise only measure the launch.
+# The benchmark times with `best_time`: untimed warm-up runs, then the *best* of a few timed
+# runs (three by default), synchronising first on a GPU, where kernels run asynchronously and a
+# timer would otherwise only measure the launch. The minimum is the usual choice for comparing
+# two implementations side by side (it is the run least disturbed by the rest of the machine);
+# section "The KV cache" used the median instead, which also reports how a typical run goes.
 
 # %%
 #| export bench_model
@@ -1523,160 +1941,28 @@ if __name__ == "__main__" and "__file__" in globals():  # run as a script, not i
     raise SystemExit(main())
 
 # %% [markdown]
-# Here are both halves, once each, at one thread: decoding at every length, and a training step
-# at the reversal task's batch of 64 sources of length 8. The numbers depend on your machine, so
-# the cell's output is not compared; the assert after it checks only what cannot flake.
+# The whole suite, small: decoding at two lengths and one training step, best of two runs each
+# (`make bench` runs it in full). The numbers depend on the machine and are not compared; the
+# check is that the suite returns the rows it was asked for, in a form that the command line can
+# write as JSON and read back unchanged.
 
 # %% tags=["nbval-ignore-output"]
-threads = torch.get_num_threads()
-torch.set_num_threads(1)
-try:
-    decode_rows = compare_decoding(device=device, repeats=1)
-    train_row = compare_train_step(device=device, repeats=3)
-finally:
-    torch.set_num_threads(threads)
-for r in decode_rows:
-    print(f"{r['new_tokens']:4d} new tokens: {1e3 * r['uncached_s']:8.1f} ms without cache, "
-          f"{1e3 * r['cached_s']:7.1f} ms with, speed-up {r['speedup']:5.1f}x")
-print(f"training step, batch 64 of length 8: ours {1e3 * train_row['ours_s']:.1f} ms, "
-      f"nn.Transformer {1e3 * train_row['torch_s']:.1f} ms, ratio {train_row['ours_over_torch']:.2f}")
+suite = run_model_suite(lengths=(16, 64), train_shapes=((64, 8),), repeats=2, threads=1,
+                        device=device)
+print(format_model_suite(suite))
 
 # %%
-assert [r["new_tokens"] for r in decode_rows] == [16, 32, 64, 128, 256, 512]
-assert all(r["uncached_s"] > 0 and r["cached_s"] > 0 for r in decode_rows)
-assert train_row["ours_s"] > 0 and train_row["torch_s"] > 0
-if device.type == "cpu":  # an order of magnitude at 512 tokens: safe to assert on a CPU
-    assert decode_rows[-1]["cached_s"] < decode_rows[-1]["uncached_s"]
+import json
+
+assert [r["new_tokens"] for r in suite["decode"]] == [16, 64]
+assert [(r["batch"], r["src_len"]) for r in suite["train_step"]] == [(64, 8)]
+assert json.loads(json.dumps(suite)) == suite
 
 # %% [markdown]
-# **Picture.** Time against the number of new tokens, on log–log axes where $t \propto n^a$ is a
-# line of slope $a$, and the speed-up. (Drawn from the measurement above, so it is not compared
-# either.)
-
-# %% tags=["nbval-ignore-output"]
-ns = [r["new_tokens"] for r in decode_rows]
-fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 3.8), layout="constrained")
-ax.loglog(ns, [r["uncached_s"] for r in decode_rows], marker="o", color=COLORS["accent"],
-          label="without cache")
-ax.loglog(ns, [r["cached_s"] for r in decode_rows], marker="o", color=COLORS["ours"],
-          label="with KV cache")
-ax.set_xticks(ns, [str(n) for n in ns])
-ax.xaxis.set_minor_locator(NullLocator())  # only the measured lengths as ticks
-ax.set_xlabel("new tokens n")
-ax.set_ylabel("time to decode (s)")
-ax.set_title("Greedy decoding of one source, 1 CPU thread" if device.type == "cpu"
-             else f"Greedy decoding of one source on {device.type}")
-ax.legend()
-ax2.semilogx(ns, [r["speedup"] for r in decode_rows], marker="o", color=COLORS["value"])
-ax2.set_xticks(ns, [str(n) for n in ns])
-ax2.xaxis.set_minor_locator(NullLocator())
-ax2.set_xlabel("new tokens n")
-ax2.set_ylabel("speed-up (uncached time / cached time)")
-ax2.set_title("What the cache buys grows with the output")
-ax2.axhline(1, color="grey", lw=1, ls="--")
-plt.show()
-
-
-# %% [markdown]
-# The speed-up is far below the $n/2$ of the arithmetic: a cached step does so little work that
-# the fixed cost of launching each of its few dozen operations (Python, PyTorch's dispatcher, our
-# input checks) dominates, and the cache does not shrink that cost. Still, the uncached time grows
-# about quadratically and the cached one about linearly, so the gap widens with the output: at
-# 512 tokens the cache wins by an order of magnitude on one CPU thread in our runs.
-#
 # **Measure speed side by side, in one process; assert on what cannot flake (tokens, FLOPs), and
 # report the seconds.**
-#
-# ## Recap
-#
-# | idea | code | shapes |
-# |---|---|---|
-# | encode once, decode step by step | `greedy_decode(model, src, n, src_mask)` | `src (B, S)` → `(B, ≤ n+1)`, `BOS` first, `PAD` after `EOS` |
-# | cross-attention as alignment | `cross_attention_weights(model, src, tgt, src_mask)` | per layer `(B, h, T, S)` |
-# | KV cache | `KVCache(model, enc_out, max_len)`, `decode_step(model, tokens, cache)` | per layer `(B, h, max_len, d_k)` and `(B, h, S, d_k)`; `(B,)` → `(B, V)` |
-# | cached decoding | `greedy_decode(..., use_cache=True)` | same tokens, $\approx n/2$ less arithmetic |
-# | beam search | `beam_search(model, src, k, n, src_mask, length_penalty)` | `(B, T)` ids and `(B,)` log p; $k$ beams as `B·k` rows |
-# | length normalisation | `length_penalty_wu(length, alpha)` | $\mathrm{lp} = ((5+\lvert y\rvert)/6)^\alpha$ |
-# | scoring any output | `sequence_log_prob(model, src, tokens)` | `(B,)` |
-# | temperature, top-$k$ | `next_token_probs(logits, temperature, top_k)` | `(..., V)` → `(..., V)` |
-# | sampling | `sample(model, src, n, temperature, top_k, generator)` | `(B, ≤ n+1)` |
-# | benchmark | `python -m transformer_from_scratch.bench_model` | JSON with the ratios |
-#
-# ## Exercises
-#
-# 1. **Nucleus sampling.** Top-$k$ keeps a fixed number of tokens. *Top-$p$* (Holtzman et al.,
-#    2020) keeps the smallest set of most likely tokens whose probabilities add up to at least
-#    $p$. Write `top_p_probs(logits, p)`; check that a tiny $p$ gives the greedy one-hot and
-#    $p = 1$ the plain softmax.
-# 2. **The size of the cache.** How many bytes does a `KVCache` hold for a batch of $B$ sources of
-#    length $S$, decoding $n$ tokens with $N$ decoder layers of width $d$ in float32? Check your
-#    formula against `num_bytes()`, and compute it for the reversal model at $B = 64$,
-#    $n = 512$.
-# 3. **Why the padding mask matters when decoding.** Pad the test batch with 8 more `PAD` columns
-#    and decode it with and without `src_mask`. How many outputs change, and how many are still
-#    correct reversals?
-#
-# **Solutions.**
-#
-# 1. Sort the probabilities, keep a token while the mass *before* it is still below $p$ (so the
-#    token that crosses $p$ is kept), and renormalise:
-
-# %%
-def top_p_probs(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """softmax(logits) over the smallest set of top tokens with total probability >= p."""
-    if not 0 < p <= 1:
-        raise ValueError(f"p must be in (0, 1], got {p}")
-    probs = F.softmax(logits, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (..., V)
-    keep_sorted = mass_before < p  # the first token is always kept
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)  # back to vocab order
-    kept = probs * keep
-    return kept / kept.sum(dim=-1, keepdim=True)
-
-
-assert_close(top_p_probs(z, 1e-6), F.one_hot(z.argmax(), VOCAB).float())
-assert_close(top_p_probs(z, 1.0), F.softmax(z, dim=-1))
-nucleus = top_p_probs(z, 0.9)
-print(f"top-p 0.9 keeps {int((nucleus > 0).sum())} of {VOCAB} tokens")
-kept_mass = F.softmax(z, dim=-1)[nucleus > 0]  # the original probabilities of the kept tokens
-assert kept_mass.sum() >= 0.9 and kept_mass.sum() - kept_mass.min() < 0.9  # smallest such set
-
 
 # %% [markdown]
-# 2. Self-attention keeps a key and a value per layer, head and position, $h \cdot d_k = d$
-#    numbers each: $2 N B n d$; cross-attention the same over the source: $2 N B S d$; at 4 bytes
-#    a number, $8 N B d\,(n + S)$ bytes.
+# Next: later notebooks take the same decoders to a real translation task, where the alignment
+# is not a clean anti-diagonal.
 
-# %%
-def cache_bytes(N: int, B: int, n: int, S: int, d: int, bytes_per_number: int = 4) -> int:
-    return 2 * N * B * d * (n + S) * bytes_per_number
-
-
-with torch.no_grad():
-    enc_small = model.encode(src[:5], src_mask[:5])  # (5, 8, 128)
-    assert KVCache(model, enc_small, max_len=30).num_bytes() == cache_bytes(2, 5, 30, 8, 128)
-print(f"reversal model, B=64, n=512: {cache_bytes(2, 64, 512, 8, 128) / 2**20:.1f} MiB")
-
-# %% [markdown]
-#    About 65 MiB for this tiny model; for a large model the cache, not the weights, is often what
-#    limits the batch size (notebook 14 returns to it).
-#
-# 3. With the mask, the padded keys get weight exactly 0 in the encoder and in every
-#    cross-attention, so extra padding changes nothing. Without it, the `PAD` positions (a zero
-#    embedding plus a positional vector) become part of the source, something the model never saw
-#    in training:
-
-# %%
-wider = F.pad(src, (0, 8), value=PAD)  # (256, 8) -> (256, 16)
-wider_mask = padding_mask(lengths, wider.size(1)).to(device)
-with_mask = greedy_decode(model, wider, MAX_LEN + 1, wider_mask, use_cache=True)
-without_mask = greedy_decode(model, wider, MAX_LEN + 1, use_cache=True)
-changed = (pad_right(without_mask, 10) != pad_right(with_mask, 10)).any(1)
-print(f"with the mask: identical to the unpadded batch: {torch.equal(with_mask, decoded)}")
-print(f"without it: {int(changed.sum())}/256 outputs change, "
-      f"{int(reversed_correctly(without_mask).sum())}/256 still correct")
-assert torch.equal(with_mask, decoded) and changed.sum() > 128
-#
-# Next: notebook 13, *A real translation task*, where the same decoders meet a real corpus and an
-# alignment that is not a clean anti-diagonal.

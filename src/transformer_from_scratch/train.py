@@ -7,11 +7,13 @@
 import os
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
@@ -77,24 +79,30 @@ def train_model(
     generator: torch.Generator | None = None,
     log_every: int = 0,
     callback: Callable[[int, Transformer], None] | None = None,
+    schedule: Callable[[int], float] | None = None,
+    progress: bool = False,
 ) -> dict[str, list[float]]:
     """Train on fresh reversal batches (Adam, the paper's schedule); return loss and lr per step.
 
     `callback(step, model)`, if given, runs after every update (to evaluate or snapshot).
+    `schedule(s)`, if given, is the rate of update s (from 1) instead of lr_lambda(s, d, warmup).
+    `progress=True` shows a progress bar (tqdm.auto: a widget in Jupyter, text elsewhere).
     """
     _positive_int("steps", steps)
     _positive("clip_norm", clip_norm)
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    if schedule is not None and not callable(schedule):
+        raise TypeError(f"schedule must be callable (step -> rate), got {type(schedule).__name__}")
     vocab_size = model.tgt_embed.num_embeddings
     d_model = model.d_model
+    rate = schedule if schedule is not None else partial(lr_lambda, d_model=d_model, warmup=warmup)
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
     # Base rate 1.0 times the lambda: the schedule is the rate. +1: update s uses lr(s).
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s + 1, d_model, warmup)
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: rate(s + 1))
     history: dict[str, list[float]] = {"loss": [], "lr": []}
     model.train()  # dropout on
+    bar = tqdm(total=steps, desc="training", unit="step", disable=not progress)
     for step in range(1, steps + 1):
         batch = make_batch(batch_size, max_len, vocab_size, generator=generator)  # on the CPU
         loss = reversal_loss(model, batch, label_smoothing)
@@ -110,6 +118,10 @@ def train_model(
         if callback is not None:
             callback(step, model)
             model.train()  # in case the callback evaluated
+        bar.update(1)
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    bar.close()
     return history
 
 
@@ -144,9 +156,19 @@ def reversal_recipe(**changes) -> dict:
 
 
 def train_reversal(
-    log_every: int = 0, callback: Callable[[int, Transformer], None] | None = None, **changes
+    log_every: int = 0,
+    callback: Callable[[int, Transformer], None] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+    schedule: Callable[[int], float] | None = None,
+    **changes,
 ) -> tuple[Transformer, dict[str, list[float]]]:
-    """Build and train a reversal model on the CPU as the recipe says; return it and its history."""
+    """Build a reversal model as the recipe says, train it on `device`; return it and its history.
+
+    The weights are drawn on the CPU, so they are the same on every device; on a GPU the dropout
+    masks come from the GPU's generator, so a GPU run is another run of the same recipe.
+    """
     recipe = reversal_recipe(**changes)
     seed, V = recipe["seed"], recipe["vocab_size"]
     set_seed(seed)  # the weights and the dropout masks
@@ -165,6 +187,7 @@ def train_reversal(
             for embedding in (model.src_embed, model.tgt_embed):
                 nn.init.normal_(embedding.weight, 0.0, 1.0, generator=embedding_generator)
                 embedding.weight[PAD].zero_()  # what nn.Embedding's own init does too
+    model = model.to(device)
     history = train_model(
         model,
         recipe["steps"],
@@ -175,6 +198,8 @@ def train_reversal(
         generator=torch.Generator().manual_seed(seed + 1),  # the batches
         log_every=log_every,
         callback=callback,
+        schedule=schedule,
+        progress=progress,
     )
     return model.eval(), history
 
@@ -293,9 +318,13 @@ def get_reversal_model(
     checkpoint: str | os.PathLike = "checkpoints/reversal.pt",
     device: str | torch.device | None = None,
     verbose: bool = True,
+    progress: bool = False,
     **changes,
 ) -> Transformer:
-    """Notebook 11's reversal model: loaded from `checkpoint`, or else trained and saved there."""
+    """Notebook 11's reversal model: loaded from `checkpoint`, or else trained on `device`, saved.
+
+    `device=None` picks the best one (get_device); `progress=True` shows a bar while training.
+    """
     recipe = reversal_recipe(**changes)
     device = get_device() if device is None else torch.device(device)
     path = Path(checkpoint)
@@ -312,11 +341,18 @@ def get_reversal_model(
                 return model
             if verbose:
                 print(f"{path} was trained with another recipe; training a new model")
-    model, history = train_reversal(**recipe)
-    save_checkpoint(path, model, recipe=recipe, history=history)
+    model, history = train_reversal(device=device, progress=progress, **recipe)
+    save_checkpoint(
+        path,
+        model,
+        recipe=recipe,
+        history=history,
+        device=device.type,
+        torch=str(torch.__version__),
+    )
     if verbose:
-        print(f"trained {recipe['steps']} steps and saved {path}")
-    return model.to(device)
+        print(f"trained {recipe['steps']} steps on {device.type} and saved {path}")
+    return model
 
 
 __all__ = [
