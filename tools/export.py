@@ -9,6 +9,10 @@ Directives, on the first lines of a code cell (nbdev's spelling):
 A method taught in its own cell with ``@add_to_class(SomeClass)`` is moved into the body
 of ``SomeClass`` in the exported module, so src/ reads as ordinary, complete classes.
 
+Every exported definition is preceded by a comment naming the notebook that teaches it
+(``# Taught in notebook 03 · Multi-head attention``), as d2l's "Defined in" does; a method
+folded into a class from a later notebook names its own notebook.
+
 Usage:
     python tools/export.py            write src/ from notebooks/*.py
     python tools/export.py --check    exit 1 (with a diff) if src/ differs from the export
@@ -29,10 +33,8 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jupytext
+from course import ROOT, notebook_info, read_py, sources
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ROOT / "notebooks"
 PACKAGE = "transformer_from_scratch"
 SRC = ROOT / "src" / PACKAGE
 DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
@@ -46,10 +48,16 @@ class ExportError(ValueError):
 
 
 @dataclass
+class Chunk:
+    code: str  # one export cell, directives stripped
+    taught_in: str  # "notebook 03 · Multi-head attention"
+
+
+@dataclass
 class Module:
     name: str
     sources: list[str] = field(default_factory=list)  # notebooks it comes from, in order
-    chunks: list[str] = field(default_factory=list)  # cell code, directives stripped
+    chunks: list[Chunk] = field(default_factory=list)
 
 
 def split_directives(source: str) -> tuple[list[tuple[str, str]], str]:
@@ -67,7 +75,12 @@ def split_directives(source: str) -> tuple[list[tuple[str, str]], str]:
 def collect(notebook_paths: list[Path]) -> dict[str, Module]:
     modules: dict[str, Module] = {}
     for path in notebook_paths:
-        nb = jupytext.read(path)
+        nb = read_py(path)
+        try:
+            info = notebook_info(nb, path.name)
+            taught_in = f"notebook {info['number']:02d} · {info['title']}"
+        except ValueError:
+            taught_in = f"notebooks/{path.name}"
         default = None
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code":
@@ -89,7 +102,7 @@ def collect(notebook_paths: list[Path]) -> dict[str, Module]:
                 rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
                 if rel not in module.sources:
                     module.sources.append(rel)
-                module.chunks.append(code)
+                module.chunks.append(Chunk(code, taught_in))
     return modules
 
 
@@ -106,13 +119,50 @@ def _decorated_class(fn: ast.FunctionDef) -> str | None:
     return None
 
 
-def fold_methods(chunks: list[str], module: str) -> list[str]:
+PROVENANCE = "# Taught in "
+
+
+def _definitions(tree: ast.Module) -> list[ast.stmt]:
+    """Top-level statements that define a name (not imports, not a docstring)."""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+    return [node for node in tree.body if isinstance(node, kinds)]
+
+
+def _first_line(node: ast.stmt, lines: list[str], floor: int) -> int:
+    """0-based first line of node, counting its decorators and the comments right above it."""
+    start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))]) - 1
+    while start > floor and lines[start - 1].lstrip().startswith("#"):
+        start -= 1
+    return start
+
+
+def mark_provenance(chunk: Chunk) -> str:
+    """The chunk's code with a "# Taught in ..." line above each top-level definition."""
+    tree = ast.parse(chunk.code)
+    lines = chunk.code.splitlines()
+    starts, floor = set(), 0
+    for node in _definitions(tree):
+        folded = isinstance(node, ast.FunctionDef) and _decorated_class(node) is not None
+        if not folded:  # a folded method gets its line in fold_methods, if it needs one
+            starts.add(_first_line(node, lines, floor))
+        floor = node.end_lineno
+    out = []
+    for number, line in enumerate(lines):
+        if number in starts:
+            out.append(PROVENANCE + chunk.taught_in)
+        out.append(line)
+    return "\n".join(out)
+
+
+def fold_methods(chunks: list[Chunk], module: str) -> list[str]:
     """Move ``@add_to_class(C)`` functions into the body of class ``C``."""
     out: list[str] = []
     class_index: dict[str, int] = {}
+    class_home: dict[str, str] = {}
     for chunk in chunks:
-        tree = ast.parse(chunk)
-        lines = chunk.splitlines()
+        code = mark_provenance(chunk)
+        tree = ast.parse(code)
+        lines = code.splitlines()
         kept: list[str] = []
         cursor = 0
         for node in tree.body:
@@ -122,10 +172,7 @@ def fold_methods(chunks: list[str], module: str) -> list[str]:
                         f"{module}: add_to_class({cls}) for {node.name!r}, but class {cls} "
                         "is not exported to the same module before it"
                     )
-                start = min(d.lineno for d in node.decorator_list) - 1
-                # Comments directly above the decorator belong to the method.
-                while start > cursor and lines[start - 1].lstrip().startswith("#"):
-                    start -= 1
+                start = _first_line(node, lines, cursor)
                 kept.extend(lines[cursor:start])
                 decorator_lines = {d.lineno for d in node.decorator_list}
                 body = [
@@ -133,6 +180,8 @@ def fold_methods(chunks: list[str], module: str) -> list[str]:
                     for number, line in enumerate(lines[start : node.end_lineno], start=start + 1)
                     if number not in decorator_lines
                 ]
+                if chunk.taught_in != class_home[cls]:
+                    body.insert(0, PROVENANCE + chunk.taught_in)
                 method = textwrap.indent("\n".join(body), "    ")
                 target = class_index[cls]
                 out[target] = out[target].rstrip("\n") + "\n\n" + method
@@ -145,6 +194,7 @@ def fold_methods(chunks: list[str], module: str) -> list[str]:
             for node in tree.body:
                 if isinstance(node, ast.ClassDef):
                     class_index[node.name] = len(out) - 1
+                    class_home[node.name] = chunk.taught_in
     return out
 
 
@@ -300,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare, do not write")
     args = parser.parse_args(argv)
-    notebooks = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    notebooks = sources()
     try:
         files = build(notebooks)
     except (ExportError, SyntaxError) as err:

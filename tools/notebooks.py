@@ -36,6 +36,7 @@ from course import (
     PYPROJECT,
     README,
     colab_url,
+    jupytext_metadata,
     kernel_env,
     notebook_info,
     py_text,
@@ -45,7 +46,7 @@ from course import (
     sources,
 )
 
-ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info", "widgets"}
+ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info", "widgets", "jupytext"}
 ALLOWED_CELL_METADATA = {"tags", "jupyter"}
 # `jupyter={"source_hidden": true}` collapses a cell's code in JupyterLab (and, through
 # tools/build_site.py, on the site): for cells that only draw a figure.
@@ -58,7 +59,11 @@ TABLE_START, TABLE_END = "<!-- notebooks:start -->", "<!-- notebooks:end -->"
 def clean_metadata(nb: nbformat.NotebookNode) -> None:
     widgets = nb.metadata.get("widgets")
     nb.metadata = nbformat.from_dict(
-        {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}}
+        {
+            "jupytext": jupytext_metadata(),
+            "kernelspec": KERNELSPEC,
+            "language_info": {"name": "python"},
+        }
     )
     if widgets:
         nb.metadata["widgets"] = widgets
@@ -178,7 +183,8 @@ def run_twice(paths: list[Path]) -> int:
 # ---------------------------------------------------------------- links, fork, README table
 def linked(nb: nbformat.NotebookNode, py: Path) -> bool:
     """Write the Colab link into the title cell and the setup cell; True if anything changed."""
-    changed = False
+    changed = nb.metadata.get("jupytext") != jupytext_metadata()
+    nb.metadata["jupytext"] = jupytext_metadata()
     if nb.cells and nb.cells[0].cell_type == "markdown":
         fixed = COLAB_LINK.sub(colab_url(py), nb.cells[0].source)
         changed |= fixed != nb.cells[0].source
@@ -253,7 +259,12 @@ def readme_with_table(text: str) -> str:
 
 # ---------------------------------------------------------------- checks
 def cells_of(nb: nbformat.NotebookNode) -> list[tuple]:
-    return [(c.cell_type, c.source, dict(c.metadata)) for c in nb.cells]
+    """Type, source and metadata of every cell; jupytext's record of blank lines left out (the
+    layout check reports those)."""
+    return [
+        (c.cell_type, c.source, {k: v for k, v in c.metadata.items() if k != "lines_to_next_cell"})
+        for c in nb.cells
+    ]
 
 
 def problems_in(py: Path) -> list[str]:
@@ -287,6 +298,11 @@ def problems_in(py: Path) -> list[str]:
     extra = set(nb.metadata) - ALLOWED_NOTEBOOK_METADATA
     if extra:
         found.append(f"{name}: notebook metadata {sorted(extra)} should not be stored")
+    if nb.metadata.get("jupytext") != jupytext_metadata():
+        found.append(
+            f"{name}: notebook metadata 'jupytext' must be {jupytext_metadata()} (what "
+            "JupyterLab records on save): `make links`"
+        )
     if nb.metadata.get("kernelspec", {}).get("name") != "python3":
         found.append(f"{name}: kernelspec must be python3")
     for i, cell in enumerate(nb.cells):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+# Taught in notebook 02 · Self-attention
 def scaled_dot_product_attention(
     Q: Tensor,  # (..., T_q, d_k)
     K: Tensor,  # (..., T_k, d_k)
@@ -50,6 +51,7 @@ def scaled_dot_product_attention(
     return context, attn
 
 
+# Taught in notebook 02 · Self-attention
 def _check_attention_inputs(
     Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, dropout_p: float
 ) -> None:
@@ -100,6 +102,7 @@ def _check_attention_inputs(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
 
+# Taught in notebook 03 · Multi-head attention
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (Vaswani et al., 2017) with packed projections W_q, W_k, W_v, W_o."""
 

@@ -22,14 +22,17 @@ from transformer_from_scratch.attention import scaled_dot_product_attention
 from transformer_from_scratch.utils import get_device
 
 
+# Taught in notebook 02 · Self-attention
 def _ours(Q: Tensor, K: Tensor, V: Tensor) -> Tensor:
     """The course's attention, returning the context only (as PyTorch's does)."""
     return scaled_dot_product_attention(Q, K, V)[0]
 
 
+# Taught in notebook 02 · Self-attention
 _IMPLEMENTATIONS = {"ours": _ours, "torch": F.scaled_dot_product_attention}
 
 
+# Taught in notebook 02 · Self-attention
 def _implementation(impl: str):
     """The attention function called `impl`, or a ValueError listing the choices."""
     if impl not in _IMPLEMENTATIONS:
@@ -37,6 +40,7 @@ def _implementation(impl: str):
     return _IMPLEMENTATIONS[impl]
 
 
+# Taught in notebook 02 · Self-attention
 def _check_sizes(**sizes: int) -> None:
     """Raise a ValueError unless every size is a positive int."""
     for name, value in sizes.items():
@@ -44,6 +48,7 @@ def _check_sizes(**sizes: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+# Taught in notebook 02 · Self-attention
 def make_qkv(
     T: int,
     d_k: int = 64,
@@ -62,6 +67,7 @@ def make_qkv(
     return Q, K, V
 
 
+# Taught in notebook 02 · Self-attention
 def attention_flops(
     T: int, d_k: int = 64, batch: int = 1, num_heads: int = 1, impl: str = "ours"
 ) -> int:
@@ -74,6 +80,7 @@ def attention_flops(
     return counter.get_total_flops()
 
 
+# Taught in notebook 02 · Self-attention
 class _PeakMemory(TorchDispatchMode):
     """Bytes of the tensors that the operators run inside it allocate: running total and peak."""
 
@@ -108,6 +115,7 @@ class _PeakMemory(TorchDispatchMode):
         return out
 
 
+# Taught in notebook 02 · Self-attention
 def attention_memory(
     T: int,
     d_k: int = 64,
@@ -137,6 +145,7 @@ def attention_memory(
     return {"weights_bytes": None, "peak_bytes": peak_bytes}
 
 
+# Taught in notebook 02 · Self-attention
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -144,6 +153,7 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+# Taught in notebook 02 · Self-attention
 def time_attention(
     T: int,
     d_k: int = 64,
@@ -190,6 +200,7 @@ def time_attention(
     return best
 
 
+# Taught in notebook 02 · Self-attention
 def fit_slope(xs, ys) -> float:
     """Least-squares slope of log(y) against log(x): the exponent k of y ~ x^k."""
     if len(xs) != len(ys) or len(xs) < 2:
@@ -204,6 +215,7 @@ def fit_slope(xs, ys) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(lx, ly, strict=True)) / spread
 
 
+# Taught in notebook 02 · Self-attention
 def run_suite(
     Ts=(64, 128, 256, 512, 1024, 2048),
     d_k: int = 64,
@@ -256,6 +268,7 @@ def run_suite(
     return {"config": config, "rows": rows, "slopes": slopes, "slope_from_T": Ts_upper[0]}
 
 
+# Taught in notebook 02 · Self-attention
 def format_suite(suite: dict) -> str:
     """The suite's results as a plain-text table."""
     c = suite["config"]
@@ -281,6 +294,7 @@ def format_suite(suite: dict) -> str:
     return "\n".join(lines)
 
 
+# Taught in notebook 02 · Self-attention
 def main(argv: list[str] | None = None) -> int:
     """Command line: run the suite, print the table, write the results as JSON to --out."""
     parser = argparse.ArgumentParser(

@@ -17,6 +17,7 @@ from torch import nn
 from transformer_from_scratch.attention import MultiHeadAttention
 
 
+# Taught in notebook 06 · Layer norm and dropout
 class LayerNorm(nn.Module):
     """Layer normalisation over the last dimension, with the same numbers as nn.LayerNorm."""
 
@@ -64,9 +65,11 @@ class LayerNorm(nn.Module):
         return x_hat * self.weight + self.bias  # gamma, beta (D,) broadcast over (..., D)
 
 
+# Taught in notebook 07 · The feed-forward network
 _FFN_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
 
 
+# Taught in notebook 07 · The feed-forward network
 def get_activation(name: str) -> nn.Module:
     """A new activation module by name: "relu", "gelu" or "silu" (case-insensitive)."""
     if not isinstance(name, str):
@@ -77,6 +80,7 @@ def get_activation(name: str) -> nn.Module:
     return _FFN_ACTIVATIONS[key]()
 
 
+# Taught in notebook 07 · The feed-forward network
 def _check_ffn_size(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -84,6 +88,7 @@ def _check_ffn_size(name: str, value: int) -> None:
         raise ValueError(f"{name} must be positive, got {value}")
 
 
+# Taught in notebook 07 · The feed-forward network
 def feed_forward(
     d_model: int, d_ff: int, activation: str = "relu", dropout_p: float = 0.0, bias: bool = True
 ) -> nn.Sequential:
@@ -102,6 +107,7 @@ def feed_forward(
     return nn.Sequential(*layers)
 
 
+# Taught in notebook 07 · The feed-forward network
 class GatedFeedForward(nn.Module):
     """Gated FFN (Shazeer, 2020): W_2(act(x W) * x V); SwiGLU for "silu", GEGLU for "gelu"."""
 
@@ -123,6 +129,7 @@ class GatedFeedForward(nn.Module):
         return self.W_2(hidden)  # (..., d_ff) -> (..., d_model)
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def sublayer_connection(
     x: torch.Tensor,  # (B, T, d_model), the residual stream
     sublayer: Callable[[torch.Tensor], torch.Tensor],  # (B, T, d_model) -> (B, T, d_model)
@@ -136,6 +143,7 @@ def sublayer_connection(
     return norm(x + dropout(sublayer(x)))  # the paper: normalise after the addition
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def _check_block_input(name: str, x: torch.Tensor, d_model: int) -> None:
     """Raise a TypeError/ValueError unless x is a floating tensor of shape (B, T, d_model)."""
     if not isinstance(x, torch.Tensor):
@@ -148,6 +156,7 @@ def _check_block_input(name: str, x: torch.Tensor, d_model: int) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 class EncoderBlock(nn.Module):
     """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
 
@@ -190,6 +199,7 @@ class EncoderBlock(nn.Module):
         return sublayer_connection(x, self.ffn, self.norm2, self.dropout2, self.norm_first)
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 class DecoderBlock(nn.Module):
     """Transformer decoder block: masked self-attention, cross-attention to the encoder, FFN."""
 
@@ -257,6 +267,7 @@ class DecoderBlock(nn.Module):
         return sublayer_connection(x, self.ffn, self.norm3, self.dropout3, self.norm_first)
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def _copy_attention(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
     """W_q, W_k, W_v stacked into in_proj; W_o into out_proj."""
     # 3 x (d, d) -> (3d, d): rows 0..d-1 project queries, then keys, then values.
@@ -267,6 +278,7 @@ def _copy_attention(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> 
         theirs.out_proj.bias.copy_(ours.W_o.bias)
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
     """Our LayerNorm's gamma and beta into nn.LayerNorm (which has no beta when bias=False)."""
     theirs.weight.copy_(ours.weight)
@@ -274,6 +286,7 @@ def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
         theirs.bias.copy_(ours.bias)
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def _check_norm_pair(ours: LayerNorm, theirs: nn.LayerNorm, name: str) -> None:
     """Raise a ValueError if nn.LayerNorm cannot hold our LayerNorm's numbers."""
     if ours.eps != theirs.eps:
@@ -282,6 +295,7 @@ def _check_norm_pair(ours: LayerNorm, theirs: nn.LayerNorm, name: str) -> None:
         raise ValueError(f"{name}: theirs has no bias (bias=False) but ours has a nonzero one")
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def _check_block_pair(
     ours: EncoderBlock | DecoderBlock,
     theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
@@ -326,6 +340,7 @@ def _check_block_pair(
     return norms
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def copy_block_to_torch(
     ours: EncoderBlock | DecoderBlock,
     theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
@@ -345,6 +360,7 @@ def copy_block_to_torch(
             _copy_norm(getattr(ours, name), getattr(theirs, name))
 
 
+# Taught in notebook 10 · The full model
 def _check_num_layers(num_layers: int) -> None:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(
@@ -354,6 +370,7 @@ def _check_num_layers(num_layers: int) -> None:
         raise ValueError(f"num_layers must be at least 1, got {num_layers}")
 
 
+# Taught in notebook 10 · The full model
 class Encoder(nn.Module):
     """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
 
@@ -382,6 +399,7 @@ class Encoder(nn.Module):
         return self.norm(x)
 
 
+# Taught in notebook 10 · The full model
 class Decoder(nn.Module):
     """A stack of num_layers pre-norm decoder blocks reading one enc_out, then a final LayerNorm."""
 

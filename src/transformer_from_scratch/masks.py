@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 
+# Taught in notebook 05 · Masking
 def _positive_int(value: int, name: str) -> int:
     """`value` as a Python int of at least 1, or a clear TypeError/ValueError."""
     if isinstance(value, bool):
@@ -23,6 +24,7 @@ def _positive_int(value: int, name: str) -> int:
     return value
 
 
+# Taught in notebook 05 · Masking
 def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(1, 1, T, T) bool mask letting query i attend to keys 0..i only (True = may attend)."""
     T = _positive_int(T, "T")
@@ -30,6 +32,7 @@ def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tenso
     return allowed.view(1, 1, T, T)  # (T, T) -> (1, 1, T, T): shared by every sequence and head
 
 
+# Taught in notebook 05 · Masking
 def padding_mask(lengths: torch.Tensor | Sequence[int], T_k: int) -> torch.Tensor:
     """(B, 1, 1, T_k) bool mask that is True on the first lengths[b] keys of each sequence b."""
     lengths = torch.as_tensor(lengths)  # a tensor keeps its device; a list lands on the CPU

@@ -13,9 +13,11 @@ from torch import nn
 from transformer_from_scratch.layers import Decoder, Encoder
 from transformer_from_scratch.positional import PositionalEncoding
 
+# Taught in notebook 09 · Embeddings and the output head
 PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
 
 
+# Taught in notebook 09 · Embeddings and the output head
 def init_token_embedding(embedding: nn.Embedding) -> nn.Embedding:
     """Draw weights from N(0, 1/d_model), the scale sqrt(d_model) restores; zero the PAD row."""
     if not isinstance(embedding, nn.Embedding):
@@ -28,6 +30,7 @@ def init_token_embedding(embedding: nn.Embedding) -> nn.Embedding:
     return embedding
 
 
+# Taught in notebook 09 · Embeddings and the output head
 def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens") -> None:
     """Raise a TypeError/ValueError unless tokens is a (B, T) integer tensor of ids in [0, V)."""
     if not isinstance(tokens, torch.Tensor):
@@ -50,6 +53,7 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens")
         )
 
 
+# Taught in notebook 09 · Embeddings and the output head
 def embed_tokens(
     embedding: nn.Embedding, tokens: torch.Tensor, name: str = "tokens"
 ) -> torch.Tensor:
@@ -58,6 +62,7 @@ def embed_tokens(
     return embedding(tokens) * math.sqrt(embedding.embedding_dim)  # (B, T) -> (B, T, d_model)
 
 
+# Taught in notebook 10 · The full model
 def _check_length(name: str, tokens: torch.Tensor, max_len: int) -> None:
     """Raise if (B, T) tokens are longer than max_len; check_token_ids reports other problems."""
     if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] > max_len:
@@ -67,6 +72,7 @@ def _check_length(name: str, tokens: torch.Tensor, max_len: int) -> None:
         )
 
 
+# Taught in notebook 10 · The full model
 def _check_mask(
     name: str, mask: torch.Tensor | None, shape: tuple, what: str, hint: str = ""
 ) -> None:
@@ -86,6 +92,7 @@ def _check_mask(
         )
 
 
+# Taught in notebook 10 · The full model
 class Transformer(nn.Module):
     """The encoder-decoder Transformer (Vaswani et al., 2017), pre-norm: token ids to logits."""
 

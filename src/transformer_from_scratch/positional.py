@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 
+# Taught in notebook 04 · Positional encoding
 def _check_size(name: str, value: int, even: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
@@ -17,11 +18,13 @@ def _check_size(name: str, value: int, even: bool = False) -> None:
         raise ValueError(f"{name} must be even (dimensions come in pairs), got {name}={value}")
 
 
+# Taught in notebook 04 · Positional encoding
 def _check_dropout(dropout_p: float) -> None:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
 
+# Taught in notebook 04 · Positional encoding
 def _check_sequence(x: torch.Tensor, d_model: int, max_len: int, who: str) -> None:
     # A wrong rank or width would otherwise broadcast silently into a wrong shape.
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -35,6 +38,7 @@ def _check_sequence(x: torch.Tensor, d_model: int, max_len: int, who: str) -> No
         raise ValueError(f"{who}: sequence length T={x.size(1)} exceeds max_len={max_len}")
 
 
+# Taught in notebook 04 · Positional encoding
 def _angles(max_len: int, dim: int, base: float) -> torch.Tensor:
     """Float64 angles t * base^(-2i/dim) for t < max_len, i < dim/2: shape (max_len, dim/2)."""
     if not base > 1.0:
@@ -44,6 +48,7 @@ def _angles(max_len: int, dim: int, base: float) -> torch.Tensor:
     return t * omega  # (max_len, dim/2)
 
 
+# Taught in notebook 04 · Positional encoding
 def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
     """The (max_len, d_model) table of Vaswani et al. (2017): sin on even dims, cos on odd."""
     _check_size("max_len", max_len)
@@ -53,6 +58,7 @@ def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch
     return table.flatten(-2).to(torch.get_default_dtype())  # (max_len, d_model): sin, cos, ...
 
 
+# Taught in notebook 04 · Positional encoding
 class PositionalEncoding(nn.Module):
     """Add the fixed sinusoidal table to (B, T, d_model) inputs, then apply dropout."""
 
@@ -76,6 +82,7 @@ class PositionalEncoding(nn.Module):
         return self.dropout(x + self.pe[:, :T].to(x.dtype))  # (B, T, d) + (1, T, d)
 
 
+# Taught in notebook 04 · Positional encoding
 class LearnedPositionalEmbedding(nn.Module):
     """Add a trained (max_len, d_model) table to (B, T, d_model) inputs, then apply dropout."""
 
@@ -98,6 +105,7 @@ class LearnedPositionalEmbedding(nn.Module):
         return self.dropout(x + self.embedding(positions).to(x.dtype))  # (B, T, d) + (T, d)
 
 
+# Taught in notebook 04 · Positional encoding
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al., 2021) for (..., T, d_head), interleaved pairs."""
 

@@ -20,6 +20,7 @@ from transformer_from_scratch.model import PAD, Transformer
 from transformer_from_scratch.utils import get_device, set_seed
 
 
+# Taught in notebook 11 · Training
 def _positive(name: str, value: int | float) -> None:
     """Raise a TypeError/ValueError unless value is a real number > 0."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -28,6 +29,7 @@ def _positive(name: str, value: int | float) -> None:
         raise ValueError(f"{name} must be positive, got {value!r}")
 
 
+# Taught in notebook 11 · Training
 def _positive_int(name: str, value: int) -> None:
     """Raise a TypeError/ValueError unless value is an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -36,6 +38,7 @@ def _positive_int(name: str, value: int) -> None:
         raise ValueError(f"{name} must be positive, got {value}")
 
 
+# Taught in notebook 11 · Training
 def lr_lambda(step: int, d_model: int, warmup: int) -> float:
     """The paper's rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); step clamped to >= 1."""
     _positive("d_model", d_model)
@@ -46,6 +49,7 @@ def lr_lambda(step: int, d_model: int, warmup: int) -> float:
     return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
+# Taught in notebook 11 · Training
 def reversal_loss(
     model: Transformer,
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -65,6 +69,7 @@ def reversal_loss(
     )
 
 
+# Taught in notebook 11 · Training
 def train_model(
     model: Transformer,
     steps: int,
@@ -113,6 +118,7 @@ def train_model(
     return history
 
 
+# Taught in notebook 11 · Training
 REVERSAL_RECIPE: dict = {
     "vocab_size": 12,
     "max_len": 8,
@@ -130,6 +136,7 @@ REVERSAL_RECIPE: dict = {
 }
 
 
+# Taught in notebook 11 · Training
 def reversal_recipe(**changes) -> dict:
     """REVERSAL_RECIPE with `changes` applied; unknown keys are a ValueError."""
     unknown = sorted(set(changes) - set(REVERSAL_RECIPE))
@@ -143,6 +150,7 @@ def reversal_recipe(**changes) -> dict:
     return recipe
 
 
+# Taught in notebook 11 · Training
 def train_reversal(
     log_every: int = 0, callback: Callable[[int, Transformer], None] | None = None, **changes
 ) -> tuple[Transformer, dict[str, list[float]]]:
@@ -179,9 +187,11 @@ def train_reversal(
     return model.eval(), history
 
 
+# Taught in notebook 11 · Training
 EVAL_SEED = 2017  # the test sequences' generator; training uses seed + 1 for its batches
 
 
+# Taught in notebook 11 · Training
 @torch.no_grad()
 def reversal_correct(
     model: Transformer, src: torch.Tensor, tgt_out: torch.Tensor, lengths: torch.Tensor
@@ -196,6 +206,7 @@ def reversal_correct(
     return (padded == tgt_out).all(dim=1)
 
 
+# Taught in notebook 11 · Training
 def exact_match(
     model: Transformer, n: int = 256, max_len: int = 8, generator: torch.Generator | None = None
 ) -> int:
@@ -208,16 +219,20 @@ def exact_match(
     return int(reversal_correct(model, src, tgt_out, lengths).sum())
 
 
+# Taught in notebook 11 · Training
 CHECKPOINT_FORMAT = 1  # bumped whenever the layout of the saved dictionary changes
 
 
+# Taught in notebook 11 · Training
 class CheckpointError(ValueError):
     """A checkpoint file that is missing, truncated, corrupt or not written by save_checkpoint."""
 
 
+# Taught in notebook 11 · Training
 _SAFE_SCALARS = (str, int, float, bool, type(None), torch.Tensor)
 
 
+# Taught in notebook 11 · Training
 def _check_safe(value, where: str) -> None:
     """Raise a TypeError unless torch.load(weights_only=True) can read `value` back."""
     if isinstance(value, dict):
@@ -235,6 +250,7 @@ def _check_safe(value, where: str) -> None:
         )
 
 
+# Taught in notebook 11 · Training
 def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path:
     """Atomically write the model's weights, config and `meta` to `path`; return the path."""
     _check_safe(meta, "meta")
@@ -260,6 +276,7 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
     return path
 
 
+# Taught in notebook 11 · Training
 def load_checkpoint(
     path: str | os.PathLike, map_location: str | torch.device | None = None
 ) -> tuple[Transformer, dict]:
@@ -289,6 +306,7 @@ def load_checkpoint(
     return model.eval(), payload.get("meta", {})
 
 
+# Taught in notebook 11 · Training
 def get_reversal_model(
     checkpoint: str | os.PathLike = "checkpoints/reversal.pt",
     device: str | torch.device | None = None,

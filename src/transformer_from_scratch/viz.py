@@ -11,6 +11,7 @@ from matplotlib.axes import Axes
 from matplotlib.ticker import MaxNLocator
 
 
+# Taught in notebook 02 · Self-attention
 def plot_attention(
     weights,
     x_labels=None,
