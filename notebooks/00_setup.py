@@ -208,6 +208,187 @@ print(counter.n)
 
 
 # %% [markdown]
+# ## One policy for bad input
+#
+# A library that is used from notebooks meets every kind of mistake: a float where a length
+# goes, a mask of the wrong shape, token ids from another vocabulary. The course answers each one
+# the same way, before any work is done, with a message that names the argument and the value:
+#
+# - a value of the wrong **type** (a float length, a bool where a number goes, a list where a
+#   tensor goes) raises `TypeError`;
+# - a value of the right type but the wrong **value** (a length of 0, a probability of 1.5, a
+#   shape that does not fit) raises `ValueError`.
+#
+# The helpers live in their own small module, `transformer_from_scratch.checks`, so that every
+# module applies the policy in the same words:
+
+# %%
+#| export checks
+"""Input checks with one policy: TypeError for a wrong type, ValueError for a wrong value."""
+
+import contextlib
+import contextvars
+import math
+import operator
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+def check_int(name: str, value: int, minimum: int | None = None) -> int:
+    """`value` as a Python int (NumPy or 0-d integer tensors too, not bools), >= `minimum`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def check_float(
+    name: str,
+    value: float,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """`value` as a finite float in the interval from `low` to `high` (ends open or closed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        if math.isinf(high):
+            wanted = f"{'>' if low_open else '>='} {low:g}"
+        elif math.isinf(low):
+            wanted = f"{'<' if high_open else '<='} {high:g}"
+        else:
+            wanted = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    return value
+
+
+def check_probability(name: str, value: float) -> float:
+    """A dropout or smoothing probability: a number in [0, 1)."""
+    return check_float(name, value, 0.0, 1.0, high_open=True)
+
+
+def check_bool(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
+    """`value` lower-cased, if it is one of `choices`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value)}")
+    if value.lower() not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {list(choices)}")
+    return value.lower()
+
+
+def check_tensor(
+    name: str, x: torch.Tensor, dim: int | None = None, kind: str | None = None
+) -> torch.Tensor:
+    """x, if it is a tensor with `dim` dimensions of kind "float" or "int" (when given)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if kind == "float" and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if kind == "int" and (x.dtype == torch.bool or x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+    if dim is not None and x.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_broadcast(
+    name: str, mask: torch.Tensor | None, shape: Sequence[int], what: str, hint: str = ""
+) -> None:
+    """Raise unless `mask` is None or a tensor that broadcasts to `shape` (`what` in symbols)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    shape = tuple(shape)
+    try:
+        fits = torch.broadcast_shapes(mask.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to {what} = {shape}"
+            + (f"; {hint}" if hint else "")
+        )
+
+
+# %% [markdown]
+# Where do the checks run? At the **public boundary**: the function or module a reader calls.
+# But a Transformer's `forward` calls its stacks, which call blocks, which call attention, each
+# of them public too. Checking the same mask in all of them would repeat the work several
+# times per call, so an entry point that has checked its inputs says so, with the context
+# manager `validated()`, and the entry points it calls skip their checks while it is open:
+
+# %%
+#| export checks
+_VALIDATED = contextvars.ContextVar("transformer_from_scratch_validated", default=False)
+
+
+@contextlib.contextmanager
+def validated() -> Iterator[None]:
+    """Inside, inputs were checked by an outer entry point: inner ones skip their checks."""
+    token = _VALIDATED.set(True)
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
+
+
+def checking() -> bool:
+    """True unless an enclosing `validated()` block checked the inputs (or torch.compile traces)."""
+    return not (_VALIDATED.get() or torch.compiler.is_compiling())
+
+
+# %% [markdown]
+# **Check:** each mistake gets the exception its kind calls for, and a message that names the
+# argument; inside `validated()`, `checking()` is off, and it is on again afterwards.
+
+# %%
+from transformer_from_scratch import checks
+
+mistakes = {
+    "num_layers=2.0": (lambda: checks.check_int("num_layers", 2.0, minimum=1), TypeError),
+    "num_layers=True": (lambda: checks.check_int("num_layers", True, minimum=1), TypeError),
+    "num_layers=0": (lambda: checks.check_int("num_layers", 0, minimum=1), ValueError),
+    "dropout_p=1.0": (lambda: checks.check_probability("dropout_p", 1.0), ValueError),
+    "dropout_p='0.1'": (lambda: checks.check_probability("dropout_p", "0.1"), TypeError),
+    "mask (3, 5) for (2, 4, 5, 5)": (
+        lambda: checks.check_broadcast("mask", torch.ones(3, 5), (2, 4, 5, 5), "(B, h, T, T)"),
+        ValueError,
+    ),
+}
+for label, (call, expected) in mistakes.items():
+    try:
+        call()
+    except expected as err:
+        print(f"{label:<30} {type(err).__name__}: {err}")
+    else:
+        raise AssertionError(f"{label} was accepted")
+assert checks.check_int("T", torch.tensor(7), minimum=1) == 7  # 0-d integer tensors are ints
+with checks.validated():
+    assert not checks.checking()
+assert checks.checking()
+
+# %% [markdown]
 # When `make export` writes the package, it folds each `@add_to_class` method back into its class,
 # so `src/` reads as ordinary Python classes.
 #

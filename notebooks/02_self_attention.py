@@ -377,10 +377,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from transformer_from_scratch.checks import (
+    check_broadcast,
+    check_probability,
+    check_tensor,
+    checking,
+)
+
 
 # %% [markdown]
-# The function, the five steps in order. Its first line checks the inputs; the checker is the
-# next cell.
+# The function, the five steps in order. Its first line checks the inputs, with the policy of
+# notebook 00 (`checking()` is off only when a caller has checked them already); the checker is
+# the next cell.
 
 # %%
 #| export
@@ -393,7 +401,8 @@ def scaled_dot_product_attention(
     training: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """softmax(Q K^T / sqrt(d_k) + mask) V, dropout on the weights; returns (context, attn)."""
-    _check_attention_inputs(Q, K, V, mask, dropout_p)
+    if checking():  # off when a caller (multi-head attention, a block) has checked already
+        _check_attention_inputs(Q, K, V, mask, dropout_p)
     d_k = Q.size(-1)
     # 1) Scores of every query against every key.
     # (..., T_q, d_k) @ (..., d_k, T_k) -> (..., T_q, T_k)
@@ -435,14 +444,9 @@ def _check_attention_inputs(
 ) -> None:
     """Raise a TypeError/ValueError naming the shapes when attention cannot take these inputs."""
     for name, t in (("Q", Q), ("K", K), ("V", V)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t, kind="float")
         if t.dim() < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dims (..., T, d), got shape {tuple(t.shape)}"
-            )
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+            raise ValueError(f"{name} must have at least 2 dims (..., T, d), got {tuple(t.shape)}")
     if not Q.dtype == K.dtype == V.dtype:
         raise TypeError(f"Q, K, V must share one dtype, got {Q.dtype}, {K.dtype}, {V.dtype}")
     shapes = f"Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}"
@@ -454,28 +458,14 @@ def _check_attention_inputs(
         batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     except RuntimeError:
         raise ValueError(f"the batch dims (all but the last 2) do not broadcast: {shapes}") from None
-    if mask is not None:
-        if not isinstance(mask, Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(
-                f"mask must be bool (True = may attend) or floating (added to the scores), "
-                f"got dtype {mask.dtype}"
-            )
-        scores_shape = (*batch, Q.size(-2), K.size(-2))
-        try:
-            fits = torch.broadcast_shapes(mask.shape, scores_shape) == scores_shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
-                f"{scores_shape} = (..., T_q, T_k) for {shapes}"
-            )
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            "mask must be bool (True = may attend) or floating (added to the scores), "
+            f"got dtype {mask.dtype}"
+        )
+    scores_shape = (*batch, Q.size(-2), K.size(-2))
+    check_broadcast("mask", mask, scores_shape, f"(..., T_q, T_k) for {shapes}")
+    check_probability("dropout_p", dropout_p)
 
 
 # %% [markdown]

@@ -139,6 +139,16 @@ plt.show()
 import torch
 from torch import nn
 
+from transformer_from_scratch.checks import (
+    check_bool,
+    check_broadcast,
+    check_int,
+    check_probability,
+    check_tensor,
+    checking,
+    validated,
+)
+
 
 # %% [markdown]
 # The constructor holds the four packed projections, named after the paper's matrices, and
@@ -151,16 +161,14 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, dropout_p: float = 0.0, bias: bool = True):
         super().__init__()
-        for name, value in (("d_model", d_model), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        d_model, num_heads = check_int("d_model", d_model, 1), check_int("num_heads", num_heads, 1)
         if d_model % num_heads != 0:
             raise ValueError(
                 f"d_model={d_model} is not divisible by num_heads={num_heads}: "
                 "every head needs the same width d_k = d_model / num_heads"
             )
-        if not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        dropout_p = check_probability("dropout_p", dropout_p)
+        check_bool("bias", bias)
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_k = d_model // num_heads  # width of one head (d_v = d_k as well)
@@ -408,52 +416,35 @@ plt.show()
 # broadcasts into *something* and silently attends to the wrong tokens. So the forward pass checks
 # its inputs first and names the offending shape. A mask must broadcast to $(B, h, T_q, T_k)$;
 # the common ones are $(1, 1, T_q, T_k)$ (the same for every sequence, like a causal mask) and
-# $(B, 1, 1, T_k)$ (padding, per sequence). Its dtype is checked by
-# `scaled_dot_product_attention` itself.
+# $(B, 1, 1, T_k)$ (padding, per sequence). The helpers come from notebook 00's `checks` module,
+# so every mistake gets the same kind of error (`TypeError` for a wrong type, `ValueError` for a
+# wrong shape) as everywhere else in the course.
 
 # %%
 #| export
 @add_to_class(MultiHeadAttention)
-def _check_inputs(
-    self,
-    x_q: torch.Tensor,
-    x_k: torch.Tensor,
-    x_v: torch.Tensor,
-    mask: torch.Tensor | None,
-) -> None:
-    """Raise a ValueError naming the shapes if the inputs cannot be attended together."""
+def _check_inputs(self, x_q: torch.Tensor, x_k: torch.Tensor, x_v: torch.Tensor) -> None:
+    """Raise a TypeError/ValueError naming the shapes if the inputs cannot attend together."""
     for name, x in (("x_q", x_q), ("x_k", x_k), ("x_v", x_v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"{name} must be 3-D (B, T, d_model), got shape {tuple(x.shape)}")
+        check_tensor(name, x, dim=3, kind="float")
         if x.shape[-1] != self.d_model:
             raise ValueError(
                 f"{name} has shape {tuple(x.shape)}: last dimension {x.shape[-1]} "
                 f"!= d_model={self.d_model}"
             )
+    shapes = f"x_q {tuple(x_q.shape)}, x_k {tuple(x_k.shape)}, x_v {tuple(x_v.shape)}"
     if not x_q.shape[0] == x_k.shape[0] == x_v.shape[0]:
-        raise ValueError(
-            f"batch sizes differ: x_q {tuple(x_q.shape)}, x_k {tuple(x_k.shape)}, "
-            f"x_v {tuple(x_v.shape)}"
-        )
+        raise ValueError(f"batch sizes differ: {shapes}")
     if x_k.shape[1] != x_v.shape[1]:
-        raise ValueError(
-            f"x_k {tuple(x_k.shape)} and x_v {tuple(x_v.shape)} must have the same length T_k"
-        )
-    if mask is not None:
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        target = (x_q.shape[0], self.num_heads, x_q.shape[1], x_k.shape[1])
-        try:
-            fits = torch.broadcast_shapes(mask.shape, target) == target
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to "
-                f"(B, h, T_q, T_k) = {target}"
-            )
+        raise ValueError(f"x_k and x_v must have the same length T_k, got {shapes}")
+
+
+@add_to_class(MultiHeadAttention)
+def _check_mask(self, mask: torch.Tensor | None, B: int, T_q: int, T_k: int) -> None:
+    """The mask must broadcast to (B, h, T_q, T_k), and be bool (True = may attend) or float."""
+    check_broadcast("mask", mask, (B, self.num_heads, T_q, T_k), "(B, h, T_q, T_k)")
+    if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or float (added), got {mask.dtype}")
 
 
 # %% [markdown]
@@ -465,6 +456,15 @@ def _check_inputs(
 # `model.eval()` switches it off. Without `x_k` and `x_v` the module does self-attention; with a
 # different `x_k` (and `x_v`, which defaults to `x_k`) it does cross-attention, where the
 # decoder's $T_q$ queries read an encoder output of length $T_k$.
+#
+# One argument serves a later notebook: `cache`. When a decoder generates text one token at a
+# time, the keys and values of the tokens already written do not change, and notebook 12 keeps
+# them instead of projecting the whole prefix again at every step. A cache object has two
+# behaviours, and `forward` needs only these lines for them: a *frozen* cache hands back the
+# keys and values it holds (cross-attention, whose `x_k` is the encoder output that does not
+# change); any other cache stores this call's keys and values and returns all it holds
+# (self-attention, where the new token attends to every earlier one). Without a cache,
+# nothing changes.
 
 # %%
 #| export
@@ -476,19 +476,29 @@ def forward(
     x_v: torch.Tensor | None = None,  # (B, T_k, d_model); None: x_k
     mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_q, T_k); True = may attend
     return_attn: bool = False,
+    cache=None,  # keys and values kept from earlier calls, for generation (notebook 12)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attend from x_q to x_k/x_v with h heads: out (B, T_q, d_model), attn (B, h, T_q, T_k)."""
     x_k = x_q if x_k is None else x_k
     x_v = x_k if x_v is None else x_v
-    self._check_inputs(x_q, x_k, x_v, mask)
+    if checking():
+        self._check_inputs(x_q, x_k, x_v)
     # 1) Project with the packed matrices, then split into h heads of width d_k.
     Q = self._split_heads(self.W_q(x_q))  # (B, T_q, d_model) -> (B, h, T_q, d_k)
-    K = self._split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
-    V = self._split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+    if cache is not None and cache.frozen:  # x_k never changes (cross-attention): reuse its K, V
+        K, V = cache.keys, cache.values  # (B, h, T_k, d_k)
+    else:
+        K = self._split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+        V = self._split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+        if cache is not None:  # keep them, and attend to every key kept so far
+            K, V = cache.update(K, V)  # (B, h, T_kept + T_k, d_k)
+    if checking():
+        self._check_mask(mask, x_q.shape[0], x_q.shape[1], K.shape[2])
     # 2) Attend in all heads at once: the head axis is one more batch axis.
-    context, attn = scaled_dot_product_attention(
-        Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
-    )  # context (B, h, T_q, d_k), attn (B, h, T_q, T_k)
+    with validated():  # the inputs were checked above
+        context, attn = scaled_dot_product_attention(
+            Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
+        )  # context (B, h, T_q, d_k), attn (B, h, T_q, T_k)
     # 3) Concatenate the heads and mix them with W_o.
     out = self.W_o(self._combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
     return (out, attn) if return_attn else out
@@ -779,23 +789,44 @@ plt.show()
 #
 # We copy our weights into a fresh `nn.MultiheadAttention`; give the biases random values first,
 # since Xavier leaves them at zero and zeros would not test them.
+#
+# The copy goes into the package's `reference` module, which gathers everything that puts our
+# weights into PyTorch's own modules; notebooks 08 and 10 add the blocks and the whole model.
 
 # %%
-def load_into_torch_mha(ours: MultiHeadAttention) -> nn.MultiheadAttention:
-    """A batch_first nn.MultiheadAttention holding the same weights as `ours`."""
-    bias = ours.W_q.bias is not None
-    theirs = nn.MultiheadAttention(ours.d_model, ours.num_heads, bias=bias, batch_first=True)
-    theirs = theirs.to(ours.W_q.weight.device)
+#| export reference
+"""PyTorch's built-in twins of our modules: our weights copied into nn.MultiheadAttention (03),
+nn.TransformerEncoderLayer/DecoderLayer (08) and nn.Transformer (10), and our masks in their
+convention. The parity checks of the notebooks, the tests and the benchmarks all use these."""
+
+import torch
+from torch import nn
+
+from transformer_from_scratch.attention import MultiHeadAttention
+
+
+def copy_attention_to_torch(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
+    """Copy our W_q, W_k, W_v (stacked into in_proj) and W_o (out_proj) into `theirs`, in place."""
     with torch.no_grad():
-        # (3 * d_model, d_model): W_q, W_k, W_v stacked along the output axis
+        # 3 x (d, d) -> (3d, d): rows 0..d-1 project queries, then keys, then values.
         theirs.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
         theirs.out_proj.weight.copy_(ours.W_o.weight)
-        if bias:
+        if ours.W_q.bias is not None:
             theirs.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
             theirs.out_proj.bias.copy_(ours.W_o.bias)
+
+
+def torch_attention_like(ours: MultiHeadAttention) -> nn.MultiheadAttention:
+    """A batch_first nn.MultiheadAttention with our module's sizes, dropout and weights."""
+    theirs = nn.MultiheadAttention(
+        ours.d_model, ours.num_heads, dropout=ours.dropout_p, bias=ours.W_q.bias is not None,
+        batch_first=True,
+    )  # fmt: skip
+    copy_attention_to_torch(ours, theirs.to(ours.W_q.weight.device))
     return theirs
 
 
+# %%
 def assert_grads_match(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
     """Every parameter gradient of `ours` equals the matching slice of `theirs`."""
     d = ours.d_model
@@ -811,7 +842,7 @@ ours = MultiHeadAttention(d_model=32, num_heads=4).to(device)
 with torch.no_grad():
     for proj in (ours.W_q, ours.W_k, ours.W_v, ours.W_o):
         proj.bias.copy_(0.1 * torch.randn(32))
-theirs = load_into_torch_mha(ours)
+theirs = torch_attention_like(ours)
 
 # %% [markdown]
 # **Check 1, self-attention:** outputs, per-head weights, and the gradients of the input and of

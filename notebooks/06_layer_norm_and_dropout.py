@@ -163,10 +163,10 @@ plt.show()
 #| export
 """Layers of a Transformer block: layer normalisation, the feed-forward network, the blocks."""
 
-import math
-
 import torch
 from torch import nn
+
+from transformer_from_scratch.checks import check_float, check_int, check_tensor, checking
 
 
 # %% [markdown]
@@ -181,16 +181,8 @@ class LayerNorm(nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
-        if isinstance(d_model, bool) or not isinstance(d_model, int):
-            raise TypeError(f"d_model must be an int, got {type(d_model).__name__} {d_model!r}")
-        if d_model < 1:
-            raise ValueError(f"d_model must be at least 1, got {d_model}")
-        if isinstance(eps, bool) or not isinstance(eps, int | float):
-            raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
-        if not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"eps must be positive and finite, got {eps}")
-        self.d_model = d_model
-        self.eps = float(eps)
+        self.d_model = check_int("d_model", d_model, minimum=1)
+        self.eps = check_float("eps", eps, 0.0, low_open=True)
         self.weight = nn.Parameter(torch.empty(d_model))  # gamma
         self.bias = nn.Parameter(torch.empty(d_model))  # beta
         self.reset_parameters()
@@ -215,15 +207,13 @@ class LayerNorm(nn.Module):
 @add_to_class(LayerNorm)
 def forward(self, x: torch.Tensor) -> torch.Tensor:
     """Normalise each vector along the last dimension, then scale by weight, shift by bias."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"LayerNorm expects a tensor, got {type(x).__name__}")
-    if x.dim() == 0 or x.shape[-1] != self.d_model:
-        raise ValueError(
-            f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
-            f"got {tuple(x.shape)}"
-        )
-    if not x.is_floating_point():
-        raise TypeError(f"LayerNorm expects a floating-point tensor, got {x.dtype}")
+    if checking():  # off inside a block that checked its input already
+        check_tensor("x", x, kind="float")
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
+                f"got {tuple(x.shape)}"
+            )
     mean = x.mean(dim=-1, keepdim=True)  # (..., D) -> (..., 1)
     centred = x - mean  # (..., D)
     # the biased variance: divide by D, not D - 1

@@ -100,17 +100,14 @@ device = get_device()
 import torch
 from torch import nn
 
-_FFN_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
+from transformer_from_scratch.checks import check_bool, check_choice, check_int, check_probability
+
+_FFN_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
 
 
 def get_activation(name: str) -> nn.Module:
     """A new activation module by name: "relu", "gelu" or "silu" (case-insensitive)."""
-    if not isinstance(name, str):
-        raise TypeError(f"activation must be a name such as 'relu', got {type(name).__name__}")
-    key = name.lower()
-    if key not in _FFN_ACTIVATIONS:
-        raise ValueError(f"unknown activation {name!r}; expected one of {sorted(_FFN_ACTIVATIONS)}")
-    return _FFN_ACTIVATIONS[key]()
+    return _FFN_ACTIVATIONS[check_choice("activation", name, list(_FFN_ACTIVATIONS))]()
 
 
 # %% [markdown]
@@ -219,21 +216,13 @@ plt.show()
 
 # %%
 #| export
-def _check_ffn_size(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
 def feed_forward(
     d_model: int, d_ff: int, activation: str = "relu", dropout_p: float = 0.0, bias: bool = True
 ) -> nn.Sequential:
     """The position-wise FFN: Sequential(Linear d_model->d_ff, activation, Linear d_ff->d_model)."""
-    _check_ffn_size("d_model", d_model)
-    _check_ffn_size("d_ff", d_ff)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    d_model, d_ff = check_int("d_model", d_model, minimum=1), check_int("d_ff", d_ff, minimum=1)
+    check_probability("dropout_p", dropout_p)
+    check_bool("bias", bias)
     layers = [
         nn.Linear(d_model, d_ff, bias=bias),  # widen: (..., d_model) -> (..., d_ff)
         get_activation(activation),
@@ -601,9 +590,8 @@ class GatedFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False):
         super().__init__()
-        _check_ffn_size("d_model", d_model)
-        _check_ffn_size("d_ff", d_ff)
-        self.d_model, self.d_ff = d_model, d_ff
+        self.d_model = check_int("d_model", d_model, minimum=1)
+        self.d_ff = check_int("d_ff", d_ff, minimum=1)
         self.W = nn.Linear(d_model, d_ff, bias=bias)  # gate branch, goes through the activation
         self.V = nn.Linear(d_model, d_ff, bias=bias)  # linear branch, multiplied by the gate
         self.W_2 = nn.Linear(d_ff, d_model, bias=bias)  # back to d_model

@@ -114,10 +114,10 @@ device = get_device()
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.checks import check_bool, check_tensor, checking
 
 
 def sublayer_connection(
@@ -261,14 +261,11 @@ plt.show()
 #| export
 def _check_block_input(name: str, x: torch.Tensor, d_model: int) -> None:
     """Raise a TypeError/ValueError unless x is a floating tensor of shape (B, T, d_model)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor(name, x, kind="float")
     if x.dim() != 3 or x.shape[-1] != d_model:
         raise ValueError(
             f"{name} must have shape (B, T, d_model) with d_model={d_model}, got {tuple(x.shape)}"
         )
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
 class EncoderBlock(nn.Module):
@@ -285,8 +282,7 @@ class EncoderBlock(nn.Module):
         norm_first: bool = True,
     ):
         super().__init__()
-        if not isinstance(norm_first, bool):
-            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
+        check_bool("norm_first", norm_first)
         # MultiHeadAttention checks d_model, num_heads and dropout_p; feed_forward checks d_ff.
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
         # Sequential(Linear, activation, Linear), no dropout inside
@@ -314,7 +310,8 @@ class EncoderBlock(nn.Module):
 @add_to_class(EncoderBlock)
 def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
-    _check_block_input("x", x, self.d_model)
+    if checking():  # off inside a stack that checked its input already
+        _check_block_input("x", x, self.d_model)
     # 1) Every position reads the allowed positions of the sequence.
     x = sublayer_connection(
         x, lambda h: self.self_attn(h, mask=mask), self.norm1, self.dropout1, self.norm_first
@@ -484,8 +481,7 @@ class DecoderBlock(nn.Module):
         norm_first: bool = True,
     ):
         super().__init__()
-        if not isinstance(norm_first, bool):
-            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
+        check_bool("norm_first", norm_first)
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
         self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
         # Sequential(Linear, activation, Linear), no dropout inside
@@ -509,7 +505,10 @@ class DecoderBlock(nn.Module):
 # combined with the target's padding when the batch is padded), and `cross_mask` for the
 # cross-attention, broadcastable to $(B, h, T, T_\text{src})$ (the source's padding, never
 # causal: the whole source is known). Besides the shapes, the block checks that the decoder and
-# the encoder output come from the same batch.
+# the encoder output come from the same batch. The last argument, `cache`, is for generating one
+# token at a time (notebook 12): it holds this block's keys and values from earlier steps, one
+# cache for each attention (`cache.self_attn`, `cache.cross_attn`), and the block hands each to
+# its attention (notebook 03 shows what `MultiHeadAttention` does with it).
 
 # %%
 #| export
@@ -520,22 +519,29 @@ def forward(
     enc_out: torch.Tensor,  # (B, T_src, d_model), the encoder's output
     self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
     cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
+    cache=None,  # this block's keys and values from earlier steps, for generation (notebook 12)
 ) -> torch.Tensor:
     """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
-    _check_block_input("x", x, self.d_model)
-    _check_block_input("enc_out", enc_out, self.d_model)
-    if enc_out.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)} have different batch sizes"
-        )
+    if checking():  # off inside a stack that checked its inputs already
+        _check_block_input("x", x, self.d_model)
+        _check_block_input("enc_out", enc_out, self.d_model)
+        if enc_out.shape[0] != x.shape[0]:
+            shapes = f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)}"
+            raise ValueError(f"{shapes} have different batch sizes")
+    self_cache, cross_cache = (None, None) if cache is None else (cache.self_attn, cache.cross_attn)
     # 1) Each target position reads the target positions before it.
     x = sublayer_connection(
-        x, lambda h: self.self_attn(h, mask=self_mask), self.norm1, self.dropout1, self.norm_first
+        x,
+        lambda h: self.self_attn(h, mask=self_mask, cache=self_cache),
+        self.norm1,
+        self.dropout1,
+        self.norm_first,
     )  # (B, T, d_model)
     # 2) Each target position reads the source: queries from x, keys and values from enc_out.
     x = sublayer_connection(
         x,
-        lambda h: self.cross_attn(h, enc_out, mask=cross_mask),  # (B, T, d) x (B, T_src, d)
+        # queries (B, T, d) from x, keys and values (B, T_src, d) from enc_out
+        lambda h: self.cross_attn(h, enc_out, mask=cross_mask, cache=cross_cache),
         self.norm2,
         self.dropout2,
         self.norm_first,
@@ -662,15 +668,10 @@ print("cross-attention map: nonzero columns", (m_cross.sum(dim=0) > 0).nonzero()
 # is, except that `nn.LayerNorm(bias=False)` has no $\beta$ to copy into.
 
 # %%
-#| export
-def _copy_attention(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
-    """W_q, W_k, W_v stacked into in_proj; W_o into out_proj."""
-    # 3 x (d, d) -> (3d, d): rows 0..d-1 project queries, then keys, then values.
-    theirs.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
-    theirs.out_proj.weight.copy_(ours.W_o.weight)
-    if ours.W_q.bias is not None:
-        theirs.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
-        theirs.out_proj.bias.copy_(ours.W_o.bias)
+#| export reference
+import torch.nn.functional as F
+
+from transformer_from_scratch.reference import copy_attention_to_torch
 
 
 def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
@@ -691,7 +692,7 @@ def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
 # `nn.GELU` matches only a module with the same setting.
 
 # %%
-#| export
+#| export reference
 def _check_norm_pair(ours: LayerNorm, theirs: nn.LayerNorm, name: str) -> None:
     """Raise a ValueError if nn.LayerNorm cannot hold our LayerNorm's numbers."""
     if ours.eps != theirs.eps:
@@ -742,7 +743,7 @@ def _check_block_pair(
 # **The copy.** With the checks passed, it is the table above, row by row.
 
 # %%
-#| export
+#| export reference
 def copy_block_to_torch(
     ours: EncoderBlock | DecoderBlock,
     theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
@@ -750,9 +751,9 @@ def copy_block_to_torch(
     """Copy our block's weights into the PyTorch layer of the same configuration, in place."""
     norms = _check_block_pair(ours, theirs)  # everything is checked before anything is copied
     with torch.no_grad():
-        _copy_attention(ours.self_attn, theirs.self_attn)
+        copy_attention_to_torch(ours.self_attn, theirs.self_attn)
         if isinstance(ours, DecoderBlock):
-            _copy_attention(ours.cross_attn, theirs.multihead_attn)
+            copy_attention_to_torch(ours.cross_attn, theirs.multihead_attn)
         theirs.linear1.weight.copy_(ours.ffn[0].weight)
         theirs.linear2.weight.copy_(ours.ffn[2].weight)
         if ours.ffn[0].bias is not None:
@@ -768,44 +769,41 @@ def copy_block_to_torch(
 # $(T_q, T_k)$ `attn_mask` and a $(B, T_k)$ `key_padding_mask`:
 
 # %%
+#| export reference
 def to_torch_masks(causal: torch.Tensor | None, padding: torch.Tensor | None):
-    """Our (1,1,T,T) causal and (B,1,1,T_k) padding masks -> PyTorch's (T,T), (B,T_k), True = blocked."""
+    """Our causal (1,1,T,T) and padding (B,1,1,T_k) masks in PyTorch's form, True = blocked."""
     attn_mask = None if causal is None else ~causal[0, 0]  # (1, 1, T, T) -> (T, T)
     key_padding_mask = None if padding is None else ~padding[:, 0, 0]  # (B, 1, 1, T_k) -> (B, T_k)
     return attn_mask, key_padding_mask
 
 
 # %% [markdown]
-# A parameter's gradient must be compared with the matching slice of PyTorch's: our `W_k.weight`
-# is rows $d$ to $2d - 1$ of `in_proj_weight`, and so on. The helper lists every pair.
+# A parameter's gradient must be compared with the matching slice of PyTorch's. The names follow
+# a few rules: `cross_attn` is `multihead_attn`, `ffn.0`/`ffn.2` are `linear1`/`linear2`, `W_o`
+# is `out_proj`, and our `W_q`, `W_k`, `W_v` are rows $0..d-1$, $d..2d-1$, $2d..3d-1$ of the
+# packed `in_proj_weight` (and `in_proj_bias`). The rules hold for a block and for a whole stack
+# (notebook 10), so the function goes into `reference` as well:
+
+# %%
+#| export reference
+def torch_parameter(theirs: nn.Module, name: str) -> tuple[torch.Tensor, slice]:
+    """PyTorch's parameter that holds our parameter `name`, and the slice of its rows that does."""
+    for ours_part, their_part in (("cross_attn", "multihead_attn"), ("ffn.0", "linear1"),
+                                  ("ffn.2", "linear2"), ("W_o", "out_proj")):  # fmt: skip
+        name = name.replace(ours_part, their_part)
+    for i, proj in enumerate(("W_q", "W_k", "W_v")):
+        if f"{proj}." in name:
+            kind = name.rsplit(".", 1)[1]  # weight or bias
+            packed = theirs.get_parameter(name.replace(f"{proj}.{kind}", f"in_proj_{kind}"))
+            d = packed.shape[0] // 3
+            return packed, slice(i * d, (i + 1) * d)  # (3d, ...): the rows of W_q, W_k or W_v
+    return theirs.get_parameter(name), slice(None)
+
 
 # %%
 def matching_params(ours, theirs) -> list[tuple[str, torch.Tensor, torch.Tensor, slice]]:
     """(name, our parameter, their parameter, its rows that hold ours) for every parameter."""
-    d = ours.d_model
-    attns = [("self_attn", ours.self_attn, theirs.self_attn)]
-    norms = ["norm1", "norm2"]
-    if isinstance(ours, DecoderBlock):
-        attns.append(("cross_attn", ours.cross_attn, theirs.multihead_attn))
-        norms.append("norm3")
-    pairs = []
-    for name, a, b in attns:
-        for i, proj in enumerate(("W_q", "W_k", "W_v")):
-            rows = slice(i * d, (i + 1) * d)
-            pairs.append((f"{name}.{proj}.weight", getattr(a, proj).weight, (b.in_proj_weight, rows)))
-            pairs.append((f"{name}.{proj}.bias", getattr(a, proj).bias, (b.in_proj_bias, rows)))
-        pairs.append((f"{name}.W_o.weight", a.W_o.weight, (b.out_proj.weight, slice(None))))
-        pairs.append((f"{name}.W_o.bias", a.W_o.bias, (b.out_proj.bias, slice(None))))
-    for i, lin in ((0, "linear1"), (2, "linear2")):
-        for kind in ("weight", "bias"):
-            pairs.append((f"ffn.{i}.{kind}", getattr(ours.ffn[i], kind),
-                          (getattr(getattr(theirs, lin), kind), slice(None))))
-    for norm in norms:
-        for kind in ("weight", "bias"):
-            pairs.append((f"{norm}.{kind}", getattr(getattr(ours, norm), kind),
-                          (getattr(getattr(theirs, norm), kind), slice(None))))
-    assert len(pairs) == sum(1 for _ in ours.parameters())  # every parameter is compared
-    return [(name, p, q, rows) for name, p, (q, rows) in pairs]
+    return [(name, p, *torch_parameter(theirs, name)) for name, p in ours.named_parameters()]
 
 
 # %% [markdown]

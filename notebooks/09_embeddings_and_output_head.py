@@ -64,22 +64,39 @@ device = get_device()
 # | 2 | `EOS` | *end of sequence*: the last target; generation stops when the model emits it |
 #
 # Putting `PAD` at 0 is a convention, not a necessity, but a convenient one: `torch.zeros` and
-# `torch.full(..., PAD)` then build a padded batch. The three go into the package's `model`
-# module, which this notebook starts and notebook 10 completes:
+# `torch.full(..., PAD)` then build a padded batch. The three go into a small module of their
+# own, `transformer_from_scratch.tokens`: the model needs them, and so do the data that notebook
+# 11 makes and the tokenizer of notebook 13, which should not have to import a model to know
+# which id means padding.
 
 # %%
 #| default_exp model
 
 # %%
+#| export tokens
+"""Token ids the whole library agrees on: three reserved ids, and the check of a batch of ids."""
+
+import torch
+
+from transformer_from_scratch.checks import check_tensor
+
+PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
+
+# %% [markdown]
+# The embeddings and the output head go into the package's `model` module, which this notebook
+# starts and notebook 10 completes:
+
+# %%
 #| export
-"""The encoder-decoder Transformer: special tokens, token embeddings (09) and the model (10)."""
+"""The encoder-decoder Transformer: token embeddings and the output head (09), the model (10)."""
 
 import math
 
 import torch
 from torch import nn
 
-PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
+from transformer_from_scratch.checks import checking
+from transformer_from_scratch.tokens import PAD, check_token_ids
 
 # %% [markdown]
 # With them, a batch of the task that notebook 11 trains on, reversing a sequence of symbols
@@ -458,13 +475,12 @@ except IndexError as err:
 
 
 # %%
-#| export
+#| export tokens
 def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens") -> None:
     """Raise a TypeError/ValueError unless tokens is a (B, T) integer tensor of ids in [0, V)."""
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    check_tensor(name, tokens, kind="int")
     if tokens.dtype not in (torch.int64, torch.int32):  # the index types nn.Embedding accepts
-        raise TypeError(f"{name} must hold integer token ids (int64 or int32), got dtype {tokens.dtype}")
+        raise TypeError(f"{name} must hold int64 or int32 token ids, got dtype {tokens.dtype}")
     if tokens.dim() != 2 or tokens.shape[1] == 0:
         raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(tokens.shape)}")
     if tokens.numel() == 0:
@@ -479,9 +495,18 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens")
         )
 
 
+
+# %% [markdown]
+# The check reads every id, so on a GPU it waits for the ids to arrive on the host: a model calls
+# it once per batch, where the ids enter, never once per generated token (notebook 12).
+# `embed_tokens` checks unless an outer entry point already has (notebook 00's `checking()`):
+
+# %%
+#| export
 def embed_tokens(embedding: nn.Embedding, tokens: torch.Tensor, name: str = "tokens") -> torch.Tensor:
     """Look up (B, T) token ids and multiply by sqrt(d_model): (B, T) -> (B, T, d_model)."""
-    check_token_ids(tokens, embedding.num_embeddings, name)
+    if checking():
+        check_token_ids(tokens, embedding.num_embeddings, name)
     return embedding(tokens) * math.sqrt(embedding.embedding_dim)  # (B, T) -> (B, T, d_model)
 
 

@@ -20,7 +20,8 @@ from transformer_from_scratch.bench_model import (
     run_model_suite,
 )
 from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 
 TINY = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 2, "max_len": 32}
 

@@ -10,10 +10,10 @@ from transformer_from_scratch.layers import (
     DecoderBlock,
     EncoderBlock,
     LayerNorm,
-    copy_block_to_torch,
     sublayer_connection,
 )
 from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.reference import copy_block_to_torch
 
 B, T, T_SRC, D, H, D_FF = 2, 5, 7, 16, 4, 32
 
@@ -427,7 +427,7 @@ def test_bad_constructor_arguments(cls):
         cls(D, H, D_FF, norm_first="yes")
     with pytest.raises(ValueError, match="not divisible"):
         cls(D, 3, D_FF)
-    with pytest.raises(ValueError, match="d_ff must be positive"):
+    with pytest.raises(ValueError, match="d_ff must be at least 1"):
         cls(D, H, 0)
     with pytest.raises(ValueError, match="unknown activation"):
         cls(D, H, D_FF, activation="tanh")

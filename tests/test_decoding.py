@@ -22,7 +22,8 @@ from transformer_from_scratch.decoding import (
 )
 from transformer_from_scratch.layers import DecoderBlock
 from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 
 VOCAB = 11
 

@@ -43,7 +43,7 @@ def test_get_activation_unknown_name():
 
 
 def test_get_activation_not_a_string():
-    with pytest.raises(TypeError, match="activation must be a name"):
+    with pytest.raises(TypeError, match="activation must be a str"):
         get_activation(nn.ReLU)
 
 
@@ -152,11 +152,17 @@ def test_feed_forward_matches_transformer_encoder_layer_ffn():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(d_model=0, d_ff=8), "d_model must be positive, got 0"),
-        (dict(d_model=-4, d_ff=8), "d_model must be positive, got -4"),
-        (dict(d_model=8, d_ff=0), "d_ff must be positive, got 0"),
-        (dict(d_model=8, d_ff=32, dropout_p=1.0), r"dropout_p must be in \[0, 1\), got 1.0"),
-        (dict(d_model=8, d_ff=32, dropout_p=-0.1), r"dropout_p must be in \[0, 1\)"),
+        (dict(d_model=0, d_ff=8), "d_model must be at least 1, got 0"),
+        (dict(d_model=-4, d_ff=8), "d_model must be at least 1, got -4"),
+        (dict(d_model=8, d_ff=0), "d_ff must be at least 1, got 0"),
+        (
+            dict(d_model=8, d_ff=32, dropout_p=1.0),
+            r"dropout_p must be in \[0, 1\), got 1.0",
+        ),
+        (
+            dict(d_model=8, d_ff=32, dropout_p=-0.1),
+            r"dropout_p must be (in \[0, 1\)|a finite number)",
+        ),
         (dict(d_model=8, d_ff=32, activation="swish"), "unknown activation 'swish'"),
     ],
 )
@@ -224,8 +230,8 @@ def test_gated_is_position_wise():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(d_model=0, d_ff=8), "d_model must be positive"),
-        (dict(d_model=8, d_ff=-2), "d_ff must be positive, got -2"),
+        (dict(d_model=0, d_ff=8), "d_model must be at least 1"),
+        (dict(d_model=8, d_ff=-2), "d_ff must be at least 1, got -2"),
         (dict(d_model=8, d_ff=8, activation="sigmoid"), "unknown activation 'sigmoid'"),
     ],
 )

@@ -1,5 +1,6 @@
 """Unit tests of transformer_from_scratch.train (notebook 11)."""
 
+import dataclasses
 import math
 import os
 
@@ -11,7 +12,8 @@ from torch import nn
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import padding_mask
-from transformer_from_scratch.model import EOS, PAD, Transformer
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import EOS, PAD
 from transformer_from_scratch.train import (
     EVAL_SEED,
     REVERSAL_RECIPE,
@@ -257,7 +259,7 @@ def test_checkpoint_round_trip_through_weights_only_load(tmp_path):
     model = tiny_model()
     path = save_checkpoint(tmp_path / "sub" / "m.pt", model, recipe={"steps": 3}, losses=[1.0, 0.5])
     raw = torch.load(path, weights_only=True)
-    assert raw["config"] == model.config and raw["meta"]["losses"] == [1.0, 0.5]
+    assert raw["config"] == dataclasses.asdict(model.config) and raw["meta"]["losses"] == [1.0, 0.5]
     restored, meta = load_checkpoint(path)
     assert meta == {"recipe": {"steps": 3}, "losses": [1.0, 0.5]} and not restored.training
     for (k, v), (k2, v2) in zip(

@@ -40,7 +40,7 @@ SRC = ROOT / "src" / PACKAGE
 DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Modules the top-level package does not re-export: import them by their full name.
-NOT_REEXPORTED = {"bench", "bench_model"}
+NOT_REEXPORTED = {"bench", "bench_model", "checks"}
 
 
 class ExportError(ValueError):
@@ -219,12 +219,17 @@ def header(sources: list[str]) -> str:
     return "\n".join(lines)
 
 
-def hoist_imports(chunks: list[str]) -> tuple[str | None, list[str], list[str]]:
+def hoist_imports(
+    chunks: list[str], module: str = ""
+) -> tuple[str | None, list[str], list[str]]:
     """Split chunks into (module docstring, import statements, the rest).
 
     Several notebooks may export into one module (layers: 06, 07, 08); their imports all move
-    to the top of the file so that it reads, and lints, as one module.
+    to the top of the file so that it reads, and lints, as one module. A later notebook that
+    adds to a module imports the earlier part from the package; that import of the module
+    itself is dropped.
     """
+    itself = f"{PACKAGE}.{module}"
     docstring, imports, bodies = None, [], []
     for n, chunk in enumerate(chunks):
         tree = ast.parse(chunk)
@@ -234,6 +239,9 @@ def hoist_imports(chunks: list[str]) -> tuple[str | None, list[str], list[str]]:
             span = range(node.lineno - 1, node.end_lineno)
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 statement = "\n".join(lines[k] for k in span)
+                if isinstance(node, ast.ImportFrom) and node.module == itself:
+                    drop.update(span)
+                    continue
                 if statement not in imports:
                     imports.append(statement)
                 drop.update(span)
@@ -274,9 +282,53 @@ def ruff_tidy(text: str, filename: str) -> str:
     ).stdout
 
 
-def render_module(module: Module) -> tuple[str, list[str]]:
-    docstring, imports, bodies = hoist_imports(fold_methods(module.chunks, module.name))
+def defined_names(code: str) -> set[str]:
+    """Every name a module's top level binds: definitions, assignments and imports."""
+    names: set[str] = set()
+    for node in ast.parse(code).body:
+        if isinstance(node, ast.FunctionDef) and _decorated_class(node):
+            continue  # a method taught in its own cell: it is folded into its class
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        names.add(leaf.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def package_imports(code: str, module: str, providers: dict[str, set[str]]) -> list[str]:
+    """Imports of the names `code` uses that another module of the package defines.
+
+    A notebook cell exported to module M may use a class the notebook itself defined for
+    another module (notebook 08 writes layers.DecoderBlock and, in `reference`, code that uses
+    it). Importing it in the cell would replace the notebook's own class by the package's, so
+    the import is written here instead.
+    """
+    bound = defined_names(code)
+    used = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)} - bound
+    wanted: dict[str, list[str]] = {}
+    for name in sorted(used):
+        homes = [m for m, names in providers.items() if m != module and name in names]
+        if len(homes) > 1:
+            raise ExportError(f"{module}: {name!r} is defined in {homes}: import it explicitly")
+        if homes:
+            wanted.setdefault(homes[0], []).append(name)
+    return [f"from {PACKAGE}.{m} import {', '.join(ns)}" for m, ns in sorted(wanted.items())]
+
+
+def render_module(
+    module: Module, providers: dict[str, set[str]] | None = None
+) -> tuple[str, list[str]]:
+    docstring, imports, bodies = hoist_imports(
+        fold_methods(module.chunks, module.name), module.name
+    )
     code = "\n\n\n".join(bodies)
+    imports += package_imports("\n".join(imports) + "\n" + code, module.name, providers or {})
     names = public_names(code)
     parts = [header(module.sources)]
     if docstring:
@@ -333,11 +385,20 @@ def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> s
 
 def build(notebook_paths: list[Path]) -> dict[Path, str]:
     modules = collect(notebook_paths)
+    providers = {
+        name: set().union(*(defined_names(c.code) for c in module.chunks)) - {"__all__"}
+        for name, module in modules.items()
+    }
+    for name, module in modules.items():  # imported names are not definitions
+        for chunk in module.chunks:
+            for node in ast.parse(chunk.code).body:
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    providers[name] -= {(a.asname or a.name).split(".")[0] for a in node.names}
     files: dict[Path, str] = {}
     exported: dict[str, list[str]] = {}
     seen: dict[str, str] = {}
     for name, module in modules.items():
-        files[SRC / f"{name}.py"], exported[name] = render_module(module)
+        files[SRC / f"{name}.py"], exported[name] = render_module(module, providers)
         for symbol in exported[name] if name not in NOT_REEXPORTED else []:
             if symbol in seen:
                 raise ExportError(f"{symbol!r} is exported by both {seen[symbol]} and {name}")

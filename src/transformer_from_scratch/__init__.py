@@ -38,19 +38,29 @@ from .layers import (
     EncoderBlock,
     GatedFeedForward,
     LayerNorm,
-    copy_block_to_torch,
     feed_forward,
     get_activation,
     sublayer_connection,
 )
 from .masks import causal_mask, padding_mask
-from .model import BOS, EOS, PAD, Transformer, check_token_ids, embed_tokens, init_token_embedding
+from .model import Transformer, TransformerConfig, embed_tokens, init_token_embedding
 from .positional import (
     LearnedPositionalEmbedding,
     PositionalEncoding,
     RotaryEmbedding,
     sinusoidal_table,
 )
+from .reference import (
+    TorchTransformer,
+    copy_attention_to_torch,
+    copy_block_to_torch,
+    to_torch_masks,
+    torch_attention_like,
+    torch_parameter,
+    torch_transformer_like,
+    torch_transformer_masks,
+)
+from .tokens import BOS, EOS, PAD, check_token_ids
 from .train import (
     CHECKPOINT_FORMAT,
     EVAL_SEED,
@@ -85,6 +95,14 @@ __all__ = [
     "plot_attention",
     "scaled_dot_product_attention",
     "MultiHeadAttention",
+    "copy_attention_to_torch",
+    "torch_attention_like",
+    "copy_block_to_torch",
+    "to_torch_masks",
+    "torch_parameter",
+    "torch_transformer_like",
+    "torch_transformer_masks",
+    "TorchTransformer",
     "sinusoidal_table",
     "PositionalEncoding",
     "LearnedPositionalEmbedding",
@@ -98,15 +116,15 @@ __all__ = [
     "sublayer_connection",
     "EncoderBlock",
     "DecoderBlock",
-    "copy_block_to_torch",
     "Encoder",
     "Decoder",
     "PAD",
     "BOS",
     "EOS",
-    "init_token_embedding",
     "check_token_ids",
+    "init_token_embedding",
     "embed_tokens",
+    "TransformerConfig",
     "Transformer",
     "FIRST_SYMBOL",
     "MIN_LEN",

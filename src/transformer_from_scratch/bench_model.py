@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_from_scratch.decoding import greedy_decode
-from transformer_from_scratch.layers import copy_block_to_torch
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer, embed_tokens
+from transformer_from_scratch.model import Transformer, embed_tokens
+from transformer_from_scratch.reference import copy_block_to_torch
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 from transformer_from_scratch.utils import get_device
 
 

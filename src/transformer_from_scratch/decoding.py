@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from transformer_from_scratch.attention import MultiHeadAttention, scaled_dot_product_attention
 from transformer_from_scratch.layers import DecoderBlock, sublayer_connection
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, embed_tokens
+from transformer_from_scratch.model import embed_tokens
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 
 
 # Taught in notebook 12 · Generation

@@ -4,6 +4,7 @@
 
 """Training on the reversal task: the paper's schedule, the loop, exact match and checkpoints."""
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable
@@ -16,7 +17,8 @@ from torch import nn
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import PAD, Transformer
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.utils import get_device, set_seed
 
 
@@ -258,7 +260,7 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": CHECKPOINT_FORMAT,
-        "config": dict(model.config),  # Transformer(**config) rebuilds it
+        "config": dataclasses.asdict(model.config),  # plain data: Transformer(**config) rebuilds it
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "meta": meta,
     }
