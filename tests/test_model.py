@@ -315,6 +315,7 @@ def torch_like(model: Transformer) -> nn.Transformer:
             batch_first=True,
             norm_first=True,
         )
+    theirs = theirs.to(next(model.parameters()).dtype)  # before the copy: no rounding to float32
     for ours_stack, their_stack in (
         (model.encoder, theirs.encoder),
         (model.decoder, theirs.decoder),
@@ -348,7 +349,7 @@ def their_gradient(theirs, name, d_model):
 
 @pytest.mark.parametrize("make", [small_model, lambda: Transformer(V, V, dropout_p=0.0)])
 def test_parity_with_nn_transformer_values_and_gradients(make):
-    ours = make()
+    ours = make().double()  # float64: the comparison is about the function, not rounding orders
     with torch.no_grad():
         for p in ours.parameters():
             if p.dim() == 1:
@@ -356,7 +357,7 @@ def test_parity_with_nn_transformer_values_and_gradients(make):
     d = ours.d_model
     twin, theirs = copy.deepcopy(ours), torch_like(ours)
     src, tgt_in, _, _, tgt_len, src_mask, tgt_mask = reversal_batch()
-    upstream = torch.randn(2, 8, ours.out_proj.out_features)
+    upstream = torch.randn(2, 8, ours.out_proj.out_features, dtype=torch.float64)
 
     logits = ours(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
     x_src = twin.pos(embed_tokens(twin.src_embed, src))
@@ -373,7 +374,7 @@ def test_parity_with_nn_transformer_values_and_gradients(make):
 
 
 def test_parity_in_eval_mode_with_dropout():
-    ours = small_model(dropout_p=0.1).eval()
+    ours = small_model(dropout_p=0.1).double().eval()
     theirs = torch_like(ours).eval()
     src, tgt_in, _, _, tgt_len, src_mask, tgt_mask = reversal_batch()
     with torch.no_grad():
