@@ -1265,7 +1265,7 @@ with torch.no_grad():
     full_unmasked = model.decode(tgt_in, enc_out, None, src_mask)
     for k in range(1, T_tgt + 1):
         prefix = model.decode(tgt_in[:, :k], enc_out, causal_mask(k, device=device), src_mask)  # (B, k, d)
-        assert_close(prefix, full[:, :k])
+        assert_close(prefix, full[:, :k], **PARITY)  # other lengths: other kernels on a GPU
     prefix_unmasked = model.decode(tgt_in[:, :3], enc_out, None, src_mask)
     assert not torch.allclose(prefix_unmasked, full_unmasked[:, :3])
 print("with the causal mask, every prefix decodes to the first rows of the full decode")
