@@ -965,7 +965,7 @@ with torch.no_grad():
                                   memory_key_padding_mask=memory_key_padding))
     weight[0, 0] = original  # put it back
 print(f"one weight off by 0.02: the outputs differ by {nudged:.0f} times the tolerance")
-assert nudged > 10
+assert nudged > 3  # assert_close fails above 1
 
 # %% [markdown]
 # One weight slightly off is caught with a wide margin, while the roundings in the figure (a few
