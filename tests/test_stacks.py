@@ -217,19 +217,20 @@ def config(activation="relu"):
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_encoder_parity_with_nn_transformer_encoder(activation):
-    ours = Encoder(N, D, H, D_FF, dropout_p=0.0, activation=activation)
+    # float64 on both sides: the comparison is about the function, not about rounding orders
+    ours = Encoder(N, D, H, D_FF, dropout_p=0.0, activation=activation).double()
     randomize_vectors(ours)
     theirs = nn.TransformerEncoder(
         nn.TransformerEncoderLayer(**config(activation)),
         N,
         norm=nn.LayerNorm(D),
         enable_nested_tensor=False,
-    )
+    ).double()
     copy_stack(ours, theirs)
     mask = padding_mask(torch.tensor([7, 3]), T_SRC)
-    x = torch.randn(B, T_SRC, D)
+    x = torch.randn(B, T_SRC, D, dtype=torch.float64)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    upstream = torch.randn(B, T_SRC, D)
+    upstream = torch.randn(B, T_SRC, D, dtype=torch.float64)
     ya = ours(xa, mask=mask)
     yb = theirs(xb, src_key_padding_mask=~mask[:, 0, 0])
     assert_close(ya, yb)
@@ -242,19 +243,20 @@ def test_encoder_parity_with_nn_transformer_encoder(activation):
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_decoder_parity_with_nn_transformer_decoder(activation):
-    ours = Decoder(N, D, H, D_FF, dropout_p=0.0, activation=activation)
+    ours = Decoder(N, D, H, D_FF, dropout_p=0.0, activation=activation).double()
     randomize_vectors(ours)
     theirs = nn.TransformerDecoder(
         nn.TransformerDecoderLayer(**config(activation)), N, norm=nn.LayerNorm(D)
-    )
+    ).double()
     copy_stack(ours, theirs)
     src_pad = padding_mask(torch.tensor([7, 4]), T_SRC)
     tgt_pad = padding_mask(torch.tensor([5, 3]), T_TGT)
     causal = causal_mask(T_TGT)
-    x, mem = torch.randn(B, T_TGT, D), torch.randn(B, T_SRC, D)
+    x = torch.randn(B, T_TGT, D, dtype=torch.float64)
+    mem = torch.randn(B, T_SRC, D, dtype=torch.float64)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ma, mb = mem.clone().requires_grad_(), mem.clone().requires_grad_()
-    upstream = torch.randn(B, T_TGT, D)
+    upstream = torch.randn(B, T_TGT, D, dtype=torch.float64)
     ya = ours(xa, ma, self_mask=causal & tgt_pad, cross_mask=src_pad)
     yb = theirs(
         xb,
@@ -273,11 +275,12 @@ def test_decoder_parity_with_nn_transformer_decoder(activation):
 
 
 def test_parity_in_eval_mode_with_dropout():
-    ours = Encoder(2, D, H, D_FF, dropout_p=0.2).eval()
+    ours = Encoder(2, D, H, D_FF, dropout_p=0.2).double().eval()
     layer = nn.TransformerEncoderLayer(**{**config(), "dropout": 0.2})
     theirs = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(D), enable_nested_tensor=False)
+    theirs = theirs.double()
     copy_stack(ours, theirs)
     theirs.eval()
-    x = torch.randn(B, T_SRC, D)
+    x = torch.randn(B, T_SRC, D, dtype=torch.float64)
     with torch.no_grad():
         assert_close(ours(x), theirs(x))
