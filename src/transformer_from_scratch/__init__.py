@@ -44,6 +44,7 @@ from .layers import (
     sublayer_connection,
 )
 from .masks import causal_mask, padding_mask
+from .measure import count_flops, fit_slope, peak_memory, time_call
 from .model import BOS, EOS, PAD, Transformer, check_token_ids, embed_tokens, init_token_embedding
 from .positional import (
     LearnedPositionalEmbedding,
@@ -67,7 +68,15 @@ from .train import (
     train_model,
     train_reversal,
 )
-from .utils import COLORS, add_to_class, find_figures_dir, get_device, save_figure, set_seed
+from .utils import (
+    COLORS,
+    OTHER_COLORS,
+    add_to_class,
+    find_figures_dir,
+    get_device,
+    save_figure,
+    set_seed,
+)
 from .viz import plot_attention
 
 try:
@@ -82,9 +91,14 @@ __all__ = [
     "find_figures_dir",
     "save_figure",
     "COLORS",
+    "OTHER_COLORS",
     "plot_attention",
     "scaled_dot_product_attention",
     "MultiHeadAttention",
+    "count_flops",
+    "peak_memory",
+    "time_call",
+    "fit_slope",
     "sinusoidal_table",
     "PositionalEncoding",
     "LearnedPositionalEmbedding",

@@ -77,6 +77,8 @@ COLORS = {
     "torch": "#ff7f0e",
     "accent": "#d62728",
 }
+# For series that are none of the above: matplotlib's tab10 from purple on.
+OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
 __all__ = [
     "get_device",
@@ -85,4 +87,5 @@ __all__ = [
     "find_figures_dir",
     "save_figure",
     "COLORS",
+    "OTHER_COLORS",
 ]
