@@ -1163,7 +1163,6 @@ for ax in (ax_time, ax_mem):
     ax.legend(fontsize=8)
 plt.show()
 
-
 # %% [markdown]
 # The memory panel is exact: our measured peak sits on the accounting at every length and grows
 # almost fourfold with every doubling of $T$. PyTorch's fused function is another story, and
