@@ -92,7 +92,7 @@ print(f"cuda        {torch.cuda.is_available()}")
 
 # %%
 torch_major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-assert torch_major_minor >= (2, 1), "the course needs torch 2.1 or newer"
+assert torch_major_minor >= (2, 5), "the course needs torch 2.5 or newer"
 
 
 # %% [markdown]
@@ -168,8 +168,10 @@ print(a.round(decimals=4))
 
 # %% [markdown]
 # The printed numbers are the same on every machine with this PyTorch version: the CPU generator
-# is specified bit for bit. (GPU generators are not the CPU one, which is why data for the
-# course is always drawn on the CPU and then moved.)
+# is specified bit for bit. GPU generators are not the CPU one, which is why data for the
+# course is always drawn on the CPU and then moved. Dropout is the exception that cannot be
+# moved: it draws its mask from the generator of the device it runs on, so a check or a figure
+# that depends on one particular mask runs its dropout on the CPU.
 #
 # ## Building a class one idea at a time
 #
@@ -423,32 +425,59 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 
 
 # %% [markdown]
-# A first figure, the course's colour convention. Whenever a figure compares *roles*, the role
-# has a fixed colour: blue for queries and for our implementation, orange for keys and for
-# PyTorch's built-ins, green for values, red for what the figure wants you to look at. Figures
-# whose series are not roles (heads, dimensions, encodings) use other colours, so blue, orange
-# and green never mean something else.
+# A first figure, the course's colour rule. Four colours have a fixed meaning wherever they
+# appear:
+#
+# | colour | means |
+# |---|---|
+# | blue | queries; and **our** implementation, in a figure that compares it with PyTorch's |
+# | orange | keys; and **PyTorch's** built-in, in such a comparison |
+# | green | values |
+# | red | the accent: the one thing a figure wants you to look at |
+#
+# Every other series (heads, layers, dimensions, variants such as "raw" against "scaled",
+# settings) takes the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
+# that order; reference lines (a theory curve, "uniform") are grey. So blue, orange and green
+# never mean anything else. Heatmaps use colour *maps* instead: a sequential one (`Blues`) for
+# weights in $[0, 1]$, a diverging one (`RdBu_r`, centred on zero) for signed numbers.
 
 # %%
 #| export
 COLORS = {"query": "#1f77b4", "key": "#ff7f0e", "value": "#2ca02c", "ours": "#1f77b4",
           "torch": "#ff7f0e", "accent": "#d62728"}
+# For series that are none of the above: matplotlib's tab10 from purple on.
+OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
-# %%
+# %% jupyter={"source_hidden": true}
 import matplotlib.pyplot as plt
+from matplotlib.colors import to_rgb
 
-fig, ax = plt.subplots(figsize=(5, 1.6))
-for i, (role, color) in enumerate(COLORS.items()):
-    ax.barh(0, 1, left=i, color=color)
-    ax.text(i + 0.5, 0, role, ha="center", va="center", color="white", fontsize=9)
-ax.set_xlim(0, len(COLORS))
-ax.set_axis_off()
-ax.set_title("Colours used throughout the course")
+
+def text_color(color) -> str:
+    """Black on light colours, white on dark ones (by relative luminance)."""
+    r, g, b = to_rgb(color)
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.5 else "white"
+
+
+fig, (ax_roles, ax_other) = plt.subplots(2, 1, figsize=(6.5, 2.4))
+rows = ((ax_roles, list(COLORS.items()), "COLORS: roles, the same colour in every notebook"),
+        (ax_other, list(zip(["[0] purple", "[1] brown", "[2] pink", "[3] olive", "[4] cyan"],
+                            OTHER_COLORS, strict=True)),
+         "OTHER_COLORS[i]: every other series (heads, layers, variants)"))
+for ax, entries, title in rows:
+    for i, (name, color) in enumerate(entries):
+        ax.barh(0, 1, left=i, color=color)
+        ax.text(i + 0.5, 0, name, ha="center", va="center", color=text_color(color), fontsize=8)
+    ax.set_xlim(0, len(COLORS))
+    ax.set_axis_off()
+    ax.set_title(title, fontsize=10)
+fig.tight_layout()
 saved = save_figure(fig, "course_colors")
 plt.show()
 
 # %%
 assert saved is None or saved.stat().st_size > 0
+assert not set(OTHER_COLORS) & set(COLORS.values())  # "other" never reuses a role's colour
 assert find_figures_dir(Path("/")) is None
 
 # %% [markdown]
@@ -472,6 +501,7 @@ assert find_figures_dir(Path("/")) is None
 # | seeding | `set_seed(0)` | the same numbers on every run |
 # | a class across cells | `@add_to_class(C)` | one idea per cell, ordinary classes in `src/` |
 # | figures | `save_figure(fig, name)` | `figures/name.png`, reused by the README and site |
+# | colours | `COLORS["query"]`, `OTHER_COLORS[0]` | roles; any other series |
 #
 # ## Exercises
 #

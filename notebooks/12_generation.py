@@ -40,7 +40,7 @@ from matplotlib.ticker import NullLocator
 from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
-from transformer_from_scratch.bench import fit_slope
+from transformer_from_scratch.measure import fit_slope
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.masks import causal_mask, padding_mask
 from transformer_from_scratch.model import Transformer

@@ -40,7 +40,7 @@ SRC = ROOT / "src" / PACKAGE
 DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Modules the top-level package does not re-export: import them by their full name.
-NOT_REEXPORTED = {"bench", "bench_model", "checks"}
+NOT_REEXPORTED = {"bench_model", "checks"}
 
 
 class ExportError(ValueError):

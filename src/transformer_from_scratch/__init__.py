@@ -43,6 +43,7 @@ from .layers import (
     sublayer_connection,
 )
 from .masks import causal_mask, padding_mask
+from .measure import count_flops, fit_slope, peak_memory, time_call
 from .model import Transformer, TransformerConfig, embed_tokens, init_token_embedding
 from .positional import (
     LearnedPositionalEmbedding,
@@ -77,7 +78,15 @@ from .train import (
     train_model,
     train_reversal,
 )
-from .utils import COLORS, add_to_class, find_figures_dir, get_device, save_figure, set_seed
+from .utils import (
+    COLORS,
+    OTHER_COLORS,
+    add_to_class,
+    find_figures_dir,
+    get_device,
+    save_figure,
+    set_seed,
+)
 from .viz import plot_attention
 
 try:
@@ -92,9 +101,14 @@ __all__ = [
     "find_figures_dir",
     "save_figure",
     "COLORS",
+    "OTHER_COLORS",
     "plot_attention",
     "scaled_dot_product_attention",
     "MultiHeadAttention",
+    "count_flops",
+    "peak_memory",
+    "time_call",
+    "fit_slope",
     "copy_attention_to_torch",
     "torch_attention_like",
     "copy_block_to_torch",

@@ -83,6 +83,9 @@ COLORS = {
     "torch": "#ff7f0e",
     "accent": "#d62728",
 }
+# Taught in notebook 00 · Setup and conventions
+# For series that are none of the above: matplotlib's tab10 from purple on.
+OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
 __all__ = [
     "get_device",
@@ -91,4 +94,5 @@ __all__ = [
     "find_figures_dir",
     "save_figure",
     "COLORS",
+    "OTHER_COLORS",
 ]
