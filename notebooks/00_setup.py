@@ -208,7 +208,6 @@ counter.step()
 assert counter.step(2) == 3
 print(counter.n)
 
-
 # %% [markdown]
 # ## One policy for bad input
 #
@@ -389,6 +388,7 @@ assert checks.check_int("T", torch.tensor(7), minimum=1) == 7  # 0-d integer ten
 with checks.validated():
     assert not checks.checking()
 assert checks.checking()
+
 
 # %% [markdown]
 # When `make export` writes the package, it folds each `@add_to_class` method back into its class,

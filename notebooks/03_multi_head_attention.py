@@ -814,7 +814,6 @@ fig.suptitle("Per-head attention weights: a fresh module (top) and hand-set head
 save_figure(fig, "mha_heads")
 plt.show()
 
-
 # %% [markdown]
 # A fresh head has no relation built in. Its rows put their weight wherever the random weights
 # and embeddings happen to point, some rows mostly on one token (the largest weights in the table

@@ -645,7 +645,6 @@ assert torch.count_nonzero(m_self[~lower]) == 0 and (m_self[lower] > 0).all()
 assert torch.count_nonzero(m_cross[:, 5:]) == 0 and (m_cross[:, :5] > 0).all()
 print("cross-attention map: nonzero columns", (m_cross.sum(dim=0) > 0).nonzero().flatten().tolist())
 
-
 # %% [markdown]
 # Every target position reads every real source position, from the first target token on; the
 # padded source columns are exactly zero, and nothing on the source side has a residual path

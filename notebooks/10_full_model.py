@@ -286,7 +286,6 @@ except RuntimeError:
 else:
     raise AssertionError("expected a dtype mismatch")
 
-
 # %% [markdown]
 # **A stack is $N$ blocks in an `nn.ModuleList` and, in pre-norm, a final `LayerNorm`; every
 # decoder block reads the same encoder output.**
@@ -770,7 +769,6 @@ fig.colorbar(image, ax=axes, fraction=0.02,
 fig.suptitle("What each output of the full model can see (sequence 0: source length 5, target length 6)")
 save_figure(fig, "model_dependencies")
 plt.show()
-
 
 # %% [markdown]
 # In the right panel the upper triangle of the real positions lights up: trained like that, the

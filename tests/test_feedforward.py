@@ -9,15 +9,6 @@ from torch.testing import assert_close
 from transformer_from_scratch.layers import GatedFeedForward, feed_forward, get_activation
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def num_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 # ---------------------------------------------------------------- get_activation
 @pytest.mark.parametrize(
     "name, cls", [("relu", nn.ReLU), ("gelu", nn.GELU), ("silu", nn.SiLU), ("GELU", nn.GELU)]
@@ -85,12 +76,12 @@ def test_feed_forward_bias(bias):
 
 
 @pytest.mark.parametrize("d_model, d_ff", [(512, 2048), (128, 512), (16, 48)])
-def test_feed_forward_parameter_count(d_model, d_ff):
+def test_feed_forward_parameter_count(d_model, d_ff, num_params):
     assert num_params(feed_forward(d_model, d_ff)) == 2 * d_model * d_ff + d_ff + d_model
     assert num_params(feed_forward(d_model, d_ff, bias=False)) == 2 * d_model * d_ff
 
 
-def test_ffn_is_two_thirds_of_an_encoder_block():
+def test_ffn_is_two_thirds_of_an_encoder_block(num_params):
     d_model, d_ff = 128, 512
     ffn = num_params(feed_forward(d_model, d_ff))
     attention = num_params(nn.MultiheadAttention(d_model, 4))
@@ -211,7 +202,7 @@ def test_gated_shapes(shape):
     assert GatedFeedForward(8, 24)(torch.randn(*shape)).shape == shape
 
 
-def test_gated_parameter_count_and_matching_rule():
+def test_gated_parameter_count_and_matching_rule(num_params):
     assert num_params(GatedFeedForward(16, 40)) == 3 * 16 * 40
     assert num_params(GatedFeedForward(16, 40, bias=True)) == 3 * 16 * 40 + 2 * 40 + 16
     # Shazeer (2020): d_model 768, d_ff 3072 -> gated d_ff 2048 keeps the count equal.

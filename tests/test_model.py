@@ -25,15 +25,6 @@ from transformer_from_scratch.tokens import BOS, EOS, PAD, check_token_ids
 V = 12
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def num_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def small_model(dropout_p: float = 0.0, **kw) -> Transformer:
     cfg = dict(d_model=32, num_heads=4, d_ff=64, num_layers=2, dropout_p=dropout_p, max_len=64)
     cfg.update(kw)
@@ -159,7 +150,7 @@ def part_formulas(d, d_ff, n, v_src, v_tgt) -> dict:
     }
 
 
-def test_tutorial_configuration_has_930828_parameters():
+def test_tutorial_configuration_has_930828_parameters(num_params):
     model = Transformer(V, V)
     assert num_params(model) == 930_828
     expected = part_formulas(128, 512, 2, V, V)
@@ -169,7 +160,7 @@ def test_tutorial_configuration_has_930828_parameters():
     assert expected["encoder"] == 396_800 and expected["decoder"] == 529_408
 
 
-def test_parameter_breakdown_inside_the_stacks():
+def test_parameter_breakdown_inside_the_stacks(num_params):
     model = Transformer(V, V)
     d, dff = 128, 512
     for block in model.encoder.layers:
@@ -182,12 +173,12 @@ def test_parameter_breakdown_inside_the_stacks():
     assert num_params(model.encoder.norm) == num_params(model.decoder.norm) == 2 * d
 
 
-def test_other_configuration_counts():
+def test_other_configuration_counts(num_params):
     model = Transformer(30, 17, d_model=64, num_heads=8, d_ff=96, num_layers=3, max_len=40)
     assert num_params(model) == sum(part_formulas(64, 96, 3, 30, 17).values())
 
 
-def test_attributes_defaults_and_config():
+def test_attributes_defaults_and_config(num_params):
     model = Transformer(V, V + 5)
     assert isinstance(model.src_embed, nn.Embedding) and model.src_embed.padding_idx == PAD
     assert isinstance(model.tgt_embed, nn.Embedding) and model.tgt_embed.num_embeddings == V + 5
@@ -294,7 +285,7 @@ def test_double_moves_parameters_and_buffer():
     assert model(src, tgt_in).dtype == torch.float64
 
 
-def test_meta_device_construction():
+def test_meta_device_construction(num_params):
     with torch.device("meta"):
         model = Transformer(V, V)
     assert model.out_proj.weight.is_meta and num_params(model) == 930_828

@@ -16,11 +16,6 @@ from transformer_from_scratch.positional import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
 def rope_reference(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> torch.Tensor:
     """RoPE as multiplication by e^{i m theta_j} on complex pairs (x_2j + i x_2j+1), float64."""
     T, d = x.shape[-2:]

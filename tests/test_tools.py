@@ -347,9 +347,14 @@ def test_run_and_twice_report_a_cell_that_fails(tmp_path):
     (tmp_path / "notebooks" / "02_once.py").write_text(
         "# %%\nassert 'later' not in globals()\n\n# %%\nlater = 1\n"
     )
+    # 03 survives Run All twice, but not its second cell re-run after the third rebinds x.
+    (tmp_path / "notebooks" / "03_rebound.py").write_text(
+        "# %%\nx = 1\n\n# %%\nassert x == 1\n\n# %%\nx = 'rebound'\n"
+    )
     run = [sys.executable, "tools/notebooks.py"]
     ok = subprocess.run([*run, "run"], cwd=tmp_path, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     twice = subprocess.run([*run, "twice"], cwd=tmp_path, capture_output=True, text=True)
     assert twice.returncode == 1
-    assert "01_fine: ran twice" in twice.stdout and "02_once: run 2 FAILED" in twice.stdout
+    assert "01_fine: ran twice" in twice.stdout and "02_once: run 2: FAILED" in twice.stdout
+    assert "03_rebound: each cell again, last first: FAILED in cell 1" in twice.stdout

@@ -219,9 +219,7 @@ def header(sources: list[str]) -> str:
     return "\n".join(lines)
 
 
-def hoist_imports(
-    chunks: list[str], module: str = ""
-) -> tuple[str | None, list[str], list[str]]:
+def hoist_imports(chunks: list[str], module: str = "") -> tuple[str | None, list[str], list[str]]:
     """Split chunks into (module docstring, import statements, the rest).
 
     Several notebooks may export into one module (layers: 06, 07, 08); their imports all move

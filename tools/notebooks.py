@@ -6,7 +6,8 @@
                                                  figures/ only)
     python tools/notebooks.py run [NN ...]       execute copies in a scratch folder: nothing in
                                                  the repository changes (compatibility runs)
-    python tools/notebooks.py twice [NN ...]     "Run All" twice in one kernel, as a JupyterLab
+    python tools/notebooks.py twice [NN ...]     "Run All" twice in one kernel, then each cell
+                                                 again from the last to the first, as a JupyterLab
                                                  reader might: every cell must survive a re-run
     python tools/notebooks.py links              write the GitHub location from pyproject.toml
                                                  into every Colab link and setup cell
@@ -21,12 +22,14 @@ their outputs, which nbval compares in CI. Outputs are only ever stored by `exec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
@@ -107,33 +110,44 @@ def execute(paths: list[Path], store: bool = True) -> None:
         print(f"{path.stem}: executed in {seconds:.1f} s" + ("" if store else " (not stored)"))
 
 
-def run_elsewhere(paths: list[Path]) -> int:
-    """Execute every notebook top to bottom in a scratch copy; report each; 1 if any failed.
-
-    The copy has its own figures/ and pyproject.toml, so save_figure and the checkpoints of
-    notebooks 11-12 write there and the repository stays as it is. Outputs are not compared:
-    this is the compatibility run (another torch, Colab's pins), where only errors count.
-    """
-    from nbclient.exceptions import CellExecutionError
-
+@contextlib.contextmanager
+def scratch_copy(prefix: str) -> Iterator[Path]:
+    """A scratch folder with its own pyproject.toml and figures/, so that save_figure and the
+    checkpoints of notebooks 11-12 write there and the repository stays as it is."""
     os.environ.update(kernel_env())
-    failed = []
-    with tempfile.TemporaryDirectory(prefix="course-run-") as scratch:
-        scratch = Path(scratch)
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        scratch = Path(folder)
         (scratch / "notebooks").mkdir()
         (scratch / "figures").mkdir()
         shutil.copy(PYPROJECT, scratch / "pyproject.toml")
-        for path in paths:
-            shutil.copy(path, scratch / "notebooks" / path.name)
+        yield scratch / "notebooks"
+
+
+def report_failure(what: str, err: Exception, lines: int = 20) -> None:
+    print(what)
+    print("\n".join("    " + line for line in str(err).strip().splitlines()[-lines:]))
+
+
+def run_elsewhere(paths: list[Path]) -> int:
+    """Execute every notebook top to bottom in a scratch copy; report each; 1 if any failed.
+
+    Outputs are not compared: this is the compatibility run (another torch, Colab's pins),
+    where only errors count.
+    """
+    from nbclient.exceptions import CellExecutionError
+
+    failed = []
+    with scratch_copy("course-run-") as folder:
         for path in paths:
             start = time.perf_counter()
+            shutil.copy(path, folder / path.name)
             try:
-                execute_one(scratch / "notebooks" / path.name, scratch / "notebooks")
+                execute_one(folder / path.name, folder)
             except CellExecutionError as err:
                 failed.append(path.stem)
-                lines = str(err).strip().splitlines()
-                print(f"{path.stem}: FAILED after {time.perf_counter() - start:.1f} s")
-                print("\n".join("    " + line for line in lines[-25:]))
+                report_failure(
+                    f"{path.stem}: FAILED after {time.perf_counter() - start:.1f} s", err
+                )
                 continue
             print(f"{path.stem}: ran in {time.perf_counter() - start:.1f} s", flush=True)
     import torch
@@ -143,40 +157,35 @@ def run_elsewhere(paths: list[Path]) -> int:
 
 
 def run_twice(paths: list[Path]) -> int:
-    """Execute every code cell, then all of them again in the same kernel; 1 if any failed."""
+    """Run All, Run All again, then re-run each code cell alone from the last to the first, in
+    one kernel: what a reader does in JupyterLab. A cell that fails on the second pass depends
+    on the state later cells leave; one that fails on the third, on a name a later cell rebinds.
+    1 if any cell failed."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    os.environ.update(kernel_env())
     failed = 0
-    with tempfile.TemporaryDirectory(prefix="course-twice-") as scratch:
-        scratch = Path(scratch)
-        (scratch / "notebooks").mkdir()
-        (scratch / "figures").mkdir()
-        shutil.copy(PYPROJECT, scratch / "pyproject.toml")
+    with scratch_copy("course-twice-") as folder:
         for path in paths:
             nb = read_py(path)
             nb.metadata["kernelspec"] = KERNELSPEC
-            client = NotebookClient(
-                nb,
-                timeout=1800,
-                kernel_name="python3",
-                resources={"metadata": {"path": str(scratch / "notebooks")}},
-            )
+            resources = {"metadata": {"path": str(folder)}}
+            client = NotebookClient(nb, timeout=1800, kernel_name="python3", resources=resources)
+            code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+            passes = {"run 1": code, "run 2": code, "each cell again, last first": code[::-1]}
             start = time.perf_counter()
             with client.setup_kernel():
-                for run in (1, 2):
+                for label, cells in passes.items():
                     try:
-                        for index, cell in enumerate(nb.cells):
+                        for index, cell in cells:
                             client.execute_cell(cell, index)
                     except CellExecutionError as err:
                         failed += 1
-                        lines = str(err).strip().splitlines()
-                        print(f"{path.stem}: run {run} FAILED in cell {index}")
-                        print("\n".join("    " + line for line in lines[-15:]))
+                        report_failure(f"{path.stem}: {label}: FAILED in cell {index}", err, 12)
                         break
                 else:
-                    print(f"{path.stem}: ran twice in {time.perf_counter() - start:.1f} s")
+                    print(f"{path.stem}: ran twice, then cell by cell backwards, in "
+                          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
     return 1 if failed else 0
 
 
