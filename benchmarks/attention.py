@@ -21,7 +21,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformer_from_scratch.attention import scaled_dot_product_attention
-from transformer_from_scratch.measure import count_flops, fit_slope, peak_memory, time_call
+from transformer_from_scratch.measure import count_flops
+from transformer_from_scratch.measure import fit_slope
+from transformer_from_scratch.measure import peak_memory
+from transformer_from_scratch.measure import time_call
 from transformer_from_scratch.utils import get_device
 
 DEFAULT_T = (64, 128, 256, 512, 1024, 2048)

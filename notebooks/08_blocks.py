@@ -249,7 +249,10 @@ plt.show()
 # position reads every other allowed position, then the feed-forward network (notebook 07),
 # which transforms each position on its own. Each has its own `LayerNorm` and its own residual
 # dropout. The attributes follow the course's contract and, where it helps the weight copy
-# below, PyTorch's names: `self_attn`, `norm1`, `norm2`, `ffn`, `dropout1`, `dropout2`.
+# below, PyTorch's names: `self_attn`, `norm1`, `norm2`, `ffn`, `dropout1`, `dropout2`. The
+# decoder block below holds the same parts and one more attention, so the constructor is
+# written once, in a base class `_Block` that both blocks share; a class attribute,
+# `cross_attention`, says whether to add the decoder's extra sub-layer.
 #
 # `dropout_p` is used in the two of notebook 06's three dropout places that sit inside a block:
 # on the attention weights (passed to `MultiHeadAttention`) and on each sub-layer's output
@@ -276,8 +279,10 @@ def _check_block_input(name: str, x: torch.Tensor, d_model: int) -> None:
         )
 
 
-class EncoderBlock(nn.Module):
-    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
+class _Block(nn.Module):
+    """What both blocks hold: self-attention, the FFN, a LayerNorm and a Dropout per sub-layer."""
+
+    cross_attention = False  # DecoderBlock sets it: one more attention, reading the encoder
 
     def __init__(
         self,
@@ -293,18 +298,30 @@ class EncoderBlock(nn.Module):
         check_bool("norm_first", norm_first)
         # MultiHeadAttention checks d_model, num_heads and dropout_p; feed_forward checks d_ff.
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        if self.cross_attention:
+            self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
         # Sequential(Linear, activation, Linear), no dropout inside
         self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
-        self.norm1 = LayerNorm(d_model)  # for the attention sub-layer
-        self.norm2 = LayerNorm(d_model)  # for the FFN sub-layer
-        self.dropout1 = nn.Dropout(dropout_p)  # on the attention output, before the residual add
-        self.dropout2 = nn.Dropout(dropout_p)  # on the FFN output, before the residual add
+        # One norm and one residual dropout per sub-layer, numbered in the order they run:
+        # encoder 1 self-attention, 2 FFN; decoder 1 self-attention, 2 cross-attention, 3 FFN.
+        self.norm1 = LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model)
+        if self.cross_attention:
+            self.norm3 = LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout_p)  # on the sub-layer's output, before the residual add
+        self.dropout2 = nn.Dropout(dropout_p)
+        if self.cross_attention:
+            self.dropout3 = nn.Dropout(dropout_p)
         self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
         self.norm_first = norm_first
 
     def extra_repr(self) -> str:
         """Shown by print(block)."""
         return f"norm_first={self.norm_first}"
+
+
+class EncoderBlock(_Block):
+    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
 
 
 # %% [markdown]
@@ -473,40 +490,16 @@ print("zero entries: padding", int((m_pad == 0).sum()), "of 36, causal", int((m_
 #
 # In pre-norm, `norm2` normalises only the decoder's stream, the queries; `enc_out` comes in as
 # it is, already normalised by the encoder stack's final norm (notebook 10).
+#
+# The constructor is the encoder block's: setting `cross_attention = True` makes `_Block` add
+# `cross_attn`, `norm3` and `dropout3`.
 
 # %%
 #| export
-class DecoderBlock(nn.Module):
+class DecoderBlock(_Block):
     """Transformer decoder block: masked self-attention, cross-attention to the encoder, FFN."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.0,
-        activation: str = "gelu",
-        bias: bool = True,
-        norm_first: bool = True,
-    ):
-        super().__init__()
-        check_bool("norm_first", norm_first)
-        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
-        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
-        # Sequential(Linear, activation, Linear), no dropout inside
-        self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
-        self.norm1 = LayerNorm(d_model)  # for self-attention
-        self.norm2 = LayerNorm(d_model)  # for cross-attention (the queries only)
-        self.norm3 = LayerNorm(d_model)  # for the FFN
-        self.dropout1 = nn.Dropout(dropout_p)
-        self.dropout2 = nn.Dropout(dropout_p)
-        self.dropout3 = nn.Dropout(dropout_p)
-        self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
-        self.norm_first = norm_first
-
-    def extra_repr(self) -> str:
-        """Shown by print(block)."""
-        return f"norm_first={self.norm_first}"
+    cross_attention = True  # _Block adds cross_attn, norm3 and dropout3
 
 
 # %% [markdown]

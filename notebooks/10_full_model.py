@@ -92,11 +92,17 @@ device = get_device()
 # its `Encoder` and `Decoder` with `activation: str = "relu"`, which they pass to every block.
 # The stacks' default is the one that counts: `Transformer` passes no activation, so the model
 # the tutorial trains, and the course's, runs ReLU.
+#
+# The two stacks differ only in the block they repeat and in their `forward`, so, as the blocks
+# of notebook 08 do, they share one constructor, in a base class `_Stack`; each stack names its
+# block in a class attribute.
 
 # %%
 #| export layers
-class Encoder(nn.Module):
-    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+class _Stack(nn.Module):
+    """num_layers blocks of one kind in an nn.ModuleList, then a final LayerNorm."""
+
+    block: type[nn.Module]  # EncoderBlock or DecoderBlock, set by the two stacks below
 
     def __init__(
         self,
@@ -110,11 +116,17 @@ class Encoder(nn.Module):
         super().__init__()
         check_int("num_layers", num_layers, minimum=1)
         self.layers = nn.ModuleList(
-            EncoderBlock(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
+            self.block(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
             for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
         self.norm = LayerNorm(d_model)  # pre-norm blocks leave the last residual sum unnormalised
         self.num_layers, self.d_model = num_layers, d_model
+
+
+class Encoder(_Stack):
+    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+
+    block = EncoderBlock
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
@@ -131,26 +143,10 @@ class Encoder(nn.Module):
 
 # %%
 #| export layers
-class Decoder(nn.Module):
+class Decoder(_Stack):
     """A stack of num_layers pre-norm decoder blocks reading one enc_out, then a final LayerNorm."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.1,
-        activation: str = "relu",
-    ):
-        super().__init__()
-        check_int("num_layers", num_layers, minimum=1)
-        self.layers = nn.ModuleList(
-            DecoderBlock(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
-            for _ in range(num_layers)
-        )
-        self.norm = LayerNorm(d_model)
-        self.num_layers, self.d_model = num_layers, d_model
+    block = DecoderBlock
 
     def forward(
         self,

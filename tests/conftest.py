@@ -47,7 +47,8 @@ def assert_decoder_parity():
     parameter gradients."""
     from torch.testing import assert_close
 
-    from transformer_from_scratch.masks import causal_mask, padding_mask
+    from transformer_from_scratch.masks import causal_mask
+    from transformer_from_scratch.masks import padding_mask
     from transformer_from_scratch.reference import torch_parameter
 
     def check(ours: nn.Module, theirs: nn.Module, tgt_lengths, src_lengths, d_model: int):

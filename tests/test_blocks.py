@@ -6,14 +6,14 @@ from torch import nn
 from torch.testing import assert_close
 
 from transformer_from_scratch.attention import MultiHeadAttention
-from transformer_from_scratch.layers import (
-    DecoderBlock,
-    EncoderBlock,
-    LayerNorm,
-    sublayer_connection,
-)
-from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.reference import copy_block_to_torch, torch_parameter
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.layers import EncoderBlock
+from transformer_from_scratch.layers import LayerNorm
+from transformer_from_scratch.layers import sublayer_connection
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.reference import copy_block_to_torch
+from transformer_from_scratch.reference import torch_parameter
 
 B, T, T_SRC, D, H, D_FF = 2, 5, 7, 16, 4, 32
 

@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from transformer_from_scratch.layers import GatedFeedForward, feed_forward, get_activation
+from transformer_from_scratch.layers import GatedFeedForward
+from transformer_from_scratch.layers import feed_forward
+from transformer_from_scratch.layers import get_activation
 
 
 # ---------------------------------------------------------------- get_activation

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
 
 # ---------------------------------------------------------------- causal_mask
 

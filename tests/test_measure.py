@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from transformer_from_scratch import measure
-from transformer_from_scratch.measure import count_flops, fit_slope, peak_memory, time_call
+from transformer_from_scratch.measure import count_flops
+from transformer_from_scratch.measure import fit_slope
+from transformer_from_scratch.measure import peak_memory
+from transformer_from_scratch.measure import time_call
 
 
 @pytest.mark.parametrize("T", [16, 100, 256])

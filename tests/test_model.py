@@ -10,17 +10,21 @@ from torch import nn
 from torch.testing import assert_close
 
 import transformer_from_scratch as tfs
-from transformer_from_scratch.layers import Decoder, Encoder
-from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import (
-    Transformer,
-    TransformerConfig,
-    embed_tokens,
-    init_token_embedding,
-)
+from transformer_from_scratch.layers import Decoder
+from transformer_from_scratch.layers import Encoder
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.model import TransformerConfig
+from transformer_from_scratch.model import embed_tokens
+from transformer_from_scratch.model import init_token_embedding
 from transformer_from_scratch.positional import PositionalEncoding
-from transformer_from_scratch.reference import TorchTransformer, torch_parameter
-from transformer_from_scratch.tokens import BOS, EOS, PAD, check_token_ids
+from transformer_from_scratch.reference import TorchTransformer
+from transformer_from_scratch.reference import torch_parameter
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.tokens import check_token_ids
 
 V = 12
 

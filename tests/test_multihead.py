@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer_from_scratch.attention import MultiHeadAttention, scaled_dot_product_attention
+from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.attention import scaled_dot_product_attention
 
 D_MODEL, NUM_HEADS = 16, 4
 

@@ -8,12 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from transformer_from_scratch.positional import (
-    LearnedPositionalEmbedding,
-    PositionalEncoding,
-    RotaryEmbedding,
-    sinusoidal_table,
-)
+from transformer_from_scratch.positional import LearnedPositionalEmbedding
+from transformer_from_scratch.positional import PositionalEncoding
+from transformer_from_scratch.positional import RotaryEmbedding
+from transformer_from_scratch.positional import sinusoidal_table
 
 
 def rope_reference(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> torch.Tensor:

@@ -5,9 +5,15 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from transformer_from_scratch.layers import Decoder, DecoderBlock, Encoder, EncoderBlock, LayerNorm
-from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.reference import copy_block_to_torch, torch_parameter
+from transformer_from_scratch.layers import Decoder
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.layers import Encoder
+from transformer_from_scratch.layers import EncoderBlock
+from transformer_from_scratch.layers import LayerNorm
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.reference import copy_block_to_torch
+from transformer_from_scratch.reference import torch_parameter
 
 B, T_SRC, T_TGT, D, H, D_FF, N = 2, 7, 5, 32, 4, 64, 3
 

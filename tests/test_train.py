@@ -13,22 +13,21 @@ from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.model import Transformer
-from transformer_from_scratch.tokens import EOS, PAD
-from transformer_from_scratch.train import (
-    EVAL_SEED,
-    REVERSAL_RECIPE,
-    CheckpointError,
-    exact_match,
-    get_reversal_model,
-    load_checkpoint,
-    lr_lambda,
-    reversal_correct,
-    reversal_loss,
-    reversal_recipe,
-    save_checkpoint,
-    train_model,
-    train_reversal,
-)
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import EVAL_SEED
+from transformer_from_scratch.train import REVERSAL_RECIPE
+from transformer_from_scratch.train import CheckpointError
+from transformer_from_scratch.train import exact_match
+from transformer_from_scratch.train import get_reversal_model
+from transformer_from_scratch.train import load_checkpoint
+from transformer_from_scratch.train import lr_lambda
+from transformer_from_scratch.train import reversal_correct
+from transformer_from_scratch.train import reversal_loss
+from transformer_from_scratch.train import reversal_recipe
+from transformer_from_scratch.train import save_checkpoint
+from transformer_from_scratch.train import train_model
+from transformer_from_scratch.train import train_reversal
 
 TINY = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 1, "steps": 6, "batch_size": 8}
 

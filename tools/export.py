@@ -30,17 +30,22 @@ import re
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
-from course import ROOT, notebook_info, read_py, sources
+from course import ROOT
+from course import notebook_info
+from course import read_py
+from course import sources
 
 PACKAGE = "transformer_from_scratch"
 SRC = ROOT / "src" / PACKAGE
 DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-# Modules the top-level package does not re-export: import them by their full name.
-NOT_REEXPORTED = {"bench_model", "checks"}
+# Helper modules the top-level package does not re-export (import them by their full name):
+# input checks, measuring, PyTorch twins for parity checks, and the benchmark (until it moves).
+NOT_REEXPORTED = {"bench_model", "checks", "measure", "reference"}
 
 
 class ExportError(ValueError):
@@ -361,13 +366,10 @@ def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> s
         "from importlib.metadata import PackageNotFoundError, version",
         "",
     ]
-    all_names: list[str] = []
-    for name in modules:  # notebook order
-        names = exported[name]
-        if names and name not in NOT_REEXPORTED:
-            lines.append(f"from .{name} import {', '.join(sorted(names, key=_isort_key))}")
-            all_names += names
-
+    reexported = [n for n in modules if exported[n] and n not in NOT_REEXPORTED]  # course order
+    lines.append(f"from . import {', '.join(reexported)}")
+    for name in reexported:
+        lines.append(f"from .{name} import {', '.join(sorted(exported[name], key=_isort_key))}")
     lines += [
         "",
         "try:",
@@ -375,7 +377,8 @@ def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> s
         "except PackageNotFoundError:  # imported from a source tree that is not installed",
         '    __version__ = "0+unknown"',
         "",
-        "__all__ = " + _list_literal(all_names),
+        "# Every module's public names, in course order (each module lists its own in __all__).",
+        "__all__ = [" + ", ".join(f"*{name}.__all__" for name in reexported) + "]",
         "",
     ]
     return ruff_tidy("\n".join(lines), f"src/{PACKAGE}/__init__.py")

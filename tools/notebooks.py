@@ -33,21 +33,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
-from course import (
-    KERNELSPEC,
-    NOTEBOOKS,
-    PYPROJECT,
-    README,
-    colab_url,
-    jupytext_metadata,
-    kernel_env,
-    notebook_info,
-    py_text,
-    read_py,
-    settings,
-    setup_cell,
-    sources,
-)
+from course import KERNELSPEC
+from course import NOTEBOOKS
+from course import PYPROJECT
+from course import README
+from course import colab_url
+from course import jupytext_metadata
+from course import kernel_env
+from course import notebook_info
+from course import py_text
+from course import read_py
+from course import settings
+from course import setup_cell
+from course import sources
 
 ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info", "widgets", "jupytext"}
 ALLOWED_CELL_METADATA = {"tags", "jupyter"}

@@ -9,17 +9,16 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from transformer_from_scratch.checks import (
-    check_bool,
-    check_broadcast,
-    check_int,
-    check_probability,
-    check_tensor,
-    checking,
-    validated,
-)
+from transformer_from_scratch.checks import check_bool
+from transformer_from_scratch.checks import check_broadcast
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
+from transformer_from_scratch.checks import validated
 
 
 # Taught in notebook 02 · Self-attention

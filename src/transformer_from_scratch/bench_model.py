@@ -15,13 +15,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import Transformer, embed_tokens
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.model import embed_tokens
 from transformer_from_scratch.reference import copy_block_to_torch
-from transformer_from_scratch.tokens import BOS, EOS, PAD
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.utils import get_device
 
 

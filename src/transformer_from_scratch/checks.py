@@ -8,7 +8,8 @@ import contextlib
 import contextvars
 import math
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 
 import torch
 

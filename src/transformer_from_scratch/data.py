@@ -6,7 +6,9 @@
 
 import torch
 
-from transformer_from_scratch.tokens import BOS, EOS, PAD
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 
 # Taught in notebook 11 · Training
 FIRST_SYMBOL = 3  # ids below it are PAD, BOS and EOS

@@ -5,18 +5,24 @@
 """Generate with a trained encoder-decoder: greedy, a key-value cache, beam search, sampling."""
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from transformer_from_scratch.attention import MultiHeadAttention, scaled_dot_product_attention
-from transformer_from_scratch.layers import DecoderBlock, sublayer_connection
+from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.layers import sublayer_connection
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.model import embed_tokens
-from transformer_from_scratch.tokens import BOS, EOS, PAD
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 
 
 # Taught in notebook 12 · Generation

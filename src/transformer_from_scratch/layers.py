@@ -13,15 +13,13 @@ import torch
 from torch import nn
 
 from transformer_from_scratch.attention import MultiHeadAttention
-from transformer_from_scratch.checks import (
-    check_bool,
-    check_choice,
-    check_float,
-    check_int,
-    check_probability,
-    check_tensor,
-    checking,
-)
+from transformer_from_scratch.checks import check_bool
+from transformer_from_scratch.checks import check_choice
+from transformer_from_scratch.checks import check_float
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
 
 
 # Taught in notebook 06 · Layer norm and dropout
@@ -136,8 +134,10 @@ def _check_block_input(name: str, x: torch.Tensor, d_model: int) -> None:
 
 
 # Taught in notebook 08 · Encoder and decoder blocks
-class EncoderBlock(nn.Module):
-    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
+class _Block(nn.Module):
+    """What both blocks hold: self-attention, the FFN, a LayerNorm and a Dropout per sub-layer."""
+
+    cross_attention = False  # DecoderBlock sets it: one more attention, reading the encoder
 
     def __init__(
         self,
@@ -153,18 +153,31 @@ class EncoderBlock(nn.Module):
         check_bool("norm_first", norm_first)
         # MultiHeadAttention checks d_model, num_heads and dropout_p; feed_forward checks d_ff.
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        if self.cross_attention:
+            self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
         # Sequential(Linear, activation, Linear), no dropout inside
         self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
-        self.norm1 = LayerNorm(d_model)  # for the attention sub-layer
-        self.norm2 = LayerNorm(d_model)  # for the FFN sub-layer
-        self.dropout1 = nn.Dropout(dropout_p)  # on the attention output, before the residual add
-        self.dropout2 = nn.Dropout(dropout_p)  # on the FFN output, before the residual add
+        # One norm and one residual dropout per sub-layer, numbered in the order they run:
+        # encoder 1 self-attention, 2 FFN; decoder 1 self-attention, 2 cross-attention, 3 FFN.
+        self.norm1 = LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model)
+        if self.cross_attention:
+            self.norm3 = LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout_p)  # on the sub-layer's output, before the residual add
+        self.dropout2 = nn.Dropout(dropout_p)
+        if self.cross_attention:
+            self.dropout3 = nn.Dropout(dropout_p)
         self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
         self.norm_first = norm_first
 
     def extra_repr(self) -> str:
         """Shown by print(block)."""
         return f"norm_first={self.norm_first}"
+
+
+# Taught in notebook 08 · Encoder and decoder blocks
+class EncoderBlock(_Block):
+    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
@@ -179,37 +192,10 @@ class EncoderBlock(nn.Module):
 
 
 # Taught in notebook 08 · Encoder and decoder blocks
-class DecoderBlock(nn.Module):
+class DecoderBlock(_Block):
     """Transformer decoder block: masked self-attention, cross-attention to the encoder, FFN."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.0,
-        activation: str = "gelu",
-        bias: bool = True,
-        norm_first: bool = True,
-    ):
-        super().__init__()
-        check_bool("norm_first", norm_first)
-        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
-        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
-        # Sequential(Linear, activation, Linear), no dropout inside
-        self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
-        self.norm1 = LayerNorm(d_model)  # for self-attention
-        self.norm2 = LayerNorm(d_model)  # for cross-attention (the queries only)
-        self.norm3 = LayerNorm(d_model)  # for the FFN
-        self.dropout1 = nn.Dropout(dropout_p)
-        self.dropout2 = nn.Dropout(dropout_p)
-        self.dropout3 = nn.Dropout(dropout_p)
-        self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
-        self.norm_first = norm_first
-
-    def extra_repr(self) -> str:
-        """Shown by print(block)."""
-        return f"norm_first={self.norm_first}"
+    cross_attention = True  # _Block adds cross_attn, norm3 and dropout3
 
     def forward(
         self,
@@ -251,8 +237,10 @@ class DecoderBlock(nn.Module):
 
 
 # Taught in notebook 10 · The full model
-class Encoder(nn.Module):
-    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+class _Stack(nn.Module):
+    """num_layers blocks of one kind in an nn.ModuleList, then a final LayerNorm."""
+
+    block: type[nn.Module]  # EncoderBlock or DecoderBlock, set by the two stacks below
 
     def __init__(
         self,
@@ -266,11 +254,18 @@ class Encoder(nn.Module):
         super().__init__()
         check_int("num_layers", num_layers, minimum=1)
         self.layers = nn.ModuleList(
-            EncoderBlock(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
+            self.block(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
             for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
         self.norm = LayerNorm(d_model)  # pre-norm blocks leave the last residual sum unnormalised
         self.num_layers, self.d_model = num_layers, d_model
+
+
+# Taught in notebook 10 · The full model
+class Encoder(_Stack):
+    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+
+    block = EncoderBlock
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
@@ -280,26 +275,10 @@ class Encoder(nn.Module):
 
 
 # Taught in notebook 10 · The full model
-class Decoder(nn.Module):
+class Decoder(_Stack):
     """A stack of num_layers pre-norm decoder blocks reading one enc_out, then a final LayerNorm."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.1,
-        activation: str = "relu",
-    ):
-        super().__init__()
-        check_int("num_layers", num_layers, minimum=1)
-        self.layers = nn.ModuleList(
-            DecoderBlock(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
-            for _ in range(num_layers)
-        )
-        self.norm = LayerNorm(d_model)
-        self.num_layers, self.d_model = num_layers, d_model
+    block = DecoderBlock
 
     def forward(
         self,

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from transformer_from_scratch.checks import check_int, check_tensor
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_tensor
 
 
 # Taught in notebook 05 · Masking

@@ -47,7 +47,8 @@ def _stderr_silenced():
 # Taught in notebook 02 · Self-attention
 def _cpu_peak_bytes(fn: Callable[[], object]) -> int:
     """Peak of the CPU allocator's bytes in use while fn() runs, above where they started."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _stderr_silenced():  # some torch versions log the profiler's start and stop there

@@ -12,17 +12,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from transformer_from_scratch.checks import (
-    check_broadcast,
-    check_int,
-    check_probability,
-    check_tensor,
-    checking,
-    validated,
-)
-from transformer_from_scratch.layers import Decoder, Encoder
+from transformer_from_scratch.checks import check_broadcast
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
+from transformer_from_scratch.checks import validated
+from transformer_from_scratch.layers import Decoder
+from transformer_from_scratch.layers import Encoder
 from transformer_from_scratch.positional import PositionalEncoding
-from transformer_from_scratch.tokens import EOS, PAD, check_token_ids
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.tokens import check_token_ids
 
 
 # Taught in notebook 09 · Embeddings and the output head

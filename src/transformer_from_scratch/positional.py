@@ -7,13 +7,11 @@
 import torch
 from torch import nn
 
-from transformer_from_scratch.checks import (
-    check_float,
-    check_int,
-    check_probability,
-    check_tensor,
-    checking,
-)
+from transformer_from_scratch.checks import check_float
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
 
 
 # Taught in notebook 04 · Positional encoding

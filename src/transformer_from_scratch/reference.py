@@ -16,8 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer_from_scratch.attention import MultiHeadAttention
-from transformer_from_scratch.layers import DecoderBlock, EncoderBlock, LayerNorm
-from transformer_from_scratch.model import Transformer, embed_tokens
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.layers import EncoderBlock
+from transformer_from_scratch.layers import LayerNorm
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.model import embed_tokens
 
 
 # Taught in notebook 03 · Multi-head attention

@@ -16,10 +16,12 @@ from torch import nn
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
-from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.tokens import PAD
-from transformer_from_scratch.utils import get_device, set_seed
+from transformer_from_scratch.utils import get_device
+from transformer_from_scratch.utils import set_seed
 
 
 # Taught in notebook 11 · Training
