@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import course  # noqa: E402
+import deps  # noqa: E402
 import export  # noqa: E402
 import preflight  # noqa: E402
 
@@ -358,3 +360,75 @@ def test_run_and_twice_report_a_cell_that_fails(tmp_path):
     assert twice.returncode == 1
     assert "01_fine: ran twice" in twice.stdout and "02_once: run 2: FAILED" in twice.stdout
     assert "03_rebound: each cell again, last first: FAILED in cell 1" in twice.stdout
+
+
+# ---------------------------------------------------------------- how the library is built
+def _definitions_by_notebook() -> dict[tuple[str, str], int]:
+    """(module, name) -> the number of the notebook whose export cell defines it."""
+    defined: dict[tuple[str, str], int] = {}
+    for path in course.sources():
+        number = int(path.name[:2])
+        for module, chunk in _export_chunks(path):
+            for name in export.defined_names(chunk) - _imported_names(chunk):
+                defined.setdefault((module, name), number)
+    return defined
+
+
+def _export_chunks(path: Path):
+    default = None
+    for cell in course.read_py(path).cells:
+        if cell.cell_type != "code":
+            continue
+        directives, code = export.split_directives(cell.source)
+        for kind, arg in directives:
+            if kind == "default_exp":
+                default = arg
+            else:
+                yield arg or default, code
+
+
+def _imported_names(code: str) -> set[str]:
+    tree = ast.parse(code)
+    return {
+        (a.asname or a.name).split(".")[0]
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for a in node.names
+    }
+
+
+def test_every_notebook_imports_only_what_it_or_an_earlier_notebook_writes():
+    defined = _definitions_by_notebook()
+    modules_from = {}
+    for (module, _), number in defined.items():
+        modules_from[module] = min(number, modules_from.get(module, 99))
+    late = []
+    for path in course.sources():
+        number = int(path.name[:2])
+        for cell in course.read_py(path).cells:
+            if cell.cell_type != "code":
+                continue
+            for module, names in deps.package_imports(
+                ast.parse(export.split_directives(cell.source)[1])
+            ):
+                if modules_from.get(module, 99) > number:
+                    late.append(f"{path.name}: module {module} (first written in a later notebook)")
+                for name in names:
+                    if defined.get((module, name), 99) > number:
+                        late.append(f"{path.name}: {module}.{name}")
+    assert late == [], "imports of what a later notebook writes:\n" + "\n".join(late)
+
+
+def test_the_package_has_no_import_cycle_and_the_readme_shows_it():
+    depth = deps.layers_of(deps.graph())  # raises on a cycle
+    assert (
+        depth["checks"] == 0
+        and depth["tokens"] < depth["model"]
+        and depth["tokens"] < depth["data"]
+    )
+    assert "model" not in deps.graph()["data"], (
+        "data must not depend on model (special ids: tokens)"
+    )
+    assert deps.table() in course.README.read_text(), (
+        "README's library table is stale: tools/deps.py"
+    )
