@@ -55,6 +55,7 @@ HIDDEN = {"source_hidden": True}
 KNOWN_TAGS = {"nbval-ignore-output", "nbval-skip", "raises-exception"}
 COLAB_LINK = re.compile(r"https://colab\.research\.google\.com/github/[^)\s\"']+")
 TABLE_START, TABLE_END = "<!-- notebooks:start -->", "<!-- notebooks:end -->"
+LIBRARY_START, LIBRARY_END = "<!-- library:start -->", "<!-- library:end -->"
 
 
 def clean_metadata(nb: nbformat.NotebookNode) -> None:
@@ -259,9 +260,17 @@ def readme_table() -> str:
     return "\n".join(rows)
 
 
+def between(text: str, start_mark: str, end_mark: str, inner: str) -> str:
+    start, end = text.index(start_mark), text.index(end_mark)
+    return text[: start + len(start_mark)] + "\n" + inner + "\n" + text[end:]
+
+
 def readme_with_table(text: str) -> str:
-    start, end = text.index(TABLE_START), text.index(TABLE_END)
-    return text[: start + len(TABLE_START)] + "\n" + readme_table() + "\n" + text[end:]
+    """README with its table of notebooks and its table of the library's modules made anew."""
+    import deps
+
+    text = between(text, TABLE_START, TABLE_END, readme_table())
+    return between(text, LIBRARY_START, LIBRARY_END, deps.table())
 
 
 # ---------------------------------------------------------------- checks
@@ -363,7 +372,7 @@ def check(paths: list[Path]) -> int:
     problems += [f"{o}: no .py pair" for o in orphans]
     text = README.read_text()
     if readme_with_table(text) != text:
-        problems.append("README.md: the table of notebooks is stale: run `make links`")
+        problems.append("README.md: a table (notebooks or library) is stale: run `make links`")
     for p in problems:
         print(p, file=sys.stderr)
     if not problems:
