@@ -84,7 +84,7 @@ test: preflight check unit nbval  ## everything CI runs
 COMPAT ?= oldest
 .venv-compat/%/.installed: compat/%.txt pyproject.toml
 	@test -x .venv-compat/$*/bin/python || $(PYTHON) -m venv .venv-compat/$*
-	.venv-compat/$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-compat/$*/bin/python -m pip install --quiet --upgrade pip "setuptools>=77"
 	.venv-compat/$*/bin/python -m pip install --quiet -r compat/$*.txt
 	.venv-compat/$*/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	.venv-compat/$*/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
