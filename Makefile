@@ -36,8 +36,8 @@ lab: $(STAMP)  ## open JupyterLab on notebooks/
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(LAB_ARGS)
 
 check: $(STAMP)  ## fast checks: ruff, pairs in sync and clean, src/ matches the export
-	$(BIN)/ruff check src tests tools notebooks
-	$(BIN)/ruff format --check src tests tools
+	$(BIN)/ruff check src tests tools notebooks benchmarks
+	$(BIN)/ruff format --check src tests tools benchmarks
 	$(BIN)/python tools/notebooks.py check
 	$(BIN)/python tools/export.py --check
 
@@ -84,7 +84,7 @@ test: preflight check unit nbval  ## everything CI runs
 COMPAT ?= oldest
 .venv-compat/%/.installed: compat/%.txt pyproject.toml
 	@test -x .venv-compat/$*/bin/python || $(PYTHON) -m venv .venv-compat/$*
-	.venv-compat/$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-compat/$*/bin/python -m pip install --quiet --upgrade pip "setuptools>=77"
 	.venv-compat/$*/bin/python -m pip install --quiet -r compat/$*.txt
 	.venv-compat/$*/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	.venv-compat/$*/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
@@ -97,7 +97,7 @@ html: $(STAMP)  ## render the static site into site/ (offline: MathJax and widge
 	$(BIN)/python tools/build_site.py site
 
 bench: $(STAMP)  ## side-by-side speed and memory: bench-attention.json (02), bench.json (12)
-	$(BIN)/python -m transformer_from_scratch.bench --threads 1 --out bench-attention.json
+	$(BIN)/python benchmarks/attention.py --threads 1 --out bench-attention.json
 	$(BIN)/python -m transformer_from_scratch.bench_model --threads 1 --out bench.json
 
 clean:  ## remove the environment and everything built

@@ -92,7 +92,7 @@ print(f"cuda        {torch.cuda.is_available()}")
 
 # %%
 torch_major_minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-assert torch_major_minor >= (2, 1), "the course needs torch 2.1 or newer"
+assert torch_major_minor >= (2, 5), "the course needs torch 2.5 or newer"
 
 
 # %% [markdown]
@@ -168,8 +168,10 @@ print(a.round(decimals=4))
 
 # %% [markdown]
 # The printed numbers are the same on every machine with this PyTorch version: the CPU generator
-# is specified bit for bit. (GPU generators are not the CPU one, which is why data for the
-# course is always drawn on the CPU and then moved.)
+# is specified bit for bit. GPU generators are not the CPU one, which is why data for the
+# course is always drawn on the CPU and then moved. Dropout is the exception that cannot be
+# moved: it draws its mask from the generator of the device it runs on, so a check or a figure
+# that depends on one particular mask runs its dropout on the CPU.
 #
 # ## Building a class one idea at a time
 #
@@ -205,6 +207,187 @@ counter = Counter()
 counter.step()
 assert counter.step(2) == 3
 print(counter.n)
+
+# %% [markdown]
+# ## One policy for bad input
+#
+# A library that is used from notebooks meets every kind of mistake: a float where a length
+# goes, a mask of the wrong shape, token ids from another vocabulary. The course answers each one
+# the same way, before any work is done, with a message that names the argument and the value:
+#
+# - a value of the wrong **type** (a float length, a bool where a number goes, a list where a
+#   tensor goes) raises `TypeError`;
+# - a value of the right type but the wrong **value** (a length of 0, a probability of 1.5, a
+#   shape that does not fit) raises `ValueError`.
+#
+# The helpers live in their own small module, `transformer_from_scratch.checks`, so that every
+# module applies the policy in the same words:
+
+# %%
+#| export checks
+"""Input checks with one policy: TypeError for a wrong type, ValueError for a wrong value."""
+
+import contextlib
+import contextvars
+import math
+import operator
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+def check_int(name: str, value: int, minimum: int | None = None) -> int:
+    """`value` as a Python int (NumPy or 0-d integer tensors too, not bools), >= `minimum`."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def check_float(
+    name: str,
+    value: float,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """`value` as a finite float in the interval from `low` to `high` (ends open or closed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        if math.isinf(high):
+            wanted = f"{'>' if low_open else '>='} {low:g}"
+        elif math.isinf(low):
+            wanted = f"{'<' if high_open else '<='} {high:g}"
+        else:
+            wanted = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    return value
+
+
+def check_probability(name: str, value: float) -> float:
+    """A dropout or smoothing probability: a number in [0, 1)."""
+    return check_float(name, value, 0.0, 1.0, high_open=True)
+
+
+def check_bool(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
+    """`value` lower-cased, if it is one of `choices`."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value)}")
+    if value.lower() not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {list(choices)}")
+    return value.lower()
+
+
+def check_tensor(
+    name: str, x: torch.Tensor, dim: int | None = None, kind: str | None = None
+) -> torch.Tensor:
+    """x, if it is a tensor with `dim` dimensions of kind "float" or "int" (when given)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if kind == "float" and not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if kind == "int" and (x.dtype == torch.bool or x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+    if dim is not None and x.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(x.shape)}")
+    return x
+
+
+def check_broadcast(
+    name: str, mask: torch.Tensor | None, shape: Sequence[int], what: str, hint: str = ""
+) -> None:
+    """Raise unless `mask` is None or a tensor that broadcasts to `shape` (`what` in symbols)."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    shape = tuple(shape)
+    try:
+        fits = torch.broadcast_shapes(mask.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} does not broadcast to {what} = {shape}"
+            + (f"; {hint}" if hint else "")
+        )
+
+
+# %% [markdown]
+# Where do the checks run? At the **public boundary**: the function or module a reader calls.
+# But a Transformer's `forward` calls its stacks, which call blocks, which call attention, each
+# of them public too. Checking the same mask in all of them would repeat the work several
+# times per call, so an entry point that has checked its inputs says so, with the context
+# manager `validated()`, and the entry points it calls skip their checks while it is open:
+
+# %%
+#| export checks
+_VALIDATED = contextvars.ContextVar("transformer_from_scratch_validated", default=False)
+
+
+@contextlib.contextmanager
+def validated() -> Iterator[None]:
+    """Inside, inputs were checked by an outer entry point: inner ones skip their checks."""
+    token = _VALIDATED.set(True)
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
+
+
+def checking() -> bool:
+    """True unless an enclosing `validated()` block checked the inputs (or torch.compile traces)."""
+    return not (_VALIDATED.get() or torch.compiler.is_compiling())
+
+
+# %% [markdown]
+# **Check:** each mistake gets the exception its kind calls for, and a message that names the
+# argument; inside `validated()`, `checking()` is off, and it is on again afterwards.
+
+# %%
+from transformer_from_scratch import checks
+
+mistakes = {
+    "num_layers=2.0": (lambda: checks.check_int("num_layers", 2.0, minimum=1), TypeError),
+    "num_layers=True": (lambda: checks.check_int("num_layers", True, minimum=1), TypeError),
+    "num_layers=0": (lambda: checks.check_int("num_layers", 0, minimum=1), ValueError),
+    "dropout_p=1.0": (lambda: checks.check_probability("dropout_p", 1.0), ValueError),
+    "dropout_p='0.1'": (lambda: checks.check_probability("dropout_p", "0.1"), TypeError),
+    "mask (3, 5) for (2, 4, 5, 5)": (
+        lambda: checks.check_broadcast("mask", torch.ones(3, 5), (2, 4, 5, 5), "(B, h, T, T)"),
+        ValueError,
+    ),
+}
+for label, (call, expected) in mistakes.items():
+    try:
+        call()
+    except expected as err:
+        print(f"{label:<30} {type(err).__name__}: {err}")
+    else:
+        raise AssertionError(f"{label} was accepted")
+assert checks.check_int("T", torch.tensor(7), minimum=1) == 7  # 0-d integer tensors are ints
+with checks.validated():
+    assert not checks.checking()
+assert checks.checking()
 
 
 # %% [markdown]
@@ -242,32 +425,59 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 
 
 # %% [markdown]
-# A first figure, the course's colour convention. Whenever a figure compares *roles*, the role
-# has a fixed colour: blue for queries and for our implementation, orange for keys and for
-# PyTorch's built-ins, green for values, red for what the figure wants you to look at. Figures
-# whose series are not roles (heads, dimensions, encodings) use other colours, so blue, orange
-# and green never mean something else.
+# A first figure, the course's colour rule. Four colours have a fixed meaning wherever they
+# appear:
+#
+# | colour | means |
+# |---|---|
+# | blue | queries; and **our** implementation, in a figure that compares it with PyTorch's |
+# | orange | keys; and **PyTorch's** built-in, in such a comparison |
+# | green | values |
+# | red | the accent: the one thing a figure wants you to look at |
+#
+# Every other series (heads, layers, dimensions, variants such as "raw" against "scaled",
+# settings) takes the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
+# that order; reference lines (a theory curve, "uniform") are grey. So blue, orange and green
+# never mean anything else. Heatmaps use colour *maps* instead: a sequential one (`Blues`) for
+# weights in $[0, 1]$, a diverging one (`RdBu_r`, centred on zero) for signed numbers.
 
 # %%
 #| export
 COLORS = {"query": "#1f77b4", "key": "#ff7f0e", "value": "#2ca02c", "ours": "#1f77b4",
           "torch": "#ff7f0e", "accent": "#d62728"}
+# For series that are none of the above: matplotlib's tab10 from purple on.
+OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
-# %%
+# %% jupyter={"source_hidden": true}
 import matplotlib.pyplot as plt
+from matplotlib.colors import to_rgb
 
-fig, ax = plt.subplots(figsize=(5, 1.6))
-for i, (role, color) in enumerate(COLORS.items()):
-    ax.barh(0, 1, left=i, color=color)
-    ax.text(i + 0.5, 0, role, ha="center", va="center", color="white", fontsize=9)
-ax.set_xlim(0, len(COLORS))
-ax.set_axis_off()
-ax.set_title("Colours used throughout the course")
+
+def text_color(color) -> str:
+    """Black on light colours, white on dark ones (by relative luminance)."""
+    r, g, b = to_rgb(color)
+    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.5 else "white"
+
+
+fig, (ax_roles, ax_other) = plt.subplots(2, 1, figsize=(6.5, 2.4))
+rows = ((ax_roles, list(COLORS.items()), "COLORS: roles, the same colour in every notebook"),
+        (ax_other, list(zip(["[0] purple", "[1] brown", "[2] pink", "[3] olive", "[4] cyan"],
+                            OTHER_COLORS, strict=True)),
+         "OTHER_COLORS[i]: every other series (heads, layers, variants)"))
+for ax, entries, title in rows:
+    for i, (name, color) in enumerate(entries):
+        ax.barh(0, 1, left=i, color=color)
+        ax.text(i + 0.5, 0, name, ha="center", va="center", color=text_color(color), fontsize=8)
+    ax.set_xlim(0, len(COLORS))
+    ax.set_axis_off()
+    ax.set_title(title, fontsize=10)
+fig.tight_layout()
 saved = save_figure(fig, "course_colors")
 plt.show()
 
 # %%
 assert saved is None or saved.stat().st_size > 0
+assert not set(OTHER_COLORS) & set(COLORS.values())  # "other" never reuses a role's colour
 assert find_figures_dir(Path("/")) is None
 
 # %% [markdown]
@@ -291,6 +501,7 @@ assert find_figures_dir(Path("/")) is None
 # | seeding | `set_seed(0)` | the same numbers on every run |
 # | a class across cells | `@add_to_class(C)` | one idea per cell, ordinary classes in `src/` |
 # | figures | `save_figure(fig, name)` | `figures/name.png`, reused by the README and site |
+# | colours | `COLORS["query"]`, `OTHER_COLORS[0]` | roles; any other series |
 #
 # ## Exercises
 #

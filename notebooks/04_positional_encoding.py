@@ -60,10 +60,12 @@ device = get_device()
 # $$\operatorname{Attn}(PX) = P\,\operatorname{Attn}(X).$$
 #
 # Attention is *permutation-equivariant*: shuffle the input and you get the same output vectors,
-# shuffled. Notebook 02 checked this on a shuffled sentence. The feed-forward layers of notebook
-# 07 act on each position separately, so a whole Transformer without position information
-# inherits the property. Here we look at what that costs, on three words with random
-# embeddings and projections.
+# shuffled. Notebook 02 checked this on a shuffled sentence. The other parts of an encoder block,
+# the feed-forward network (notebook 07), layer norm (notebook 06) and the residual additions,
+# act on each position separately, so an *encoder* without position information inherits the
+# property, however many blocks it stacks. A decoder is a different case, which the end of this
+# section takes up. First, what order-blindness costs, on three words with random embeddings and
+# projections.
 
 # %%
 d_model = 16
@@ -98,8 +100,9 @@ print(out_dbm.shape, attn_dbm.shape)
 
 # %%
 perm = torch.tensor([2, 1, 0], device=device)  # "man bites dog" = "dog bites man"[perm]
-assert_close(out_mbd, out_dbm[:, perm])
-assert_close(attn_mbd, attn_dbm[:, perm][:, :, perm])
+# Sums over the keys run in another order after a shuffle: equal up to rounding, hence atol.
+assert_close(out_mbd, out_dbm[:, perm], atol=1e-5, rtol=1e-4)
+assert_close(attn_mbd, attn_dbm[:, perm][:, :, perm], atol=1e-6, rtol=1e-4)
 assert_close(attn_dbm @ W_v(encode("dog bites man")), out_dbm)  # weights @ V is the context
 
 # The same on a random batch: (B, T, d_model) with a random order of the T positions.
@@ -108,10 +111,10 @@ shuffle = torch.randperm(9).to(device)
 with torch.no_grad():
     out_x, _ = self_attention(x)
     out_shuffled, _ = self_attention(x[:, shuffle])
-assert_close(out_shuffled, out_x[:, shuffle])
+assert_close(out_shuffled, out_x[:, shuffle], atol=1e-5, rtol=1e-4)
 
 # A sentence summary (the mean over positions) cannot tell the two sentences apart at all.
-assert_close(out_dbm.mean(dim=1), out_mbd.mean(dim=1))
+assert_close(out_dbm.mean(dim=1), out_mbd.mean(dim=1), atol=1e-5, rtol=1e-4)
 print("dog vector, both sentences:", out_dbm[0, 0, :4].cpu().round(decimals=3),
       out_mbd[0, 2, :4].cpu().round(decimals=3))
 
@@ -123,15 +126,18 @@ print("dog vector, both sentences:", out_dbm[0, 0, :4].cpu().round(decimals=3),
 # an order-blind model cannot even represent. The picture makes the point: the two attention maps hold the same nine
 # numbers, only rearranged.
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 2, figsize=(9, 3.8), layout="constrained")
 for ax, sentence, attn in zip(axes, ["dog bites man", "man bites dog"], [attn_dbm, attn_mbd], strict=True):
     words = sentence.split()
     weights = attn[0].cpu()
-    image = ax.imshow(weights, cmap="Blues", vmin=0, vmax=weights.max().item() * 1.1)
+    vmax = weights.max().item() * 1.1
+    image = ax.imshow(weights, cmap="Blues", vmin=0, vmax=vmax)
     for i in range(3):
         for j in range(3):
-            ax.text(j, i, f"{weights[i, j]:.2f}", ha="center", va="center", fontsize=10)
+            dark = weights[i, j] > 0.7 * vmax  # white text on dark cells
+            ax.text(j, i, f"{weights[i, j]:.2f}", ha="center", va="center", fontsize=10,
+                    color="white" if dark else "black")
     ax.set_xticks(range(3), words)
     ax.set_yticks(range(3), words)
     ax.set_xlabel("key (attended to)")
@@ -142,8 +148,52 @@ fig.suptitle("Self-attention without positions: same weights, rearranged")
 plt.show()
 
 # %% [markdown]
+# ### An encoder is order-blind; a causal decoder is not quite
+#
+# A decoder's self-attention carries a causal mask (notebook 05): query $t$ may read the keys at
+# positions $0, \dots, t$ only. The mask belongs to the positions, not to the tokens, so shuffling
+# the input changes what each query may read, and $\operatorname{Attn}(PX) = P\,\operatorname{Attn}(X)$
+# fails. What a causal layer still cannot see is the order *within* what it reads: its output at
+# $t$ depends on the token at $t$ and on the set of tokens at $0, \dots, t$. That set already
+# carries position: a query that spreads its attention evenly over the $t + 1$ tokens it may read
+# gives each the weight $1/(t+1)$, so if the first token is always the same (a start token), how
+# much of it reaches the output says how far along the query is. Haviv et al. (2022) found that
+# causal language models trained with no positional encoding at all learn position this way and
+# come close to models that have one. The course's decoder gets a positional encoding anyway,
+# like the paper's.
+#
+# **Check**, on PyTorch's own `nn.TransformerEncoderLayer` (attention, feed-forward network, layer
+# norms and residuals, random weights): without a mask, reordering the input only reorders the
+# output; with a causal mask it does not; and the causal layer's output at the last position does
+# not change when the tokens before it are reordered.
+
+# %%
+encoder_layer = nn.TransformerEncoderLayer(d_model, nhead=2, dim_feedforward=32, dropout=0.0,
+                                           batch_first=True).to(device).eval()
+causal = nn.Transformer.generate_square_subsequent_mask(9).to(device)  # (9, 9): 0, or -inf above
+g = torch.Generator().manual_seed(1)
+x_layer = torch.randn(4, 9, d_model, generator=g).to(device)  # (B, T, d_model)
+shuffle_all = torch.randperm(9, generator=g).to(device)  # a new order for all 9 positions
+shuffle_prefix = torch.cat([torch.randperm(8, generator=g), torch.tensor([8])]).to(device)  # last stays
+
+
+def causal_layer(x: torch.Tensor) -> torch.Tensor:
+    return encoder_layer(x, src_mask=causal, is_causal=True)  # (B, T, d_model)
+
+
+with torch.no_grad():
+    encoder_gap = (encoder_layer(x_layer[:, shuffle_all]) - encoder_layer(x_layer)[:, shuffle_all]).abs().max()
+    decoder_gap = (causal_layer(x_layer[:, shuffle_all]) - causal_layer(x_layer)[:, shuffle_all]).abs().max()
+    last_gap = (causal_layer(x_layer[:, shuffle_prefix])[:, -1] - causal_layer(x_layer)[:, -1]).abs().max()
+print(f"largest change once the reordering is undone: no mask {encoder_gap:.4f}, "
+      f"causal mask {decoder_gap:.2f}; causal, last position, prefix reordered {last_gap:.4f}")
+assert encoder_gap < 1e-4 and last_gap < 1e-4
+assert decoder_gap > 0.1
+
+# %% [markdown]
 # **Without position information, self-attention sees a bag of tokens: reorder the input and
-# the outputs are only reordered.**
+# an encoder's outputs are only reordered. A causal mask breaks that symmetry, but each output
+# still sees the tokens before it as a set.**
 #
 # ## 2. The sinusoidal table
 #
@@ -176,6 +226,14 @@ plt.show()
 import torch
 from torch import nn
 
+from transformer_from_scratch.checks import (
+    check_float,
+    check_int,
+    check_probability,
+    check_tensor,
+    checking,
+)
+
 
 # %% [markdown]
 # The table is computed in float64 and stored in the default dtype (float32). The angles
@@ -185,35 +243,29 @@ from torch import nn
 
 # %%
 #| export
-def _check_size(name: str, value: int, even: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {name}={value}")
+def _check_size(name: str, value: int, even: bool = False) -> int:
+    value = check_int(name, value, minimum=1)
     if even and value % 2 != 0:
         raise ValueError(f"{name} must be even (dimensions come in pairs), got {name}={value}")
+    return value
 
 
-def _check_dropout(dropout_p: float) -> None:
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-
-
-def _check_sequence(x: torch.Tensor, d_model: int, max_len: int, who: str) -> None:
+def _check_sequence(
+    x: torch.Tensor, d_model: int, max_len: int, who: str, offset: int = 0
+) -> None:
     # A wrong rank or width would otherwise broadcast silently into a wrong shape.
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"{who} expects a floating-point tensor, got {got}")
+    check_tensor("x", x, kind="float")
     if x.dim() != 3 or x.size(-1) != d_model:
         raise ValueError(f"{who} expects x of shape (B, T, d_model={d_model}), got {tuple(x.shape)}")
-    if x.size(1) > max_len:
-        raise ValueError(f"{who}: sequence length T={x.size(1)} exceeds max_len={max_len}")
+    check_int("offset", offset, minimum=0)
+    if offset + x.size(1) > max_len:
+        last = offset + x.size(1) - 1
+        raise ValueError(f"{who}: positions {offset}..{last} (offset + T) exceed max_len={max_len}")
 
 
 def _angles(max_len: int, dim: int, base: float) -> torch.Tensor:
     """Float64 angles t * base^(-2i/dim) for t < max_len, i < dim/2: shape (max_len, dim/2)."""
-    if not base > 1.0:
-        raise ValueError(f"base must be greater than 1, got base={base}")
+    check_float("base", base, 1.0, low_open=True)
     t = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
     omega = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
     return t * omega  # (max_len, dim/2)
@@ -243,7 +295,7 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model: int, max_len: int = 5000, dropout_p: float = 0.0) -> None:
         super().__init__()
-        _check_dropout(dropout_p)
+        check_probability("dropout_p", dropout_p)
         self.d_model, self.max_len = d_model, max_len
         self.dropout = nn.Dropout(dropout_p)
         pe = sinusoidal_table(max_len, d_model).unsqueeze(0)  # (1, max_len, d_model)
@@ -256,16 +308,19 @@ class PositionalEncoding(nn.Module):
 # %% [markdown]
 # The forward pass checks its input first (`_check_sequence` above): a wrong rank or width
 # would otherwise broadcast silently into a wrong shape, and a sequence longer than the table
-# would be cut short without a word. Then it adds the first $T$ rows.
+# would be cut short without a word. Then it adds the rows of the positions the tokens sit at:
+# $0, \dots, T-1$, or, with an `offset`, $\text{offset}, \dots, \text{offset} + T - 1$. A decoder
+# that generates one token at a time (notebook 12) passes the number of tokens before it.
 
 # %%
 #| export
 @add_to_class(PositionalEncoding)
-def forward(self, x: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, d_model) -> dropout(x + PE[:T]), same shape."""
-    _check_sequence(x, self.d_model, self.max_len, "PositionalEncoding")
+def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """x: (B, T, d_model) at positions offset .. offset+T-1 -> dropout(x + PE[those rows])."""
+    if checking():  # off inside a model that checked its inputs already
+        _check_sequence(x, self.d_model, self.max_len, "PositionalEncoding", offset)
     T = x.size(1)
-    return self.dropout(x + self.pe[:, :T].to(x.dtype))  # (B, T, d) + (1, T, d)
+    return self.dropout(x + self.pe[:, offset : offset + T].to(x.dtype))  # (B, T, d) + (1, T, d)
 
 
 # %%
@@ -285,9 +340,9 @@ print(pos_enc.pe[0, :3, :6].cpu().round(decimals=4))
 # %%
 pe = pos_enc.pe[0].cpu()  # (max_len, d_model)
 for t, i in [(0, 0), (1, 0), (10, 1), (37, 20), (4999, 63)]:
-    omega = 10000 ** (-2 * i / 128)
-    assert abs(pe[t, 2 * i].item() - math.sin(omega * t)) < 1e-6
-    assert abs(pe[t, 2 * i + 1].item() - math.cos(omega * t)) < 1e-6
+    omega_i = 10000 ** (-2 * i / 128)
+    assert abs(pe[t, 2 * i].item() - math.sin(omega_i * t)) < 1e-6
+    assert abs(pe[t, 2 * i + 1].item() - math.cos(omega_i * t)) < 1e-6
 
 # The formula written as literally as possible, one entry at a time.
 small = torch.tensor([[math.sin(t / 10000 ** (2 * (j // 2) / 8)) if j % 2 == 0
@@ -322,7 +377,7 @@ assert torch.equal(noisy.eval()(x), x + noisy.pe[:, :10])
 # Two pictures of the same table. As a heatmap over position and dimension, the left columns
 # flicker from row to row while the right columns barely change over a hundred positions:
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(8, 4.2), layout="constrained")
 image = ax.imshow(pe[:100], cmap="RdBu_r", vmin=-1, vmax=1, aspect="auto", interpolation="nearest")
 fig.colorbar(image, ax=ax, label="$PE_{(t, j)}$")
@@ -333,13 +388,28 @@ save_figure(fig, "positional_sinusoidal_table")
 plt.show()
 
 # %% [markdown]
+# The wavelengths can be read off the table itself. Row $t = 1$ holds $(\sin\omega_i, \cos\omega_i)$
+# in pair $i$, so $\operatorname{atan2}$ of the two gives the speed $\omega_i$ of each pair
+# (every $\omega_i \le 1 < \pi$, so there is no wrap-around). **Check:** the speeds measured on
+# the table are the formula's, the first wavelength is $2\pi$, the last is under $10000 \cdot 2\pi$,
+# and each wavelength is the previous one times the same factor $10000^{2/d_{\text{model}}}$.
+
+# %%
+omega = 10000 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)  # (64,): the formula
+omega_table = torch.atan2(pe[1, 0::2].double(), pe[1, 1::2].double())  # (64,): read off row 1
+wavelength = 2 * math.pi / omega_table  # (64,), in positions
+ratios = wavelength[1:] / wavelength[:-1]  # (63,)
+assert_close(omega_table, omega, rtol=1e-5, atol=0)
+assert abs(wavelength[0].item() - 2 * math.pi) < 1e-4 and wavelength[-1].item() < 10000 * 2 * math.pi
+assert_close(ratios, torch.full_like(ratios, 10000 ** (2 / 128)), rtol=1e-5, atol=0)  # one ratio
+print(f"wavelengths: {wavelength[0].item():.2f} to {wavelength[-1].item():.0f} positions, "
+      f"each {ratios.mean().item():.4f} times the previous")
+
+# %% [markdown]
 # As curves, a few sine dimensions against position (left), and the wavelength of every pair
 # (right, log scale): a geometric ladder from $2\pi$ up towards $10000 \cdot 2\pi$.
 
-# %%
-omega = 10000 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)  # (64,)
-wavelength = 2 * math.pi / omega  # in positions
-
+# %% jupyter={"source_hidden": true}
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
 t_fine = torch.linspace(0, 60, 601, dtype=torch.float64)
 # Dimensions are not roles: colours from outside the course's role palette (tab10 from 4 on).
@@ -362,15 +432,8 @@ ax2.text(50, 2 * math.pi * 1.3, "$2\\pi$", color="gray")  # in the empty lower-r
 ax2.text(0, 10000 * 2 * math.pi * 0.5, "$10000 \\cdot 2\\pi$", color="gray")
 ax2.set_xlabel("frequency pair $i$ (dimensions $2i$, $2i+1$)")
 ax2.set_ylabel("wavelength $\\lambda_i$ (positions)")
-ax2.set_title("Wavelengths grow geometrically")
+ax2.set_title("Wavelengths grow geometrically (measured on the table)")
 plt.show()
-
-# %%
-assert math.isclose(wavelength[0].item(), 2 * math.pi)
-assert wavelength[-1].item() < 10000 * 2 * math.pi
-ratios = wavelength[1:] / wavelength[:-1]
-assert_close(ratios, torch.full_like(ratios, 10000 ** (2 / 128)))  # one constant ratio
-print(f"longest wavelength: {wavelength[-1].item():.0f} positions")
 
 
 # %% [markdown]
@@ -412,14 +475,17 @@ print(M_3[:4, :4].round(decimals=4))
 
 # %% [markdown]
 # **Check.** For several offsets $k$, every row of the 5000-row table, moved by $M_k$, must land
-# on the row $k$ further down. As rows, $PE[t+k] = PE[t]\,M_k^\top$. We also check that $M_k$ is
-# orthogonal and that two shifts compose: $M_j M_k = M_{j+k}$.
+# on the row $k$ further down. As rows, $PE[t+k] = PE[t]\,M_k^\top$. A wrong offset must not fit.
+# Every pair of every row must lie on the unit circle, which is what lets one rotation carry any
+# row to another. And two shifts compose: $M_j M_k = M_{j+k}$.
 
 # %%
 for k in [1, 3, 17, 250, 4000]:
     M_k = shift_matrix(k, 128)
     assert_close(pe[k:], pe[:-k] @ M_k.T)  # all 5000 - k positions at once
-    assert_close(M_k.T @ M_k, torch.eye(128), atol=1e-6, rtol=0)
+assert not torch.allclose(pe[3:], pe[:-3] @ shift_matrix(4, 128).T, atol=1e-2)  # off by one
+radius_sq = pe[:, 0::2].double() ** 2 + pe[:, 1::2].double() ** 2  # (5000, 64): sin^2 + cos^2
+assert_close(radius_sq, torch.ones_like(radius_sq), atol=1e-6, rtol=0)
 assert_close(shift_matrix(5, 128) @ shift_matrix(12, 128), shift_matrix(17, 128), atol=1e-6, rtol=0)
 
 # %% [markdown]
@@ -444,7 +510,7 @@ print("PE(t).PE(t+k) for k = 0, 1, 5, 60:", [round(by_offset[k].item(), 2) for k
 # $PE(t)\cdot PE(t+k)$ read from three different starting positions $t$, which lie on one
 # curve.
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
 image = ax1.imshow(S[:100, :100], cmap="viridis", interpolation="nearest")
 fig.colorbar(image, ax=ax1, label="$PE(t) \\cdot PE(t')$")
@@ -489,16 +555,17 @@ class LearnedPositionalEmbedding(nn.Module):
         super().__init__()
         _check_size("max_len", max_len)
         _check_size("d_model", d_model)
-        _check_dropout(dropout_p)
+        check_probability("dropout_p", dropout_p)
         self.d_model, self.max_len = d_model, max_len
         self.embedding = nn.Embedding(max_len, d_model)
         nn.init.normal_(self.embedding.weight, std=init_std)  # BERT's scale, not N(0, 1)
         self.dropout = nn.Dropout(dropout_p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, d_model) -> dropout(x + E[:T]), same shape."""
-        _check_sequence(x, self.d_model, self.max_len, "LearnedPositionalEmbedding")
-        positions = torch.arange(x.size(1), device=x.device)  # (T,)
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: (B, T, d_model) at positions offset .. offset+T-1 -> dropout(x + E[those])."""
+        if checking():
+            _check_sequence(x, self.d_model, self.max_len, "LearnedPositionalEmbedding", offset)
+        positions = torch.arange(offset, offset + x.size(1), device=x.device)  # (T,)
         return self.dropout(x + self.embedding(positions).to(x.dtype))  # (B, T, d) + (T, d)
 
 
@@ -541,6 +608,7 @@ def cosine_matrix(table: torch.Tensor) -> torch.Tensor:
     return unit @ unit.T
 
 
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), layout="constrained")
 for ax, table, title in [(axes[0], pe[:64], "sinusoidal (fixed)"),
                          (axes[1], learned.embedding.weight, "learned, before training")]:
@@ -668,18 +736,13 @@ class RotaryEmbedding(nn.Module):
 @add_to_class(RotaryEmbedding)
 def rotate(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """Rotate x: (..., T, d_head), whose rows sit at positions offset .. offset+T-1."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"RotaryEmbedding expects a floating-point tensor, got {got}")
+    check_tensor("x", x, kind="float")
     if x.dim() < 2 or x.size(-1) != self.d_head:
         raise ValueError(
             f"RotaryEmbedding expects x of shape (..., T, d_head={self.d_head}), "
             f"got {tuple(x.shape)}"
         )
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__} {offset!r}")
-    if offset < 0:
-        raise ValueError(f"offset must be non-negative, got offset={offset}")
+    offset = check_int("offset", offset, minimum=0)
     T = x.size(-2)
     if offset + T > self.max_len:
         raise ValueError(
@@ -777,7 +840,10 @@ assert_close(out_at_0, out_at_37, atol=1e-5, rtol=1e-4)
 # constant, a Toeplitz matrix. Right: the RoPE score of a query and key that are equal to each
 # other (all ones), against their distance. It decays, slowly and with ripples: the
 # "long-term decay" that Su et al. (2021) point out, so that far-apart tokens interact less
-# unless their content says otherwise.
+# unless their content says otherwise. For the all-ones vector each pair contributes
+# $2\cos(m\theta_j)$, so the curve is $\langle R_m \mathbf{1}, \mathbf{1}\rangle =
+# 2\sum_j \cos(m\theta_j)$. **Check** the middle panel's diagonals, and the right panel's curve
+# against that formula: 64 at offset 0, and never more than half of it beyond offset 200.
 
 # %%
 queries_rot = rope.rotate(q1.expand(64, 64))  # (T, d_head): q1 at positions 0..63
@@ -789,7 +855,13 @@ for k_ in [0, 3, -10]:
 
 ones = torch.ones(1024, 64).to(device)
 decay = (rope.rotate(ones) @ rope.rotate(ones[:1]).T).squeeze(1).cpu()  # <R_m 1, R_0 1>, m < 1024
+# <R_m 1, 1> = sum_j 2 cos(m theta_j): the ripples and the decay, from the formula
+theta = 10000 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)  # (32,)
+expected_decay = 2 * torch.cos(torch.arange(1024, dtype=torch.float64)[:, None] * theta).sum(-1)
+assert_close(decay.double(), expected_decay, atol=1e-3, rtol=1e-5)
+assert decay[0] == 64 and decay[200:].abs().max() < 0.5 * decay[0]  # far offsets score less
 
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 3, figsize=(15, 4.3), layout="constrained",
                          gridspec_kw={"width_ratios": [1, 1, 1.2]})
 for ax, scores, title in [(axes[0], additive_scores, "additive sinusoid, then $W_q, W_k$"),
@@ -916,28 +988,44 @@ for s in schemes:
 
 
 # %% [markdown]
-# What can the order-blind model do at all? It sees the *set* of tokens in its window, not which
-# one sits where, so its best bet is the token that occurs most often in the window. That bet is
-# right about a fifth of the time, and we can compute exactly how often (sharing the credit when
-# several tokens tie):
+# What can the order-blind model do at all? Query $t$ sees its own token and the *set* of tokens
+# in its window, not which sits where. The token it must name, the one at $t - 1$, is one of the
+# *other* tokens of the window, and nothing tells it which: for all it can see, each of them is
+# equally likely to be the one. So the best bet of any order-blind model is the most frequent
+# token in the window once one copy of its own token (its own position) is taken out; it is right
+# with probability $\max_v n_v / (n - 1)$, where $n_v$ counts token $v$ among the $n - 1$ other
+# positions of the window. The simpler bet "the most frequent token in the whole window" ignores
+# what the query knows about itself, and does worse. We score both on the test sequences (ties
+# share the credit). The best bet is best *on average*: on a finite test set a model can land a
+# little above it by chance.
 
 # %%
-def most_frequent_bet(tokens: torch.Tensor) -> float:
-    """Accuracy of predicting token t-1 as the most frequent token in query t's window."""
+def bet_accuracy(tokens: torch.Tensor, leave_out_own: bool) -> torch.Tensor:
+    """Accuracy of betting the most frequent token of query t's window on token t-1: (T-1,)."""
     one_hot = F.one_hot(tokens, 16).float()  # (B, T, vocab)
     counts = local_window(tokens.size(1)).float() @ one_hot  # (B, T, vocab): what query t sees
+    if leave_out_own:
+        counts = counts - one_hot  # the query's own position cannot be position t - 1
     is_mode = counts == counts.amax(-1, keepdim=True)  # (B, T, vocab), True for every tied mode
     answer = tokens[:, :-1, None]  # (B, T-1, 1): the target of queries 1 .. T-1
     credit = is_mode[:, 1:].gather(-1, answer).squeeze(-1) / is_mode[:, 1:].sum(-1)  # (B, T-1)
-    return credit.mean().item()
+    return credit.mean(0).cpu()
 
 
-bet_short, bet_long = most_frequent_bet(short), most_frequent_bet(long)
-print(f"betting on the most frequent token in the window: T=16 {bet_short:.2f}, T=48 {bet_long:.2f}")
+best_short = bet_accuracy(short, leave_out_own=True).mean().item()
+best_long = bet_accuracy(long, leave_out_own=True)[T_train - 1:].mean().item()
+crude_short = bet_accuracy(short, leave_out_own=False).mean().item()
+crude_long = bet_accuracy(long, leave_out_own=False)[T_train - 1:].mean().item()
+print(f"{'':<40}{'T=16':>8}{'T=48, t>=16':>14}")
+print(f"{'best order-blind bet':<40}{best_short:>8.3f}{best_long:>14.3f}")
+print(f"{'most frequent token in the whole window':<40}{crude_short:>8.3f}{crude_long:>14.3f}")
+print(f"{'the order-blind model':<40}{short_accuracy['none']:>8.3f}"
+      f"{accuracy['none'][T_train - 1:].mean().item():>14.3f}")
 
 # %% [markdown]
 # **Check.** At the training length every scheme with positions solves the task, and the
-# order-blind model does about as well as the bet above. Beyond position 15 the learned
+# order-blind model does as well as the best order-blind bet, and no better: an accuracy
+# measured on 3,840 test predictions scatters by about $\pm 0.01$, so we allow $0.03$. Beyond position 15 the learned
 # table is back at that level: its rows 16 to 63 never received a gradient and are exactly as
 # initialised. The sinusoidal model, although its code is defined everywhere, loses accuracy on
 # the positions it never saw. RoPE is perfect everywhere: what it learned ("attend to offset
@@ -945,9 +1033,9 @@ print(f"betting on the most frequent token in the window: T=16 {bet_short:.2f}, 
 
 # %%
 beyond = {s: accuracy[s][T_train - 1:].mean().item() for s in schemes}
-assert abs(short_accuracy["none"] - bet_short) < 0.05 and abs(beyond["none"] - bet_long) < 0.05
+assert abs(short_accuracy["none"] - best_short) < 0.03 and abs(beyond["none"] - best_long) < 0.03
 assert all(short_accuracy[s] > 0.95 for s in ["sinusoidal", "learned", "rotary"])
-assert beyond["learned"] < bet_long + 0.05
+assert beyond["learned"] < best_long + 0.05
 assert accuracy["rotary"].min() > 0.95  # at every position of the long sequences
 assert beyond["sinusoidal"] < beyond["rotary"] - 0.1
 learned_table = models["learned"].position.embedding.weight.detach()
@@ -959,7 +1047,7 @@ assert not torch.equal(learned_table[:T_train], initial_tables["learned"][:T_tra
 # learned table moved from its random start during training: rows $0..15$ moved, rows
 # $16..63$ did not move at all.
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained",
                                gridspec_kw={"width_ratios": [1.3, 1]})
 # Schemes are not roles: colours from outside the course's role palette (tab10 from 4 on).
@@ -971,7 +1059,7 @@ for s in schemes:
     color, ls = styles[s]
     ax1.plot(positions, accuracy[s], ls, color=color, lw=2, label=s)
 ax1.axvspan(T_train - 0.5, T_test, color="gray", alpha=0.12, label="longer than training")
-ax1.axhline(bet_long, color="black", lw=0.8, ls="-.", label="most frequent token in the window")
+ax1.axhline(best_long, color="black", lw=0.8, ls="-.", label="best order-blind bet")
 ax1.set_xlabel("position $t$ in a length-48 sequence")
 ax1.set_ylabel("accuracy of predicting token $t-1$")
 ax1.set_ylim(-0.02, 1.05)

@@ -73,25 +73,26 @@ device = get_device()
 # %%
 g = torch.Generator().manual_seed(0)
 T_q, T_k, d_k = 4, 6, 8
-Q = torch.randn(T_q, d_k, generator=g).to(device)
-K = torch.randn(T_k, d_k, generator=g).to(device).requires_grad_()
-V = torch.randn(T_k, d_k, generator=g).to(device).requires_grad_()
+Q1 = torch.randn(T_q, d_k, generator=g).to(device)
+K1 = torch.randn(T_k, d_k, generator=g).to(device).requires_grad_()
+V1 = torch.randn(T_k, d_k, generator=g).to(device).requires_grad_()
 allowed = torch.rand(T_q, T_k, generator=g) < 0.6  # (T_q, T_k), True = may attend
 allowed[:, 0] = True  # every query keeps a key here (section 5 is about the other case)
 allowed[:, -1] = False  # the last key is blocked for every query
 allowed = allowed.to(device)
 
-context, attn = scaled_dot_product_attention(Q, K, V, mask=allowed)
-scores = Q @ K.T / d_k**0.5  # (T_q, d_k) @ (d_k, T_k) -> (T_q, T_k)
+context, attn = scaled_dot_product_attention(Q1, K1, V1, mask=allowed)
+scores = Q1 @ K1.T / d_k**0.5  # (T_q, d_k) @ (d_k, T_k) -> (T_q, T_k)
 for i in range(T_q):
     keep = allowed[i]
-    torch.testing.assert_close(attn[i, keep], torch.softmax(scores[i, keep], dim=-1))
+    weights_i = torch.softmax(scores[i, keep], dim=-1)  # the formula, over the allowed keys only
+    torch.testing.assert_close(attn[i, keep], weights_i)
     assert (attn[i, ~keep] == 0).all()  # exactly zero, not merely small
-torch.testing.assert_close(context, attn @ V)
+    torch.testing.assert_close(context[i], weights_i @ V1[keep])
 
 context.pow(2).sum().backward()
-assert (K.grad[-1] == 0).all() and (V.grad[-1] == 0).all()  # the blocked key learns nothing
-assert K.grad[:-1].abs().sum() > 0 and V.grad[:-1].abs().sum() > 0
+assert (K1.grad[-1] == 0).all() and (V1.grad[-1] == 0).all()  # the blocked key learns nothing
+assert K1.grad[:-1].abs().sum() > 0 and V1.grad[:-1].abs().sum() > 0
 print(attn.detach().cpu().round(decimals=3))
 
 # %% [markdown]
@@ -99,8 +100,10 @@ print(attn.detach().cpu().round(decimals=3))
 # query positions $i$ (the position being computed), columns are key positions $j$ (what it may
 # read). Attention weights are drawn with the course's `plot_attention` from notebook 02.
 
-# %%
-MASK_CMAP = ListedColormap(["#e6e6e6", COLORS["query"]])  # False = blocked, True = may attend
+# %% jupyter={"source_hidden": true}
+# Masks are not queries, keys or values, so they are drawn in greys (as in notebook 03):
+# dark = may attend, light = blocked.
+MASK_CMAP = ListedColormap(["#e6e6e6", "#4d4d4d"])  # False = blocked, True = may attend
 
 
 def draw_mask(ax, mask_2d, title):
@@ -128,7 +131,7 @@ def mask_colorbar(fig, image, axes, show_bool=True):
     return bar
 
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), layout="constrained")
 image = draw_mask(axes[0], allowed, "mask $M$")
 mask_colorbar(fig, image, axes[0])
@@ -168,28 +171,16 @@ plt.show()
 #| export
 """Attention masks: which keys each query may attend to (True = may attend)."""
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
-
-def _positive_int(value: int, name: str) -> int:
-    """`value` as a Python int of at least 1, or a clear TypeError/ValueError."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}")
-    try:
-        value = operator.index(value)  # accepts ints, NumPy ints and 0-d integer tensors
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return value
+from transformer_from_scratch.checks import check_int, check_tensor
 
 
 def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(1, 1, T, T) bool mask letting query i attend to keys 0..i only (True = may attend)."""
-    T = _positive_int(T, "T")
+    T = check_int("T", T, minimum=1)
     allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T), j <= i
     return allowed.view(1, 1, T, T)  # (T, T) -> (1, 1, T, T): shared by every sequence and head
 
@@ -229,8 +220,8 @@ tgt_in = torch.cat([torch.tensor([BOS]), y])  # (T,) what the decoder reads
 tgt_out = torch.cat([y, torch.tensor([EOS])])  # (T,) what it must predict at each position
 assert torch.equal(tgt_out[:-1], tgt_in[1:])  # the answer at t is the input at t + 1
 
-T, vocab = len(tgt_in), 10
-positions = torch.eye(T)  # (T, T): row t is the one-hot code of position t
+T_tgt, vocab = len(tgt_in), 10
+positions = torch.eye(T_tgt)  # (T, T): row t is the one-hot code of position t
 Q_peek = 8.0 * positions.roll(-1, dims=0)  # (T, T): query t looks for the key of position t + 1
 K_peek = positions  # (T, T): each key says where it is
 V_peek = F.one_hot(tgt_in, vocab).float()  # (T, vocab): each value says which token it is
@@ -246,7 +237,7 @@ def teacher_forced_accuracy(mask):
 
 
 no_mask = teacher_forced_accuracy(None)
-with_mask = teacher_forced_accuracy(causal_mask(T, device=device)[0, 0])
+with_mask = teacher_forced_accuracy(causal_mask(T_tgt, device=device)[0, 0])
 print(f"teacher-forced accuracy of the peeking head: no mask {no_mask:.0%}, causal {with_mask:.0%}")
 assert no_mask == 1.0 and with_mask == 0.0
 
@@ -260,7 +251,7 @@ assert no_mask == 1.0 and with_mask == 0.0
 
 # %%
 g = torch.Generator().manual_seed(1)
-T, d_model = 8, 16
+T_causal, d_model = 8, 16
 embedding = torch.randn(vocab, d_model, generator=g)
 W_q, W_k, W_v = (torch.randn(d_model, d_model, generator=g) / d_model**0.5 for _ in range(3))
 
@@ -272,13 +263,13 @@ def self_attention(x, mask):
     return context  # (T, d_model)
 
 
-tokens = torch.randperm(vocab, generator=g)[:T]  # T distinct tokens: no two inputs are equal
+tokens = torch.randperm(vocab, generator=g)[:T_causal]  # T distinct tokens: no two inputs are equal
 unused = [v for v in range(vocab) if v not in tokens.tolist()]
 changed = tokens.clone()
 changed[5] = unused[0]  # a different token at position 5 only
 x, x_changed = embedding[tokens].to(device), embedding[changed].to(device)  # (T, d_model)
 
-causal = causal_mask(T, device=device)[0, 0]
+causal = causal_mask(T_causal, device=device)[0, 0]
 moved_causal = (self_attention(x_changed, causal) - self_attention(x, causal)).abs().amax(-1)
 moved_full = (self_attention(x_changed, None) - self_attention(x, None)).abs().amax(-1)
 print("largest change per position, causal:", moved_causal.cpu().round(decimals=3))
@@ -300,22 +291,22 @@ J_causal = torch.autograd.functional.jacobian(lambda x: self_attention(x, causal
 depends_full = J_full.pow(2).sum(dim=(1, 3)).sqrt().cpu()
 depends_causal = J_causal.pow(2).sum(dim=(1, 3)).sqrt().cpu()
 
-lower = torch.ones(T, T, dtype=torch.bool).tril()
+lower = torch.ones(T_causal, T_causal, dtype=torch.bool).tril()
 assert (depends_causal[~lower] == 0).all() and (depends_causal[lower] > 0).all()
 assert (depends_full > 0).all()
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True, layout="constrained")
 norm = PowerNorm(gamma=0.5, vmin=0, vmax=max(depends_full.max(), depends_causal.max()).item())
-cmap = plt.get_cmap("Blues").with_extremes(bad="#e6e6e6")  # exact zeros drawn grey
+cmap = plt.get_cmap("viridis").with_extremes(bad="#e6e6e6")  # exact zeros drawn light grey
 for ax, depends, title in [(axes[0], depends_full, "no mask"),
                            (axes[1], depends_causal, "causal mask")]:
     shown = depends.masked_fill(depends == 0, float("nan"))  # exactly 0 -> "bad" colour
     image = ax.imshow(shown.numpy(), cmap=cmap, norm=norm)
     ax.set_title(f"{title}: output $i$ depends on input $j$")
     ax.set_xlabel("input (key) position $j$")
-    ax.set_xticks(range(T))
-    ax.set_yticks(range(T))
+    ax.set_xticks(range(T_causal))
+    ax.set_yticks(range(T_causal))
 axes[0].set_ylabel("output (query) position $i$")
 axes[1].legend(handles=[Patch(color="#e6e6e6", label="exactly 0")], loc="upper right",
                fontsize=10, framealpha=0.9)
@@ -348,11 +339,8 @@ plt.show()
 def padding_mask(lengths: torch.Tensor | Sequence[int], T_k: int) -> torch.Tensor:
     """(B, 1, 1, T_k) bool mask that is True on the first lengths[b] keys of each sequence b."""
     lengths = torch.as_tensor(lengths)  # a tensor keeps its device; a list lands on the CPU
-    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
-        raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
-    if lengths.dim() != 1:
-        raise ValueError(f"lengths must be 1-D, of shape (B,), got shape {tuple(lengths.shape)}")
-    T_k = _positive_int(T_k, "T_k")
+    check_tensor("lengths", lengths, dim=1, kind="int")  # (B,)
+    T_k = check_int("T_k", T_k, minimum=1)
     bad = (lengths < 0) | (lengths > T_k)
     if bad.any():
         b = int(bad.nonzero()[0, 0])
@@ -420,14 +408,14 @@ print("largest difference from running alone, masked:  ",
 print("largest difference from running alone, unmasked:",
       round((unmasked[0, :4] - expected).abs().max().item(), 4))
 
-# %%
-lengths_demo = torch.tensor([6, 3])
-pad_demo = padding_mask(lengths_demo, T_k=6)  # (2, 1, 1, 6)
+# %% jupyter={"source_hidden": true}
+lengths_fig = torch.tensor([6, 3])
+pad_demo = padding_mask(lengths_fig, T_k=6)  # (2, 1, 1, 6)
 fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.2), sharey=True, layout="constrained")
 for b, ax in enumerate(axes):
     # (1, T_k) -> (T_q, T_k): the same row for every query, as broadcasting will make it
     image = draw_mask(ax, pad_demo[b, 0].expand(6, 6),
-                      f"sequence {b}: length {lengths_demo[b].item()} of 6")
+                      f"sequence {b}: length {lengths_fig[b].item()} of 6")
 axes[1].set_ylabel("")
 mask_colorbar(fig, image, axes)
 fig.suptitle("padding_mask([6, 3], 6): keys past each length are blocked, for every query")
@@ -450,31 +438,32 @@ plt.show()
 # function is needed: `causal_mask(T) & padding_mask(lengths, T)`.
 
 # %%
-lengths_demo = torch.tensor([7, 4])
-T, B, num_heads = 7, 2, 3
-combined = causal_mask(T, device=device) & padding_mask(lengths_demo.to(device), T)
-assert combined.shape == (B, 1, T, T)
+lengths_comb = torch.tensor([7, 4])
+T_comb, B, num_heads = 7, 2, 3
+combined = causal_mask(T_comb) & padding_mask(lengths_comb, T_comb)  # (B, 1, T, T), on the CPU
+assert combined.shape == (B, 1, T_comb, T_comb)
 for b in range(B):
-    for i in range(T):
-        for j in range(T):
-            assert combined[b, 0, i, j] == (j <= i and j < lengths_demo[b])
+    for i in range(T_comb):
+        for j in range(T_comb):
+            assert combined[b, 0, i, j] == (j <= i and j < lengths_comb[b])
 # Right padding keeps key 0 for every query, so no row is empty.
 assert combined.any(dim=-1).all()
 
-# It broadcasts against multi-head shapes: Q, K, V of shape (B, h, T, d_k).
-QKV = torch.randn(3, B, num_heads, T, d_k, generator=torch.Generator().manual_seed(3)).to(device)
-context, attn = scaled_dot_product_attention(*QKV, mask=combined)
-assert context.shape == (B, num_heads, T, d_k) and attn.shape == (B, num_heads, T, T)
-assert (attn.masked_select(~combined.expand_as(attn)) == 0).all()
-torch.testing.assert_close(attn.sum(dim=-1), torch.ones(B, num_heads, T, device=device))
-print(combined[1, 0].int().cpu())
+# It broadcasts against multi-head shapes: Q, K, V of shape (B, h, T, d_k), on `device`.
+QKV = torch.randn(3, B, num_heads, T_comb, d_k, generator=torch.Generator().manual_seed(3)).to(device)
+combined_d = combined.to(device)
+context_mh, attn_mh = scaled_dot_product_attention(*QKV, mask=combined_d)
+assert context_mh.shape == (B, num_heads, T_comb, d_k) and attn_mh.shape == (B, num_heads, T_comb, T_comb)
+assert (attn_mh.masked_select(~combined_d.expand_as(attn_mh)) == 0).all()
+torch.testing.assert_close(attn_mh.sum(dim=-1), torch.ones(B, num_heads, T_comb, device=device))
+print(combined[1, 0].int())
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), sharey=True, layout="constrained")
 for b, ax in enumerate(axes):
-    length = lengths_demo[b].item()
-    title = f"sequence {b}: length {length} of {T}"
-    if length < T:  # mark where the padding starts (a full sequence has none to mark)
+    length = lengths_comb[b].item()
+    title = f"sequence {b}: length {length} of {T_comb}"
+    if length < T_comb:  # mark where the padding starts (a full sequence has none to mark)
         ax.axvline(length - 0.5, color=COLORS["accent"], linestyle="--", linewidth=2.5)
         ax.axhline(length - 0.5, color=COLORS["accent"], linestyle=":", linewidth=2.5)
     else:
@@ -517,9 +506,9 @@ plt.show()
 # for the third).
 
 # %%
-T = 6
-lengths_demo = torch.tensor([6, 4])
-key_pad = padding_mask(lengths_demo, T)  # (B, 1, 1, T)
+T = 6  # the length in this section
+lengths_pad = torch.tensor([6, 4])
+key_pad = padding_mask(lengths_pad, T)  # (B, 1, 1, T)
 query_pad = key_pad.transpose(-1, -2)  # (B, 1, 1, T) -> (B, 1, T, 1): a padded query row
 ways = {
     "causal & padded queries and keys": causal_mask(T) & key_pad & query_pad,  # (B, 1, T, T)
@@ -527,13 +516,13 @@ ways = {
     "padding with length 0": padding_mask(torch.tensor([6, 0]), T).expand(-1, -1, T, -1),
 }
 for name, way in ways.items():
-    empty_rows = ~way.any(dim=-1)  # (B, 1, T): True where a query has no key at all
-    print(f"{name:34s} empty rows per sequence: {empty_rows.sum(dim=(1, 2)).tolist()}")
+    no_key = ~way.any(dim=-1)  # (B, 1, T): True where a query has no key at all
+    print(f"{name:34s} empty rows per sequence: {no_key.sum(dim=(1, 2)).tolist()}")
 empty = {name: (~way.any(dim=-1)).sum(dim=(1, 2)).tolist() for name, way in ways.items()}
 assert empty == {"causal & padded queries and keys": [0, 2], "causal & left padding": [0, 2],
                  "padding with length 0": [0, 6]}
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 3, figsize=(13, 4.4), sharey=True, layout="constrained")
 for ax, (name, way) in zip(axes, ways.items(), strict=True):
     image = draw_mask(ax, way[1, 0], f"{name}\n(sequence 1)")
@@ -651,44 +640,108 @@ assert nan_grads == ["embed", "W_v", "W_out"]  # W_q and W_k are finite
 assert torch.equal(nan_positions_2, torch.tensor([[False] * T, [True] * T]))  # all of sequence 1
 assert torch.tensor(loss_naive_2).isnan()
 
+
 # %% [markdown]
-# ### What PyTorch's built-ins do (torch 2.13, CPU)
+# ### What PyTorch's built-ins do: it depends on the version
 #
-# `F.scaled_dot_product_attention` used to return NaN here too (pytorch/pytorch#103963). Since
-# 2024 its reference ("math") kernel uses a *safe* softmax that returns zeros for a row with no
-# finite score (pytorch/pytorch#131060), and torch 2.13's CPU kernels give zeros. Its boolean
-# `attn_mask` means "may attend", like ours, so our mask goes in unchanged.
+# The built-ins have no single answer here. `F.scaled_dot_product_attention` returned NaN for such
+# a row up to torch 2.4 (pytorch/pytorch#103963). From torch 2.5 its reference ("math") kernel
+# uses a *safe* softmax that returns zeros for a row with no allowed key
+# (pytorch/pytorch#131060), but the fused kernels a GPU may pick have their own code for this
+# case, and a later version may change it again. `nn.MultiheadAttention`, when it returns the
+# attention weights (its default, `need_weights=True`), computes them with a plain softmax, as the
+# naive code above does. With `need_weights=False` it calls `F.scaled_dot_product_attention` and
+# passes whatever that returns through its output projection; a zero context comes out as
+# `out_proj(0)`, which is `out_proj.bias` (zero only while the bias keeps its initial value, so we
+# give it random values to tell the two apart).
 #
-# `nn.MultiheadAttention` is a different story. When it has to return the attention weights (its
-# default, `need_weights=True`) it computes them with a plain softmax, and both the weights and
-# the output of an empty row are NaN. With `need_weights=False` it calls
-# `F.scaled_dot_product_attention`, gets a zero context for the empty row, and passes it through
-# its output projection, so that row comes out as `out_proj(0)`, which is `out_proj.bias`: zero
-# only while that bias still has its initial value. To tell the two apart, the check gives the
-# bias random values first. Its boolean masks mean the opposite of ours (section 6), hence the
-# `~`. We check all of this on the CPU, whatever `device` is, because fused GPU kernels have
-# their own code for this case.
+# So the next cell only *shows* what the torch you are running does, on the CPU, with its version
+# number; its output is not compared when the notebook is tested, because it may differ on your
+# machine. `F.scaled_dot_product_attention` does not return its weights, but with $V = I$ the
+# context *is* the weight matrix, so we can draw them. Its boolean `attn_mask` means "may attend",
+# like ours, so our mask goes in unchanged; `nn.MultiheadAttention`'s means the opposite
+# (section 6), hence the `~`. The cell after it asserts only what holds on every supported
+# version: on each row that has a key, both built-ins give the weights of the formula (the naive
+# version above; for `nn.MultiheadAttention`, on its own projections of the input), and
+# `nn.MultiheadAttention`'s two paths agree.
 
-# %%
+# %% tags=["nbval-ignore-output"]
+def empty_row_answer(
+    rows: torch.Tensor, zero: torch.Tensor | float = 0.0, zero_name: str = "zeros"
+) -> str:
+    """What the rows of an empty query hold: NaN, `zero` (called `zero_name`), or other values."""
+    if rows.isnan().all():
+        return "NaN"
+    return zero_name if torch.equal(rows, torch.as_tensor(zero).expand_as(rows)) else "other values"
+
+
+identity = torch.eye(T).expand(2, 1, T, T)  # V = I: the context is the weight matrix
 builtin_context = F.scaled_dot_product_attention(Q, K, V, attn_mask=square)  # (B, 1, T, d_k)
-print("F.scaled_dot_product_attention, sequence 1, rows 4-5:")
-print(builtin_context[1, 0, 4:].round(decimals=4))
+builtin_weights = F.scaled_dot_product_attention(Q, K, identity, attn_mask=square)  # (B, 1, T, T)
 
-mha = nn.MultiheadAttention(d_k, num_heads=1, batch_first=True)
+mha_empty = nn.MultiheadAttention(d_k, num_heads=1, batch_first=True)
 with torch.no_grad():  # a nonzero output bias, so that "zero" and "the bias" differ
-    mha.out_proj.bias.normal_(generator=torch.Generator().manual_seed(11))
+    mha_empty.out_proj.bias.normal_(generator=torch.Generator().manual_seed(11))
 x_mha = Q[:, 0]  # (B, 1, T, d_k) -> (B, T, d_k)
 mha_attn_mask = ~square[:, 0]  # (B, 1, T, T) -> (B*h, T, T) with h = 1; True = blocked
-out_weights, attn_weights = mha(x_mha, x_mha, x_mha, attn_mask=mha_attn_mask)
-out_no_weights, _ = mha(x_mha, x_mha, x_mha, attn_mask=mha_attn_mask, need_weights=False)
-print("nn.MultiheadAttention (need_weights=True), sequence 1, rows 4-5 of the weights:")
-print(attn_weights[1, 4:].detach().round(decimals=4))
+with torch.no_grad():
+    out_weights, mha_weights = mha_empty(x_mha, x_mha, x_mha, attn_mask=mha_attn_mask)
+    out_no_weights, _ = mha_empty(x_mha, x_mha, x_mha, attn_mask=mha_attn_mask, need_weights=False)
+bias = mha_empty.out_proj.bias.detach()
 
-assert (builtin_context[1, 0, 4:] == 0).all() and not builtin_context.isnan().any()
-assert attn_weights[1, 4:].isnan().all() and out_weights[1, 4:].isnan().all()
-assert not out_no_weights.isnan().any()
-# need_weights=False: the empty rows' zero context, through out_proj, is exactly out_proj's bias
-torch.testing.assert_close(out_no_weights[1, 4:], mha.out_proj.bias.detach().expand(2, d_k))
+print(f"torch {torch.__version__}, CPU; sequence 1, rows 4-5 (the queries with no key):")
+print("  F.scaled_dot_product_attention, context:           ",
+      empty_row_answer(builtin_context[1, 0, 4:]))
+print("  nn.MultiheadAttention, need_weights=True, weights: ", empty_row_answer(mha_weights[1, 4:]))
+print("  nn.MultiheadAttention, need_weights=True, output:  ", empty_row_answer(out_weights[1, 4:]))
+print("  nn.MultiheadAttention, need_weights=False, output: ",
+      empty_row_answer(out_no_weights[1, 4:], bias, "out_proj.bias"))
+if device.type != "cpu":
+    on_device = F.scaled_dot_product_attention(Q.to(device), K.to(device), V.to(device),
+                                               attn_mask=square.to(device))
+    print(f"  F.scaled_dot_product_attention on {device.type}, context: ",
+          empty_row_answer(on_device[1, 0, 4:].cpu()))
+
+# %%
+# What holds on every supported version: on each row that has a key, both built-ins give the
+# weights of the formula (nn.MultiheadAttention on its own projections of the input), and
+# nn.MultiheadAttention's two paths agree.
+full_rows = ~empty_rows.expand_as(attn_naive)  # (B, 1, T, T): the rows of queries with a key
+torch.testing.assert_close(builtin_weights[full_rows], attn_naive[full_rows])
+
+W_in, b_in = mha_empty.in_proj_weight.detach(), mha_empty.in_proj_bias.detach()  # (3 d_k, d_k)
+q_mha, k_mha, v_mha = (x_mha @ W.T + b for W, b in zip(W_in.chunk(3), b_in.chunk(3), strict=True))
+_, attn_mha_naive = naive_attention(q_mha, k_mha, v_mha, square[:, 0])  # (B, T, T)
+torch.testing.assert_close(mha_weights.unsqueeze(1)[full_rows], attn_mha_naive.unsqueeze(1)[full_rows])
+full_queries = ~empty_rows[:, 0, :, 0]  # (B, T): True for the queries with a key
+torch.testing.assert_close(out_no_weights[full_queries], out_weights[full_queries])
+
+# %% [markdown]
+# The picture, for the torch you are running:
+
+# %% jupyter={"source_hidden": true} tags=["nbval-ignore-output"]
+cmap = plt.get_cmap("Blues").with_extremes(bad=COLORS["accent"])  # NaN cells are drawn in red
+panels = [(f"F.scaled_dot_product_attention:\n{empty_row_answer(builtin_weights[1, 0, 4:])}",
+           builtin_weights[1, 0]),
+          ("nn.MultiheadAttention (need_weights=True, its own\n"
+           f"projections of the input): {empty_row_answer(mha_weights[1, 4:])}", mha_weights[1])]
+fig, axes = plt.subplots(1, 2, figsize=(9.5, 4.6), sharey=True, layout="constrained")
+for ax, (title, weights_2d) in zip(axes, panels, strict=True):
+    plot_attention(weights_2d, ax=ax, cmap=cmap, vmax=1, colorbar=False, title=title, annotate=True)
+    for text in ax.texts:  # the annotated weights, larger than plot_attention's default
+        text.set_fontsize(10)
+    ax.add_patch(Rectangle((-0.5, 3.5), T, 2, fill=False, edgecolor="black", linewidth=2,
+                           linestyle="--"))
+    ax.set_xlabel("key position $j$")
+    ax.set_ylabel("")
+axes[0].set_ylabel("query position $i$")
+fig.colorbar(axes[0].images[0], ax=axes, fraction=0.046, pad=0.04, label="attention weight")
+fig.legend(handles=[Patch(color=COLORS["accent"], label="NaN"),
+                    Patch(fill=False, edgecolor="black", linestyle="--",
+                          label="queries with no key")],
+           loc="outside lower center", ncols=2, fontsize=10)
+fig.suptitle(f"What torch {torch.__version__} (CPU) gives the empty rows of sequence 1")
+plt.show()
 
 # %% [markdown]
 # ### The course's answer: zero weights, zero context
@@ -696,8 +749,9 @@ torch.testing.assert_close(out_no_weights[1, 4:], mha.out_proj.bias.detach().exp
 # Notebook 02 fixed the policy for the whole course: a query whose keys are all masked gets
 # attention weights of all zeros and a zero context vector, never NaN. The formula of section 1
 # has no value there ($0/0$), so any answer is a convention. Zeros are the natural one: a weighted
-# sum over no keys is an empty sum, which is 0; it is the choice `F.scaled_dot_product_attention`
-# makes now; and, as the next subsection shows, nothing downstream reads it.
+# sum over no keys is an empty sum, which is 0; it is the choice the reference kernel of
+# `F.scaled_dot_product_attention` makes from torch 2.5 on; and, as the next subsection shows,
+# nothing downstream reads it.
 #
 # The fix is three lines of `scaled_dot_product_attention` (notebook 02), the ones that mention
 # `no_key`. Here is the mask-and-softmax part of the function, printed from the package's source:
@@ -719,8 +773,11 @@ print(textwrap.dedent("\n".join(source[start:end + 1])))
 #    so the context $\alpha V$ of such a query is $0$. `masked_fill` writes constants there, so
 #    no gradient flows back through those rows either.
 #
-# **Check:** on the same inputs, ours has no NaN, zeros on the empty rows, and on the other rows
-# the same weights as the naive version; it equals the built-in everywhere, values and gradients.
+# **Check:** on the same inputs, on `device`, ours has no NaN, zeros on the empty rows (the
+# course's policy), and on the other rows the weights of the naive version and the context of the
+# built-in. Its gradients equal the built-in's too. So that the built-in's answer on the empty rows,
+# whatever this torch makes it, cannot enter the comparison, the built-in gets those rows opened
+# to every key and no upstream gradient there; ours sends no gradient through them anyway.
 
 # %%
 Qg, Kg, Vg = (t.clone().to(device).requires_grad_() for t in (Q, K, V))
@@ -729,36 +786,23 @@ assert not context_ours.isnan().any() and not attn_ours.isnan().any()
 empty_on_device = empty_rows.to(device)
 assert (attn_ours.masked_select(empty_on_device) == 0).all()
 assert (context_ours.masked_select(empty_on_device) == 0).all()
-full_rows = ~empty_rows.expand_as(attn_naive)
-torch.testing.assert_close(attn_ours.detach().cpu()[full_rows], attn_naive[full_rows])
-torch.testing.assert_close(context_ours.detach().cpu(), builtin_context)
+torch.testing.assert_close(attn_ours.detach().cpu()[full_rows], attn_naive[full_rows],
+                           rtol=1e-4, atol=1e-6)
+context_rows = full_rows[..., :1].expand_as(builtin_context)  # (B, 1, T, d_k)
+torch.testing.assert_close(context_ours.detach().cpu()[context_rows], builtin_context[context_rows],
+                           rtol=1e-4, atol=1e-5)
 
 # Gradients: the same upstream gradient through ours and through the built-in.
 upstream = torch.randn(context_ours.shape, generator=torch.Generator().manual_seed(6))
 (context_ours * upstream.to(device)).sum().backward()
+opened = square | empty_rows  # (B, 1, T, T): an empty row may now attend to every key
 Qb, Kb, Vb = (t.clone().requires_grad_() for t in (Q, K, V))
-(F.scaled_dot_product_attention(Qb, Kb, Vb, attn_mask=square) * upstream).sum().backward()
-for ours, theirs in [(Qg, Qb), (Kg, Kb), (Vg, Vb)]:
-    assert torch.isfinite(ours.grad).all()
-    torch.testing.assert_close(ours.grad.cpu(), theirs.grad)
+builtin_opened = F.scaled_dot_product_attention(Qb, Kb, Vb, attn_mask=opened)
+(builtin_opened * upstream.masked_fill(empty_rows, 0.0)).sum().backward()
+for mine, theirs in [(Qg, Qb), (Kg, Kb), (Vg, Vb)]:
+    assert torch.isfinite(mine.grad).all()
+    torch.testing.assert_close(mine.grad.cpu(), theirs.grad, rtol=1e-4, atol=1e-5)
 print(attn_ours[1, 0].detach().cpu().round(decimals=3))
-
-# %% [markdown]
-# On the GPU, what the built-in returns depends on the kernel PyTorch picks there, so this cell's
-# output is not compared; the next cell asserts what must hold on any device: ours is zero on the
-# empty rows and agrees with the built-in on every other row.
-
-# %% tags=["nbval-ignore-output"]
-Qd, Kd, Vd, square_d = Q.to(device), K.to(device), V.to(device), square.to(device)
-builtin_on_device = F.scaled_dot_product_attention(Qd, Kd, Vd, attn_mask=square_d)
-print(f"{device.type}: built-in, sequence 1, rows 4-5:")
-print(builtin_on_device[1, 0, 4:].cpu().round(decimals=4))
-
-# %%
-ours_on_device, _ = scaled_dot_product_attention(Qd, Kd, Vd, mask=square_d)
-full_rows_d = full_rows[..., :1].expand_as(builtin_on_device).to(device)  # (B, 1, T, d_k)
-torch.testing.assert_close(ours_on_device[full_rows_d], builtin_on_device[full_rows_d])
-assert (ours_on_device[~full_rows_d] == 0).all()
 
 
 # %% [markdown]
@@ -817,7 +861,7 @@ except RuntimeError as err:
     print("float16:", err)
 print(attn_big[1, 0, 4:].round(decimals=4))
 
-# %%
+# %% jupyter={"source_hidden": true}
 panels = [("$-\\infty$ + plain softmax: NaN", attn_naive[1, 0]),
           ("$-10^9$ + plain softmax: uniform", attn_big[1, 0]),
           ("ours: zero weights", attn_ours[1, 0].detach().cpu())]
@@ -865,20 +909,19 @@ plt.show()
 # `nn.MultiheadAttention` is either `~mask` or a float mask.
 #
 # **Check, `F.scaled_dot_product_attention`:** our mask goes in as it is; `is_causal=True` is our
-# causal mask; passing `~mask` gives something else.
+# causal mask; passing `~mask` gives something else. The mask is section 4's `combined`
+# (causal, lengths 7 and 4), on the CPU.
 
 # %%
-T = 7
-lengths_demo = torch.tensor([7, 4])
-combined = causal_mask(T) & padding_mask(lengths_demo, T)  # (B, 1, T, T)
 g = torch.Generator().manual_seed(8)
-Q, K, V = torch.randn(3, 2, 1, T, d_k, generator=g)  # each (B, h=1, T, d_k), on the CPU
+Q_c, K_c, V_c = torch.randn(3, 2, 1, T_comb, d_k, generator=g)  # each (B, h=1, T, d_k), on the CPU
 
-ours_context, ours_attn = scaled_dot_product_attention(Q, K, V, mask=combined)
-torch.testing.assert_close(ours_context, F.scaled_dot_product_attention(Q, K, V, attn_mask=combined))
-torch.testing.assert_close(scaled_dot_product_attention(Q, K, V, mask=causal_mask(T))[0],
-                           F.scaled_dot_product_attention(Q, K, V, is_causal=True))
-flipped = F.scaled_dot_product_attention(Q, K, V, attn_mask=~combined)
+ours_context, ours_attn = scaled_dot_product_attention(Q_c, K_c, V_c, mask=combined)
+torch.testing.assert_close(ours_context,
+                           F.scaled_dot_product_attention(Q_c, K_c, V_c, attn_mask=combined))
+torch.testing.assert_close(scaled_dot_product_attention(Q_c, K_c, V_c, mask=causal_mask(T_comb))[0],
+                           F.scaled_dot_product_attention(Q_c, K_c, V_c, is_causal=True))
+flipped = F.scaled_dot_product_attention(Q_c, K_c, V_c, attn_mask=~combined)
 assert not torch.allclose(flipped.nan_to_num(), ours_context, atol=1e-3)
 
 # %% [markdown]
@@ -886,8 +929,9 @@ assert not torch.allclose(flipped.nan_to_num(), ours_context, atol=1e-3)
 # $\operatorname{softmax}(x x^\top / \sqrt{d})\, x$, so it must agree with ours on $Q = K = V = x$,
 # outputs and weights, once its masks are flipped: `~combined` as `attn_mask`, or `~causal` plus
 # `~padding` as `key_padding_mask`. Passing our masks unflipped is not an error; it is silently
-# wrong, or NaN where the flip leaves a row empty (the last query of a causal mask keeps every
-# key, so unflipped it keeps none).
+# wrong. Where the flip leaves a row empty it is worse: the last query of a causal mask keeps
+# every key, so unflipped it keeps none, and gets whatever this torch gives an empty row
+# (section 5).
 
 # %%
 mha = nn.MultiheadAttention(d_k, num_heads=1, bias=False, batch_first=True)
@@ -895,21 +939,23 @@ with torch.no_grad():
     mha.in_proj_weight.copy_(torch.eye(d_k).repeat(3, 1))  # W_q = W_k = W_v = I: (3 d_k, d_k)
     mha.out_proj.weight.copy_(torch.eye(d_k))  # W_o = I
 
-x_seq = Q[:, 0]  # (B, 1, T, d_k) -> (B, T, d_k)
+x_seq = Q_c[:, 0]  # (B, 1, T, d_k) -> (B, T, d_k)
 ours_x, ours_x_attn = scaled_dot_product_attention(x_seq, x_seq, x_seq, mask=combined[:, 0])
 
 # One (B*h, T, T) attn_mask: (B, 1, T, T) -> (B*h, T, T) with h = 1, True = blocked.
-out_a, weights_a = mha(x_seq, x_seq, x_seq, attn_mask=~combined.reshape(-1, T, T))
+out_a, weights_a = mha(x_seq, x_seq, x_seq, attn_mask=~combined.reshape(-1, T_comb, T_comb))
 # Or a (T, T) causal attn_mask and a (B, T_k) key_padding_mask, both True = blocked.
-out_b, weights_b = mha(x_seq, x_seq, x_seq, attn_mask=~causal_mask(T)[0, 0],
-                       key_padding_mask=~padding_mask(lengths_demo, T)[:, 0, 0])
+out_b, weights_b = mha(x_seq, x_seq, x_seq, attn_mask=~causal_mask(T_comb)[0, 0],
+                       key_padding_mask=~padding_mask(lengths_comb, T_comb)[:, 0, 0])
 for out, weights_mha in [(out_a, weights_a), (out_b, weights_b)]:
     torch.testing.assert_close(out, ours_x)
     torch.testing.assert_close(weights_mha, ours_x_attn)
 
-wrong, _ = mha(x_seq, x_seq, x_seq, attn_mask=causal_mask(T)[0, 0])  # our mask, unflipped
-assert wrong[:, -1].isnan().all() and not torch.allclose(wrong[:, 0], ours_x[:, 0])
-print("unflipped causal mask, last query of sequence 0:", wrong[0, -1].detach().round(decimals=4))
+wrong, _ = mha(x_seq, x_seq, x_seq, attn_mask=causal_mask(T_comb)[0, 0])  # our mask, unflipped
+assert not torch.allclose(wrong[:, 0], ours_x[:, 0], atol=1e-3)  # query 0 reads keys 1..6, not 0
+assert causal_mask(T_comb)[0, 0, -1].all()  # all True: to nn.MultiheadAttention, all blocked
+print("unflipped causal mask, query 0 of sequence 0, largest error:",
+      round((wrong[0, 0] - ours_x[0, 0]).abs().max().item(), 3))
 
 # %% [markdown]
 # **Check, float masks:** a float mask of $0$ (keep) and $-\infty$ (block) is added to the scores
@@ -918,14 +964,15 @@ print("unflipped causal mask, last query of sequence 0:", wrong[0, -1].detach().
 
 # %%
 additive = torch.zeros(combined.shape).masked_fill(~combined, float("-inf"))  # (B, 1, T, T)
-torch.testing.assert_close(scaled_dot_product_attention(Q, K, V, mask=additive)[0], ours_context)
-torch.testing.assert_close(F.scaled_dot_product_attention(Q, K, V, attn_mask=additive),
+torch.testing.assert_close(scaled_dot_product_attention(Q_c, K_c, V_c, mask=additive)[0],
                            ours_context)
-out_float, _ = mha(x_seq, x_seq, x_seq, attn_mask=additive.reshape(-1, T, T))
+torch.testing.assert_close(F.scaled_dot_product_attention(Q_c, K_c, V_c, attn_mask=additive),
+                           ours_context)
+out_float, _ = mha(x_seq, x_seq, x_seq, attn_mask=additive.reshape(-1, T_comb, T_comb))
 torch.testing.assert_close(out_float, ours_x)
 print(additive[1, 0])
 
-# %%
+# %% jupyter={"source_hidden": true}
 spellings = [
     ("ours, F.scaled_dot_product_attention\nbool: True = may attend", combined[1, 0], "bool"),
     ("nn.MultiheadAttention attn_mask\nbool: True = blocked", ~combined[1, 0], "bool"),
@@ -935,8 +982,8 @@ fig, axes = plt.subplots(1, 3, figsize=(13, 4.6), sharey=True, layout="constrain
 for ax, (title, spelled, kind) in zip(axes, spellings, strict=True):
     allowed_2d = combined[1, 0]
     image = draw_mask(ax, allowed_2d, title)  # colour = what the mask means, the same in all
-    for i in range(T):
-        for j in range(T):
+    for i in range(T_comb):
+        for j in range(T_comb):
             if kind == "bool":
                 text = "T" if spelled[i, j] else "F"
             else:
@@ -993,11 +1040,11 @@ def sliding_window_mask(T, w, device=None):
     return causal_mask(T, device=device) & recent
 
 
-T, w = 8, 3
-window = sliding_window_mask(T, w)
-expected = torch.tensor([[i - w < j <= i for j in range(T)] for i in range(T)])
-assert torch.equal(window[0, 0], expected)
-assert window[0, 0].sum(dim=-1).tolist() == [min(i + 1, w) for i in range(T)]
+T_window, w = 8, 3
+window = sliding_window_mask(T_window, w)
+expected_window = torch.tensor([[i - w < j <= i for j in range(T_window)] for i in range(T_window)])
+assert torch.equal(window[0, 0], expected_window)
+assert window[0, 0].sum(dim=-1).tolist() == [min(i + 1, w) for i in range(T_window)]
 print(window[0, 0].int())
 
 # %% [markdown]
@@ -1007,16 +1054,16 @@ print(window[0, 0].int())
 #    a zero context, and the real queries of the short sequence give what they would alone.
 
 # %%
-T, lengths_left = 5, torch.tensor([5, 2])
-left = causal_mask(T) & padding_mask(lengths_left, T).flip(-1)  # (B, 1, T, T)
+T_left, lengths_left = 5, torch.tensor([5, 2])
+left = causal_mask(T_left) & padding_mask(lengths_left, T_left).flip(-1)  # (B, 1, T, T)
 assert (~left.any(dim=-1))[1, 0].nonzero().flatten().tolist() == [0, 1, 2]
 
 g = torch.Generator().manual_seed(9)
-Q, K, V = torch.randn(3, 2, 1, T, d_k, generator=g)  # each (B, h=1, T, d_k)
-context_left, attn_left = scaled_dot_product_attention(Q, K, V, mask=left)
+Q_left, K_left, V_left = torch.randn(3, 2, 1, T_left, d_k, generator=g)  # each (B, h=1, T, d_k)
+context_left, attn_left = scaled_dot_product_attention(Q_left, K_left, V_left, mask=left)
 assert (attn_left[1, 0, :3] == 0).all() and (context_left[1, 0, :3] == 0).all()
-alone_context, _ = scaled_dot_product_attention(Q[1:, :, 3:], K[1:, :, 3:], V[1:, :, 3:],
-                                                mask=causal_mask(2))
+alone_context, _ = scaled_dot_product_attention(Q_left[1:, :, 3:], K_left[1:, :, 3:],
+                                                V_left[1:, :, 3:], mask=causal_mask(2))
 torch.testing.assert_close(context_left[1:, :, 3:], alone_context)
 print(attn_left[1, 0].round(decimals=3))
 
@@ -1025,22 +1072,19 @@ print(attn_left[1, 0].round(decimals=3))
 #    major, then head), and flip it: $(B, 1, T, T) \to (B, h, T, T) \to (B \cdot h, T, T)$.
 
 # %%
-T, h, d_model = 7, 2, 8
-lengths_demo = torch.tensor([7, 4])
-combined = causal_mask(T) & padding_mask(lengths_demo, T)  # (B, 1, T, T)
-B = combined.size(0)
-mha_mask = ~combined.expand(B, h, T, T).reshape(B * h, T, T)  # True = blocked
+h, d_mha = 2, 8  # two heads; the mask is section 4's `combined`, (B, 1, T, T) with T = 7
+mha_mask = ~combined.expand(B, h, T_comb, T_comb).reshape(B * h, T_comb, T_comb)  # True = blocked
 
 set_seed(0)
-mha2 = nn.MultiheadAttention(d_model, num_heads=h, batch_first=True)
-x_two = torch.randn(B, T, d_model, generator=torch.Generator().manual_seed(10))
+mha2 = nn.MultiheadAttention(d_mha, num_heads=h, batch_first=True)
+x_two = torch.randn(B, T_comb, d_mha, generator=torch.Generator().manual_seed(10))
 out_3d, w_3d = mha2(x_two, x_two, x_two, attn_mask=mha_mask, average_attn_weights=False)
-out_split, w_split = mha2(x_two, x_two, x_two, attn_mask=~causal_mask(T)[0, 0],
-                          key_padding_mask=~padding_mask(lengths_demo, T)[:, 0, 0],
+out_split, w_split = mha2(x_two, x_two, x_two, attn_mask=~causal_mask(T_comb)[0, 0],
+                          key_padding_mask=~padding_mask(lengths_comb, T_comb)[:, 0, 0],
                           average_attn_weights=False)
 torch.testing.assert_close(out_3d, out_split)
 torch.testing.assert_close(w_3d, w_split)
-assert (w_3d.masked_select(~combined.expand(B, h, T, T)) == 0).all()  # (B, h, T, T) weights
+assert (w_3d.masked_select(~combined.expand(B, h, T_comb, T_comb)) == 0).all()  # (B, h, T, T)
 print(w_3d[1, 0].detach().round(decimals=3))
 
 # %% [markdown]

@@ -31,6 +31,7 @@ if "google.colab" in sys.modules:
 
 # %%
 import math
+from contextlib import contextmanager
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -39,10 +40,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+from transformer_from_scratch.utils import add_to_class, get_device, save_figure, set_seed
 
 set_seed(0)
 device = get_device()
+# Activations and sub-layers are not roles (notebook 00): colours of their own, the same in every
+# notebook. GELU is purple wherever no LayerNorm shares its figure.
+RELU_COLOR, GELU_COLOR, SILU_COLOR = "#7f7f7f", "#9467bd", "#17becf"  # grey, purple, cyan
+ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = "#c7c7c7", "#bcbd22", "#9467bd"  # light grey, olive, purple
 
 # %% [markdown]
 # ## Why a block needs a second sublayer
@@ -90,27 +95,27 @@ device = get_device()
 # The builder takes the activation by name, so a block can say `activation="gelu"`. It also knows
 # SiLU, $x\,\sigma(x)$ (Swish with $\beta = 1$), which the gated variant at the end uses.
 #
-# Which one is the default depends on what is being built. `feed_forward` defaults to `"relu"`,
-# the paper's choice (and PyTorch's `nn.TransformerEncoderLayer`'s). The blocks of notebook 08
-# default to `"gelu"`, the choice of the tutorial this course follows; they pass it on to
-# `feed_forward` explicitly.
+# Which one is the default depends on what is being built, and the tutorial this course follows
+# is not consistent about it: its encoder and decoder *blocks* default to GELU, while its
+# `Encoder` and `Decoder` *stacks* default to ReLU and pass that to every block they build. The
+# course keeps the same defaults. `feed_forward` and notebook 10's `Encoder` and `Decoder` default
+# to `"relu"`, the paper's choice (and PyTorch's `nn.TransformerEncoderLayer`'s); the blocks of
+# notebook 08, used on their own, default to `"gelu"` and pass it on to `feed_forward`. So the
+# model that notebooks 10–12 build and train uses ReLU.
 
 # %%
 #| export
 import torch
 from torch import nn
 
-_FFN_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
+from transformer_from_scratch.checks import check_bool, check_choice, check_int, check_probability
+
+_FFN_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
 
 
 def get_activation(name: str) -> nn.Module:
     """A new activation module by name: "relu", "gelu" or "silu" (case-insensitive)."""
-    if not isinstance(name, str):
-        raise TypeError(f"activation must be a name such as 'relu', got {type(name).__name__}")
-    key = name.lower()
-    if key not in _FFN_ACTIVATIONS:
-        raise ValueError(f"unknown activation {name!r}; expected one of {sorted(_FFN_ACTIVATIONS)}")
-    return _FFN_ACTIVATIONS[key]()
+    return _FFN_ACTIVATIONS[check_choice("activation", name, list(_FFN_ACTIVATIONS))]()
 
 
 # %% [markdown]
@@ -174,15 +179,15 @@ assert_close(derivative(F.relu, xs), (xs > 0).double())  # PyTorch takes ReLU'(0
 print("GELU'(-2), GELU'(0), GELU'(2):",
       [round(v, 4) for v in derivative(F.gelu, torch.tensor([-2.0, 0.0, 2.0])).tolist()])
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, (ax_f, ax_d) = plt.subplots(1, 2, figsize=(10, 3.8))
 x_plot = torch.linspace(-4, 4, 801, dtype=torch.float64)
-curves = [
-    ("ReLU", F.relu, dict(color=COLORS["query"], lw=2)),
-    ("GELU  $x\\Phi(x)$", F.gelu, dict(color=COLORS["value"], lw=2)),
+curves = [  # activations are not roles: the course's ReLU grey and GELU purple, SiLU cyan
+    ("ReLU", F.relu, dict(color=RELU_COLOR, lw=2)),
+    ("GELU  $x\\Phi(x)$", F.gelu, dict(color=GELU_COLOR, lw=2)),
     ("GELU, tanh approx.", lambda t: F.gelu(t, approximate="tanh"),
      dict(color="black", lw=1, ls="--")),
-    ("SiLU  $x\\sigma(x)$", F.silu, dict(color=COLORS["accent"], lw=1.5, ls=":")),
+    ("SiLU  $x\\sigma(x)$", F.silu, dict(color=SILU_COLOR, lw=1.5, ls=":")),
 ]
 for label, fn, style in curves:
     ax_f.plot(x_plot, fn(x_plot), label=label, **style)
@@ -219,21 +224,13 @@ plt.show()
 
 # %%
 #| export
-def _check_ffn_size(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
 def feed_forward(
     d_model: int, d_ff: int, activation: str = "relu", dropout_p: float = 0.0, bias: bool = True
 ) -> nn.Sequential:
     """The position-wise FFN: Sequential(Linear d_model->d_ff, activation, Linear d_ff->d_model)."""
-    _check_ffn_size("d_model", d_model)
-    _check_ffn_size("d_ff", d_ff)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    d_model, d_ff = check_int("d_model", d_model, minimum=1), check_int("d_ff", d_ff, minimum=1)
+    check_probability("dropout_p", dropout_p)
+    check_bool("bias", bias)
     layers = [
         nn.Linear(d_model, d_ff, bias=bias),  # widen: (..., d_model) -> (..., d_ff)
         get_activation(activation),
@@ -373,10 +370,12 @@ assert (block_norm_attn > 0).all()
 print("nonzero (t, s) blocks: FFN", int((block_norm_ffn > 0).sum()), "of", T * T,
       "| self-attention", int((block_norm_attn > 0).sum()), "of", T * T)
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.6))
+cmap = plt.get_cmap("viridis").with_extremes(bad="#e6e6e6")  # exact zeros drawn light grey
 for ax, jac, name in [(axes[0], J, "position-wise FFN"), (axes[1], J_attn, "self-attention")]:
-    image = ax.imshow(jac.reshape(T * d_model, T * d_model).abs().cpu(), cmap="Blues")
+    magnitude = jac.reshape(T * d_model, T * d_model).abs().cpu()
+    image = ax.imshow(magnitude.masked_fill(magnitude == 0, float("nan")), cmap=cmap)
     for k in range(1, T):  # block boundaries between positions
         ax.axhline(k * d_model - 0.5, color="grey", lw=0.5)
         ax.axvline(k * d_model - 0.5, color="grey", lw=0.5)
@@ -385,7 +384,7 @@ for ax, jac, name in [(axes[0], J, "position-wise FFN"), (axes[1], J_attn, "self
     ax.set_yticks(ticks, [f"$y_{k}$" for k in range(T)])
     ax.set(title=f"|Jacobian| of {name}", xlabel="input position (each block: d_model features)",
            ylabel="output position")
-    fig.colorbar(image, ax=ax, fraction=0.046, label="|∂ output / ∂ input|")
+    fig.colorbar(image, ax=ax, fraction=0.046, label="|∂ output / ∂ input| (grey: exactly 0)")
 fig.tight_layout()
 save_figure(fig, "ffn_jacobian")
 plt.show()
@@ -402,6 +401,14 @@ plt.show()
 # have. `nn.Conv1d` wants channels before time, `(B, d_model, T)`, and stores its kernel as
 # `(out, in, 1)`. **Check:** with the FFN's weights copied in, the convolutional version gives the
 # same outputs and the same gradients.
+#
+# "The same numbers" needs one precaution on a GPU. On NVIDIA GPUs since Ampere (A100, RTX 30xx
+# and newer), PyTorch lets cuDNN run float32 convolutions in TF32 by default, a format with a
+# 10-bit mantissa whose results differ from float32 by about $10^{-3}$; float32 matrix products
+# do not use it unless asked to. So the comparison runs with TF32 switched off for both, and
+# switched back as it was afterwards. (On a CPU the two flags change nothing.) The gradients are
+# computed with `torch.autograd.grad`, which returns them instead of adding them to `.grad`, so
+# running the cell again gives the same numbers.
 
 # %%
 conv_ffn = nn.Sequential(
@@ -414,16 +421,28 @@ with torch.no_grad():
         conv.weight.copy_(linear.weight.unsqueeze(-1))  # (out, in) -> (out, in, 1)
         conv.bias.copy_(linear.bias)
 
+
+@contextmanager
+def full_float32():
+    """Switch TF32 off for matrix products and cuDNN convolutions; restore the flags after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 x_grad = x.clone().requires_grad_(True)
 x_conv = x.clone().requires_grad_(True)
-y_lin = ffn(x_grad)  # (B, T, d_model)
-y_conv = conv_ffn(x_conv.transpose(1, 2)).transpose(1, 2)  # (B, T, d) -> (B, d, T) -> (B, T, d)
-assert_close(y_conv, y_lin)
-
-y_lin.square().sum().backward()
-y_conv.square().sum().backward()
-assert_close(x_conv.grad, x_grad.grad)
-assert_close(conv_ffn[0].weight.grad.squeeze(-1), ffn[0].weight.grad)
+with full_float32():
+    y_lin = ffn(x_grad)  # (B, T, d_model)
+    y_conv = conv_ffn(x_conv.transpose(1, 2)).transpose(1, 2)  # (B, T, d) -> (B, d, T) -> (B, T, d)
+    grads_lin = torch.autograd.grad(y_lin.square().sum(), [x_grad, ffn[0].weight])
+    grads_conv = torch.autograd.grad(y_conv.square().sum(), [x_conv, conv_ffn[0].weight])
+assert_close(y_conv, y_lin, rtol=1e-5, atol=1e-5)
+assert_close(grads_conv[0], grads_lin[0], rtol=1e-5, atol=1e-5)  # d/dx
+assert_close(grads_conv[1].squeeze(-1), grads_lin[1], rtol=1e-5, atol=1e-5)  # d/dW_1
 print("1x1 convolution == position-wise FFN (outputs and gradients)")
 
 
@@ -528,7 +547,7 @@ print(f"course model: {course_total:,} parameters, of which its 4 FFNs hold "
 # $2rd^2 / (2rd^2 + 4d^2) = r / (r + 2)$, which is $2/3$ at $r = 4$. The left panel shows the two
 # configurations, the right one the share for other ratios.
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, (ax_bar, ax_r) = plt.subplots(1, 2, figsize=(11, 3.9), gridspec_kw=dict(width_ratios=[1.5, 1]))
 rows = []
 for name in configs:
@@ -540,12 +559,12 @@ parts = np.array([r[1:] for r in rows], dtype=float)  # (4 blocks, 3 parts)
 shares = parts / parts.sum(axis=1, keepdims=True)
 left = np.zeros(len(rows))
 for k, (part, color) in enumerate(zip(["attention", "FFN", "LayerNorms (under 0.5%)"],
-                                      [COLORS["query"], COLORS["value"], COLORS["accent"]], strict=True)):
+                                      [ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR], strict=True)):
     ax_bar.barh(labels, shares[:, k], left=left, color=color, label=part)
     for i in range(len(rows)):
-        if shares[i, k] > 0.05:
+        if shares[i, k] > 0.05:  # dark text: both colours are light
             ax_bar.text(left[i] + shares[i, k] / 2, i, f"{shares[i, k]:.1%}\n({int(parts[i, k]):,})",
-                        ha="center", va="center", color="white", fontsize=9)
+                        ha="center", va="center", color="black", fontsize=9)
     left += shares[:, k]
 ax_bar.invert_yaxis()
 ax_bar.set(xlim=(0, 1), xlabel="share of the block's parameters",
@@ -553,11 +572,11 @@ ax_bar.set(xlim=(0, 1), xlabel="share of the block's parameters",
 ax_bar.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=9)
 
 ratios = np.linspace(0.5, 8, 200)
-ax_r.plot(ratios, ratios / (ratios + 2), color=COLORS["value"], lw=2, label="$r/(r+2)$")
+ax_r.plot(ratios, ratios / (ratios + 2), color=FFN_COLOR, lw=2, label="$r/(r+2)$")
 for name, (d, _, dff) in configs.items():
     c = counts[name]
-    style = (dict(ms=12, mfc="none", mew=2, color=COLORS["key"]) if name == "paper base"
-             else dict(ms=5, color=COLORS["query"]))  # both sit at r = 4: a ring around a dot
+    style = (dict(ms=12, mfc="none", mew=2, color="black") if name == "paper base"
+             else dict(ms=5, color="0.45"))  # both sit at r = 4: a ring around a dot
     ax_r.plot(dff / d, c["ffn"] / (c["attention"] + c["ffn"] + 2 * c["layernorm"]), "o",
               label=f"{name}, counted", **style)
 ax_r.axhline(2 / 3, color="grey", lw=0.5, ls="--")
@@ -601,9 +620,8 @@ class GatedFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False):
         super().__init__()
-        _check_ffn_size("d_model", d_model)
-        _check_ffn_size("d_ff", d_ff)
-        self.d_model, self.d_ff = d_model, d_ff
+        self.d_model = check_int("d_model", d_model, minimum=1)
+        self.d_ff = check_int("d_ff", d_ff, minimum=1)
         self.W = nn.Linear(d_model, d_ff, bias=bias)  # gate branch, goes through the activation
         self.V = nn.Linear(d_model, d_ff, bias=bias)  # linear branch, multiplied by the gate
         self.W_2 = nn.Linear(d_ff, d_model, bias=bias)  # back to d_model
@@ -630,12 +648,12 @@ def forward(self, x: torch.Tensor) -> torch.Tensor:
 
 # %%
 d_hidden = 48
-x = torch.randn(B, T, d_model).to(device)
+x_gated = torch.randn(B, T, d_model).to(device)
 for act, fn in [("silu", F.silu), ("gelu", F.gelu), ("relu", F.relu)]:
     gated = GatedFeedForward(d_model, d_hidden, activation=act).to(device)
     W, V, W_2 = gated.W.weight.T, gated.V.weight.T, gated.W_2.weight.T  # paper orientation
-    x_a = x.clone().requires_grad_(True)
-    x_b = x.clone().requires_grad_(True)
+    x_a = x_gated.clone().requires_grad_(True)
+    x_b = x_gated.clone().requires_grad_(True)
     out = gated(x_a)  # (B, T, d_model)
     manual = (fn(x_b @ W) * (x_b @ V)) @ W_2
     assert out.shape == (B, T, d_model)
@@ -645,8 +663,8 @@ for act, fn in [("silu", F.silu), ("gelu", F.gelu), ("relu", F.relu)]:
     assert_close(x_a.grad, x_b.grad)
 
 with_bias = GatedFeedForward(d_model, d_hidden, bias=True).to(device)
-manual = (F.silu(with_bias.W(x)) * with_bias.V(x)) @ with_bias.W_2.weight.T + with_bias.W_2.bias
-assert_close(with_bias(x), manual)
+manual = (F.silu(with_bias.W(x_gated)) * with_bias.V(x_gated)) @ with_bias.W_2.weight.T + with_bias.W_2.bias
+assert_close(with_bias(x_gated), manual)
 try:
     with_bias(torch.randn(B, T, d_model + 1).to(device))
 except ValueError as err:
@@ -689,7 +707,7 @@ assert num_params(GatedFeedForward(768, 2048)) == num_params(feed_forward(768, 3
 # gate) and $b = x\cdot v$ (the linear reading). A ReLU unit only sees $a$ and is either off or
 # linear in it; a SwiGLU unit is a product, positive or negative depending on both readings.
 
-# %%
+# %% jupyter={"source_hidden": true}
 grid = torch.linspace(-3, 3, 241)
 a, b = torch.meshgrid(grid, grid, indexing="xy")  # a varies along x, b along y: (241, 241)
 surfaces = [("ReLU unit: ReLU(a)", F.relu(a)), ("SwiGLU unit: SiLU(a) · b", F.silu(a) * b)]
@@ -755,17 +773,17 @@ print(f"d_ff = {2 * d}: FFN {ffn_count:,}, attention {attention_count:,}")
 # %%
 linear_ffn = feed_forward(d_model, d_ff).to(device)
 linear_ffn[1] = nn.Identity()
-W_1, b_1 = linear_ffn[0].weight.T, linear_ffn[0].bias  # (d_model, d_ff), (d_ff,)
-W_2, b_2 = linear_ffn[2].weight.T, linear_ffn[2].bias  # (d_ff, d_model), (d_model,)
+W_in, b_in = linear_ffn[0].weight.T, linear_ffn[0].bias  # W_1 (d_model, d_ff), b_1 (d_ff,)
+W_out, b_out = linear_ffn[2].weight.T, linear_ffn[2].bias  # W_2 (d_ff, d_model), b_2 (d_model,)
 single = nn.Linear(d_model, d_model).to(device)  # the one affine map
 with torch.no_grad():
-    single.weight.copy_((W_1 @ W_2).T)  # A = W_1 W_2: (d_model, d_ff) @ (d_ff, d_model); Linear stores A^T
-    single.bias.copy_(b_1 @ W_2 + b_2)  # c: (d_model,)
-x = torch.randn(B, T, d_model).to(device)
-assert_close(single(x), linear_ffn(x))  # one Linear reproduces the two-layer output
+    single.weight.copy_((W_in @ W_out).T)  # A = W_1 W_2: (d_model, d_ff) @ (d_ff, d_model); Linear stores A^T
+    single.bias.copy_(b_in @ W_out + b_out)  # c: (d_model,)
+x_affine = torch.randn(B, T, d_model).to(device)
+assert_close(single(x_affine), linear_ffn(x_affine), rtol=1e-4, atol=1e-5)  # one Linear does it
 relu_ffn = feed_forward(d_model, d_ff).to(device)
 relu_ffn.load_state_dict(linear_ffn.state_dict())  # the same weights, with the ReLU back in
-assert not torch.allclose(single(x), relu_ffn(x), atol=1e-3)  # with the ReLU: another function
+assert not torch.allclose(single(x_affine), relu_ffn(x_affine), atol=1e-3)  # another function
 print(f"two Linears without activation: {num_params(linear_ffn):,} parameters; "
       f"the same function as one Linear: {num_params(single):,}")
 
@@ -791,7 +809,7 @@ fused = FusedSwiGLU(d_model, d_hidden).to(device)
 with torch.no_grad():
     fused.W_in.weight.copy_(torch.cat([gated.W.weight, gated.V.weight], dim=0))  # (2 d_ff, d_model)
     fused.W_2.weight.copy_(gated.W_2.weight)
-assert_close(fused(x), gated(x))
+assert_close(fused(x_gated), gated(x_gated))
 assert num_params(fused) == num_params(gated) == 3 * d_model * d_hidden
 print("fused SwiGLU == GatedFeedForward, parameters:", num_params(fused))
 

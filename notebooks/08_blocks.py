@@ -114,10 +114,10 @@ device = get_device()
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.checks import check_bool, check_tensor, checking
 
 
 def sublayer_connection(
@@ -165,7 +165,7 @@ print(f"post-norm  mean {post.mean().item():+.3f}  std {post.std().item():.3f}  
 # highlighted. In pre-norm that path meets nothing but additions; in post-norm it goes through
 # every `LayerNorm`.
 
-# %%
+# %% jupyter={"source_hidden": true}
 def draw_box(ax, xy, text, color, width=2.0, height=0.55):
     """A rounded box centred at xy, white text."""
     x0, y0 = xy
@@ -185,11 +185,14 @@ def draw_add(ax, xy):
     ax.text(*xy, "+", ha="center", va="center", fontsize=12, zorder=4)
 
 
+NORM_COLOR = "#9467bd"  # LayerNorm's colour in every notebook of the course
+
+
 def draw_block(ax, norm_first: bool):
     """One encoder block, drawn from its input (bottom) to its output (top)."""
     stream, branch = 1.0, 3.6  # x positions of the residual stream and of the sub-layer branch
     path = dict(color=COLORS["accent"], lw=3.0)  # the input -> output path, in red
-    sub_color, norm_color, drop_color = "#6c6c6c", COLORS["ours"], "#9a9a9a"
+    sub_color, norm_color, drop_color = "#6c6c6c", NORM_COLOR, "#9a9a9a"  # LayerNorm: purple
     ax.text(stream, 0.05, "$x$ (input)", ha="center", va="top", fontsize=10)
     y = 0.1  # where the stream currently is
     for name in ("multi-head\nself-attention", "feed-forward\nnetwork"):
@@ -246,33 +249,40 @@ plt.show()
 # position reads every other allowed position, then the feed-forward network (notebook 07),
 # which transforms each position on its own. Each has its own `LayerNorm` and its own residual
 # dropout. The attributes follow the course's contract and, where it helps the weight copy
-# below, PyTorch's names: `self_attn`, `norm1`, `norm2`, `ffn`, `dropout1`, `dropout2`.
+# below, PyTorch's names: `self_attn`, `norm1`, `norm2`, `ffn`, `dropout1`, `dropout2`. The
+# decoder block below holds the same parts and one more attention, so the constructor is
+# written once, in a base class `_Block` that both blocks share; a class attribute,
+# `cross_attention`, says whether to add the decoder's extra sub-layer.
 #
 # `dropout_p` is used in the two of notebook 06's three dropout places that sit inside a block:
 # on the attention weights (passed to `MultiHeadAttention`) and on each sub-layer's output
 # (`dropout1`, `dropout2`). The FFN is `feed_forward(d_model, d_ff, activation)` with no dropout
 # inside, so `ffn` is exactly `Sequential(Linear, activation, Linear)`.
 #
-# `activation` defaults to `"gelu"`, the choice of the tutorial this course follows (and of BERT
-# and GPT). The paper, notebook 07's `feed_forward` and PyTorch's layers use ReLU; the parity
-# checks below therefore build both sides with `activation="relu"`.
+# **Which activation.** The course's tutorial is not consistent here, and the course keeps both of
+# its defaults. Its blocks are declared with `activation: str = "gelu"` (GELU, as in BERT and
+# GPT), but its stacks `Encoder` and `Decoder` are declared with `activation: str = "relu"` and
+# pass that to every block, and its `Transformer` passes none: the model it trains runs ReLU, the
+# paper's choice. So here: a block built on its own, `EncoderBlock(d_model, num_heads, d_ff)`,
+# has GELU; notebook 10's `Encoder`, `Decoder` and `Transformer` build ReLU blocks. Notebook 07's
+# `feed_forward` and PyTorch's layers default to ReLU too, so the parity checks below build both
+# sides with `activation="relu"`.
 
 # %%
 #| export
 def _check_block_input(name: str, x: torch.Tensor, d_model: int) -> None:
     """Raise a TypeError/ValueError unless x is a floating tensor of shape (B, T, d_model)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor(name, x, kind="float")
     if x.dim() != 3 or x.shape[-1] != d_model:
         raise ValueError(
             f"{name} must have shape (B, T, d_model) with d_model={d_model}, got {tuple(x.shape)}"
         )
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
-class EncoderBlock(nn.Module):
-    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
+class _Block(nn.Module):
+    """What both blocks hold: self-attention, the FFN, a LayerNorm and a Dropout per sub-layer."""
+
+    cross_attention = False  # DecoderBlock sets it: one more attention, reading the encoder
 
     def __init__(
         self,
@@ -285,22 +295,33 @@ class EncoderBlock(nn.Module):
         norm_first: bool = True,
     ):
         super().__init__()
-        if not isinstance(norm_first, bool):
-            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
+        check_bool("norm_first", norm_first)
         # MultiHeadAttention checks d_model, num_heads and dropout_p; feed_forward checks d_ff.
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        if self.cross_attention:
+            self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
         # Sequential(Linear, activation, Linear), no dropout inside
         self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
-        self.norm1 = LayerNorm(d_model)  # for the attention sub-layer
-        self.norm2 = LayerNorm(d_model)  # for the FFN sub-layer
-        self.dropout1 = nn.Dropout(dropout_p)  # on the attention output, before the residual add
-        self.dropout2 = nn.Dropout(dropout_p)  # on the FFN output, before the residual add
+        # One norm and one residual dropout per sub-layer, numbered in the order they run:
+        # encoder 1 self-attention, 2 FFN; decoder 1 self-attention, 2 cross-attention, 3 FFN.
+        self.norm1 = LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model)
+        if self.cross_attention:
+            self.norm3 = LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout_p)  # on the sub-layer's output, before the residual add
+        self.dropout2 = nn.Dropout(dropout_p)
+        if self.cross_attention:
+            self.dropout3 = nn.Dropout(dropout_p)
         self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
         self.norm_first = norm_first
 
     def extra_repr(self) -> str:
         """Shown by print(block)."""
         return f"norm_first={self.norm_first}"
+
+
+class EncoderBlock(_Block):
+    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
 
 
 # %% [markdown]
@@ -314,7 +335,8 @@ class EncoderBlock(nn.Module):
 @add_to_class(EncoderBlock)
 def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
-    _check_block_input("x", x, self.d_model)
+    if checking():  # off inside a stack that checked its input already
+        _check_block_input("x", x, self.d_model)
     # 1) Every position reads the allowed positions of the sequence.
     x = sublayer_connection(
         x, lambda h: self.self_attn(h, mask=mask), self.norm1, self.dropout1, self.norm_first
@@ -324,11 +346,12 @@ def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Te
 
 
 # %% [markdown]
-# The course's configuration (notebook 10's model): $d_\text{model} = 128$, $h = 4$,
-# $d_{ff} = 512$.
+# One block of notebook 10's model: $d_\text{model} = 128$, $h = 4$, $d_{ff} = 512$, and ReLU,
+# which notebook 10's `Encoder` passes to its blocks (built with the block's own default, `ffn[1]`
+# would be `GELU`).
 
 # %%
-print(EncoderBlock(d_model=128, num_heads=4, d_ff=512))
+print(EncoderBlock(d_model=128, num_heads=4, d_ff=512, activation="relu"))
 
 # %% [markdown]
 # **Check:** shapes in both arrangements, and the forward pass written out by hand from the
@@ -414,7 +437,7 @@ enc_maps = {
 }
 
 
-# %%
+# %% jupyter={"source_hidden": true}
 def plot_dependency_maps(maps: dict, xlabels: list[str], suptitle: str, figname: str):
     fig, axes = plt.subplots(1, len(maps), figsize=(4.6 * len(maps), 4))
     for ax, (title, m), xlabel in zip(np.atleast_1d(axes), maps.items(), xlabels, strict=True):
@@ -467,41 +490,16 @@ print("zero entries: padding", int((m_pad == 0).sum()), "of 36, causal", int((m_
 #
 # In pre-norm, `norm2` normalises only the decoder's stream, the queries; `enc_out` comes in as
 # it is, already normalised by the encoder stack's final norm (notebook 10).
+#
+# The constructor is the encoder block's: setting `cross_attention = True` makes `_Block` add
+# `cross_attn`, `norm3` and `dropout3`.
 
 # %%
 #| export
-class DecoderBlock(nn.Module):
+class DecoderBlock(_Block):
     """Transformer decoder block: masked self-attention, cross-attention to the encoder, FFN."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.0,
-        activation: str = "gelu",
-        bias: bool = True,
-        norm_first: bool = True,
-    ):
-        super().__init__()
-        if not isinstance(norm_first, bool):
-            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
-        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
-        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
-        # Sequential(Linear, activation, Linear), no dropout inside
-        self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
-        self.norm1 = LayerNorm(d_model)  # for self-attention
-        self.norm2 = LayerNorm(d_model)  # for cross-attention (the queries only)
-        self.norm3 = LayerNorm(d_model)  # for the FFN
-        self.dropout1 = nn.Dropout(dropout_p)
-        self.dropout2 = nn.Dropout(dropout_p)
-        self.dropout3 = nn.Dropout(dropout_p)
-        self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
-        self.norm_first = norm_first
-
-    def extra_repr(self) -> str:
-        """Shown by print(block)."""
-        return f"norm_first={self.norm_first}"
+    cross_attention = True  # _Block adds cross_attn, norm3 and dropout3
 
 
 # %% [markdown]
@@ -509,7 +507,10 @@ class DecoderBlock(nn.Module):
 # combined with the target's padding when the batch is padded), and `cross_mask` for the
 # cross-attention, broadcastable to $(B, h, T, T_\text{src})$ (the source's padding, never
 # causal: the whole source is known). Besides the shapes, the block checks that the decoder and
-# the encoder output come from the same batch.
+# the encoder output come from the same batch. The last argument, `cache`, is for generating one
+# token at a time (notebook 12): it holds this block's keys and values from earlier steps, one
+# cache for each attention (`cache.self_attn`, `cache.cross_attn`), and the block hands each to
+# its attention (notebook 03 shows what `MultiHeadAttention` does with it).
 
 # %%
 #| export
@@ -520,22 +521,29 @@ def forward(
     enc_out: torch.Tensor,  # (B, T_src, d_model), the encoder's output
     self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
     cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
+    cache=None,  # this block's keys and values from earlier steps, for generation (notebook 12)
 ) -> torch.Tensor:
     """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
-    _check_block_input("x", x, self.d_model)
-    _check_block_input("enc_out", enc_out, self.d_model)
-    if enc_out.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)} have different batch sizes"
-        )
+    if checking():  # off inside a stack that checked its inputs already
+        _check_block_input("x", x, self.d_model)
+        _check_block_input("enc_out", enc_out, self.d_model)
+        if enc_out.shape[0] != x.shape[0]:
+            shapes = f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)}"
+            raise ValueError(f"{shapes} have different batch sizes")
+    self_cache, cross_cache = (None, None) if cache is None else (cache.self_attn, cache.cross_attn)
     # 1) Each target position reads the target positions before it.
     x = sublayer_connection(
-        x, lambda h: self.self_attn(h, mask=self_mask), self.norm1, self.dropout1, self.norm_first
+        x,
+        lambda h: self.self_attn(h, mask=self_mask, cache=self_cache),
+        self.norm1,
+        self.dropout1,
+        self.norm_first,
     )  # (B, T, d_model)
     # 2) Each target position reads the source: queries from x, keys and values from enc_out.
     x = sublayer_connection(
         x,
-        lambda h: self.cross_attn(h, enc_out, mask=cross_mask),  # (B, T, d) x (B, T_src, d)
+        # queries (B, T, d) from x, keys and values (B, T_src, d) from enc_out
+        lambda h: self.cross_attn(h, enc_out, mask=cross_mask, cache=cross_cache),
         self.norm2,
         self.dropout2,
         self.norm_first,
@@ -618,6 +626,8 @@ dec_maps = {
     r"$\|\partial y_t / \partial\, \mathrm{enc}_s\|$: source (padding: 5 of 7)": dependency_map(
         lambda e: dec(x_one[None], e[None], self_mask=causal, cross_mask=src_pad_one)[0], enc_one),
 }
+
+# %%
 plot_dependency_maps(dec_maps, ["target position $s$", "source position $s$ (enc_out)"],
                      "Decoder block: how strongly output $y_t$ depends on each input position",
                      "blocks_decoder_dependencies")
@@ -627,7 +637,6 @@ m_self, m_cross = dec_maps.values()
 assert torch.count_nonzero(m_self[~lower]) == 0 and (m_self[lower] > 0).all()
 assert torch.count_nonzero(m_cross[:, 5:]) == 0 and (m_cross[:, :5] > 0).all()
 print("cross-attention map: nonzero columns", (m_cross.sum(dim=0) > 0).nonzero().flatten().tolist())
-
 
 # %% [markdown]
 # Every target position reads every real source position, from the first target token on; the
@@ -662,15 +671,10 @@ print("cross-attention map: nonzero columns", (m_cross.sum(dim=0) > 0).nonzero()
 # is, except that `nn.LayerNorm(bias=False)` has no $\beta$ to copy into.
 
 # %%
-#| export
-def _copy_attention(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
-    """W_q, W_k, W_v stacked into in_proj; W_o into out_proj."""
-    # 3 x (d, d) -> (3d, d): rows 0..d-1 project queries, then keys, then values.
-    theirs.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
-    theirs.out_proj.weight.copy_(ours.W_o.weight)
-    if ours.W_q.bias is not None:
-        theirs.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
-        theirs.out_proj.bias.copy_(ours.W_o.bias)
+#| export reference
+import torch.nn.functional as F
+
+from transformer_from_scratch.reference import copy_attention_to_torch
 
 
 def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
@@ -691,7 +695,7 @@ def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
 # `nn.GELU` matches only a module with the same setting.
 
 # %%
-#| export
+#| export reference
 def _check_norm_pair(ours: LayerNorm, theirs: nn.LayerNorm, name: str) -> None:
     """Raise a ValueError if nn.LayerNorm cannot hold our LayerNorm's numbers."""
     if ours.eps != theirs.eps:
@@ -742,7 +746,7 @@ def _check_block_pair(
 # **The copy.** With the checks passed, it is the table above, row by row.
 
 # %%
-#| export
+#| export reference
 def copy_block_to_torch(
     ours: EncoderBlock | DecoderBlock,
     theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
@@ -750,9 +754,9 @@ def copy_block_to_torch(
     """Copy our block's weights into the PyTorch layer of the same configuration, in place."""
     norms = _check_block_pair(ours, theirs)  # everything is checked before anything is copied
     with torch.no_grad():
-        _copy_attention(ours.self_attn, theirs.self_attn)
+        copy_attention_to_torch(ours.self_attn, theirs.self_attn)
         if isinstance(ours, DecoderBlock):
-            _copy_attention(ours.cross_attn, theirs.multihead_attn)
+            copy_attention_to_torch(ours.cross_attn, theirs.multihead_attn)
         theirs.linear1.weight.copy_(ours.ffn[0].weight)
         theirs.linear2.weight.copy_(ours.ffn[2].weight)
         if ours.ffn[0].bias is not None:
@@ -768,44 +772,41 @@ def copy_block_to_torch(
 # $(T_q, T_k)$ `attn_mask` and a $(B, T_k)$ `key_padding_mask`:
 
 # %%
+#| export reference
 def to_torch_masks(causal: torch.Tensor | None, padding: torch.Tensor | None):
-    """Our (1,1,T,T) causal and (B,1,1,T_k) padding masks -> PyTorch's (T,T), (B,T_k), True = blocked."""
+    """Our causal (1,1,T,T) and padding (B,1,1,T_k) masks in PyTorch's form, True = blocked."""
     attn_mask = None if causal is None else ~causal[0, 0]  # (1, 1, T, T) -> (T, T)
     key_padding_mask = None if padding is None else ~padding[:, 0, 0]  # (B, 1, 1, T_k) -> (B, T_k)
     return attn_mask, key_padding_mask
 
 
 # %% [markdown]
-# A parameter's gradient must be compared with the matching slice of PyTorch's: our `W_k.weight`
-# is rows $d$ to $2d - 1$ of `in_proj_weight`, and so on. The helper lists every pair.
+# A parameter's gradient must be compared with the matching slice of PyTorch's. The names follow
+# a few rules: `cross_attn` is `multihead_attn`, `ffn.0`/`ffn.2` are `linear1`/`linear2`, `W_o`
+# is `out_proj`, and our `W_q`, `W_k`, `W_v` are rows $0..d-1$, $d..2d-1$, $2d..3d-1$ of the
+# packed `in_proj_weight` (and `in_proj_bias`). The rules hold for a block and for a whole stack
+# (notebook 10), so the function goes into `reference` as well:
+
+# %%
+#| export reference
+def torch_parameter(theirs: nn.Module, name: str) -> tuple[torch.Tensor, slice]:
+    """PyTorch's parameter that holds our parameter `name`, and the slice of its rows that does."""
+    for ours_part, their_part in (("cross_attn", "multihead_attn"), ("ffn.0", "linear1"),
+                                  ("ffn.2", "linear2"), ("W_o", "out_proj")):  # fmt: skip
+        name = name.replace(ours_part, their_part)
+    for i, proj in enumerate(("W_q", "W_k", "W_v")):
+        if f"{proj}." in name:
+            kind = name.rsplit(".", 1)[1]  # weight or bias
+            packed = theirs.get_parameter(name.replace(f"{proj}.{kind}", f"in_proj_{kind}"))
+            d = packed.shape[0] // 3
+            return packed, slice(i * d, (i + 1) * d)  # (3d, ...): the rows of W_q, W_k or W_v
+    return theirs.get_parameter(name), slice(None)
+
 
 # %%
 def matching_params(ours, theirs) -> list[tuple[str, torch.Tensor, torch.Tensor, slice]]:
     """(name, our parameter, their parameter, its rows that hold ours) for every parameter."""
-    d = ours.d_model
-    attns = [("self_attn", ours.self_attn, theirs.self_attn)]
-    norms = ["norm1", "norm2"]
-    if isinstance(ours, DecoderBlock):
-        attns.append(("cross_attn", ours.cross_attn, theirs.multihead_attn))
-        norms.append("norm3")
-    pairs = []
-    for name, a, b in attns:
-        for i, proj in enumerate(("W_q", "W_k", "W_v")):
-            rows = slice(i * d, (i + 1) * d)
-            pairs.append((f"{name}.{proj}.weight", getattr(a, proj).weight, (b.in_proj_weight, rows)))
-            pairs.append((f"{name}.{proj}.bias", getattr(a, proj).bias, (b.in_proj_bias, rows)))
-        pairs.append((f"{name}.W_o.weight", a.W_o.weight, (b.out_proj.weight, slice(None))))
-        pairs.append((f"{name}.W_o.bias", a.W_o.bias, (b.out_proj.bias, slice(None))))
-    for i, lin in ((0, "linear1"), (2, "linear2")):
-        for kind in ("weight", "bias"):
-            pairs.append((f"ffn.{i}.{kind}", getattr(ours.ffn[i], kind),
-                          (getattr(getattr(theirs, lin), kind), slice(None))))
-    for norm in norms:
-        for kind in ("weight", "bias"):
-            pairs.append((f"{norm}.{kind}", getattr(getattr(ours, norm), kind),
-                          (getattr(getattr(theirs, norm), kind), slice(None))))
-    assert len(pairs) == sum(1 for _ in ours.parameters())  # every parameter is compared
-    return [(name, p, q, rows) for name, p, (q, rows) in pairs]
+    return [(name, p, *torch_parameter(theirs, name)) for name, p in ours.named_parameters()]
 
 
 # %% [markdown]
@@ -814,8 +815,18 @@ def matching_params(ours, theirs) -> list[tuple[str, torch.Tensor, torch.Tensor,
 # gradients with respect to the inputs and the gradients of all parameters agree. The upstream
 # gradient is random, so that every output element counts. Activation: ReLU, PyTorch's default;
 # GELU is covered by the unit tests.
+#
+# "Agree" means within a tolerance, `PARITY`: a relative $10^{-4}$ (and $10^{-5}$ absolute, for
+# entries near zero). Two float32 implementations that add the same numbers in another order
+# differ in the last digit or two, by how much depends on the machine (the figure after the
+# check), and a GPU splits its sums differently again. The tolerance leaves a wide margin for
+# that and still catches a wrong weight (shown after the figure). On a GPU, products must run in
+# full float32: with TF32, which some set-ups switch on for speed, they keep only about three
+# significant digits. The first line asks for full float32, PyTorch's default.
 
 # %%
+torch.set_float32_matmul_precision("highest")  # no TF32 on a GPU (the default); no effect on a CPU
+PARITY = dict(rtol=1e-4, atol=1e-5)  # float32 roundings of another kernel; a wrong weight is far above
 d_model, num_heads, d_ff, T, T_src = 32, 4, 64, 6, 7
 lengths_tgt, lengths_src = torch.tensor([6, 3]), torch.tensor([7, 4])
 x_tgt = torch.randn(B, T, d_model, generator=generator).to(device)
@@ -830,16 +841,16 @@ def randomize_vectors(block: nn.Module) -> None:
     """Random biases and norm parameters (fresh ones are 0 and 1), so that a missed copy shows."""
     with torch.no_grad():
         for p in block.parameters():
-            if p.dim() == 1:
-                p.normal_(std=0.3)
+            if p.dim() == 1:  # drawn on the CPU, so that a GPU gets the same numbers
+                p.copy_(0.3 * torch.randn(p.shape, generator=generator))
 
 
 def compare(pairs, outputs, input_grads) -> dict:
     """Assert equal outputs, input gradients and parameter gradients; return the largest gaps."""
     for a, b in [outputs, *input_grads]:
-        assert_close(a, b)
+        assert_close(a, b, **PARITY)
     for _, p, q, rows in pairs:
-        assert_close(p.grad, q.grad[rows])
+        assert_close(p.grad, q.grad[rows], **PARITY)
     return {
         "output": (outputs[0] - outputs[1]).abs().max().item(),
         "input grads": max((a - b).abs().max().item() for a, b in input_grads),
@@ -890,12 +901,12 @@ for norm_first in (True, False):
 # %% [markdown]
 # How close is "the same"? Float32 has about 7 significant digits; two implementations that add
 # the same numbers in a different order differ in the last one or two. The largest differences,
-# on a log scale:
+# on a log scale (three kinds of difference in three greys: each bar is ours against PyTorch's):
 
-# %% tags=["nbval-ignore-output"]
+# %% jupyter={"source_hidden": true} tags=["nbval-ignore-output"]
 fig, ax = plt.subplots(figsize=(8.5, 3.8))
 kinds = ["output", "input grads", "parameter grads"]
-colors = [COLORS["ours"], COLORS["torch"], COLORS["value"]]
+colors = ["#252525", "#737373", "#bdbdbd"]
 width = 0.26
 for k, (kind, color) in enumerate(zip(kinds, colors, strict=True)):
     values = [max(max_diffs[key][kind], 1e-12) for key in max_diffs]
@@ -913,6 +924,7 @@ plt.show()  # not saved to figures/: the bars depend on the machine
 # %%
 assert max(v for diffs in max_diffs.values() for v in diffs.values()) < 1e-4
 
+
 # %% [markdown]
 # On the CPU that built this page, the outputs and the input gradients differ by a few times
 # $10^{-7}$, and the parameter gradients by up to about $2 \cdot 10^{-6}$: each of those is a sum
@@ -921,6 +933,41 @@ assert max(v for diffs in max_diffs.values() for v in diffs.values()) < 1e-4
 # arrangement would cause. (The epsilon line, $1.2 \cdot 10^{-7}$, is the relative spacing of
 # float32 numbers near 1, drawn as a scale, not as a bound.) The bars depend on the machine (its
 # BLAS, its CPU or GPU), so CI does not compare the figure's cell; it runs the assert after it.
+#
+# **Would the check notice a wrong weight?** Change a single entry of our decoder block's
+# $W_v$ (post-norm, the last pair compared above) by 0.02, about a tenth of a typical weight, and
+# measure the outputs' largest difference in units of what `PARITY` allows for each entry,
+# $\text{atol} + \text{rtol}\,|y|$:
+
+# %%
+def in_tolerances(ours_out: torch.Tensor, their_out: torch.Tensor) -> float:
+    """The largest |difference| / (atol + rtol |theirs|): above 1, assert_close fails."""
+    allowed = PARITY["atol"] + PARITY["rtol"] * their_out.abs()
+    return ((ours_out - their_out).abs() / allowed).max().item()
+
+
+# A decoder pair of its own (names that no later cell rebinds), copied as above, then nudged.
+nudge_ours = DecoderBlock(32, 4, 64, activation="relu").to(device)
+randomize_vectors(nudge_ours)
+nudge_theirs = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True).to(device)
+copy_block_to_torch(nudge_ours, nudge_theirs)
+nudge_x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(5)).to(device)  # (B, T, d)
+nudge_enc = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(6)).to(device)  # (B, S, d)
+nudge_causal = causal_mask(6, device=device)
+with torch.no_grad():
+    assert in_tolerances(nudge_ours(nudge_x, nudge_enc, self_mask=nudge_causal),
+                         nudge_theirs(nudge_x, nudge_enc, tgt_mask=~nudge_causal[0, 0])) < 1
+    weight = nudge_ours.self_attn.W_v.weight  # (d, d), one of the block's 26 parameter tensors
+    weight[0, 0] += 0.02
+    nudged = in_tolerances(nudge_ours(nudge_x, nudge_enc, self_mask=nudge_causal),
+                           nudge_theirs(nudge_x, nudge_enc, tgt_mask=~nudge_causal[0, 0]))
+print(f"one weight off by 0.02: the outputs differ by {nudged:.0f} times the tolerance")
+assert nudged > 3  # assert_close fails above 1
+
+# %% [markdown]
+# One weight slightly off is caught with a wide margin, while the roundings in the figure (a few
+# times $10^{-7}$ in the outputs) are a small fraction of the tolerance; a wrong copy, mask or
+# arrangement moves the outputs far more.
 #
 # **Dropout.** With `dropout_p > 0` the blocks are random in training mode and deterministic in
 # evaluation mode, where they equal the same block built with `dropout_p = 0`. In evaluation mode
@@ -947,7 +994,7 @@ with torch.no_grad():
     copy_block_to_torch(noisy, theirs)
     assert_close(noisy(*args, **kwargs),
                  theirs(x_tgt, x_src, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding,
-                        memory_key_padding_mask=memory_key_padding))
+                        memory_key_padding_mask=memory_key_padding), **PARITY)
 print("training: random; evaluation: deterministic, equal to dropout_p=0 and to PyTorch")
 
 
@@ -983,24 +1030,28 @@ print("training: random; evaluation: deterministic, equal to dropout_p=0 and to 
 
 # %%
 def layer_gradient_norms(norm_first: bool, num_layers: int, seed: int = 0,
+                         input_scale: float = 1.0, final_norm: bool = True,
                          d_model: int = 64, num_heads: int = 4, d_ff: int = 256,
                          B: int = 8, T: int = 16) -> dict:
-    """Gradient norms, per block and of the last block's ffn[2].weight, at initialisation."""
+    """At initialisation: gradient norms per block and of each ffn[2].weight; the stream's RMS."""
     set_seed(seed)
     blocks = nn.ModuleList(
         EncoderBlock(d_model, num_heads, d_ff, activation="relu", norm_first=norm_first)
         for _ in range(num_layers)
     ).to(device)
-    final_norm = LayerNorm(d_model).to(device) if norm_first else nn.Identity()
+    top = LayerNorm(d_model).to(device) if norm_first and final_norm else nn.Identity()
     data = torch.Generator().manual_seed(1234)  # the same batch for every stack
-    x = torch.randn(B, T, d_model, generator=data).to(device)  # (B, T, d_model)
+    x = input_scale * torch.randn(B, T, d_model, generator=data).to(device)  # (B, T, d_model)
     target = torch.randn(B, T, d_model, generator=data).to(device)
+    stream_rms = [x.pow(2).mean().sqrt().item()]  # the stream entering block 1, then after each
     for block in blocks:
         x = block(x)  # (B, T, d_model) -> (B, T, d_model)
-    loss = F.mse_loss(final_norm(x), target)
+        stream_rms.append(x.detach().pow(2).mean().sqrt().item())
+    loss = F.mse_loss(top(x), target)
     loss.backward()
     per_block = [torch.cat([p.grad.flatten() for p in b.parameters()]).norm().item() for b in blocks]
-    return {"per_block": per_block, "last_W2": blocks[-1].ffn[2].weight.grad.norm().item()}
+    W2 = [b.ffn[2].weight.grad.norm().item() for b in blocks]  # Xiong et al.'s W^{2,l}
+    return {"per_block": per_block, "W2": W2, "last_W2": W2[-1], "stream_rms": stream_rms}
 
 
 deep = {nf: layer_gradient_norms(nf, num_layers=12)["per_block"] for nf in (True, False)}
@@ -1022,10 +1073,11 @@ for nf, name in ((True, "pre-norm"), (False, "post-norm")):
     print(f"{name:>9}: " + "  ".join(f"L={L}: {g:.3f}" for L, g in zip(depths, last_W2[nf], strict=True))
           + f"   log-log slope {slopes[nf]:+.2f}")
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, (ax_l, ax_r) = plt.subplots(1, 2, figsize=(11, 4.2))
+POST_COLOR = "#7f7f7f"  # post-norm in grey, pre-norm (the course's) in blue
 styles = {True: dict(color=COLORS["ours"], marker="o", label="pre-norm (+ final LayerNorm)"),
-          False: dict(color=COLORS["accent"], marker="s", label="post-norm")}
+          False: dict(color=POST_COLOR, marker="s", label="post-norm")}
 layers_axis = np.arange(1, 13)
 for nf in (True, False):
     ax_l.plot(layers_axis, deep[nf], **styles[nf])
@@ -1037,7 +1089,7 @@ fit = np.polyfit(np.log(depths), np.log(last_W2[True]), 1)  # log g = slope * lo
 ax_r.plot(depths, np.exp(np.polyval(fit, np.log(depths))), color=COLORS["ours"], ls=":", lw=1.5,
           label=f"pre-norm, least-squares fit: slope {fit[0]:+.2f}")
 reference = last_W2[True][0] * np.sqrt(depths[0] / np.array(depths))  # through the first point
-ax_r.plot(depths, reference, color="grey", ls="--", lw=1,
+ax_r.plot(depths, reference, color="black", ls="--", lw=1,
           label=r"slope $-1/2$, $\propto 1/\sqrt{L}$ (Xiong et al.)")
 ax_r.set(xscale="log", yscale="log", xlabel="number of blocks $L$",
          ylabel=r"$\|\nabla \mathcal{L}\|_2$ of the last block's ffn[2].weight",
@@ -1061,7 +1113,8 @@ plt.show()
 #   larger than the first block's, and several times larger than the last pre-norm block's.
 #   In the pre-norm stack it is the other way round: the blocks near the output get the
 #   *smallest* gradients, about 40 % of the first block's (last/first = 0.41), and the curve
-#   falls smoothly.
+#   falls smoothly. (Xiong et al. show a flat pre-norm profile instead; the section after the
+#   check measures where the fall comes from.)
 # * **Right.** As the stack deepens, the pre-norm gradient of the last layer falls along a
 #   straight line on the log-log axes. A least-squares fit gives a slope of $-0.60$: close to the
 #   $-\tfrac12$ of Xiong et al.'s $1/\sqrt{L}$, a little steeper (their theorem is a bound on the
@@ -1097,8 +1150,109 @@ for seed in range(1, 5):
 print(f"seed 0: last/first pre-norm {ratio_pre:.2f}, post-norm {ratio_post:.2f};"
       f" slopes {slopes[True]:+.2f} and {slopes[False]:+.2f}; seeds 1-4 agree")
 
+# %% [markdown]
+# ### Why the pre-norm profile falls
+#
+# Xiong et al. (2020) report pre-norm gradients of about the same size in every layer at
+# initialisation, while the left panel falls 2.4× from the first block to the twelfth. Their
+# Theorem 1 does not promise a flat profile: it bounds the gradient of the *last* layer, and only
+# up to its order in $L$ and $d$, so a factor of two or three between layers fits within it. What
+# sets the factor is how much the residual stream grows. Follow the gradient backwards through
+# one pre-norm sub-layer $x_{l+1} = x_l + S_l(\mathrm{LN}_l(x_l))$ (gradients as row vectors):
+#
+# $$\frac{\partial \mathcal{L}}{\partial x_l} = \frac{\partial \mathcal{L}}{\partial x_{l+1}}
+# \Bigl(I + J_{S,l}\, J_{\mathrm{LN},l}\Bigr), \qquad
+# J_{\mathrm{LN},l} \propto \frac{1}{\mathrm{RMS}(x_l)} .$$
+#
+# A `LayerNorm` does not see the scale of its input, $\mathrm{LN}(c\,x) = \mathrm{LN}(x)$ for
+# any $c > 0$ (up to its $\epsilon$), so its Jacobian at $c\,x$ is its Jacobian at $x$ divided by
+# $c$: the larger the stream, the smaller the derivative of what the sub-layer reads. The
+# identity hands the gradient down unchanged; the sub-layer adds a term that is large where the
+# stream is small and small where it has grown. The stream starts at the input's size
+# and grows as the updates pile up, so the blocks near the output add little to the gradient and
+# the blocks near the input add a lot: the stream's gradient grows on its way down. Each block's
+# parameters receive that gradient times activations of unit scale (every sub-layer reads a
+# normalised input), so their gradients follow it.
+#
+# The prediction to test: the flatter the stream, the flatter the profile. An input that is large
+# against the sub-layers' updates grows relatively little; a small one grows a lot. Below, the
+# 12-block pre-norm stack again with its input scaled by 3 and by 0.3; with 6 blocks; and with
+# two other changes that bring the measurement closer to the theorem's: the gradient of $W^2$
+# alone instead of the whole block's, and no final `LayerNorm`. For each: how much the stream grows,
+# $\mathrm{RMS}(x_{12}) / \mathrm{RMS}(x_0)$, and the profile's last/first ratio.
+
+# %%
+base = layer_gradient_norms(True, 12)  # the left panel's pre-norm stack
+variants = {  # name -> (the run's results, which gradients)
+    "the left panel (input RMS 1)": (base, "per_block"),
+    "input x 3": (layer_gradient_norms(True, 12, input_scale=3.0), "per_block"),
+    "input x 0.3": (layer_gradient_norms(True, 12, input_scale=0.3), "per_block"),
+    "6 blocks": (layer_gradient_norms(True, 6), "per_block"),
+    "W2 only (the theorem's matrix)": (base, "W2"),
+    "no final LayerNorm": (layer_gradient_norms(True, 12, final_norm=False), "per_block"),
+}
+growth, fall = {}, {}
+print(f"{'pre-norm stack':<30}{'stream growth':>14}{'last/first':>12}")
+for name, (run, key) in variants.items():
+    growth[name] = run["stream_rms"][-1] / run["stream_rms"][0]
+    fall[name] = run[key][-1] / run[key][0]
+    print(f"{name:<30}{growth[name]:>13.2f}x{fall[name]:>12.2f}")
 
 # %% [markdown]
+# **Check:** the profile is as flat as the stream is steady. Ordered by how much the stream grows,
+# the four whole-block profiles are ordered the other way; the input three times larger, whose
+# stream grows by 15 % over the twelve blocks, gives a nearly flat profile; and neither of the
+# other two changes flattens it (both fall further).
+
+# %%
+by_growth = sorted(["the left panel (input RMS 1)", "input x 3", "input x 0.3", "6 blocks"], key=growth.get)
+assert all(fall[a] > fall[b] for a, b in zip(by_growth, by_growth[1:], strict=False))
+assert growth["input x 3"] < 1.3 and fall["input x 3"] > 0.65
+assert growth["input x 0.3"] > 5 and fall["input x 0.3"] < 0.3
+for other in ("W2 only (the theorem's matrix)", "no final LayerNorm"):
+    assert fall[other] < fall["the left panel (input RMS 1)"]
+print("steadier stream, flatter profile:", " < ".join(f"{fall[n]:.2f}" for n in reversed(by_growth)))
+
+# %% [markdown]
+# The stream and the profile side by side for the three input scales:
+
+# %% jupyter={"source_hidden": true}
+fig, (ax_s, ax_g) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+shades = {"input x 0.3": "#9ecae1", "the left panel (input RMS 1)": COLORS["ours"], "input x 3": "#08306b"}
+for name, color in shades.items():
+    run, _ = variants[name]
+    label = "input RMS 1 (the left panel)" if name.startswith("the left") else name.replace(" x ", " × ")
+    rms_rel = np.array(run["stream_rms"]) / run["stream_rms"][0]
+    ax_s.plot(np.arange(13), rms_rel, "o-", color=color, ms=4,
+              label=f"{label}: the stream grows {growth[name]:.2f}×, gradients last/first {fall[name]:.2f}")
+    per_block = np.array(run["per_block"]) / run["per_block"][0]
+    ax_g.plot(np.arange(1, 13), per_block, "o-", color=color, ms=4)
+ax_s.set(yscale="log", xlabel="blocks passed ($0$ = the input)", ylabel=r"RMS$(x_l)$ / RMS$(x_0)$",
+         title="The residual stream grows", xticks=range(13))
+ax_g.set(yscale="log", xlabel="block index $l$ (1 = next to the input)",
+         ylabel=r"$\|\nabla_{\theta_l}\mathcal{L}\|_2$ / block 1's", title="... and the gradients fall",
+         xticks=range(1, 13))
+for ax, ticks in ((ax_s, [1, 2, 5, 10]), (ax_g, [0.2, 0.5, 1])):
+    ax.set_yticks(ticks, [str(t) for t in ticks])
+    ax.yaxis.set_minor_formatter(plt.NullFormatter())
+    ax.grid(alpha=0.3, which="both")
+fig.legend(loc="outside lower center", ncols=1, fontsize=9)
+fig.suptitle("12-block pre-norm encoder at initialisation, three input scales (blue: pre-norm)")
+save_figure(fig, "blocks_prenorm_stream_growth")
+plt.show()
+
+
+# %% [markdown]
+# A stream that barely grows keeps the profile nearly flat; one that grows tenfold makes it fall
+# fivefold. So the two measurements do not contradict each other: the pre-norm profile is flat
+# only where the stream stays close to its starting size, and how close it stays depends on the
+# depth and on how large the stack's input is against the sub-layers' updates, details in which
+# a translation model and this toy stack differ. (The course's model feeds its stacks
+# embeddings of RMS about 1.2, notebook 09, and has only two blocks per stack.) Shleifer et al.
+# (2021, "NormFormer") report the same imbalance in large pre-norm language models during
+# pretraining, early layers with much larger gradients than late ones, and add normalisations
+# inside each block to even it out.
+#
 # **Post-norm gives the layers next to the output large gradients at initialisation, at any
 # depth, and needs a warm-up; pre-norm scales them down like $1/\sqrt{L}$ and keeps an identity
 # path, so deep stacks train without one. The course builds pre-norm.**
@@ -1159,14 +1313,23 @@ def breakdown(block) -> dict:
         parts["cross-attention"] = num_params(block.cross_attn)
     parts["FFN"] = num_params(block.ffn)
     parts["LayerNorms"] = sum(num_params(m) for m in block.modules() if isinstance(m, LayerNorm))
-    assert sum(parts.values()) == num_params(block)
     return parts
 
 
-part_colors = {"self-attention": COLORS["query"], "cross-attention": COLORS["key"],
-               "FFN": COLORS["value"], "LayerNorms": COLORS["accent"]}
-fig, ax = plt.subplots(figsize=(9, 3.4))
 rows = [("encoder block", counts["course (notebook 10)"][0]), ("decoder block", counts["course (notebook 10)"][1])]
+for _, block in rows:
+    assert sum(breakdown(block).values()) == num_params(block)  # the parts cover the whole block
+    assert breakdown(block)["FFN"] == 2 * 128 * 512 + 512 + 128
+
+# %% [markdown]
+# The picture, with the colours of a model's parts here and in notebook 10: attention in cyan
+# (cross-attention darker), the feed-forward network in olive, `LayerNorm` in purple.
+
+# %% jupyter={"source_hidden": true}
+part_colors = {"self-attention": "#17becf", "cross-attention": "#0e7c86",
+               "FFN": "#bcbd22", "LayerNorms": "#9467bd"}
+text_colors = {"self-attention": "black", "cross-attention": "white", "FFN": "black", "LayerNorms": "white"}
+fig, ax = plt.subplots(figsize=(9, 3.4))
 for i, (_, block) in enumerate(rows):
     left = 0
     for part, n in breakdown(block).items():
@@ -1174,7 +1337,8 @@ for i, (_, block) in enumerate(rows):
         ax.barh(i, n, left=left, color=part_colors[part], edgecolor="white",
                 label=part if i == 1 and visible else None)
         if n > 20_000:
-            ax.text(left + n / 2, i, f"{part}\n{n:,}", ha="center", va="center", color="white", fontsize=9)
+            ax.text(left + n / 2, i, f"{part}\n{n:,}", ha="center", va="center", color=text_colors[part],
+                    fontsize=9)
         left += n
     norms = breakdown(block)["LayerNorms"]
     ax.text(left + 4_000, i, f"total {left:,}\n(LayerNorms: {norms:,},\ntoo few to see)",
@@ -1188,7 +1352,6 @@ ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), fontsize=9, ncols=3)
 fig.tight_layout()
 save_figure(fig, "blocks_parameters")
 plt.show()
-
 
 # %% [markdown]
 # **A block's size is $4d^2$ per attention plus $2\,d\,d_{ff}$ for the FFN (plus small bias
@@ -1205,14 +1368,14 @@ plt.show()
 # | decoder block | `DecoderBlock(...)(x, enc_out, self_mask, cross_mask)`: `self_attn`, `cross_attn`, `ffn`, `norm1..3` | $(B, T, d), (B, T_\text{src}, d) \to (B, T, d)$ |
 # | cross-attention | queries from `x`, keys and values from `enc_out`, `cross_mask` = source padding | attention $(B, h, T, T_\text{src})$ |
 # | PyTorch's layers | `copy_block_to_torch(ours, theirs)`; masks `~causal[0, 0]`, `~padding[:, 0, 0]` | $(T, T)$, $(B, T_k)$, True = blocked |
-# | depth at initialisation | pre-norm last-layer gradient $\propto 1/\sqrt{L}$, post-norm flat | — |
+# | depth at initialisation | pre-norm: last-layer gradient $\propto 1/\sqrt{L}$ (the final norm), falling from input to output as far as the stream grows; post-norm: flat in $L$, largest at the top | — |
 # | parameters | encoder $4d^2 + 2dd_{ff} + d_{ff} + 9d$, decoder $8d^2 + 2dd_{ff} + d_{ff} + 15d$ | 198,272 and 264,576 at $d = 128$ |
 #
 # ## Exercises
 #
-# 1. **The final norm.** Notebook 10's pre-norm encoder ends with one more `LayerNorm` after the
-#    last block; a post-norm stack would not need it. Measure the root-mean-square of the
-#    residual stream after each of 12 blocks in both arrangements, and explain.
+# 1. **What the final norm does to the gradient.** Repeat the right panel's measurement (the
+#    gradient of the last block's $W^2$ against the depth $L$) for pre-norm stacks without their
+#    final `LayerNorm`, so that the loss reads the last block's output itself. Explain the slope.
 # 2. **A parallel block.** GPT-J (Wang and Komatsuzaki, 2021) and PaLM (Chowdhery et al., 2022)
 #    compute attention and FFN side by side from one norm:
 #    $x + \mathrm{Attn}(\mathrm{LN}(x)) + \mathrm{FFN}(\mathrm{LN}(x))$. Build it from an
@@ -1223,30 +1386,20 @@ plt.show()
 #
 # **Solutions.**
 #
-# 1. Every pre-norm sub-layer adds its update to the stream and nothing rescales it, so the RMS
-#    grows with depth (roughly like $\sqrt{1 + c\,l}$); the next layer's input norm hides this
-#    from the sub-layers but not from whatever reads the stack's output. A post-norm block ends
-#    in a `LayerNorm`, so its output has RMS 1 (exactly, up to $\epsilon$, since $\gamma = 1$,
-#    $\beta = 0$ at initialisation).
+# 1. Without the final norm the gradient of the last layer *grows* with depth. The loss now
+#    compares the last block's output with the target, and that output is the residual stream,
+#    which grows with every block (the section above); the loss's gradient grows with it. The
+#    final `LayerNorm` divides the output by its RMS, and its Jacobian divides the gradient by the
+#    same factor: that division is where the falling slope of Xiong et al.'s $1/\sqrt{L}$ comes
+#    from.
 
 # %%
-def stream_rms(norm_first: bool, num_layers: int = 12) -> list[float]:
-    set_seed(0)
-    x = torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(1234)).to(device)
-    rms = []
-    with torch.no_grad():
-        for _ in range(num_layers):
-            x = EncoderBlock(64, 4, 256, activation="relu", norm_first=norm_first).to(device)(x)
-            rms.append(x.pow(2).mean().sqrt().item())
-    return rms
-
-
-rms_pre, rms_post = stream_rms(True), stream_rms(False)
-print("pre-norm  RMS after blocks 1, 6, 12:", [round(rms_pre[i], 2) for i in (0, 5, 11)])
-print("post-norm RMS after blocks 1, 6, 12:", [round(rms_post[i], 2) for i in (0, 5, 11)])
-assert all(b > a for a, b in zip(rms_pre, rms_pre[1:], strict=False))  # grows at every block
-assert rms_pre[-1] > 1.5 * rms_pre[0]
-assert_close(torch.tensor(rms_post), torch.ones(12), atol=1e-3, rtol=0)
+last_W2_no_final = [layer_gradient_norms(True, num_layers=L, final_norm=False)["last_W2"] for L in depths]
+slope_no_final = np.polyfit(np.log(depths), np.log(last_W2_no_final), 1)[0]
+print("without the final norm: " + "  ".join(f"L={L}: {g:.3f}" for L, g in zip(depths, last_W2_no_final, strict=True))
+      + f"   log-log slope {slope_no_final:+.2f} (with it: {slopes[True]:+.2f})")
+assert slope_no_final > 0.3  # grows with depth
+assert slope_no_final - slopes[True] > 0.8
 
 
 # %% [markdown]

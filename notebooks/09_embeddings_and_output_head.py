@@ -64,22 +64,39 @@ device = get_device()
 # | 2 | `EOS` | *end of sequence*: the last target; generation stops when the model emits it |
 #
 # Putting `PAD` at 0 is a convention, not a necessity, but a convenient one: `torch.zeros` and
-# `torch.full(..., PAD)` then build a padded batch. The three go into the package's `model`
-# module, which this notebook starts and notebook 10 completes:
+# `torch.full(..., PAD)` then build a padded batch. The three go into a small module of their
+# own, `transformer_from_scratch.tokens`: the model needs them, and so do the data that notebook
+# 11 makes and the tokenizer of notebook 13, which should not have to import a model to know
+# which id means padding.
 
 # %%
 #| default_exp model
 
 # %%
+#| export tokens
+"""Token ids the whole library agrees on: three reserved ids, and the check of a batch of ids."""
+
+import torch
+
+from transformer_from_scratch.checks import check_tensor
+
+PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
+
+# %% [markdown]
+# The embeddings and the output head go into the package's `model` module, which this notebook
+# starts and notebook 10 completes:
+
+# %%
 #| export
-"""The encoder-decoder Transformer: special tokens, token embeddings (09) and the model (10)."""
+"""The encoder-decoder Transformer: token embeddings and the output head (09), the model (10)."""
 
 import math
 
 import torch
 from torch import nn
 
-PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
+from transformer_from_scratch.checks import checking
+from transformer_from_scratch.tokens import PAD, check_token_ids
 
 # %% [markdown]
 # With them, a batch of the task that notebook 11 trains on, reversing a sequence of symbols
@@ -122,10 +139,12 @@ assert torch.equal((src != PAD).sum(dim=1), lengths)
 print("targets: BOS first, one EOS each, shifted by one position, same padding")
 
 # %% [markdown]
-# The same batch as a picture, one colour per kind of token:
+# The same batch as a picture, one shade per kind of token (greys, so that no kind is mistaken
+# for the queries, keys or values of the colour rule; `EOS`, where generation stops, in red):
 
-# %%
-kinds = {"PAD": "#d9d9d9", "BOS": COLORS["value"], "EOS": COLORS["accent"], "symbol": COLORS["query"]}
+# %% jupyter={"source_hidden": true}
+kinds = {"PAD": "#f0f0f0", "BOS": "#404040", "EOS": COLORS["accent"], "symbol": "#bdbdbd"}
+text_color = {PAD: "black", BOS: "white", EOS: "white"}  # symbols: black
 
 
 def token_kind(ids: torch.Tensor) -> np.ndarray:
@@ -139,11 +158,10 @@ for ax, (name, ids) in zip(axes, {"src": src, "tgt_in (decoder reads)": tgt_in,
                                   "tgt_out (decoder predicts)": tgt_out}.items(), strict=True):
     ax.imshow(token_kind(ids), cmap=cmap, vmin=-0.5, vmax=3.5)
     for (b, t), v in np.ndenumerate(ids.numpy()):
-        ax.text(t, b, str(v), ha="center", va="center", fontsize=9,
-                color="black" if v == PAD else "white")
+        ax.text(t, b, str(v), ha="center", va="center", fontsize=9, color=text_color.get(v, "black"))
     ax.set(title=name, xlabel="position $t$", ylabel="sequence $b$",
            xticks=range(ids.shape[1]), yticks=range(B))
-fig.legend(handles=[Patch(color=c, label=k) for k, c in kinds.items()], loc="outside lower center",
+fig.legend(handles=[Patch(facecolor=c, edgecolor="#888888", label=k) for k, c in kinds.items()], loc="outside lower center",
            ncols=4, fontsize=9)
 fig.suptitle("A padded batch of the reversal task (vocabulary of 12: PAD=0, BOS=1, EOS=2, symbols 3..11)")
 fig.get_layout_engine().set(h_pad=0.06)  # keep the panel titles clear of the figure title
@@ -220,13 +238,26 @@ print(f"PAD appears {int((ids == PAD).sum())} times; its row after 5 Adam steps:
 # The trap: `padding_idx` zeroes the row **only at construction**. Any initialisation applied
 # afterwards (and the next section applies one) overwrites it with random numbers, and, because
 # the row never receives a gradient, those random numbers stay there for the whole of training.
-# The gradient masking still works; the zero row is gone.
+# The gradient masking still works; the zero row is gone. **Check:** re-initialise, then train
+# as above: the `PAD` row is a random vector, and five Adam steps leave it bit for bit as the
+# initialisation drew it, while every other row that was used has moved.
 
 # %%
-emb = nn.Embedding(V, d_small, padding_idx=PAD).to(device)
-nn.init.normal_(emb.weight, std=d_small**-0.5)  # re-initialised after construction
-print("PAD row after nn.init.normal_:", [round(v, 3) for v in emb.weight[PAD].tolist()])
-assert torch.count_nonzero(emb.weight[PAD]) == d_small  # no longer zero
+emb = nn.Embedding(V, d_small, padding_idx=PAD)
+nn.init.normal_(emb.weight, std=d_small**-0.5)  # re-initialised after construction (on the CPU)
+emb = emb.to(device)
+drawn = emb.weight.detach().clone()  # (V, d): the table as the initialisation left it
+optimizer = torch.optim.Adam(emb.parameters(), lr=0.1)
+for _ in range(5):
+    optimizer.zero_grad()
+    (emb(ids) * upstream_emb).sum().backward()
+    optimizer.step()
+print("PAD row after nn.init.normal_ and 5 Adam steps:", [round(v, 3) for v in emb.weight[PAD].tolist()])
+symbol_rows = used.clone()
+symbol_rows[PAD] = False  # the rows of the real tokens in the batch
+assert drawn[PAD].norm() > 0.2  # a random row (norm about 1), not zero
+assert torch.equal(emb.weight[PAD], drawn[PAD])  # never trained: the random draw stays
+assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every used row moved
 
 # %% [markdown]
 # **`padding_idx=PAD` gives the padding token a zero vector that no gradient ever changes, but
@@ -266,8 +297,9 @@ assert torch.count_nonzero(emb.weight[PAD]) == d_small  # no longer zero
 # %%
 set_seed(0)
 d_model = 128  # the course's model width, from here on
-table_scaled = nn.Embedding(V, d_model).to(device)  # E ~ N(0, 1/d), multiplied by sqrt(d)
-nn.init.normal_(table_scaled.weight, std=d_model**-0.5)
+table_scaled = nn.Embedding(V, d_model)  # E ~ N(0, 1/d), multiplied by sqrt(d)
+nn.init.normal_(table_scaled.weight, std=d_model**-0.5)  # drawn on the CPU, then moved
+table_scaled = table_scaled.to(device)
 table_plain = nn.Embedding(V, d_model).to(device)  # E' = sqrt(d) E ~ N(0, 1), not multiplied
 with torch.no_grad():
     table_plain.weight.copy_(table_scaled.weight * math.sqrt(d_model))
@@ -394,20 +426,21 @@ print(f"token/PE ratio, N(0,1/d): {', '.join(f'{r:.2f}' for r in paper_n / pe_n)
 # %% [markdown]
 # The picture: the norms against $d_\text{model}$ (left), and the twelve rows of the course's
 # table at $d_\text{model} = 128$ token by token (right, on a linear scale), next to the
-# positional encoding.
+# positional encoding. Colours: orange for PyTorch's default, blue for the course's
+# `init_token_embedding`, black for the positional encoding.
 
-# %%
+# %% jupyter={"source_hidden": true}
 set_seed(0)
 tables = {"N(0, 1): nn.Embedding's default": nn.Embedding(V, d_model, padding_idx=PAD),
           "N(0, 1/d_model): init_token_embedding": init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD))}
 per_token = {name: (t.weight.detach() * math.sqrt(d_model)).norm(dim=1).numpy() for name, t in tables.items()}
 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
-ax1.plot(dims, default_n, "o-", color=COLORS["accent"],
+ax1.plot(dims, default_n, "o-", color=COLORS["torch"],
          label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1)$ (default), mean over 999 tokens")
 ax1.plot(dims, paper_n, "o-", color=COLORS["ours"],
          label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1/d)$ (paper), mean over 999 tokens")
-ax1.plot(dims, pe_n, "s--", color=COLORS["value"], label=r"$\|\mathrm{PE}_t\| = \sqrt{d/2}$, the same for every $t$")
+ax1.plot(dims, pe_n, "s--", color="black", label=r"$\|\mathrm{PE}_t\| = \sqrt{d/2}$, the same for every $t$")
 ax1.set(xscale="log", yscale="log", xlabel=r"$d_\mathrm{model}$", ylabel="vector norm",
         title="Scaled token vector vs positional encoding")
 ax1.set_xticks(d_models, [str(x) for x in d_models])
@@ -415,9 +448,9 @@ ax1.minorticks_off()
 ax1.grid(alpha=0.3, which="both")
 ax1.legend(fontsize=8.5)
 token_ids = np.arange(V)
-for offset, (name, n), color in zip((-0.2, 0.2), per_token.items(), (COLORS["accent"], COLORS["ours"]), strict=True):
+for offset, (name, n), color in zip((-0.2, 0.2), per_token.items(), (COLORS["torch"], COLORS["ours"]), strict=True):
     ax2.bar(token_ids + offset, n, width=0.4, color=color, label=name)
-ax2.axhline(math.sqrt(d_model / 2), color=COLORS["value"], ls="--", label=r"$\|\mathrm{PE}_t\| = 8$ (any $t$)")
+ax2.axhline(math.sqrt(d_model / 2), color="black", ls="--", label=r"$\|\mathrm{PE}_t\| = 8$ (any $t$)")
 ax2.set(xlabel="token id (0 = PAD: zero vector in both tables)", ylabel=r"$\|\sqrt{d}\,E_v\|$",
         title=r"Each token at $d_\mathrm{model}$ = 128", xticks=token_ids)
 ax2.set_ylim(0, 1.45 * max(n.max() for n in per_token.values()))  # room for the legend above the bars
@@ -458,13 +491,12 @@ except IndexError as err:
 
 
 # %%
-#| export
+#| export tokens
 def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens") -> None:
     """Raise a TypeError/ValueError unless tokens is a (B, T) integer tensor of ids in [0, V)."""
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
+    check_tensor(name, tokens, kind="int")
     if tokens.dtype not in (torch.int64, torch.int32):  # the index types nn.Embedding accepts
-        raise TypeError(f"{name} must hold integer token ids (int64 or int32), got dtype {tokens.dtype}")
+        raise TypeError(f"{name} must hold int64 or int32 token ids, got dtype {tokens.dtype}")
     if tokens.dim() != 2 or tokens.shape[1] == 0:
         raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(tokens.shape)}")
     if tokens.numel() == 0:
@@ -479,9 +511,18 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens")
         )
 
 
+
+# %% [markdown]
+# The check reads every id, so on a GPU it waits for the ids to arrive on the host: a model calls
+# it once per batch, where the ids enter, never once per generated token (notebook 12).
+# `embed_tokens` checks unless an outer entry point already has (notebook 00's `checking()`):
+
+# %%
+#| export
 def embed_tokens(embedding: nn.Embedding, tokens: torch.Tensor, name: str = "tokens") -> torch.Tensor:
     """Look up (B, T) token ids and multiply by sqrt(d_model): (B, T) -> (B, T, d_model)."""
-    check_token_ids(tokens, embedding.num_embeddings, name)
+    if checking():
+        check_token_ids(tokens, embedding.num_embeddings, name)
     return embedding(tokens) * math.sqrt(embedding.embedding_dim)  # (B, T) -> (B, T, d_model)
 
 
@@ -610,20 +651,49 @@ for dtype in (torch.float32, torch.float16):
           f" log_softmax at m = 130: {stability[dtype]['fused'][-1].item():.1f}")
 
 # %% [markdown]
-# **Check:** the fused route is exact at every margin up to rounding: its relative error stays
-# below one unit in the last place of the format ($2^{-23}$ in float32, $2^{-10}$ in float16,
-# which keep 24 and 11 significant bits), while the naive
-# route reaches $+\infty$ from the first margin past the limit computed above, and its gradient
-# becomes NaN there. At $m = 120$ the fused route's gradient is the textbook
-# $\operatorname{softmax}(z) - \operatorname{onehot}(y) = (1, -1)$.
+# **Check.** Errors are measured in *units in the last place* (ULPs) of the exact loss: the
+# spacing of the format's numbers at that size, $2^{\lfloor \log_2 x \rfloor}$ times $2^{-23}$
+# in float32 and $2^{-10}$ in float16 (which keep 24 and 11 significant bits). A correctly
+# rounded result is within half an ULP; `log_softmax` rounds a few intermediate results on the
+# way, so the check allows two ULPs. The fused route stays within them at every margin. The
+# naive route is as good while $e^{-m}$ is a normal number, leaves the band some way into the
+# subnormal range as the bits run out, and is $+\infty$ from the first margin past the limit
+# computed above, with a NaN gradient. And once the term $\log(1 + e^{-m})$ is below half an ULP
+# of $m$, the exact loss rounds to $m$ itself: from there on the fused route returns exactly $m$,
+# so its error is the term, and falls like $e^{-m}$ (so does the naive route's, on this machine,
+# until $e^{-m}$ turns subnormal). Where that starts is computed from the float64 values. At $m = 120$ the fused route's gradient
+# is the textbook $\operatorname{softmax}(z) - \operatorname{onehot}(y) = (1, -1)$.
 
 # %%
 true_loss = margins.double() + torch.log1p(torch.exp(-margins.double()))  # (M,): m + log(1 + e^-m)
-for dtype, (_, zero_from) in limits.items():
-    one_ulp = torch.finfo(dtype).eps  # relative size of one unit in the last place
-    assert_close(stability[dtype]["fused"].double(), true_loss, rtol=one_ulp, atol=0)
-    naive = stability[dtype]["naive"]
+errors_in_ulps, exact_from = {}, {}
+for dtype in limits:
+    ulp = torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(true_loss))  # (M,): one ULP of the loss
+    errors_in_ulps[dtype] = {route: (stability[dtype][route].double() - true_loss).abs() / ulp
+                             for route in ("fused", "naive")}
+    rounds_to_m = (true_loss - margins.double()) < ulp / 2  # the term is below half an ULP
+    exact_from[dtype] = margins[~rounds_to_m][-1].item() + 0.5  # from here on, on the grid of 0.5
+    print(f"{str(dtype):>14}: the exact loss rounds to m from m = {exact_from[dtype]}")
+
+# %% tags=["nbval-ignore-output"]
+for dtype, (subnormal_from, _) in limits.items():
+    fused_err, naive_err = errors_in_ulps[dtype]["fused"], errors_in_ulps[dtype]["naive"]
+    leaves = margins[naive_err > 2][0].item()
+    equals_m = margins[stability[dtype]["fused"].double() == margins.double()][0].item()
+    print(f"{str(dtype):>14}: fused error at most {fused_err.max().item():.2f} ULP;"
+          f" naive leaves the 2-ULP band at m = {leaves} (subnormal from {subnormal_from:.1f});"
+          f" fused returns m from m = {equals_m}")
+
+# %%
+for dtype, (subnormal_from, zero_from) in limits.items():
+    fused_err, naive_err = errors_in_ulps[dtype]["fused"], errors_in_ulps[dtype]["naive"]
+    assert (fused_err <= 2).all()  # every margin, up to 130
+    assert (naive_err[margins < subnormal_from] <= 2).all()  # as good while e^-m is normal
+    assert (naive_err[(margins > subnormal_from) & (margins < zero_from)] > 2).any()  # digits lost
+    naive, fused = stability[dtype]["naive"], stability[dtype]["fused"]
     assert torch.isinf(naive[margins > zero_from]).all() and torch.isfinite(naive[margins < zero_from]).all()
+    beyond = margins >= exact_from[dtype]
+    assert torch.equal(fused[beyond].double(), margins[beyond].double())
 
 z120 = torch.tensor([[0.0, -120.0]], device=device, requires_grad=True)
 naive_loss = -torch.log(torch.softmax(z120, dim=-1))[0, 1]
@@ -637,13 +707,11 @@ print(f"m = 120: naive loss {naive_loss.item()}, gradient {naive_grad.tolist()};
 
 # %% [markdown]
 # The picture: the two losses (top), and the error of each against the exact value computed in
-# float64 (bottom, log scale). The grey band is the error that rounding the result to the format
-# may cause on its own, up to half a unit in its last place; beyond $m \approx 17$ in float32 the
-# term $\log(1 + e^{-m})$ is smaller than that, both routes return $m$ itself, and the error
-# falls with $e^{-m}$. The naive route leaves the band once $e^{-m}$ turns subnormal and ends at
-# $+\infty$; the fused route never leaves it.
+# float64 (bottom, log scale), with the two-ULP band of the check in grey. Where a curve stops
+# in the bottom panels, the route is exactly right (from $m = 15$ in float32 the fused route
+# returns $m$, and the exact loss rounds to it) or, for the naive route, infinite.
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(2, 2, figsize=(12, 7.4), sharex="col", layout="constrained")
 for col, (dtype, curves) in enumerate(stability.items()):
     subnormal_from, zero_from = limits[dtype]
@@ -656,7 +724,7 @@ for col, (dtype, curves) in enumerate(stability.items()):
 
     ax = axes[0, col]
     ax.axvspan(zero_from, end, color=COLORS["accent"], alpha=0.12, label=r"$e^{-m}$ rounds to 0: loss $+\infty$")
-    ax.plot(m_shown, curves["fused"][shown], color=COLORS["ours"], lw=3, label="F.log_softmax / F.cross_entropy")
+    ax.plot(m_shown, curves["fused"][shown], color=COLORS["torch"], lw=3, label="F.log_softmax / F.cross_entropy")
     ax.plot(m_shown, naive, color=COLORS["accent"], lw=1.5, ls="--", label="-log(softmax(z))")
     ax.plot([m_inf], [m_inf], "X", color=COLORS["accent"], ms=10, zorder=5)
     ax.annotate(f"softmax-then-log: $+\\infty$ from $m$ = {m_inf:g},\nNaN gradient",
@@ -668,18 +736,18 @@ for col, (dtype, curves) in enumerate(stability.items()):
 
     ax = axes[1, col]
     exact = true_loss[shown]
-    half_ulp = torch.finfo(dtype).eps / 2 * 2.0 ** torch.floor(torch.log2(exact))  # of the result, in dtype
-    ax.fill_between(m_shown, 1e-9, half_ulp, color="#d9d9d9", step="mid",
-                    label="below half a unit in the last place: rounding")
-    for name, values, color, style in (("F.log_softmax", curves["fused"][shown], COLORS["ours"], "-"),
+    two_ulps = 2 * torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(exact))  # of the result, in dtype
+    ax.fill_between(m_shown, 1e-9, two_ulps, color="#d9d9d9", step="mid",
+                    label="within 2 units in the last place (the check's band)")
+    for name, values, color, style in (("F.log_softmax", curves["fused"][shown], COLORS["torch"], "-"),
                                        ("-log(softmax(z))", naive, COLORS["accent"], "--")):
         error = (values.double() - exact).abs()
         error[error == 0] = float("nan")  # exactly right: nothing to draw on a log scale
         ax.plot(m_shown, error, style, color=color, lw=1.5, label=f"|{name} - exact|")
-    ax.axvline(subnormal_from, color=COLORS["key"], lw=1.2)
+    ax.axvline(subnormal_from, color="#525252", lw=1.2, ls=":")
     ax.axvline(zero_from, color=COLORS["accent"], lw=1.2)
     ax.text(subnormal_from, 3, r" $e^{-m}$ subnormal" + "\n " + f"from {subnormal_from:.1f}", fontsize=8,
-            color=COLORS["key"], va="top", ha="right")
+            color="#525252", va="top", ha="right")
     ax.text(zero_from, 3, f" zero from\n {zero_from:.2f}", fontsize=8, color=COLORS["accent"], va="top")
     ax.set(yscale="log", ylim=(1e-9, 10), xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
            ylabel="absolute error (nats)")
@@ -739,6 +807,7 @@ assert F.cross_entropy(confident, y).item() < 1e-6  # the logits route: loss 0
 print(f"cross_entropy(softmax(z)) of a perfect model: {double.item():.4f} = log(1 + 11/e);"
       f" cross_entropy(z): {F.cross_entropy(confident, y).item():.1e}")
 
+
 # %% [markdown]
 # **The head is `nn.Linear(d_model, V)` and returns logits; the softmax lives inside
 # `F.cross_entropy` (fused with the log, so it cannot underflow) and is skipped by `argmax`.**
@@ -756,22 +825,29 @@ print(f"cross_entropy(softmax(z)) of a perfect model: {double.item():.4f} = log(
 # In PyTorch, tying is one assignment: the `Parameter` object itself is shared.
 
 # %%
-set_seed(0)
-tied_embed = init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)).to(device)
-tied_head = nn.Linear(d_model, V).to(device)
-tied_head.weight = tied_embed.weight  # the same Parameter: (V, d) in both roles
-tied = nn.ModuleDict({"embed": tied_embed, "head": tied_head})
+def tied_pair(seed: int = 0) -> nn.ModuleDict:
+    """A fresh embedding table and output layer that share one (V, d) weight."""
+    set_seed(seed)
+    embed = init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)).to(device)
+    head = nn.Linear(d_model, V).to(device)
+    head.weight = embed.weight  # the same Parameter: (V, d) in both roles
+    return nn.ModuleDict({"embed": embed, "head": head})
+
+
 untied_count = 2 * V * d_model + V
-print(f"tied: {sum(p.numel() for p in tied.parameters()):,} parameters, untied: {untied_count:,}")
+print(f"tied: {sum(p.numel() for p in tied_pair().parameters()):,} parameters, untied: {untied_count:,}")
 
 # %% [markdown]
 # **Check:** the module counts the shared matrix once; the shared gradient is the sum of the
 # gradients from its two uses (computed with two separate copies); and one optimiser step through
 # the tied pair moves both roles at once, so that afterwards the head computes its logits with
 # the updated table. None of the three would hold for a copy of the matrix,
-# `nn.Parameter(tied_embed.weight.clone())`.
+# `nn.Parameter(tied_embed.weight.clone())`. The cell builds its own pair, because it trains it:
+# run again, it starts from the same fresh pair.
 
 # %%
+tied = tied_pair()
+tied_embed, tied_head = tied["embed"], tied["head"]
 assert sum(p.numel() for p in tied.parameters()) == untied_count - V * d_model
 
 tokens_in = tgt_in.to(device)  # (B, T_tgt)
@@ -825,10 +901,10 @@ assert top_p["N(0, 1) (nn.Embedding default)"] > 0.8
 for name in candidate_tables:
     print(f"{name:>31}: logit std {stds[name]:5.2f}, mean largest softmax probability {top_p[name]:.2f}")
 
-# %%
+# %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
 bins = np.linspace(-45, 45, 181)
-for name, color in (("N(0, 1) (nn.Embedding default)", COLORS["accent"]),
+for name, color in (("N(0, 1) (nn.Embedding default)", COLORS["torch"]),
                     ("N(0, 1/d_model) (paper)", COLORS["ours"])):
     ax.hist(initial_logits[name].flatten().cpu().numpy(), bins=bins, density=True, histtype="step", lw=2,
             color=color, label=f"rows from {name}: std {stds[name]:.2f}")

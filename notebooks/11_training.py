@@ -52,7 +52,8 @@ from torch import nn
 from torch.testing import assert_close
 
 from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
 
 set_seed(0)
@@ -95,7 +96,7 @@ LOSS_COLOR, EM_COLOR, LR_COLOR, VARIANT_COLOR = "#404040", "#9467bd", "#8c564b",
 
 import torch
 
-from transformer_from_scratch.model import BOS, EOS, PAD
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 
 FIRST_SYMBOL = 3  # ids below it are PAD, BOS and EOS
 MIN_LEN = 3  # the shortest sequence the task draws
@@ -319,6 +320,7 @@ print(f"untrained loss {loss.item():.4f}  vs  ln V = {math.log(VOCAB):.4f} (a un
 #| export
 """Training on the reversal task: the paper's schedule, the loop, exact match and checkpoints."""
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable
@@ -333,7 +335,8 @@ from tqdm.auto import tqdm
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import PAD, Transformer
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.utils import get_device, set_seed
 
 
@@ -1566,7 +1569,7 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": CHECKPOINT_FORMAT,
-        "config": dict(model.config),  # Transformer(**config) rebuilds it
+        "config": dataclasses.asdict(model.config),  # plain data: Transformer(**config) rebuilds it
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "meta": meta,
     }

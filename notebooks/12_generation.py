@@ -43,10 +43,11 @@ from matplotlib.ticker import NullLocator
 from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
-from transformer_from_scratch.bench import fit_slope
+from transformer_from_scratch.measure import fit_slope
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 from transformer_from_scratch.train import get_reversal_model
 from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
 from transformer_from_scratch.viz import plot_attention
@@ -119,7 +120,8 @@ from torch import Tensor, nn
 from transformer_from_scratch.attention import MultiHeadAttention, scaled_dot_product_attention
 from transformer_from_scratch.layers import DecoderBlock, sublayer_connection
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, embed_tokens
+from transformer_from_scratch.model import embed_tokens
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 
 
 # %% [markdown]
@@ -1592,9 +1594,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from transformer_from_scratch.decoding import greedy_decode
-from transformer_from_scratch.layers import copy_block_to_torch
+from transformer_from_scratch.reference import copy_block_to_torch
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer, embed_tokens
+from transformer_from_scratch.model import Transformer, embed_tokens
+from transformer_from_scratch.tokens import BOS, EOS, PAD
 from transformer_from_scratch.utils import get_device
 
 

@@ -7,20 +7,22 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from transformer_from_scratch.bench_model import (
-    TorchReference,
-    best_time,
-    compare_decoding,
-    compare_train_step,
-    format_model_suite,
-    main,
-    make_train_step,
-    never_ending,
-    reversal_batch,
-    run_model_suite,
-)
-from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer
+from transformer_from_scratch.bench_model import TorchReference
+from transformer_from_scratch.bench_model import best_time
+from transformer_from_scratch.bench_model import compare_decoding
+from transformer_from_scratch.bench_model import compare_train_step
+from transformer_from_scratch.bench_model import format_model_suite
+from transformer_from_scratch.bench_model import main
+from transformer_from_scratch.bench_model import make_train_step
+from transformer_from_scratch.bench_model import never_ending
+from transformer_from_scratch.bench_model import reversal_batch
+from transformer_from_scratch.bench_model import run_model_suite
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 
 TINY = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 2, "max_len": 32}
 

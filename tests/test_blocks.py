@@ -6,33 +6,16 @@ from torch import nn
 from torch.testing import assert_close
 
 from transformer_from_scratch.attention import MultiHeadAttention
-from transformer_from_scratch.layers import (
-    DecoderBlock,
-    EncoderBlock,
-    LayerNorm,
-    copy_block_to_torch,
-    sublayer_connection,
-)
-from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.layers import EncoderBlock
+from transformer_from_scratch.layers import LayerNorm
+from transformer_from_scratch.layers import sublayer_connection
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.reference import copy_block_to_torch
+from transformer_from_scratch.reference import torch_parameter
 
 B, T, T_SRC, D, H, D_FF = 2, 5, 7, 16, 4, 32
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def num_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def randomize_vectors(block: nn.Module) -> None:
-    """Random biases and LayerNorm parameters, so that a missed copy cannot go unnoticed."""
-    with torch.no_grad():
-        for p in block.parameters():
-            if p.dim() == 1:
-                p.normal_(std=0.3)
 
 
 def torch_layer(ours, **overrides):
@@ -57,27 +40,7 @@ def torch_layer(ours, **overrides):
 
 def matching_params(ours, theirs):
     """(our parameter, their parameter, rows of theirs that hold ours) for every parameter."""
-    d = ours.d_model
-    attns = [(ours.self_attn, theirs.self_attn)]
-    norms = ["norm1", "norm2"]
-    if isinstance(ours, DecoderBlock):
-        attns.append((ours.cross_attn, theirs.multihead_attn))
-        norms.append("norm3")
-    pairs = []
-    for a, b in attns:
-        for i, proj in enumerate((a.W_q, a.W_k, a.W_v)):
-            rows = slice(i * d, (i + 1) * d)
-            pairs += [(proj.weight, b.in_proj_weight, rows), (proj.bias, b.in_proj_bias, rows)]
-        pairs += [(a.W_o.weight, b.out_proj.weight, slice(None))]
-        pairs += [(a.W_o.bias, b.out_proj.bias, slice(None))]
-    for ours_lin, their_lin in ((ours.ffn[0], theirs.linear1), (ours.ffn[2], theirs.linear2)):
-        pairs += [(ours_lin.weight, their_lin.weight, slice(None))]
-        pairs += [(ours_lin.bias, their_lin.bias, slice(None))]
-    for name in norms:
-        a, b = getattr(ours, name), getattr(theirs, name)
-        pairs += [(a.weight, b.weight, slice(None)), (a.bias, b.bias, slice(None))]
-    assert len(pairs) == len(list(ours.parameters()))
-    return pairs
+    return [(p, *torch_parameter(theirs, name)) for name, p in ours.named_parameters()]
 
 
 def data(*shape):
@@ -139,7 +102,7 @@ def test_no_bias(cls):
     assert all(m.bias is None for m in block.modules() if isinstance(m, nn.Linear))
 
 
-def test_parameter_counts_match_formula_and_torch():
+def test_parameter_counts_match_formula_and_torch(num_params):
     for d, h, d_ff in [(16, 4, 32), (128, 4, 512), (512, 8, 2048)]:
         enc, dec = EncoderBlock(d, h, d_ff), DecoderBlock(d, h, d_ff)
         assert num_params(enc) == 4 * d**2 + 2 * d * d_ff + d_ff + 9 * d
@@ -205,7 +168,7 @@ def test_float_masks_equal_bool_masks():
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 @pytest.mark.parametrize("masks", ["none", "padding", "causal", "causal+padding"])
-def test_encoder_parity_values_and_grads(norm_first, activation, masks):
+def test_encoder_parity_values_and_grads(norm_first, activation, masks, randomize_vectors):
     ours = EncoderBlock(D, H, D_FF, activation=activation, norm_first=norm_first).double()
     randomize_vectors(ours)
     theirs = torch_layer(ours)
@@ -231,33 +194,15 @@ def test_encoder_parity_values_and_grads(norm_first, activation, masks):
 
 @pytest.mark.parametrize("norm_first", [True, False])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_decoder_parity_values_and_grads(norm_first, activation):
+def test_decoder_parity_values_and_grads(
+    norm_first, activation, randomize_vectors, assert_decoder_parity
+):
     ours = DecoderBlock(D, H, D_FF, activation=activation, norm_first=norm_first).double()
     randomize_vectors(ours)
-    theirs = torch_layer(ours)
-    causal, tgt_pad = causal_mask(T), padding_mask([T, 2], T)
-    src_pad = padding_mask([T_SRC, 4], T_SRC)
-    x, enc_out, upstream = data(B, T, D), data(B, T_SRC, D), data(B, T, D)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ea, eb = enc_out.clone().requires_grad_(), enc_out.clone().requires_grad_()
-    ya = ours(xa, ea, self_mask=causal & tgt_pad, cross_mask=src_pad)
-    yb = theirs(
-        xb,
-        eb,
-        tgt_mask=~causal[0, 0],
-        tgt_key_padding_mask=~tgt_pad[:, 0, 0],
-        memory_key_padding_mask=~src_pad[:, 0, 0],
-    )
-    assert_close(ya, yb)
-    (ya * upstream).sum().backward()
-    (yb * upstream).sum().backward()
-    assert_close(xa.grad, xb.grad)
-    assert_close(ea.grad, eb.grad)
-    for p, q, rows in matching_params(ours, theirs):
-        assert_close(p.grad, q.grad[rows])
+    assert_decoder_parity(ours, torch_layer(ours), [T, 2], [T_SRC, 4], D)
 
 
-def test_decoder_parity_with_float_masks():
+def test_decoder_parity_with_float_masks(randomize_vectors):
     ours = DecoderBlock(D, H, D_FF, activation="relu").double()
     randomize_vectors(ours)
     theirs = torch_layer(ours)
@@ -427,7 +372,7 @@ def test_bad_constructor_arguments(cls):
         cls(D, H, D_FF, norm_first="yes")
     with pytest.raises(ValueError, match="not divisible"):
         cls(D, 3, D_FF)
-    with pytest.raises(ValueError, match="d_ff must be positive"):
+    with pytest.raises(ValueError, match="d_ff must be at least 1"):
         cls(D, H, 0)
     with pytest.raises(ValueError, match="unknown activation"):
         cls(D, H, D_FF, activation="tanh")

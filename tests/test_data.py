@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from transformer_from_scratch.data import make_batch
-from transformer_from_scratch.model import BOS, EOS, PAD
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 
 
 def batch(n=500, max_len=8, vocab_size=12, seed=0):

@@ -9,20 +9,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from transformer_from_scratch.decoding import (
-    KVCache,
-    beam_search,
-    cross_attention_weights,
-    decode_step,
-    greedy_decode,
-    length_penalty_wu,
-    next_token_probs,
-    sample,
-    sequence_log_prob,
-)
+from transformer_from_scratch.decoding import KVCache
+from transformer_from_scratch.decoding import beam_search
+from transformer_from_scratch.decoding import cross_attention_weights
+from transformer_from_scratch.decoding import decode_step
+from transformer_from_scratch.decoding import greedy_decode
+from transformer_from_scratch.decoding import length_penalty_wu
+from transformer_from_scratch.decoding import next_token_probs
+from transformer_from_scratch.decoding import sample
+from transformer_from_scratch.decoding import sequence_log_prob
 from transformer_from_scratch.layers import DecoderBlock
-from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 
 VOCAB = 11
 

@@ -172,13 +172,13 @@ def test_d_model_must_be_int(d_model):
 
 @pytest.mark.parametrize("eps", [0.0, -1e-5, float("inf"), float("nan")])
 def test_bad_eps(eps):
-    with pytest.raises(ValueError, match="eps must be positive and finite"):
+    with pytest.raises(ValueError, match="eps must be (> 0|a finite number)"):
         LayerNorm(8, eps=eps)
 
 
 @pytest.mark.parametrize("eps", ["1e-5", None, True])
 def test_eps_must_be_a_number(eps):
-    with pytest.raises(TypeError, match="eps must be a float"):
+    with pytest.raises(TypeError, match="eps must be a number"):
         LayerNorm(8, eps=eps)
 
 
@@ -199,10 +199,10 @@ def test_zero_dim_input():
 
 
 def test_integer_input():
-    with pytest.raises(TypeError, match="floating-point tensor, got torch.int64"):
+    with pytest.raises(TypeError, match="floating-point tensor, got dtype torch.int64"):
         LayerNorm(3)(torch.arange(6).reshape(2, 3))
 
 
 def test_non_tensor_input():
-    with pytest.raises(TypeError, match="expects a tensor, got list"):
+    with pytest.raises(TypeError, match="must be a torch.Tensor, got list"):
         LayerNorm(3)([1.0, 2.0, 3.0])

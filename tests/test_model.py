@@ -1,8 +1,7 @@
 """Tests for the model module of notebooks 09 and 10 (transformer_from_scratch.model)."""
 
-import copy
+import dataclasses
 import math
-import warnings
 
 import pytest
 import torch
@@ -11,29 +10,23 @@ from torch import nn
 from torch.testing import assert_close
 
 import transformer_from_scratch as tfs
-from transformer_from_scratch.layers import Decoder, Encoder, copy_block_to_torch
-from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import (
-    BOS,
-    EOS,
-    PAD,
-    Transformer,
-    check_token_ids,
-    embed_tokens,
-    init_token_embedding,
-)
+from transformer_from_scratch.layers import Decoder
+from transformer_from_scratch.layers import Encoder
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.model import TransformerConfig
+from transformer_from_scratch.model import embed_tokens
+from transformer_from_scratch.model import init_token_embedding
 from transformer_from_scratch.positional import PositionalEncoding
+from transformer_from_scratch.reference import TorchTransformer
+from transformer_from_scratch.reference import torch_parameter
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.tokens import check_token_ids
 
 V = 12
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def num_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
 
 
 def small_model(dropout_p: float = 0.0, **kw) -> Transformer:
@@ -161,7 +154,7 @@ def part_formulas(d, d_ff, n, v_src, v_tgt) -> dict:
     }
 
 
-def test_tutorial_configuration_has_930828_parameters():
+def test_tutorial_configuration_has_930828_parameters(num_params):
     model = Transformer(V, V)
     assert num_params(model) == 930_828
     expected = part_formulas(128, 512, 2, V, V)
@@ -171,7 +164,7 @@ def test_tutorial_configuration_has_930828_parameters():
     assert expected["encoder"] == 396_800 and expected["decoder"] == 529_408
 
 
-def test_parameter_breakdown_inside_the_stacks():
+def test_parameter_breakdown_inside_the_stacks(num_params):
     model = Transformer(V, V)
     d, dff = 128, 512
     for block in model.encoder.layers:
@@ -184,12 +177,12 @@ def test_parameter_breakdown_inside_the_stacks():
     assert num_params(model.encoder.norm) == num_params(model.decoder.norm) == 2 * d
 
 
-def test_other_configuration_counts():
+def test_other_configuration_counts(num_params):
     model = Transformer(30, 17, d_model=64, num_heads=8, d_ff=96, num_layers=3, max_len=40)
     assert num_params(model) == sum(part_formulas(64, 96, 3, 30, 17).values())
 
 
-def test_attributes_defaults_and_config():
+def test_attributes_defaults_and_config(num_params):
     model = Transformer(V, V + 5)
     assert isinstance(model.src_embed, nn.Embedding) and model.src_embed.padding_idx == PAD
     assert isinstance(model.tgt_embed, nn.Embedding) and model.tgt_embed.num_embeddings == V + 5
@@ -199,8 +192,11 @@ def test_attributes_defaults_and_config():
     assert model.out_proj.in_features == 128 and model.out_proj.out_features == V + 5
     assert model.pos.dropout.p == 0.1 and model.encoder.layers[0].dropout1.p == 0.1
     assert type(model.encoder.layers[0].ffn[1]) is nn.ReLU
-    rebuilt = Transformer(**model.config)
+    assert isinstance(model.config, TransformerConfig) and model.config.tgt_vocab_size == V + 5
+    rebuilt = Transformer.from_config(model.config)
+    assert rebuilt.config == model.config
     assert rebuilt.load_state_dict(model.state_dict()) is not None
+    assert Transformer(**dataclasses.asdict(model.config)).config == model.config
     assert num_params(rebuilt) == num_params(model)
 
 
@@ -220,8 +216,8 @@ def test_model_embeddings_are_initialised():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(src_vocab_size=2, tgt_vocab_size=V), ValueError, "src_vocab_size must be at least 3"),
-        (dict(src_vocab_size=V, tgt_vocab_size=0), ValueError, "tgt_vocab_size must be at least 3"),
+        (dict(src_vocab_size=2, tgt_vocab_size=V), ValueError, "src_vocab_size must be at least 4"),
+        (dict(src_vocab_size=V, tgt_vocab_size=0), ValueError, "tgt_vocab_size must be at least 4"),
         (dict(src_vocab_size=12.0, tgt_vocab_size=V), TypeError, "src_vocab_size must be an int"),
         (dict(src_vocab_size=V, tgt_vocab_size=V, d_model=0), ValueError, "d_model"),
         (dict(src_vocab_size=V, tgt_vocab_size=V, max_len=0), ValueError, "max_len"),
@@ -293,94 +289,43 @@ def test_double_moves_parameters_and_buffer():
     assert model(src, tgt_in).dtype == torch.float64
 
 
-def test_meta_device_construction():
+def test_meta_device_construction(num_params):
     with torch.device("meta"):
         model = Transformer(V, V)
     assert model.out_proj.weight.is_meta and num_params(model) == 930_828
 
 
 # ---------------------------------------------------------------- parity with nn.Transformer
-def torch_like(model: Transformer) -> nn.Transformer:
-    c = model.config
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
-        theirs = nn.Transformer(
-            d_model=c["d_model"],
-            nhead=c["num_heads"],
-            num_encoder_layers=c["num_layers"],
-            num_decoder_layers=c["num_layers"],
-            dim_feedforward=c["d_ff"],
-            dropout=c["dropout_p"],
-            activation="relu",
-            batch_first=True,
-            norm_first=True,
-        )
-    for ours_stack, their_stack in (
-        (model.encoder, theirs.encoder),
-        (model.decoder, theirs.decoder),
-    ):
-        for a, b in zip(ours_stack.layers, their_stack.layers, strict=True):
-            copy_block_to_torch(a, b)
-        their_stack.norm.load_state_dict(ours_stack.norm.state_dict())
-    return theirs
-
-
-def torch_masks(src_mask, tgt_len, T):
-    src_pad = ~src_mask[:, 0, 0]
-    return dict(
-        src_key_padding_mask=src_pad,
-        memory_key_padding_mask=src_pad,
-        tgt_mask=~causal_mask(T)[0, 0],
-        tgt_key_padding_mask=~padding_mask(tgt_len, T)[:, 0, 0],
-    )
-
-
-def their_gradient(theirs, name, d_model):
-    name = name.replace("cross_attn", "multihead_attn")
-    name = name.replace("ffn.0", "linear1").replace("ffn.2", "linear2")
-    for i, proj in enumerate(("W_q", "W_k", "W_v")):
-        if f".{proj}." in name:
-            kind = name.rsplit(".", 1)[1]
-            packed = theirs.get_parameter(name.replace(f"{proj}.{kind}", f"in_proj_{kind}"))
-            return packed.grad[i * d_model : (i + 1) * d_model]
-    return theirs.get_parameter(name.replace("W_o", "out_proj")).grad
-
-
 @pytest.mark.parametrize("make", [small_model, lambda: Transformer(V, V, dropout_p=0.0)])
 def test_parity_with_nn_transformer_values_and_gradients(make):
-    ours = make()
+    ours = make().double()  # float64: the comparison is about the function, not rounding orders
     with torch.no_grad():
         for p in ours.parameters():
             if p.dim() == 1:
                 p.normal_(std=0.3)
-    d = ours.d_model
-    twin, theirs = copy.deepcopy(ours), torch_like(ours)
-    src, tgt_in, _, _, tgt_len, src_mask, tgt_mask = reversal_batch()
-    upstream = torch.randn(2, 8, ours.out_proj.out_features)
+    theirs = TorchTransformer(ours)
+    src, tgt_in, _, _, _, src_mask, tgt_mask = reversal_batch()
+    upstream = torch.randn(2, 8, ours.out_proj.out_features, dtype=torch.float64)
 
     logits = ours(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
-    x_src = twin.pos(embed_tokens(twin.src_embed, src))
-    x_tgt = twin.pos(embed_tokens(twin.tgt_embed, tgt_in))
-    expected = twin.out_proj(theirs(x_src, x_tgt, **torch_masks(src_mask, tgt_len, 8)))
+    expected = theirs(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
     assert_close(logits, expected)
     (logits * upstream).sum().backward()
     (expected * upstream).sum().backward()
     for name, p in ours.named_parameters():
         if name.startswith(("encoder", "decoder")):
-            assert_close(p.grad, their_gradient(theirs, name, d), msg=name)
+            param, rows = torch_parameter(theirs.transformer, name)
+            assert_close(p.grad, param.grad[rows], msg=name)
         else:
-            assert_close(p.grad, twin.get_parameter(name).grad, msg=name)
+            assert_close(p.grad, theirs.get_parameter(name).grad, msg=name)
 
 
 def test_parity_in_eval_mode_with_dropout():
-    ours = small_model(dropout_p=0.1).eval()
-    theirs = torch_like(ours).eval()
-    src, tgt_in, _, _, tgt_len, src_mask, tgt_mask = reversal_batch()
+    ours = small_model(dropout_p=0.1).double().eval()
+    theirs = TorchTransformer(ours).eval()
+    src, tgt_in, _, _, _, src_mask, tgt_mask = reversal_batch()
     with torch.no_grad():
-        x_src = ours.pos(embed_tokens(ours.src_embed, src))
-        x_tgt = ours.pos(embed_tokens(ours.tgt_embed, tgt_in))
-        expected = ours.out_proj(theirs(x_src, x_tgt, **torch_masks(src_mask, tgt_len, 8)))
-        assert_close(ours(src, tgt_in, src_mask, tgt_mask), expected)
+        assert_close(ours(src, tgt_in, src_mask, tgt_mask), theirs(src, tgt_in, src_mask, tgt_mask))
 
 
 # ---------------------------------------------------------------- bad input
@@ -416,7 +361,7 @@ def test_token_ids_out_of_range(which, value, match):
 def test_token_ids_type_and_shape():
     model = small_model()
     src, tgt_in, *_ = reversal_batch()
-    with pytest.raises(TypeError, match="src must hold integer token ids"):
+    with pytest.raises(TypeError, match="src must hold integers"):
         model(src.float(), tgt_in)
     with pytest.raises(ValueError, match=r"tgt must have shape \(B, T\)"):
         model(src, tgt_in[0])
@@ -427,9 +372,9 @@ def test_token_ids_type_and_shape():
 def test_sequences_longer_than_max_len():
     model = small_model()  # max_len 64
     src, tgt_in, *_ = reversal_batch()
-    with pytest.raises(ValueError, match="src has length 65, longer than the model's max_len=64"):
+    with pytest.raises(ValueError, match="src has length 65, beyond the model's max_len=64"):
         model(torch.full((2, 65), 5), tgt_in)
-    with pytest.raises(ValueError, match="tgt has length 70, longer than the model's max_len=64"):
+    with pytest.raises(ValueError, match="tgt has length 70, beyond the model's max_len=64"):
         model(src, torch.full((2, 70), 5))
     model(torch.full((2, 64), 5), torch.full((2, 64), 5))  # exactly max_len is fine
 
@@ -459,7 +404,7 @@ def test_wrong_mask_shapes():
         model(src, tgt_in, src_mask=padding_mask(torch.tensor([7, 7, 7]), 7))
     with pytest.raises(ValueError, match=r"tgt_mask of shape \(1, 1, 7, 7\) .* \(B, h, T_tgt"):
         model(src, tgt_in, src_mask, causal_mask(7))
-    with pytest.raises(ValueError, match=r"src_mask of shape \(2, 1, 1, 6\) .* T_src, T_src"):
+    with pytest.raises(ValueError, match=r"src_mask of shape \(2, 1, 1, 6\) .* \(B, h, T, T\)"):
         model.encode(src, padding_mask(src_len.clamp(max=6), 6))
     enc_out = model.encode(src, src_mask)
     with pytest.raises(ValueError, match=r"self_mask of shape \(1, 1, 9, 9\)"):
@@ -476,7 +421,7 @@ def test_decode_enc_out_errors():
     enc_out = model.encode(src)
     with pytest.raises(ValueError, match=r"tgt \(2, 8\) and enc_out \(1, 7, 32\) have different"):
         model.decode(tgt_in, enc_out[:1])
-    with pytest.raises(ValueError, match=r"enc_out must have shape \(B, T_src, d_model\)"):
+    with pytest.raises(ValueError, match=r"enc_out must be 3-D"):
         model.decode(tgt_in, enc_out[0])
     with pytest.raises(TypeError, match="enc_out must be a torch.Tensor"):
         model.decode(tgt_in, None)

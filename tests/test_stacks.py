@@ -5,39 +5,22 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from transformer_from_scratch.layers import (
-    Decoder,
-    DecoderBlock,
-    Encoder,
-    EncoderBlock,
-    LayerNorm,
-    copy_block_to_torch,
-)
-from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.layers import Decoder
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.layers import Encoder
+from transformer_from_scratch.layers import EncoderBlock
+from transformer_from_scratch.layers import LayerNorm
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.reference import copy_block_to_torch
+from transformer_from_scratch.reference import torch_parameter
 
 B, T_SRC, T_TGT, D, H, D_FF, N = 2, 7, 5, 32, 4, 64, 3
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-
-
-def num_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def randomize_vectors(module: nn.Module) -> None:
-    """Random biases and norm parameters, so that a missed copy shows."""
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.dim() == 1:
-                p.normal_(std=0.3)
-
-
 # ---------------------------------------------------------------- construction
 @pytest.mark.parametrize("cls, block", [(Encoder, EncoderBlock), (Decoder, DecoderBlock)])
-def test_layers_are_a_module_list_of_blocks_with_a_final_norm(cls, block):
+def test_layers_are_a_module_list_of_blocks_with_a_final_norm(cls, block, num_params):
     stack = cls(N, D, H, D_FF)
     assert isinstance(stack.layers, nn.ModuleList) and len(stack.layers) == N
     assert all(type(layer) is block for layer in stack.layers)
@@ -191,16 +174,10 @@ def test_decoder_batch_mismatch():
 
 
 # ---------------------------------------------------------------- parity with PyTorch's stacks
-def torch_gradient(theirs: nn.Module, name: str, d_model: int) -> torch.Tensor:
-    """The gradient in PyTorch's stack that corresponds to our parameter `name`."""
-    name = name.replace("cross_attn", "multihead_attn")
-    name = name.replace("ffn.0", "linear1").replace("ffn.2", "linear2")
-    for i, proj in enumerate(("W_q", "W_k", "W_v")):
-        if f".{proj}." in name:
-            kind = name.rsplit(".", 1)[1]
-            packed = theirs.get_parameter(name.replace(f"{proj}.{kind}", f"in_proj_{kind}"))
-            return packed.grad[i * d_model : (i + 1) * d_model]
-    return theirs.get_parameter(name.replace("W_o", "out_proj")).grad
+def torch_gradient(theirs: nn.Module, name: str) -> torch.Tensor:
+    """The gradient in PyTorch's stack of the rows that hold our parameter `name`."""
+    param, rows = torch_parameter(theirs, name)
+    return param.grad[rows]
 
 
 def copy_stack(ours, theirs) -> None:
@@ -222,20 +199,21 @@ def config(activation="relu"):
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_encoder_parity_with_nn_transformer_encoder(activation):
-    ours = Encoder(N, D, H, D_FF, dropout_p=0.0, activation=activation)
+def test_encoder_parity_with_nn_transformer_encoder(activation, randomize_vectors):
+    # float64 on both sides: the comparison is about the function, not about rounding orders
+    ours = Encoder(N, D, H, D_FF, dropout_p=0.0, activation=activation).double()
     randomize_vectors(ours)
     theirs = nn.TransformerEncoder(
         nn.TransformerEncoderLayer(**config(activation)),
         N,
         norm=nn.LayerNorm(D),
         enable_nested_tensor=False,
-    )
+    ).double()
     copy_stack(ours, theirs)
     mask = padding_mask(torch.tensor([7, 3]), T_SRC)
-    x = torch.randn(B, T_SRC, D)
+    x = torch.randn(B, T_SRC, D, dtype=torch.float64)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    upstream = torch.randn(B, T_SRC, D)
+    upstream = torch.randn(B, T_SRC, D, dtype=torch.float64)
     ya = ours(xa, mask=mask)
     yb = theirs(xb, src_key_padding_mask=~mask[:, 0, 0])
     assert_close(ya, yb)
@@ -243,47 +221,29 @@ def test_encoder_parity_with_nn_transformer_encoder(activation):
     (yb * upstream).sum().backward()
     assert_close(xa.grad, xb.grad)
     for name, p in ours.named_parameters():
-        assert_close(p.grad, torch_gradient(theirs, name, D), msg=name)
+        assert_close(p.grad, torch_gradient(theirs, name), msg=name)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_decoder_parity_with_nn_transformer_decoder(activation):
-    ours = Decoder(N, D, H, D_FF, dropout_p=0.0, activation=activation)
+def test_decoder_parity_with_nn_transformer_decoder(
+    activation, randomize_vectors, assert_decoder_parity
+):
+    ours = Decoder(N, D, H, D_FF, dropout_p=0.0, activation=activation).double()
     randomize_vectors(ours)
     theirs = nn.TransformerDecoder(
         nn.TransformerDecoderLayer(**config(activation)), N, norm=nn.LayerNorm(D)
-    )
+    ).double()
     copy_stack(ours, theirs)
-    src_pad = padding_mask(torch.tensor([7, 4]), T_SRC)
-    tgt_pad = padding_mask(torch.tensor([5, 3]), T_TGT)
-    causal = causal_mask(T_TGT)
-    x, mem = torch.randn(B, T_TGT, D), torch.randn(B, T_SRC, D)
-    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ma, mb = mem.clone().requires_grad_(), mem.clone().requires_grad_()
-    upstream = torch.randn(B, T_TGT, D)
-    ya = ours(xa, ma, self_mask=causal & tgt_pad, cross_mask=src_pad)
-    yb = theirs(
-        xb,
-        mb,
-        tgt_mask=~causal[0, 0],
-        tgt_key_padding_mask=~tgt_pad[:, 0, 0],
-        memory_key_padding_mask=~src_pad[:, 0, 0],
-    )
-    assert_close(ya, yb)
-    (ya * upstream).sum().backward()
-    (yb * upstream).sum().backward()
-    assert_close(xa.grad, xb.grad)
-    assert_close(ma.grad, mb.grad)
-    for name, p in ours.named_parameters():
-        assert_close(p.grad, torch_gradient(theirs, name, D), msg=name)
+    assert_decoder_parity(ours, theirs, [5, 3], [7, 4], D)
 
 
 def test_parity_in_eval_mode_with_dropout():
-    ours = Encoder(2, D, H, D_FF, dropout_p=0.2).eval()
+    ours = Encoder(2, D, H, D_FF, dropout_p=0.2).double().eval()
     layer = nn.TransformerEncoderLayer(**{**config(), "dropout": 0.2})
     theirs = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(D), enable_nested_tensor=False)
+    theirs = theirs.double()
     copy_stack(ours, theirs)
     theirs.eval()
-    x = torch.randn(B, T_SRC, D)
+    x = torch.randn(B, T_SRC, D, dtype=torch.float64)
     with torch.no_grad():
         assert_close(ours(x), theirs(x))

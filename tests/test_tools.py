@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+import course  # noqa: E402
+import deps  # noqa: E402
 import export  # noqa: E402
+import preflight  # noqa: E402
 
 import notebooks  # noqa: E402
 
@@ -162,3 +167,268 @@ def test_nbval_is_strict(tmp_path):
     nbformat.write(nb, path)
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:]
+
+
+# ---------------------------------------------------------------- the editing loop, both ways
+def _digest(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*_*.*"))}
+
+
+@pytest.fixture
+def clone(tmp_path) -> Path:
+    """A repository-like folder with pyproject.toml and two notebook pairs, as a clone has them."""
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    (tmp_path / "notebooks").mkdir()
+    for stem in ("00_setup", "05_masking"):
+        for suffix in (".py", ".ipynb"):
+            shutil.copy(ROOT / "notebooks" / f"{stem}{suffix}", tmp_path / "notebooks")
+    return tmp_path
+
+
+@pytest.mark.parametrize("newer", [".py", ".ipynb"])
+def test_sync_changes_nothing_whichever_file_is_newer(clone, newer):
+    """`make sync` on a fresh clone: jupytext --sync in either direction is the identity."""
+    before = _digest(clone / "notebooks")
+    for path in (clone / "notebooks").glob(f"*{newer}"):
+        stat = path.stat()
+        os.utime(path, (stat.st_atime + 60, stat.st_mtime + 60))
+    jupytext = Path(sys.executable).parent / "jupytext"
+    pairs = sorted(str(p) for p in (clone / "notebooks").glob("*.ipynb"))
+    subprocess.run([str(jupytext), "--quiet", "--sync", *pairs], check=True, cwd=clone)
+    assert _digest(clone / "notebooks") == before
+
+
+def test_saving_from_jupyterlab_rewrites_the_pair_byte_for_byte(clone):
+    """JupyterLab saves through jupytext's contents manager: opening and saving changes nothing."""
+    import asyncio
+
+    from jupytext import AsyncTextFileContentsManager
+
+    before = _digest(clone / "notebooks")
+    manager = AsyncTextFileContentsManager(root_dir=str(clone))
+
+    async def open_and_save(path: str) -> None:
+        model = await manager.get(path)
+        await manager.save(model, path)
+
+    for path in ("notebooks/00_setup.ipynb", "notebooks/05_masking.py"):
+        asyncio.run(open_and_save(path))
+        assert _digest(clone / "notebooks") == before, f"saving {path} changed the pair"
+
+
+def test_each_py_is_what_jupytext_writes_from_its_ipynb():
+    for py in notebooks.sources():
+        nb = nbformat.read(py.with_suffix(".ipynb"), as_version=4)
+        assert course.py_text(nb) == py.read_text(), f"{py.name}: run `make links`"
+
+
+def test_check_catches_a_py_laid_out_otherwise(pair):
+    """One blank line less between two cells: the cells are equal, the round trip is not."""
+    text = pair.read_text()
+    assert "\n\n\n# %%" in text
+    pair.write_text(text.replace("\n\n\n# %%", "\n\n# %%", 1))
+    assert any("laid out as jupytext writes it" in p for p in notebooks.problems_in(pair))
+
+
+def test_check_catches_a_stale_setup_cell_and_jupytext_metadata(pair):
+    ipynb = pair.with_suffix(".ipynb")
+    nb = nbformat.read(ipynb, as_version=4)
+    setup = next(c for c in nb.cells if c.cell_type == "code")
+    setup.source = setup.source.replace("capture_output=True", "check=True")
+    nb.metadata.pop("jupytext")
+    nbformat.write(nb, ipynb)
+    pair.write_text(course.py_text(nb))
+    found = "\n".join(notebooks.problems_in(pair))
+    assert "the first code cell must be the setup cell" in found
+    assert "notebook metadata 'jupytext'" in found
+
+
+def test_check_allows_only_source_hidden_as_jupyter_metadata(pair):
+    ipynb = pair.with_suffix(".ipynb")
+    nb = nbformat.read(ipynb, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    code[1].metadata["jupyter"] = {"source_hidden": True}
+    code[2].metadata["jupyter"] = {"outputs_hidden": True}
+    nbformat.write(nb, ipynb)
+    pair.write_text(course.py_text(nb))
+    found = notebooks.problems_in(pair)
+    assert len(found) == 1 and "only `jupyter` metadata allowed" in found[0], found
+
+
+def test_setup_cell_fails_with_a_clear_message_when_pip_fails(monkeypatch):
+    """On Colab, a failed install ends in one sentence that says what to do, not pip's trace."""
+    import types
+
+    calls = []
+
+    def failing_run(command, **kwargs):
+        calls.append(command)
+        return types.SimpleNamespace(returncode=1, stderr="ERROR: Repository not found.\n")
+
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    monkeypatch.setattr(subprocess, "run", failing_run)
+    with pytest.raises(RuntimeError) as err:
+        exec(course.setup_cell(), {})
+    assert calls and calls[0][1:4] == ["-m", "pip", "install"]
+    message = str(err.value)
+    assert "Repository not found" in message and "make fork REPO=owner/name" in message
+
+
+def test_fork_points_every_link_at_the_fork(tmp_path):
+    """`make fork REPO=...` rewrites pyproject, the Colab links, the setup cells and README."""
+    for folder in ("tools", "notebooks"):
+        (tmp_path / folder).mkdir()
+    for name in ("course.py", "notebooks.py", "kernel.env"):
+        shutil.copy(ROOT / "tools" / name, tmp_path / "tools")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, tmp_path)
+    for suffix in (".py", ".ipynb"):
+        shutil.copy(ROOT / "notebooks" / f"00_setup{suffix}", tmp_path / "notebooks")
+    result = subprocess.run(
+        [sys.executable, "tools/notebooks.py", "fork", "ada/course", "--branch", "dev"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert 'github_repo = "ada/course"' in (tmp_path / "pyproject.toml").read_text()
+    for path in [tmp_path / "README.md", *(tmp_path / "notebooks").iterdir()]:
+        text = path.read_text()
+        assert "transformer-from-scratch/transformer-from-scratch" not in text, path.name
+        assert "github/ada/course/blob/dev/notebooks/00_setup.ipynb" in text, path.name
+    assert (
+        "git+https://github.com/ada/course@dev" in (tmp_path / "notebooks/00_setup.py").read_text()
+    )
+    bad = subprocess.run([sys.executable, "tools/notebooks.py", "fork", "not a repo"],
+                         cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode != 0 and "owner/name" in bad.stderr
+
+
+def test_exported_definitions_name_their_notebook(tmp_path):
+    modules = export.collect([write(tmp_path, NOTEBOOK)])
+    text, _ = export.render_module(modules["things"])
+    taught = "# Taught in notebook 99 · A test notebook"
+    assert f"{taught}\nclass Circle" in text
+    assert f"{taught}\ndef unit()" in text
+    assert "    # The method's own comment" in text and f"    {taught}" not in text  # same notebook
+    later = write(
+        tmp_path,
+        "# %% [markdown]\n# # 98 · A later notebook\n\n# %%\n#| export things\n"
+        "@add_to_class(Circle)\ndef diameter(self):\n    return 2 * self.r\n",
+        name="98_later.py",
+    )
+    both = export.collect([tmp_path / "99_things.py", later])
+    text, _ = export.render_module(both["things"])
+    assert "    # Taught in notebook 98 · A later notebook\n    def diameter(self):" in text
+
+
+# ---------------------------------------------------------------- prerequisites
+def test_preflight_finds_a_named_browser_and_says_how_to_install_one(tmp_path, monkeypatch):
+    fake = tmp_path / "chrome"
+    fake.write_text("")
+    monkeypatch.setenv("COURSE_CHROMIUM", str(fake))
+    assert preflight.find_chromium() == str(fake)
+    monkeypatch.setenv("COURSE_CHROMIUM", str(tmp_path / "missing"))
+    assert preflight.find_chromium() is None
+    monkeypatch.setattr(preflight, "find_chromium", lambda: None)
+    monkeypatch.setattr(preflight.shutil, "which", lambda name: None)
+    monkeypatch.setattr(preflight, "vendor_cached", lambda: False)
+    found = "\n".join(preflight.missing())
+    assert "apt-get install chromium" in found or "brew install --cask chromium" in found
+    assert "playwright install chromium" in found and "COURSE_CHROMIUM" in found
+    assert "npm" in found
+
+
+def test_run_and_twice_report_a_cell_that_fails(tmp_path):
+    """`make test-compat` and `make twice` exit non-zero, naming the notebook, on an error."""
+    for folder in ("tools", "notebooks"):
+        (tmp_path / folder).mkdir()
+    for name in ("course.py", "notebooks.py", "kernel.env"):
+        shutil.copy(ROOT / "tools" / name, tmp_path / "tools")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    (tmp_path / "notebooks" / "01_fine.py").write_text("# %%\nx = [1]\n\n# %%\nx.append(2)\n")
+    # 02 passes once; on the second "Run All" its first cell meets what its last cell left.
+    (tmp_path / "notebooks" / "02_once.py").write_text(
+        "# %%\nassert 'later' not in globals()\n\n# %%\nlater = 1\n"
+    )
+    # 03 survives Run All twice, but not its second cell re-run after the third rebinds x.
+    (tmp_path / "notebooks" / "03_rebound.py").write_text(
+        "# %%\nx = 1\n\n# %%\nassert x == 1\n\n# %%\nx = 'rebound'\n"
+    )
+    run = [sys.executable, "tools/notebooks.py"]
+    ok = subprocess.run([*run, "run"], cwd=tmp_path, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    twice = subprocess.run([*run, "twice"], cwd=tmp_path, capture_output=True, text=True)
+    assert twice.returncode == 1
+    assert "01_fine: ran twice" in twice.stdout and "02_once: run 2: FAILED" in twice.stdout
+    assert "03_rebound: each cell again, last first: FAILED in cell 1" in twice.stdout
+
+
+# ---------------------------------------------------------------- how the library is built
+def _definitions_by_notebook() -> dict[tuple[str, str], int]:
+    """(module, name) -> the number of the notebook whose export cell defines it."""
+    defined: dict[tuple[str, str], int] = {}
+    for path in course.sources():
+        number = int(path.name[:2])
+        for module, chunk in _export_chunks(path):
+            for name in export.defined_names(chunk) - _imported_names(chunk):
+                defined.setdefault((module, name), number)
+    return defined
+
+
+def _export_chunks(path: Path):
+    default = None
+    for cell in course.read_py(path).cells:
+        if cell.cell_type != "code":
+            continue
+        directives, code = export.split_directives(cell.source)
+        for kind, arg in directives:
+            if kind == "default_exp":
+                default = arg
+            else:
+                yield arg or default, code
+
+
+def _imported_names(code: str) -> set[str]:
+    tree = ast.parse(code)
+    return {
+        (a.asname or a.name).split(".")[0]
+        for node in tree.body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for a in node.names
+    }
+
+
+def test_every_notebook_imports_only_what_it_or_an_earlier_notebook_writes():
+    defined = _definitions_by_notebook()
+    modules_from = {}
+    for (module, _), number in defined.items():
+        modules_from[module] = min(number, modules_from.get(module, 99))
+    late = []
+    for path in course.sources():
+        number = int(path.name[:2])
+        for cell in course.read_py(path).cells:
+            if cell.cell_type != "code":
+                continue
+            for module, names in deps.package_imports(
+                ast.parse(export.split_directives(cell.source)[1])
+            ):
+                if modules_from.get(module, 99) > number:
+                    late.append(f"{path.name}: module {module} (first written in a later notebook)")
+                for name in names:
+                    if defined.get((module, name), 99) > number:
+                        late.append(f"{path.name}: {module}.{name}")
+    assert late == [], "imports of what a later notebook writes:\n" + "\n".join(late)
+
+
+def test_the_package_has_no_import_cycle_and_the_readme_shows_it():
+    depth = deps.layers_of(deps.graph())  # raises on a cycle
+    assert (
+        depth["checks"] == 0
+        and depth["tokens"] < depth["model"]
+        and depth["tokens"] < depth["data"]
+    )
+    assert "model" not in deps.graph()["data"], (
+        "data must not depend on model (special ids: tokens)"
+    )
+    assert deps.table() in course.README.read_text(), (
+        "README's library table is stale: tools/deps.py"
+    )

@@ -1,5 +1,6 @@
 """Unit tests of transformer_from_scratch.train (notebook 11)."""
 
+import dataclasses
 import math
 import os
 
@@ -11,22 +12,22 @@ from torch import nn
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import padding_mask
-from transformer_from_scratch.model import EOS, PAD, Transformer
-from transformer_from_scratch.train import (
-    EVAL_SEED,
-    REVERSAL_RECIPE,
-    CheckpointError,
-    exact_match,
-    get_reversal_model,
-    load_checkpoint,
-    lr_lambda,
-    reversal_correct,
-    reversal_loss,
-    reversal_recipe,
-    save_checkpoint,
-    train_model,
-    train_reversal,
-)
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import EVAL_SEED
+from transformer_from_scratch.train import REVERSAL_RECIPE
+from transformer_from_scratch.train import CheckpointError
+from transformer_from_scratch.train import exact_match
+from transformer_from_scratch.train import get_reversal_model
+from transformer_from_scratch.train import load_checkpoint
+from transformer_from_scratch.train import lr_lambda
+from transformer_from_scratch.train import reversal_correct
+from transformer_from_scratch.train import reversal_loss
+from transformer_from_scratch.train import reversal_recipe
+from transformer_from_scratch.train import save_checkpoint
+from transformer_from_scratch.train import train_model
+from transformer_from_scratch.train import train_reversal
 
 TINY = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 1, "steps": 6, "batch_size": 8}
 
@@ -281,7 +282,7 @@ def test_checkpoint_round_trip_through_weights_only_load(tmp_path):
     model = tiny_model()
     path = save_checkpoint(tmp_path / "sub" / "m.pt", model, recipe={"steps": 3}, losses=[1.0, 0.5])
     raw = torch.load(path, weights_only=True)
-    assert raw["config"] == model.config and raw["meta"]["losses"] == [1.0, 0.5]
+    assert raw["config"] == dataclasses.asdict(model.config) and raw["meta"]["losses"] == [1.0, 0.5]
     restored, meta = load_checkpoint(path)
     assert meta == {"recipe": {"steps": 3}, "losses": [1.0, 0.5]} and not restored.training
     for (k, v), (k2, v2) in zip(

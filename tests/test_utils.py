@@ -91,3 +91,9 @@ def test_find_figures_dir(tmp_path):
 
 def test_colors_are_hex():
     assert all(c.startswith("#") and len(c) == 7 for c in utils.COLORS.values())
+
+
+def test_other_colors_never_reuse_a_role_colour():
+    assert len(utils.OTHER_COLORS) == len(set(utils.OTHER_COLORS)) >= 5
+    assert all(c.startswith("#") and len(c) == 7 for c in utils.OTHER_COLORS)
+    assert not set(utils.OTHER_COLORS) & set(utils.COLORS.values())

@@ -83,3 +83,24 @@ def test_label_length_mismatch_raises():
         plot_attention(_weights(), x_labels=list("abcdef"), y_labels=list("abc"))
     with pytest.raises(ValueError, match="y_labels has 2 entries"):
         plot_attention(_weights(3, 3), x_labels=list("abc"), y_labels=list("ab"))
+
+
+def _luminance(rgb):
+    from matplotlib.colors import to_rgb
+
+    red, green, blue = to_rgb(rgb)
+    return 0.2126 * red + 0.7152 * green + 0.0722 * blue
+
+
+@pytest.mark.parametrize("cmap, vmin", [("Blues", 0.0), ("RdBu_r", -1.0), ("viridis", 0.0)])
+def test_annotations_contrast_with_their_cell_in_any_colour_map(cmap, vmin):
+    values = torch.linspace(vmin, 1.0, 12).reshape(3, 4)  # dark and light cells at both ends
+    ax = plot_attention(values, cmap=cmap, vmin=vmin, vmax=1.0, annotate=True)
+    image = ax.images[0]
+    colours = set()
+    for text in ax.texts:
+        column, row = (round(c) for c in text.get_position())
+        cell = image.cmap(image.norm(values[row, column].item()))[:3]
+        assert abs(_luminance(text.get_color()) - _luminance(cell)) >= 0.45
+        colours.add(text.get_color())
+    assert colours == {"white", "black"}

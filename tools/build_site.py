@@ -28,7 +28,9 @@ import tarfile
 from pathlib import Path
 
 import nbformat
-from course import NOTEBOOKS, ROOT, notebook_info
+from course import NOTEBOOKS
+from course import ROOT
+from course import notebook_info
 from nbconvert import HTMLExporter
 
 VENDOR_SPEC = ROOT / "tools" / "vendor" / "package.json"

@@ -102,6 +102,18 @@ def notebook_info(nb: nbformat.NotebookNode, name: str) -> dict:
     }
 
 
+def jupytext_metadata() -> dict:
+    """The metadata filters that JupyterLab's jupytext records in a notebook when it saves it.
+
+    Storing them in every .ipynb up front makes a save from JupyterLab (and `jupytext --sync`
+    in either direction) rewrite the pair byte for byte.
+    """
+    with open(PYPROJECT, "rb") as f:
+        config = tomllib.load(f)["tool"]["jupytext"]
+    keys = ("cell_metadata_filter", "notebook_metadata_filter")
+    return {key: config[key] for key in keys}
+
+
 def jupytext_config():
     return jupytext.config.load_jupytext_config(str(NOTEBOOKS))
 

@@ -9,6 +9,10 @@ Directives, on the first lines of a code cell (nbdev's spelling):
 A method taught in its own cell with ``@add_to_class(SomeClass)`` is moved into the body
 of ``SomeClass`` in the exported module, so src/ reads as ordinary, complete classes.
 
+Every exported definition is preceded by a comment naming the notebook that teaches it
+(``# Taught in notebook 03 · Multi-head attention``), as d2l's "Defined in" does; a method
+folded into a class from a later notebook names its own notebook.
+
 Usage:
     python tools/export.py            write src/ from notebooks/*.py
     python tools/export.py --check    exit 1 (with a diff) if src/ differs from the export
@@ -26,19 +30,22 @@ import re
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 
-import jupytext
+from course import ROOT
+from course import notebook_info
+from course import read_py
+from course import sources
 
-ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ROOT / "notebooks"
 PACKAGE = "transformer_from_scratch"
 SRC = ROOT / "src" / PACKAGE
 DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-# Modules the top-level package does not re-export: import them by their full name.
-NOT_REEXPORTED = {"bench", "bench_model"}
+# Helper modules the top-level package does not re-export (import them by their full name):
+# input checks, measuring, PyTorch twins for parity checks, and the benchmark (until it moves).
+NOT_REEXPORTED = {"bench_model", "checks", "measure", "reference"}
 
 
 class ExportError(ValueError):
@@ -46,10 +53,16 @@ class ExportError(ValueError):
 
 
 @dataclass
+class Chunk:
+    code: str  # one export cell, directives stripped
+    taught_in: str  # "notebook 03 · Multi-head attention"
+
+
+@dataclass
 class Module:
     name: str
     sources: list[str] = field(default_factory=list)  # notebooks it comes from, in order
-    chunks: list[str] = field(default_factory=list)  # cell code, directives stripped
+    chunks: list[Chunk] = field(default_factory=list)
 
 
 def split_directives(source: str) -> tuple[list[tuple[str, str]], str]:
@@ -67,7 +80,12 @@ def split_directives(source: str) -> tuple[list[tuple[str, str]], str]:
 def collect(notebook_paths: list[Path]) -> dict[str, Module]:
     modules: dict[str, Module] = {}
     for path in notebook_paths:
-        nb = jupytext.read(path)
+        nb = read_py(path)
+        try:
+            info = notebook_info(nb, path.name)
+            taught_in = f"notebook {info['number']:02d} · {info['title']}"
+        except ValueError:
+            taught_in = f"notebooks/{path.name}"
         default = None
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code":
@@ -89,7 +107,7 @@ def collect(notebook_paths: list[Path]) -> dict[str, Module]:
                 rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
                 if rel not in module.sources:
                     module.sources.append(rel)
-                module.chunks.append(code)
+                module.chunks.append(Chunk(code, taught_in))
     return modules
 
 
@@ -106,13 +124,50 @@ def _decorated_class(fn: ast.FunctionDef) -> str | None:
     return None
 
 
-def fold_methods(chunks: list[str], module: str) -> list[str]:
+PROVENANCE = "# Taught in "
+
+
+def _definitions(tree: ast.Module) -> list[ast.stmt]:
+    """Top-level statements that define a name (not imports, not a docstring)."""
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)
+    return [node for node in tree.body if isinstance(node, kinds)]
+
+
+def _first_line(node: ast.stmt, lines: list[str], floor: int) -> int:
+    """0-based first line of node, counting its decorators and the comments right above it."""
+    start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))]) - 1
+    while start > floor and lines[start - 1].lstrip().startswith("#"):
+        start -= 1
+    return start
+
+
+def mark_provenance(chunk: Chunk) -> str:
+    """The chunk's code with a "# Taught in ..." line above each top-level definition."""
+    tree = ast.parse(chunk.code)
+    lines = chunk.code.splitlines()
+    starts, floor = set(), 0
+    for node in _definitions(tree):
+        folded = isinstance(node, ast.FunctionDef) and _decorated_class(node) is not None
+        if not folded:  # a folded method gets its line in fold_methods, if it needs one
+            starts.add(_first_line(node, lines, floor))
+        floor = node.end_lineno
+    out = []
+    for number, line in enumerate(lines):
+        if number in starts:
+            out.append(PROVENANCE + chunk.taught_in)
+        out.append(line)
+    return "\n".join(out)
+
+
+def fold_methods(chunks: list[Chunk], module: str) -> list[str]:
     """Move ``@add_to_class(C)`` functions into the body of class ``C``."""
     out: list[str] = []
     class_index: dict[str, int] = {}
+    class_home: dict[str, str] = {}
     for chunk in chunks:
-        tree = ast.parse(chunk)
-        lines = chunk.splitlines()
+        code = mark_provenance(chunk)
+        tree = ast.parse(code)
+        lines = code.splitlines()
         kept: list[str] = []
         cursor = 0
         for node in tree.body:
@@ -122,10 +177,7 @@ def fold_methods(chunks: list[str], module: str) -> list[str]:
                         f"{module}: add_to_class({cls}) for {node.name!r}, but class {cls} "
                         "is not exported to the same module before it"
                     )
-                start = min(d.lineno for d in node.decorator_list) - 1
-                # Comments directly above the decorator belong to the method.
-                while start > cursor and lines[start - 1].lstrip().startswith("#"):
-                    start -= 1
+                start = _first_line(node, lines, cursor)
                 kept.extend(lines[cursor:start])
                 decorator_lines = {d.lineno for d in node.decorator_list}
                 body = [
@@ -133,6 +185,8 @@ def fold_methods(chunks: list[str], module: str) -> list[str]:
                     for number, line in enumerate(lines[start : node.end_lineno], start=start + 1)
                     if number not in decorator_lines
                 ]
+                if chunk.taught_in != class_home[cls]:
+                    body.insert(0, PROVENANCE + chunk.taught_in)
                 method = textwrap.indent("\n".join(body), "    ")
                 target = class_index[cls]
                 out[target] = out[target].rstrip("\n") + "\n\n" + method
@@ -145,6 +199,7 @@ def fold_methods(chunks: list[str], module: str) -> list[str]:
             for node in tree.body:
                 if isinstance(node, ast.ClassDef):
                     class_index[node.name] = len(out) - 1
+                    class_home[node.name] = chunk.taught_in
     return out
 
 
@@ -169,12 +224,15 @@ def header(sources: list[str]) -> str:
     return "\n".join(lines)
 
 
-def hoist_imports(chunks: list[str]) -> tuple[str | None, list[str], list[str]]:
+def hoist_imports(chunks: list[str], module: str = "") -> tuple[str | None, list[str], list[str]]:
     """Split chunks into (module docstring, import statements, the rest).
 
     Several notebooks may export into one module (layers: 06, 07, 08); their imports all move
-    to the top of the file so that it reads, and lints, as one module.
+    to the top of the file so that it reads, and lints, as one module. A later notebook that
+    adds to a module imports the earlier part from the package; that import of the module
+    itself is dropped.
     """
+    itself = f"{PACKAGE}.{module}"
     docstring, imports, bodies = None, [], []
     for n, chunk in enumerate(chunks):
         tree = ast.parse(chunk)
@@ -184,6 +242,9 @@ def hoist_imports(chunks: list[str]) -> tuple[str | None, list[str], list[str]]:
             span = range(node.lineno - 1, node.end_lineno)
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 statement = "\n".join(lines[k] for k in span)
+                if isinstance(node, ast.ImportFrom) and node.module == itself:
+                    drop.update(span)
+                    continue
                 if statement not in imports:
                     imports.append(statement)
                 drop.update(span)
@@ -224,9 +285,53 @@ def ruff_tidy(text: str, filename: str) -> str:
     ).stdout
 
 
-def render_module(module: Module) -> tuple[str, list[str]]:
-    docstring, imports, bodies = hoist_imports(fold_methods(module.chunks, module.name))
+def defined_names(code: str) -> set[str]:
+    """Every name a module's top level binds: definitions, assignments and imports."""
+    names: set[str] = set()
+    for node in ast.parse(code).body:
+        if isinstance(node, ast.FunctionDef) and _decorated_class(node):
+            continue  # a method taught in its own cell: it is folded into its class
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if isinstance(leaf, ast.Name):
+                        names.add(leaf.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def package_imports(code: str, module: str, providers: dict[str, set[str]]) -> list[str]:
+    """Imports of the names `code` uses that another module of the package defines.
+
+    A notebook cell exported to module M may use a class the notebook itself defined for
+    another module (notebook 08 writes layers.DecoderBlock and, in `reference`, code that uses
+    it). Importing it in the cell would replace the notebook's own class by the package's, so
+    the import is written here instead.
+    """
+    bound = defined_names(code)
+    used = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)} - bound
+    wanted: dict[str, list[str]] = {}
+    for name in sorted(used):
+        homes = [m for m, names in providers.items() if m != module and name in names]
+        if len(homes) > 1:
+            raise ExportError(f"{module}: {name!r} is defined in {homes}: import it explicitly")
+        if homes:
+            wanted.setdefault(homes[0], []).append(name)
+    return [f"from {PACKAGE}.{m} import {', '.join(ns)}" for m, ns in sorted(wanted.items())]
+
+
+def render_module(
+    module: Module, providers: dict[str, set[str]] | None = None
+) -> tuple[str, list[str]]:
+    docstring, imports, bodies = hoist_imports(
+        fold_methods(module.chunks, module.name), module.name
+    )
     code = "\n\n\n".join(bodies)
+    imports += package_imports("\n".join(imports) + "\n" + code, module.name, providers or {})
     names = public_names(code)
     parts = [header(module.sources)]
     if docstring:
@@ -261,13 +366,10 @@ def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> s
         "from importlib.metadata import PackageNotFoundError, version",
         "",
     ]
-    all_names: list[str] = []
-    for name in modules:  # notebook order
-        names = exported[name]
-        if names and name not in NOT_REEXPORTED:
-            lines.append(f"from .{name} import {', '.join(sorted(names, key=_isort_key))}")
-            all_names += names
-
+    reexported = [n for n in modules if exported[n] and n not in NOT_REEXPORTED]  # course order
+    lines.append(f"from . import {', '.join(reexported)}")
+    for name in reexported:
+        lines.append(f"from .{name} import {', '.join(sorted(exported[name], key=_isort_key))}")
     lines += [
         "",
         "try:",
@@ -275,7 +377,8 @@ def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> s
         "except PackageNotFoundError:  # imported from a source tree that is not installed",
         '    __version__ = "0+unknown"',
         "",
-        "__all__ = " + _list_literal(all_names),
+        "# Every module's public names, in course order (each module lists its own in __all__).",
+        "__all__ = [" + ", ".join(f"*{name}.__all__" for name in reexported) + "]",
         "",
     ]
     return ruff_tidy("\n".join(lines), f"src/{PACKAGE}/__init__.py")
@@ -283,11 +386,20 @@ def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> s
 
 def build(notebook_paths: list[Path]) -> dict[Path, str]:
     modules = collect(notebook_paths)
+    providers = {
+        name: set().union(*(defined_names(c.code) for c in module.chunks)) - {"__all__"}
+        for name, module in modules.items()
+    }
+    for name, module in modules.items():  # imported names are not definitions
+        for chunk in module.chunks:
+            for node in ast.parse(chunk.code).body:
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    providers[name] -= {(a.asname or a.name).split(".")[0] for a in node.names}
     files: dict[Path, str] = {}
     exported: dict[str, list[str]] = {}
     seen: dict[str, str] = {}
     for name, module in modules.items():
-        files[SRC / f"{name}.py"], exported[name] = render_module(module)
+        files[SRC / f"{name}.py"], exported[name] = render_module(module, providers)
         for symbol in exported[name] if name not in NOT_REEXPORTED else []:
             if symbol in seen:
                 raise ExportError(f"{symbol!r} is exported by both {seen[symbol]} and {name}")
@@ -300,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare, do not write")
     args = parser.parse_args(argv)
-    notebooks = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    notebooks = sources()
     try:
         files = build(notebooks)
     except (ExportError, SyntaxError) as err:

@@ -6,7 +6,8 @@
                                                  figures/ only)
     python tools/notebooks.py run [NN ...]       execute copies in a scratch folder: nothing in
                                                  the repository changes (compatibility runs)
-    python tools/notebooks.py twice [NN ...]     "Run All" twice in one kernel, as a JupyterLab
+    python tools/notebooks.py twice [NN ...]     "Run All" twice in one kernel, then each cell
+                                                 again from the last to the first, as a JupyterLab
                                                  reader might: every cell must survive a re-run
     python tools/notebooks.py links              write the GitHub location from pyproject.toml
                                                  into every Colab link and setup cell
@@ -21,31 +22,32 @@ their outputs, which nbval compares in CI. Outputs are only ever stored by `exec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import nbformat
-from course import (
-    KERNELSPEC,
-    NOTEBOOKS,
-    PYPROJECT,
-    README,
-    colab_url,
-    kernel_env,
-    notebook_info,
-    py_text,
-    read_py,
-    settings,
-    setup_cell,
-    sources,
-)
+from course import KERNELSPEC
+from course import NOTEBOOKS
+from course import PYPROJECT
+from course import README
+from course import colab_url
+from course import jupytext_metadata
+from course import kernel_env
+from course import notebook_info
+from course import py_text
+from course import read_py
+from course import settings
+from course import setup_cell
+from course import sources
 
-ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info", "widgets"}
+ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info", "widgets", "jupytext"}
 ALLOWED_CELL_METADATA = {"tags", "jupyter"}
 # `jupyter={"source_hidden": true}` collapses a cell's code in JupyterLab (and, through
 # tools/build_site.py, on the site): for cells that only draw a figure.
@@ -53,12 +55,17 @@ HIDDEN = {"source_hidden": True}
 KNOWN_TAGS = {"nbval-ignore-output", "nbval-skip", "raises-exception"}
 COLAB_LINK = re.compile(r"https://colab\.research\.google\.com/github/[^)\s\"']+")
 TABLE_START, TABLE_END = "<!-- notebooks:start -->", "<!-- notebooks:end -->"
+LIBRARY_START, LIBRARY_END = "<!-- library:start -->", "<!-- library:end -->"
 
 
 def clean_metadata(nb: nbformat.NotebookNode) -> None:
     widgets = nb.metadata.get("widgets")
     nb.metadata = nbformat.from_dict(
-        {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}}
+        {
+            "jupytext": jupytext_metadata(),
+            "kernelspec": KERNELSPEC,
+            "language_info": {"name": "python"},
+        }
     )
     if widgets:
         nb.metadata["widgets"] = widgets
@@ -102,33 +109,44 @@ def execute(paths: list[Path], store: bool = True) -> None:
         print(f"{path.stem}: executed in {seconds:.1f} s" + ("" if store else " (not stored)"))
 
 
-def run_elsewhere(paths: list[Path]) -> int:
-    """Execute every notebook top to bottom in a scratch copy; report each; 1 if any failed.
-
-    The copy has its own figures/ and pyproject.toml, so save_figure and the checkpoints of
-    notebooks 11-12 write there and the repository stays as it is. Outputs are not compared:
-    this is the compatibility run (another torch, Colab's pins), where only errors count.
-    """
-    from nbclient.exceptions import CellExecutionError
-
+@contextlib.contextmanager
+def scratch_copy(prefix: str) -> Iterator[Path]:
+    """A scratch folder with its own pyproject.toml and figures/, so that save_figure and the
+    checkpoints of notebooks 11-12 write there and the repository stays as it is."""
     os.environ.update(kernel_env())
-    failed = []
-    with tempfile.TemporaryDirectory(prefix="course-run-") as scratch:
-        scratch = Path(scratch)
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        scratch = Path(folder)
         (scratch / "notebooks").mkdir()
         (scratch / "figures").mkdir()
         shutil.copy(PYPROJECT, scratch / "pyproject.toml")
-        for path in paths:
-            shutil.copy(path, scratch / "notebooks" / path.name)
+        yield scratch / "notebooks"
+
+
+def report_failure(what: str, err: Exception, lines: int = 20) -> None:
+    print(what)
+    print("\n".join("    " + line for line in str(err).strip().splitlines()[-lines:]))
+
+
+def run_elsewhere(paths: list[Path]) -> int:
+    """Execute every notebook top to bottom in a scratch copy; report each; 1 if any failed.
+
+    Outputs are not compared: this is the compatibility run (another torch, Colab's pins),
+    where only errors count.
+    """
+    from nbclient.exceptions import CellExecutionError
+
+    failed = []
+    with scratch_copy("course-run-") as folder:
         for path in paths:
             start = time.perf_counter()
+            shutil.copy(path, folder / path.name)
             try:
-                execute_one(scratch / "notebooks" / path.name, scratch / "notebooks")
+                execute_one(folder / path.name, folder)
             except CellExecutionError as err:
                 failed.append(path.stem)
-                lines = str(err).strip().splitlines()
-                print(f"{path.stem}: FAILED after {time.perf_counter() - start:.1f} s")
-                print("\n".join("    " + line for line in lines[-25:]))
+                report_failure(
+                    f"{path.stem}: FAILED after {time.perf_counter() - start:.1f} s", err
+                )
                 continue
             print(f"{path.stem}: ran in {time.perf_counter() - start:.1f} s", flush=True)
     import torch
@@ -138,47 +156,43 @@ def run_elsewhere(paths: list[Path]) -> int:
 
 
 def run_twice(paths: list[Path]) -> int:
-    """Execute every code cell, then all of them again in the same kernel; 1 if any failed."""
+    """Run All, Run All again, then re-run each code cell alone from the last to the first, in
+    one kernel: what a reader does in JupyterLab. A cell that fails on the second pass depends
+    on the state later cells leave; one that fails on the third, on a name a later cell rebinds.
+    1 if any cell failed."""
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    os.environ.update(kernel_env())
     failed = 0
-    with tempfile.TemporaryDirectory(prefix="course-twice-") as scratch:
-        scratch = Path(scratch)
-        (scratch / "notebooks").mkdir()
-        (scratch / "figures").mkdir()
-        shutil.copy(PYPROJECT, scratch / "pyproject.toml")
+    with scratch_copy("course-twice-") as folder:
         for path in paths:
             nb = read_py(path)
             nb.metadata["kernelspec"] = KERNELSPEC
-            client = NotebookClient(
-                nb,
-                timeout=1800,
-                kernel_name="python3",
-                resources={"metadata": {"path": str(scratch / "notebooks")}},
-            )
+            resources = {"metadata": {"path": str(folder)}}
+            client = NotebookClient(nb, timeout=1800, kernel_name="python3", resources=resources)
+            code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+            passes = {"run 1": code, "run 2": code, "each cell again, last first": code[::-1]}
             start = time.perf_counter()
             with client.setup_kernel():
-                for run in (1, 2):
+                for label, cells in passes.items():
                     try:
-                        for index, cell in enumerate(nb.cells):
+                        for index, cell in cells:
                             client.execute_cell(cell, index)
                     except CellExecutionError as err:
                         failed += 1
-                        lines = str(err).strip().splitlines()
-                        print(f"{path.stem}: run {run} FAILED in cell {index}")
-                        print("\n".join("    " + line for line in lines[-15:]))
+                        report_failure(f"{path.stem}: {label}: FAILED in cell {index}", err, 12)
                         break
                 else:
-                    print(f"{path.stem}: ran twice in {time.perf_counter() - start:.1f} s")
+                    print(f"{path.stem}: ran twice, then cell by cell backwards, in "
+                          f"{time.perf_counter() - start:.1f} s")  # fmt: skip
     return 1 if failed else 0
 
 
 # ---------------------------------------------------------------- links, fork, README table
 def linked(nb: nbformat.NotebookNode, py: Path) -> bool:
     """Write the Colab link into the title cell and the setup cell; True if anything changed."""
-    changed = False
+    changed = nb.metadata.get("jupytext") != jupytext_metadata()
+    nb.metadata["jupytext"] = jupytext_metadata()
     if nb.cells and nb.cells[0].cell_type == "markdown":
         fixed = COLAB_LINK.sub(colab_url(py), nb.cells[0].source)
         changed |= fixed != nb.cells[0].source
@@ -246,14 +260,27 @@ def readme_table() -> str:
     return "\n".join(rows)
 
 
+def between(text: str, start_mark: str, end_mark: str, inner: str) -> str:
+    start, end = text.index(start_mark), text.index(end_mark)
+    return text[: start + len(start_mark)] + "\n" + inner + "\n" + text[end:]
+
+
 def readme_with_table(text: str) -> str:
-    start, end = text.index(TABLE_START), text.index(TABLE_END)
-    return text[: start + len(TABLE_START)] + "\n" + readme_table() + "\n" + text[end:]
+    """README with its table of notebooks and its table of the library's modules made anew."""
+    import deps
+
+    text = between(text, TABLE_START, TABLE_END, readme_table())
+    return between(text, LIBRARY_START, LIBRARY_END, deps.table())
 
 
 # ---------------------------------------------------------------- checks
 def cells_of(nb: nbformat.NotebookNode) -> list[tuple]:
-    return [(c.cell_type, c.source, dict(c.metadata)) for c in nb.cells]
+    """Type, source and metadata of every cell; jupytext's record of blank lines left out (the
+    layout check reports those)."""
+    return [
+        (c.cell_type, c.source, {k: v for k, v in c.metadata.items() if k != "lines_to_next_cell"})
+        for c in nb.cells
+    ]
 
 
 def problems_in(py: Path) -> list[str]:
@@ -287,6 +314,11 @@ def problems_in(py: Path) -> list[str]:
     extra = set(nb.metadata) - ALLOWED_NOTEBOOK_METADATA
     if extra:
         found.append(f"{name}: notebook metadata {sorted(extra)} should not be stored")
+    if nb.metadata.get("jupytext") != jupytext_metadata():
+        found.append(
+            f"{name}: notebook metadata 'jupytext' must be {jupytext_metadata()} (what "
+            "JupyterLab records on save): `make links`"
+        )
     if nb.metadata.get("kernelspec", {}).get("name") != "python3":
         found.append(f"{name}: kernelspec must be python3")
     for i, cell in enumerate(nb.cells):
@@ -340,7 +372,7 @@ def check(paths: list[Path]) -> int:
     problems += [f"{o}: no .py pair" for o in orphans]
     text = README.read_text()
     if readme_with_table(text) != text:
-        problems.append("README.md: the table of notebooks is stale: run `make links`")
+        problems.append("README.md: a table (notebooks or library) is stale: run `make links`")
     for p in problems:
         print(p, file=sys.stderr)
     if not problems:

@@ -15,59 +15,79 @@
 
 """The Transformer from scratch: the library that the course's notebooks build."""
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version
 
-from .attention import MultiHeadAttention, scaled_dot_product_attention
-from .data import FIRST_SYMBOL, MIN_LEN, make_batch
-from .decoding import (
-    Hypothesis,
-    KVCache,
-    beam_search,
-    cross_attention_weights,
-    decode_step,
-    greedy_decode,
-    length_penalty_wu,
-    next_token_probs,
-    sample,
-    sequence_log_prob,
-)
-from .layers import (
-    Decoder,
-    DecoderBlock,
-    Encoder,
-    EncoderBlock,
-    GatedFeedForward,
-    LayerNorm,
-    copy_block_to_torch,
-    feed_forward,
-    get_activation,
-    sublayer_connection,
-)
-from .masks import causal_mask, padding_mask
-from .model import BOS, EOS, PAD, Transformer, check_token_ids, embed_tokens, init_token_embedding
-from .positional import (
-    LearnedPositionalEmbedding,
-    PositionalEncoding,
-    RotaryEmbedding,
-    sinusoidal_table,
-)
-from .train import (
-    CHECKPOINT_FORMAT,
-    EVAL_SEED,
-    REVERSAL_RECIPE,
-    CheckpointError,
-    exact_match,
-    get_reversal_model,
-    load_checkpoint,
-    lr_lambda,
-    reversal_correct,
-    reversal_loss,
-    reversal_recipe,
-    save_checkpoint,
-    train_model,
-    train_reversal,
-)
-from .utils import COLORS, add_to_class, find_figures_dir, get_device, save_figure, set_seed
+from . import attention
+from . import data
+from . import decoding
+from . import layers
+from . import masks
+from . import model
+from . import positional
+from . import tokens
+from . import train
+from . import utils
+from . import viz
+from .attention import MultiHeadAttention
+from .attention import scaled_dot_product_attention
+from .data import FIRST_SYMBOL
+from .data import MIN_LEN
+from .data import make_batch
+from .decoding import Hypothesis
+from .decoding import KVCache
+from .decoding import beam_search
+from .decoding import cross_attention_weights
+from .decoding import decode_step
+from .decoding import greedy_decode
+from .decoding import length_penalty_wu
+from .decoding import next_token_probs
+from .decoding import sample
+from .decoding import sequence_log_prob
+from .layers import Decoder
+from .layers import DecoderBlock
+from .layers import Encoder
+from .layers import EncoderBlock
+from .layers import GatedFeedForward
+from .layers import LayerNorm
+from .layers import feed_forward
+from .layers import get_activation
+from .layers import sublayer_connection
+from .masks import causal_mask
+from .masks import padding_mask
+from .model import Transformer
+from .model import TransformerConfig
+from .model import embed_tokens
+from .model import init_token_embedding
+from .positional import LearnedPositionalEmbedding
+from .positional import PositionalEncoding
+from .positional import RotaryEmbedding
+from .positional import sinusoidal_table
+from .tokens import BOS
+from .tokens import EOS
+from .tokens import PAD
+from .tokens import check_token_ids
+from .train import CHECKPOINT_FORMAT
+from .train import EVAL_SEED
+from .train import REVERSAL_RECIPE
+from .train import CheckpointError
+from .train import exact_match
+from .train import get_reversal_model
+from .train import load_checkpoint
+from .train import lr_lambda
+from .train import reversal_correct
+from .train import reversal_loss
+from .train import reversal_recipe
+from .train import save_checkpoint
+from .train import train_model
+from .train import train_reversal
+from .utils import COLORS
+from .utils import OTHER_COLORS
+from .utils import add_to_class
+from .utils import find_figures_dir
+from .utils import get_device
+from .utils import save_figure
+from .utils import set_seed
 from .viz import plot_attention
 
 try:
@@ -75,64 +95,17 @@ try:
 except PackageNotFoundError:  # imported from a source tree that is not installed
     __version__ = "0+unknown"
 
+# Every module's public names, in course order (each module lists its own in __all__).
 __all__ = [
-    "get_device",
-    "set_seed",
-    "add_to_class",
-    "find_figures_dir",
-    "save_figure",
-    "COLORS",
-    "plot_attention",
-    "scaled_dot_product_attention",
-    "MultiHeadAttention",
-    "sinusoidal_table",
-    "PositionalEncoding",
-    "LearnedPositionalEmbedding",
-    "RotaryEmbedding",
-    "causal_mask",
-    "padding_mask",
-    "LayerNorm",
-    "get_activation",
-    "feed_forward",
-    "GatedFeedForward",
-    "sublayer_connection",
-    "EncoderBlock",
-    "DecoderBlock",
-    "copy_block_to_torch",
-    "Encoder",
-    "Decoder",
-    "PAD",
-    "BOS",
-    "EOS",
-    "init_token_embedding",
-    "check_token_ids",
-    "embed_tokens",
-    "Transformer",
-    "FIRST_SYMBOL",
-    "MIN_LEN",
-    "make_batch",
-    "lr_lambda",
-    "reversal_loss",
-    "train_model",
-    "REVERSAL_RECIPE",
-    "reversal_recipe",
-    "train_reversal",
-    "EVAL_SEED",
-    "reversal_correct",
-    "exact_match",
-    "CHECKPOINT_FORMAT",
-    "CheckpointError",
-    "save_checkpoint",
-    "load_checkpoint",
-    "get_reversal_model",
-    "greedy_decode",
-    "cross_attention_weights",
-    "KVCache",
-    "decode_step",
-    "length_penalty_wu",
-    "Hypothesis",
-    "beam_search",
-    "sequence_log_prob",
-    "next_token_probs",
-    "sample",
+    *utils.__all__,
+    *viz.__all__,
+    *attention.__all__,
+    *positional.__all__,
+    *masks.__all__,
+    *layers.__all__,
+    *tokens.__all__,
+    *model.__all__,
+    *data.__all__,
+    *train.__all__,
+    *decoding.__all__,
 ]

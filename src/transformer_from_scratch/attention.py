@@ -9,9 +9,19 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
+
+from transformer_from_scratch.checks import check_bool
+from transformer_from_scratch.checks import check_broadcast
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
+from transformer_from_scratch.checks import validated
 
 
+# Taught in notebook 02 · Self-attention
 def scaled_dot_product_attention(
     Q: Tensor,  # (..., T_q, d_k)
     K: Tensor,  # (..., T_k, d_k)
@@ -21,7 +31,8 @@ def scaled_dot_product_attention(
     training: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """softmax(Q K^T / sqrt(d_k) + mask) V, dropout on the weights; returns (context, attn)."""
-    _check_attention_inputs(Q, K, V, mask, dropout_p)
+    if checking():  # off when a caller (multi-head attention, a block) has checked already
+        _check_attention_inputs(Q, K, V, mask, dropout_p)
     d_k = Q.size(-1)
     # 1) Scores of every query against every key.
     # (..., T_q, d_k) @ (..., d_k, T_k) -> (..., T_q, T_k)
@@ -50,19 +61,15 @@ def scaled_dot_product_attention(
     return context, attn
 
 
+# Taught in notebook 02 · Self-attention
 def _check_attention_inputs(
     Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, dropout_p: float
 ) -> None:
     """Raise a TypeError/ValueError naming the shapes when attention cannot take these inputs."""
     for name, t in (("Q", Q), ("K", K), ("V", V)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t, kind="float")
         if t.dim() < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dims (..., T, d), got shape {tuple(t.shape)}"
-            )
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+            raise ValueError(f"{name} must have at least 2 dims (..., T, d), got {tuple(t.shape)}")
     if not Q.dtype == K.dtype == V.dtype:
         raise TypeError(f"Q, K, V must share one dtype, got {Q.dtype}, {K.dtype}, {V.dtype}")
     shapes = f"Q {tuple(Q.shape)}, K {tuple(K.shape)}, V {tuple(V.shape)}"
@@ -76,45 +83,30 @@ def _check_attention_inputs(
         raise ValueError(
             f"the batch dims (all but the last 2) do not broadcast: {shapes}"
         ) from None
-    if mask is not None:
-        if not isinstance(mask, Tensor):
-            raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-        if mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(
-                f"mask must be bool (True = may attend) or floating (added to the scores), "
-                f"got dtype {mask.dtype}"
-            )
-        scores_shape = (*batch, Q.size(-2), K.size(-2))
-        try:
-            fits = torch.broadcast_shapes(mask.shape, scores_shape) == scores_shape
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
-                f"{scores_shape} = (..., T_q, T_k) for {shapes}"
-            )
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if isinstance(mask, Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            "mask must be bool (True = may attend) or floating (added to the scores), "
+            f"got dtype {mask.dtype}"
+        )
+    scores_shape = (*batch, Q.size(-2), K.size(-2))
+    check_broadcast("mask", mask, scores_shape, f"(..., T_q, T_k) for {shapes}")
+    check_probability("dropout_p", dropout_p)
 
 
+# Taught in notebook 03 · Multi-head attention
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (Vaswani et al., 2017) with packed projections W_q, W_k, W_v, W_o."""
 
     def __init__(self, d_model: int, num_heads: int, dropout_p: float = 0.0, bias: bool = True):
         super().__init__()
-        for name, value in (("d_model", d_model), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        d_model, num_heads = check_int("d_model", d_model, 1), check_int("num_heads", num_heads, 1)
         if d_model % num_heads != 0:
             raise ValueError(
                 f"d_model={d_model} is not divisible by num_heads={num_heads}: "
                 "every head needs the same width d_k = d_model / num_heads"
             )
-        if not 0.0 <= dropout_p < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        dropout_p = check_probability("dropout_p", dropout_p)
+        check_bool("bias", bias)
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_k = d_model // num_heads  # width of one head (d_v = d_k as well)
@@ -153,46 +145,28 @@ class MultiHeadAttention(nn.Module):
         # reshape, not view: after the transpose the memory is no longer in (B, T, h, d_k) order.
         return x.reshape(B, T, h * d_k)  # (B, T, h, d_k) -> (B, T, d_model)
 
-    def _check_inputs(
-        self,
-        x_q: torch.Tensor,
-        x_k: torch.Tensor,
-        x_v: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> None:
-        """Raise a ValueError naming the shapes if the inputs cannot be attended together."""
+    def _check_inputs(self, x_q: torch.Tensor, x_k: torch.Tensor, x_v: torch.Tensor) -> None:
+        """Raise a TypeError/ValueError naming the shapes if the inputs cannot attend together."""
         for name, x in (("x_q", x_q), ("x_k", x_k), ("x_v", x_v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-            if x.dim() != 3:
-                raise ValueError(f"{name} must be 3-D (B, T, d_model), got shape {tuple(x.shape)}")
+            check_tensor(name, x, dim=3, kind="float")
             if x.shape[-1] != self.d_model:
                 raise ValueError(
                     f"{name} has shape {tuple(x.shape)}: last dimension {x.shape[-1]} "
                     f"!= d_model={self.d_model}"
                 )
+        shapes = f"x_q {tuple(x_q.shape)}, x_k {tuple(x_k.shape)}, x_v {tuple(x_v.shape)}"
         if not x_q.shape[0] == x_k.shape[0] == x_v.shape[0]:
-            raise ValueError(
-                f"batch sizes differ: x_q {tuple(x_q.shape)}, x_k {tuple(x_k.shape)}, "
-                f"x_v {tuple(x_v.shape)}"
-            )
+            raise ValueError(f"batch sizes differ: {shapes}")
         if x_k.shape[1] != x_v.shape[1]:
-            raise ValueError(
-                f"x_k {tuple(x_k.shape)} and x_v {tuple(x_v.shape)} must have the same length T_k"
+            raise ValueError(f"x_k and x_v must have the same length T_k, got {shapes}")
+
+    def _check_mask(self, mask: torch.Tensor | None, B: int, T_q: int, T_k: int) -> None:
+        """The mask must broadcast to (B, h, T_q, T_k), and be bool (True = may attend) or float."""
+        check_broadcast("mask", mask, (B, self.num_heads, T_q, T_k), "(B, h, T_q, T_k)")
+        if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
+            raise TypeError(
+                f"mask must be bool (True = may attend) or float (added), got {mask.dtype}"
             )
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor):
-                raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
-            target = (x_q.shape[0], self.num_heads, x_q.shape[1], x_k.shape[1])
-            try:
-                fits = torch.broadcast_shapes(mask.shape, target) == target
-            except RuntimeError:
-                fits = False
-            if not fits:
-                raise ValueError(
-                    f"mask of shape {tuple(mask.shape)} does not broadcast to "
-                    f"(B, h, T_q, T_k) = {target}"
-                )
 
     def forward(
         self,
@@ -201,19 +175,31 @@ class MultiHeadAttention(nn.Module):
         x_v: torch.Tensor | None = None,  # (B, T_k, d_model); None: x_k
         mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_q, T_k); True = may attend
         return_attn: bool = False,
+        cache=None,  # keys and values kept from earlier calls, for generation (notebook 12)
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend from x_q to x_k/x_v with h heads: out (B, T_q, d_model), attn (B, h, T_q, T_k)."""
         x_k = x_q if x_k is None else x_k
         x_v = x_k if x_v is None else x_v
-        self._check_inputs(x_q, x_k, x_v, mask)
+        if checking():
+            self._check_inputs(x_q, x_k, x_v)
         # 1) Project with the packed matrices, then split into h heads of width d_k.
         Q = self._split_heads(self.W_q(x_q))  # (B, T_q, d_model) -> (B, h, T_q, d_k)
-        K = self._split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
-        V = self._split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+        if (
+            cache is not None and cache.frozen
+        ):  # x_k never changes (cross-attention): reuse its K, V
+            K, V = cache.keys, cache.values  # (B, h, T_k, d_k)
+        else:
+            K = self._split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+            V = self._split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+            if cache is not None:  # keep them, and attend to every key kept so far
+                K, V = cache.update(K, V)  # (B, h, T_kept + T_k, d_k)
+        if checking():
+            self._check_mask(mask, x_q.shape[0], x_q.shape[1], K.shape[2])
         # 2) Attend in all heads at once: the head axis is one more batch axis.
-        context, attn = scaled_dot_product_attention(
-            Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
-        )  # context (B, h, T_q, d_k), attn (B, h, T_q, T_k)
+        with validated():  # the inputs were checked above
+            context, attn = scaled_dot_product_attention(
+                Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
+            )  # context (B, h, T_q, d_k), attn (B, h, T_q, T_k)
         # 3) Concatenate the heads and mix them with W_o.
         out = self.W_o(self._combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
         return (out, attn) if return_attn else out

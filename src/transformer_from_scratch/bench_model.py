@@ -15,15 +15,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
 from transformer_from_scratch.decoding import greedy_decode
-from transformer_from_scratch.layers import copy_block_to_torch
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, Transformer, embed_tokens
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.model import embed_tokens
+from transformer_from_scratch.reference import copy_block_to_torch
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.utils import get_device
 
 
+# Taught in notebook 12 · Generation
 class TorchReference(nn.Module):
     """Our model with nn.Transformer in place of its encoder and decoder, weights copied."""
 
@@ -82,6 +88,7 @@ class TorchReference(nn.Module):
         return self.out_proj(out)
 
 
+# Taught in notebook 12 · Generation
 def _check_positive(**values: int) -> None:
     """Raise a ValueError unless every value is a positive int."""
     for name, value in values.items():
@@ -89,6 +96,7 @@ def _check_positive(**values: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+# Taught in notebook 12 · Generation
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,6 +104,7 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+# Taught in notebook 12 · Generation
 def best_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
     """Best wall-clock seconds of fn() over `repeats` runs, after `warmup` untimed ones."""
     _check_positive(repeats=repeats)
@@ -111,6 +120,7 @@ def best_time(fn: Callable[[], object], device: torch.device, repeats: int, warm
     return best
 
 
+# Taught in notebook 12 · Generation
 def reversal_batch(
     batch: int, src_len: int, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -129,6 +139,7 @@ def reversal_batch(
     return src.to(device), tgt_in.to(device), tgt_out.to(device)
 
 
+# Taught in notebook 12 · Generation
 def make_train_step(
     model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor
 ) -> Callable[[], Tensor]:
@@ -148,6 +159,7 @@ def make_train_step(
     return step
 
 
+# Taught in notebook 12 · Generation
 def compare_train_step(
     batch: int = 64,
     src_len: int = 8,
@@ -177,6 +189,7 @@ def compare_train_step(
     }
 
 
+# Taught in notebook 12 · Generation
 def never_ending(model: Transformer) -> Transformer:
     """A copy of model whose EOS logit is -inf: decoding always runs its full length."""
     copied = copy.deepcopy(model)
@@ -185,6 +198,7 @@ def never_ending(model: Transformer) -> Transformer:
     return copied
 
 
+# Taught in notebook 12 · Generation
 def compare_decoding(
     lengths=(16, 32, 64, 128, 256, 512),
     batch: int = 1,
@@ -222,6 +236,7 @@ def compare_decoding(
     return rows
 
 
+# Taught in notebook 12 · Generation
 def run_model_suite(
     lengths=(16, 32, 64, 128, 256, 512),
     train_shapes=((64, 8), (16, 128)),
@@ -253,6 +268,7 @@ def run_model_suite(
     return {"config": config, "train_step": train, "decode": decode}
 
 
+# Taught in notebook 12 · Generation
 def format_model_suite(suite: dict) -> str:
     """The suite's results as plain-text tables, with the ratios."""
     c = suite["config"]
@@ -281,6 +297,7 @@ def format_model_suite(suite: dict) -> str:
     return "\n".join(lines)
 
 
+# Taught in notebook 12 · Generation
 def _train_shape(text: str) -> tuple[int, int]:
     """'64x8' -> (64, 8): a batch size and a source length, for the command line."""
     try:
@@ -292,6 +309,7 @@ def _train_shape(text: str) -> tuple[int, int]:
     return batch, src_len
 
 
+# Taught in notebook 12 · Generation
 def main(argv: list[str] | None = None) -> int:
     """Command line: run the suite, print the tables, write the results as JSON to --out."""
     parser = argparse.ArgumentParser(

@@ -6,12 +6,17 @@
 
 import torch
 
-from transformer_from_scratch.model import BOS, EOS, PAD
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 
+# Taught in notebook 11 · Training
 FIRST_SYMBOL = 3  # ids below it are PAD, BOS and EOS
+# Taught in notebook 11 · Training
 MIN_LEN = 3  # the shortest sequence the task draws
 
 
+# Taught in notebook 11 · Training
 def _check_int(name: str, value: int, minimum: int) -> None:
     """Raise a TypeError/ValueError unless value is an int of at least `minimum`."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -20,6 +25,7 @@ def _check_int(name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
 
 
+# Taught in notebook 11 · Training
 def make_batch(
     batch_size: int, max_len: int, vocab_size: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

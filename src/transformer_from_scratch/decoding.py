@@ -5,19 +5,27 @@
 """Generate with a trained encoder-decoder: greedy, a key-value cache, beam search, sampling."""
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
+from torch import nn
 
-from transformer_from_scratch.attention import MultiHeadAttention, scaled_dot_product_attention
-from transformer_from_scratch.layers import DecoderBlock, sublayer_connection
+from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.layers import sublayer_connection
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import BOS, EOS, PAD, embed_tokens
+from transformer_from_scratch.model import embed_tokens
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
 
 
+# Taught in notebook 12 · Generation
 def _check_generation_inputs(
     model: nn.Module, src: Tensor, max_new_tokens: int, src_mask: Tensor | None
 ) -> None:
@@ -53,6 +61,7 @@ def _check_generation_inputs(
             )
 
 
+# Taught in notebook 12 · Generation
 @contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """Switch dropout off while generating; give the model back in the mode it came in."""
@@ -64,6 +73,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+# Taught in notebook 12 · Generation
 def _generate(
     model: nn.Module,
     src: Tensor,
@@ -93,6 +103,7 @@ def _generate(
     return ys
 
 
+# Taught in notebook 12 · Generation
 @torch.no_grad()
 def greedy_decode(
     model: nn.Module,
@@ -109,6 +120,7 @@ def greedy_decode(
         )
 
 
+# Taught in notebook 12 · Generation
 def cross_attention_weights(
     model: nn.Module, src: Tensor, tgt: Tensor, src_mask: Tensor | None = None
 ) -> list[Tensor]:
@@ -134,6 +146,7 @@ def cross_attention_weights(
     return weights
 
 
+# Taught in notebook 12 · Generation
 def _split_heads(x: Tensor, num_heads: int) -> Tensor:
     """(B, T, d_model) -> (B, h, T, d_k)."""
     B, T, d_model = x.shape
@@ -141,12 +154,14 @@ def _split_heads(x: Tensor, num_heads: int) -> Tensor:
     return x.transpose(1, 2)  # (B, T, h, d_k) -> (B, h, T, d_k)
 
 
+# Taught in notebook 12 · Generation
 def _combine_heads(x: Tensor) -> Tensor:
     """(B, h, T, d_k) -> (B, T, d_model)."""
     B, h, T, d_k = x.shape
     return x.transpose(1, 2).reshape(B, T, h * d_k)  # (B, h, T, d_k) -> (B, T, d_model)
 
 
+# Taught in notebook 12 · Generation
 class KVCache:
     """Each decoder layer's keys and values: self-attention's grow, cross-attention's are fixed."""
 
@@ -180,6 +195,7 @@ class KVCache:
         return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
+# Taught in notebook 12 · Generation
 def _attend(attn: MultiHeadAttention, x_q: Tensor, K: Tensor, V: Tensor, mask=None) -> Tensor:
     """attn's forward pass for queries x_q (B, T_q, d) against heads K, V (B, h, T_k, d_k)."""
     Q = _split_heads(attn.W_q(x_q), attn.num_heads)  # (B, T_q, d_model) -> (B, h, T_q, d_k)
@@ -189,6 +205,7 @@ def _attend(attn: MultiHeadAttention, x_q: Tensor, K: Tensor, V: Tensor, mask=No
     return attn.W_o(_combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
 
 
+# Taught in notebook 12 · Generation
 def _cached_self_attention(
     attn: MultiHeadAttention, x: Tensor, cache: KVCache, layer: int
 ) -> Tensor:
@@ -202,6 +219,7 @@ def _cached_self_attention(
     return _attend(attn, x, K, V)
 
 
+# Taught in notebook 12 · Generation
 def _block_step(
     block: DecoderBlock, x: Tensor, cache: KVCache, layer: int, cross_mask: Tensor | None
 ) -> Tensor:
@@ -224,6 +242,7 @@ def _block_step(
     return sublayer_connection(x, block.ffn, block.norm3, block.dropout3, block.norm_first)
 
 
+# Taught in notebook 12 · Generation
 def decode_step(
     model: nn.Module, tokens: Tensor, cache: KVCache, cross_mask: Tensor | None = None
 ) -> Tensor:
@@ -239,14 +258,17 @@ def decode_step(
     return model.out_proj(model.decoder.norm(x))[:, 0]  # (B, 1, d_model) -> (B, V)
 
 
+# Taught in notebook 12 · Generation
 def length_penalty_wu(length: int, alpha: float) -> float:
     """Wu et al. (2016)'s length penalty lp = ((5 + length) / 6) ** alpha."""
     return ((5 + length) / 6) ** alpha
 
 
+# Taught in notebook 12 · Generation
 Hypothesis = tuple[float, float, list[int]]  # (normalised score, total log-prob, ids from BOS)
 
 
+# Taught in notebook 12 · Generation
 def _advance_beams(
     candidates: Tensor,  # (B, k, V): total log-prob of every one-token extension of every beam
     tokens: Tensor,  # (B * k, t + 1): the beams so far, BOS first
@@ -298,6 +320,7 @@ def _advance_beams(
     )
 
 
+# Taught in notebook 12 · Generation
 def _best_hypotheses(finished: list[list[Hypothesis]], device) -> tuple[Tensor, Tensor]:
     """Each source's best hypothesis by normalised score: ids (B, T) PAD-padded, log p (B,)."""
     best = [max(hypotheses, key=lambda hyp: hyp[0]) for hypotheses in finished]
@@ -308,6 +331,7 @@ def _best_hypotheses(finished: list[list[Hypothesis]], device) -> tuple[Tensor, 
     return tokens.to(device), torch.tensor([log_p for _, log_p, _ in best], device=device)
 
 
+# Taught in notebook 12 · Generation
 @torch.no_grad()
 def beam_search(
     model: nn.Module,
@@ -356,6 +380,7 @@ def beam_search(
     return _best_hypotheses(finished, src.device)
 
 
+# Taught in notebook 12 · Generation
 @torch.no_grad()
 def sequence_log_prob(
     model: nn.Module, src: Tensor, tokens: Tensor, src_mask: Tensor | None = None
@@ -378,6 +403,7 @@ def sequence_log_prob(
         return picked.masked_fill(after_eos, 0.0).sum(dim=-1)
 
 
+# Taught in notebook 12 · Generation
 def next_token_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None) -> Tensor:
     """softmax(logits / temperature) over the top_k largest logits (the others get 0)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
@@ -393,6 +419,7 @@ def next_token_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None
     return F.softmax(logits, dim=-1)
 
 
+# Taught in notebook 12 · Generation
 @torch.no_grad()
 def sample(
     model: nn.Module,

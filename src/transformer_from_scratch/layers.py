@@ -7,31 +7,29 @@
 
 """Layers of a Transformer block: layer normalisation, the feed-forward network, the blocks."""
 
-import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.checks import check_bool
+from transformer_from_scratch.checks import check_choice
+from transformer_from_scratch.checks import check_float
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
 
 
+# Taught in notebook 06 · Layer norm and dropout
 class LayerNorm(nn.Module):
     """Layer normalisation over the last dimension, with the same numbers as nn.LayerNorm."""
 
     def __init__(self, d_model: int, eps: float = 1e-5):
         super().__init__()
-        if isinstance(d_model, bool) or not isinstance(d_model, int):
-            raise TypeError(f"d_model must be an int, got {type(d_model).__name__} {d_model!r}")
-        if d_model < 1:
-            raise ValueError(f"d_model must be at least 1, got {d_model}")
-        if isinstance(eps, bool) or not isinstance(eps, int | float):
-            raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
-        if not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"eps must be positive and finite, got {eps}")
-        self.d_model = d_model
-        self.eps = float(eps)
+        self.d_model = check_int("d_model", d_model, minimum=1)
+        self.eps = check_float("eps", eps, 0.0, low_open=True)
         self.weight = nn.Parameter(torch.empty(d_model))  # gamma
         self.bias = nn.Parameter(torch.empty(d_model))  # beta
         self.reset_parameters()
@@ -47,15 +45,13 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise each vector along the last dimension, then scale by weight, shift by bias."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"LayerNorm expects a tensor, got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[-1] != self.d_model:
-            raise ValueError(
-                f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
-                f"got {tuple(x.shape)}"
-            )
-        if not x.is_floating_point():
-            raise TypeError(f"LayerNorm expects a floating-point tensor, got {x.dtype}")
+        if checking():  # off inside a block that checked its input already
+            check_tensor("x", x, kind="float")
+            if x.dim() == 0 or x.shape[-1] != self.d_model:
+                raise ValueError(
+                    f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
+                    f"got {tuple(x.shape)}"
+                )
         mean = x.mean(dim=-1, keepdim=True)  # (..., D) -> (..., 1)
         centred = x - mean  # (..., D)
         # the biased variance: divide by D, not D - 1
@@ -64,34 +60,24 @@ class LayerNorm(nn.Module):
         return x_hat * self.weight + self.bias  # gamma, beta (D,) broadcast over (..., D)
 
 
-_FFN_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
+# Taught in notebook 07 · The feed-forward network
+_FFN_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
 
 
+# Taught in notebook 07 · The feed-forward network
 def get_activation(name: str) -> nn.Module:
     """A new activation module by name: "relu", "gelu" or "silu" (case-insensitive)."""
-    if not isinstance(name, str):
-        raise TypeError(f"activation must be a name such as 'relu', got {type(name).__name__}")
-    key = name.lower()
-    if key not in _FFN_ACTIVATIONS:
-        raise ValueError(f"unknown activation {name!r}; expected one of {sorted(_FFN_ACTIVATIONS)}")
-    return _FFN_ACTIVATIONS[key]()
+    return _FFN_ACTIVATIONS[check_choice("activation", name, list(_FFN_ACTIVATIONS))]()
 
 
-def _check_ffn_size(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
+# Taught in notebook 07 · The feed-forward network
 def feed_forward(
     d_model: int, d_ff: int, activation: str = "relu", dropout_p: float = 0.0, bias: bool = True
 ) -> nn.Sequential:
     """The position-wise FFN: Sequential(Linear d_model->d_ff, activation, Linear d_ff->d_model)."""
-    _check_ffn_size("d_model", d_model)
-    _check_ffn_size("d_ff", d_ff)
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    d_model, d_ff = check_int("d_model", d_model, minimum=1), check_int("d_ff", d_ff, minimum=1)
+    check_probability("dropout_p", dropout_p)
+    check_bool("bias", bias)
     layers = [
         nn.Linear(d_model, d_ff, bias=bias),  # widen: (..., d_model) -> (..., d_ff)
         get_activation(activation),
@@ -102,14 +88,14 @@ def feed_forward(
     return nn.Sequential(*layers)
 
 
+# Taught in notebook 07 · The feed-forward network
 class GatedFeedForward(nn.Module):
     """Gated FFN (Shazeer, 2020): W_2(act(x W) * x V); SwiGLU for "silu", GEGLU for "gelu"."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "silu", bias: bool = False):
         super().__init__()
-        _check_ffn_size("d_model", d_model)
-        _check_ffn_size("d_ff", d_ff)
-        self.d_model, self.d_ff = d_model, d_ff
+        self.d_model = check_int("d_model", d_model, minimum=1)
+        self.d_ff = check_int("d_ff", d_ff, minimum=1)
         self.W = nn.Linear(d_model, d_ff, bias=bias)  # gate branch, goes through the activation
         self.V = nn.Linear(d_model, d_ff, bias=bias)  # linear branch, multiplied by the gate
         self.W_2 = nn.Linear(d_ff, d_model, bias=bias)  # back to d_model
@@ -123,6 +109,7 @@ class GatedFeedForward(nn.Module):
         return self.W_2(hidden)  # (..., d_ff) -> (..., d_model)
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def sublayer_connection(
     x: torch.Tensor,  # (B, T, d_model), the residual stream
     sublayer: Callable[[torch.Tensor], torch.Tensor],  # (B, T, d_model) -> (B, T, d_model)
@@ -136,20 +123,21 @@ def sublayer_connection(
     return norm(x + dropout(sublayer(x)))  # the paper: normalise after the addition
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
 def _check_block_input(name: str, x: torch.Tensor, d_model: int) -> None:
     """Raise a TypeError/ValueError unless x is a floating tensor of shape (B, T, d_model)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor(name, x, kind="float")
     if x.dim() != 3 or x.shape[-1] != d_model:
         raise ValueError(
             f"{name} must have shape (B, T, d_model) with d_model={d_model}, got {tuple(x.shape)}"
         )
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
-class EncoderBlock(nn.Module):
-    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
+# Taught in notebook 08 · Encoder and decoder blocks
+class _Block(nn.Module):
+    """What both blocks hold: self-attention, the FFN, a LayerNorm and a Dropout per sub-layer."""
+
+    cross_attention = False  # DecoderBlock sets it: one more attention, reading the encoder
 
     def __init__(
         self,
@@ -162,16 +150,23 @@ class EncoderBlock(nn.Module):
         norm_first: bool = True,
     ):
         super().__init__()
-        if not isinstance(norm_first, bool):
-            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
+        check_bool("norm_first", norm_first)
         # MultiHeadAttention checks d_model, num_heads and dropout_p; feed_forward checks d_ff.
         self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        if self.cross_attention:
+            self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
         # Sequential(Linear, activation, Linear), no dropout inside
         self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
-        self.norm1 = LayerNorm(d_model)  # for the attention sub-layer
-        self.norm2 = LayerNorm(d_model)  # for the FFN sub-layer
-        self.dropout1 = nn.Dropout(dropout_p)  # on the attention output, before the residual add
-        self.dropout2 = nn.Dropout(dropout_p)  # on the FFN output, before the residual add
+        # One norm and one residual dropout per sub-layer, numbered in the order they run:
+        # encoder 1 self-attention, 2 FFN; decoder 1 self-attention, 2 cross-attention, 3 FFN.
+        self.norm1 = LayerNorm(d_model)
+        self.norm2 = LayerNorm(d_model)
+        if self.cross_attention:
+            self.norm3 = LayerNorm(d_model)
+        self.dropout1 = nn.Dropout(dropout_p)  # on the sub-layer's output, before the residual add
+        self.dropout2 = nn.Dropout(dropout_p)
+        if self.cross_attention:
+            self.dropout3 = nn.Dropout(dropout_p)
         self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
         self.norm_first = norm_first
 
@@ -179,9 +174,15 @@ class EncoderBlock(nn.Module):
         """Shown by print(block)."""
         return f"norm_first={self.norm_first}"
 
+
+# Taught in notebook 08 · Encoder and decoder blocks
+class EncoderBlock(_Block):
+    """Transformer encoder block: self-attention, then FFN, each a residual sub-layer with norm."""
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
-        _check_block_input("x", x, self.d_model)
+        if checking():  # off inside a stack that checked its input already
+            _check_block_input("x", x, self.d_model)
         # 1) Every position reads the allowed positions of the sequence.
         x = sublayer_connection(
             x, lambda h: self.self_attn(h, mask=mask), self.norm1, self.dropout1, self.norm_first
@@ -190,38 +191,11 @@ class EncoderBlock(nn.Module):
         return sublayer_connection(x, self.ffn, self.norm2, self.dropout2, self.norm_first)
 
 
-class DecoderBlock(nn.Module):
+# Taught in notebook 08 · Encoder and decoder blocks
+class DecoderBlock(_Block):
     """Transformer decoder block: masked self-attention, cross-attention to the encoder, FFN."""
 
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.0,
-        activation: str = "gelu",
-        bias: bool = True,
-        norm_first: bool = True,
-    ):
-        super().__init__()
-        if not isinstance(norm_first, bool):
-            raise TypeError(f"norm_first must be a bool, got {type(norm_first).__name__}")
-        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
-        self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
-        # Sequential(Linear, activation, Linear), no dropout inside
-        self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
-        self.norm1 = LayerNorm(d_model)  # for self-attention
-        self.norm2 = LayerNorm(d_model)  # for cross-attention (the queries only)
-        self.norm3 = LayerNorm(d_model)  # for the FFN
-        self.dropout1 = nn.Dropout(dropout_p)
-        self.dropout2 = nn.Dropout(dropout_p)
-        self.dropout3 = nn.Dropout(dropout_p)
-        self.d_model, self.num_heads, self.d_ff = d_model, num_heads, d_ff
-        self.norm_first = norm_first
-
-    def extra_repr(self) -> str:
-        """Shown by print(block)."""
-        return f"norm_first={self.norm_first}"
+    cross_attention = True  # _Block adds cross_attn, norm3 and dropout3
 
     def forward(
         self,
@@ -229,18 +203,22 @@ class DecoderBlock(nn.Module):
         enc_out: torch.Tensor,  # (B, T_src, d_model), the encoder's output
         self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
         cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
+        cache=None,  # this block's keys and values from earlier steps, for generation (notebook 12)
     ) -> torch.Tensor:
         """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
-        _check_block_input("x", x, self.d_model)
-        _check_block_input("enc_out", enc_out, self.d_model)
-        if enc_out.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)} have different batch sizes"
-            )
+        if checking():  # off inside a stack that checked its inputs already
+            _check_block_input("x", x, self.d_model)
+            _check_block_input("enc_out", enc_out, self.d_model)
+            if enc_out.shape[0] != x.shape[0]:
+                shapes = f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)}"
+                raise ValueError(f"{shapes} have different batch sizes")
+        self_cache, cross_cache = (
+            (None, None) if cache is None else (cache.self_attn, cache.cross_attn)
+        )
         # 1) Each target position reads the target positions before it.
         x = sublayer_connection(
             x,
-            lambda h: self.self_attn(h, mask=self_mask),
+            lambda h: self.self_attn(h, mask=self_mask, cache=self_cache),
             self.norm1,
             self.dropout1,
             self.norm_first,
@@ -248,7 +226,8 @@ class DecoderBlock(nn.Module):
         # 2) Each target position reads the source: queries from x, keys and values from enc_out.
         x = sublayer_connection(
             x,
-            lambda h: self.cross_attn(h, enc_out, mask=cross_mask),  # (B, T, d) x (B, T_src, d)
+            # queries (B, T, d) from x, keys and values (B, T_src, d) from enc_out
+            lambda h: self.cross_attn(h, enc_out, mask=cross_mask, cache=cross_cache),
             self.norm2,
             self.dropout2,
             self.norm_first,
@@ -257,105 +236,11 @@ class DecoderBlock(nn.Module):
         return sublayer_connection(x, self.ffn, self.norm3, self.dropout3, self.norm_first)
 
 
-def _copy_attention(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
-    """W_q, W_k, W_v stacked into in_proj; W_o into out_proj."""
-    # 3 x (d, d) -> (3d, d): rows 0..d-1 project queries, then keys, then values.
-    theirs.in_proj_weight.copy_(torch.cat([ours.W_q.weight, ours.W_k.weight, ours.W_v.weight]))
-    theirs.out_proj.weight.copy_(ours.W_o.weight)
-    if ours.W_q.bias is not None:
-        theirs.in_proj_bias.copy_(torch.cat([ours.W_q.bias, ours.W_k.bias, ours.W_v.bias]))
-        theirs.out_proj.bias.copy_(ours.W_o.bias)
+# Taught in notebook 10 · The full model
+class _Stack(nn.Module):
+    """num_layers blocks of one kind in an nn.ModuleList, then a final LayerNorm."""
 
-
-def _copy_norm(ours: LayerNorm, theirs: nn.LayerNorm) -> None:
-    """Our LayerNorm's gamma and beta into nn.LayerNorm (which has no beta when bias=False)."""
-    theirs.weight.copy_(ours.weight)
-    if theirs.bias is not None:
-        theirs.bias.copy_(ours.bias)
-
-
-def _check_norm_pair(ours: LayerNorm, theirs: nn.LayerNorm, name: str) -> None:
-    """Raise a ValueError if nn.LayerNorm cannot hold our LayerNorm's numbers."""
-    if ours.eps != theirs.eps:
-        raise ValueError(f"{name}: eps differs, ours {ours.eps} vs theirs {theirs.eps}")
-    if theirs.bias is None and torch.count_nonzero(ours.bias):
-        raise ValueError(f"{name}: theirs has no bias (bias=False) but ours has a nonzero one")
-
-
-def _check_block_pair(
-    ours: EncoderBlock | DecoderBlock,
-    theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
-) -> list[str]:
-    """Raise TypeError/ValueError unless the blocks compute the same function; return the norms."""
-    pairs = {EncoderBlock: nn.TransformerEncoderLayer, DecoderBlock: nn.TransformerDecoderLayer}
-    if type(ours) not in pairs or type(theirs) is not pairs[type(ours)]:
-        raise TypeError(
-            "expected (EncoderBlock, nn.TransformerEncoderLayer) or "
-            f"(DecoderBlock, nn.TransformerDecoderLayer), got "
-            f"({type(ours).__name__}, {type(theirs).__name__})"
-        )
-    sizes_ours = (ours.d_model, ours.num_heads, ours.d_ff)
-    sizes_theirs = (
-        theirs.self_attn.embed_dim,
-        theirs.self_attn.num_heads,
-        theirs.linear1.out_features,
-    )
-    if sizes_ours != sizes_theirs:
-        raise ValueError(
-            f"(d_model, num_heads, d_ff) differ: ours {sizes_ours}, theirs {sizes_theirs}"
-        )
-    if ours.norm_first != theirs.norm_first:
-        raise ValueError(
-            f"arrangements differ: ours has norm_first={ours.norm_first}, "
-            f"theirs norm_first={theirs.norm_first}"
-        )
-    if (ours.ffn[0].bias is None) != (theirs.linear1.bias is None):
-        raise ValueError("one block has biases and the other not: build both with the same bias")
-    act, their_act = ours.ffn[1], theirs.activation  # theirs: F.relu, F.gelu or a module
-    approximate = getattr(act, "approximate", "none")  # F.gelu is the exact GELU
-    as_function = (
-        {nn.ReLU: F.relu, nn.GELU: F.gelu}.get(type(act)) if approximate == "none" else None
-    )
-    same_type = type(their_act) is type(act)
-    same_module = same_type and getattr(their_act, "approximate", "none") == approximate
-    if not (their_act is as_function or same_module):
-        raise ValueError(f"activations differ: ours {act!r}, theirs {their_act!r}")
-    norms = ["norm1", "norm2", "norm3"] if isinstance(ours, DecoderBlock) else ["norm1", "norm2"]
-    for name in norms:
-        _check_norm_pair(getattr(ours, name), getattr(theirs, name), name)
-    return norms
-
-
-def copy_block_to_torch(
-    ours: EncoderBlock | DecoderBlock,
-    theirs: nn.TransformerEncoderLayer | nn.TransformerDecoderLayer,
-) -> None:
-    """Copy our block's weights into the PyTorch layer of the same configuration, in place."""
-    norms = _check_block_pair(ours, theirs)  # everything is checked before anything is copied
-    with torch.no_grad():
-        _copy_attention(ours.self_attn, theirs.self_attn)
-        if isinstance(ours, DecoderBlock):
-            _copy_attention(ours.cross_attn, theirs.multihead_attn)
-        theirs.linear1.weight.copy_(ours.ffn[0].weight)
-        theirs.linear2.weight.copy_(ours.ffn[2].weight)
-        if ours.ffn[0].bias is not None:
-            theirs.linear1.bias.copy_(ours.ffn[0].bias)
-            theirs.linear2.bias.copy_(ours.ffn[2].bias)
-        for name in norms:
-            _copy_norm(getattr(ours, name), getattr(theirs, name))
-
-
-def _check_num_layers(num_layers: int) -> None:
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
-        raise TypeError(
-            f"num_layers must be an int, got {type(num_layers).__name__} {num_layers!r}"
-        )
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be at least 1, got {num_layers}")
-
-
-class Encoder(nn.Module):
-    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+    block: type[nn.Module]  # EncoderBlock or DecoderBlock, set by the two stacks below
 
     def __init__(
         self,
@@ -367,13 +252,20 @@ class Encoder(nn.Module):
         activation: str = "relu",
     ):
         super().__init__()
-        _check_num_layers(num_layers)
+        check_int("num_layers", num_layers, minimum=1)
         self.layers = nn.ModuleList(
-            EncoderBlock(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
+            self.block(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
             for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
         self.norm = LayerNorm(d_model)  # pre-norm blocks leave the last residual sum unnormalised
         self.num_layers, self.d_model = num_layers, d_model
+
+
+# Taught in notebook 10 · The full model
+class Encoder(_Stack):
+    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+
+    block = EncoderBlock
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, d_model); mask broadcastable to (B, h, T, T), True = attend."""
@@ -382,26 +274,11 @@ class Encoder(nn.Module):
         return self.norm(x)
 
 
-class Decoder(nn.Module):
+# Taught in notebook 10 · The full model
+class Decoder(_Stack):
     """A stack of num_layers pre-norm decoder blocks reading one enc_out, then a final LayerNorm."""
 
-    def __init__(
-        self,
-        num_layers: int,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.1,
-        activation: str = "relu",
-    ):
-        super().__init__()
-        _check_num_layers(num_layers)
-        self.layers = nn.ModuleList(
-            DecoderBlock(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
-            for _ in range(num_layers)
-        )
-        self.norm = LayerNorm(d_model)
-        self.num_layers, self.d_model = num_layers, d_model
+    block = DecoderBlock
 
     def forward(
         self,
@@ -409,10 +286,12 @@ class Decoder(nn.Module):
         enc_out: torch.Tensor,  # (B, T_src, d_model), read by every block
         self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
         cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
+        cache=None,  # every block's keys and values from earlier steps (notebook 12)
     ) -> torch.Tensor:
         """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
-        for layer in self.layers:
-            x = layer(x, enc_out, self_mask=self_mask, cross_mask=cross_mask)  # (B, T, d_model)
+        for i, layer in enumerate(self.layers):
+            block_cache = None if cache is None else cache.layer(i)  # block i's part of the cache
+            x = layer(x, enc_out, self_mask, cross_mask, cache=block_cache)  # (B, T, d_model)
         return self.norm(x)
 
 
@@ -424,7 +303,6 @@ __all__ = [
     "sublayer_connection",
     "EncoderBlock",
     "DecoderBlock",
-    "copy_block_to_torch",
     "Encoder",
     "Decoder",
 ]

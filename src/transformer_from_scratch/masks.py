@@ -4,40 +4,28 @@
 
 """Attention masks: which keys each query may attend to (True = may attend)."""
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
-
-def _positive_int(value: int, name: str) -> int:
-    """`value` as a Python int of at least 1, or a clear TypeError/ValueError."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}")
-    try:
-        value = operator.index(value)  # accepts ints, NumPy ints and 0-d integer tensors
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return value
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_tensor
 
 
+# Taught in notebook 05 · Masking
 def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tensor:
     """(1, 1, T, T) bool mask letting query i attend to keys 0..i only (True = may attend)."""
-    T = _positive_int(T, "T")
+    T = check_int("T", T, minimum=1)
     allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril()  # (T, T), j <= i
     return allowed.view(1, 1, T, T)  # (T, T) -> (1, 1, T, T): shared by every sequence and head
 
 
+# Taught in notebook 05 · Masking
 def padding_mask(lengths: torch.Tensor | Sequence[int], T_k: int) -> torch.Tensor:
     """(B, 1, 1, T_k) bool mask that is True on the first lengths[b] keys of each sequence b."""
     lengths = torch.as_tensor(lengths)  # a tensor keeps its device; a list lands on the CPU
-    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.is_complex():
-        raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
-    if lengths.dim() != 1:
-        raise ValueError(f"lengths must be 1-D, of shape (B,), got shape {tuple(lengths.shape)}")
-    T_k = _positive_int(T_k, "T_k")
+    check_tensor("lengths", lengths, dim=1, kind="int")  # (B,)
+    T_k = check_int("T_k", T_k, minimum=1)
     bad = (lengths < 0) | (lengths > T_k)
     if bad.any():
         b = int(bad.nonzero()[0, 0])

@@ -3,19 +3,30 @@
 #   notebooks/10_full_model.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
-"""The encoder-decoder Transformer: special tokens, token embeddings (09) and the model (10)."""
+"""The encoder-decoder Transformer: token embeddings and the output head (09), the model (10)."""
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from transformer_from_scratch.layers import Decoder, Encoder
+from transformer_from_scratch.checks import check_broadcast
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
+from transformer_from_scratch.checks import validated
+from transformer_from_scratch.layers import Decoder
+from transformer_from_scratch.layers import Encoder
 from transformer_from_scratch.positional import PositionalEncoding
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.tokens import check_token_ids
 
-PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
 
-
+# Taught in notebook 09 · Embeddings and the output head
 def init_token_embedding(embedding: nn.Embedding) -> nn.Embedding:
     """Draw weights from N(0, 1/d_model), the scale sqrt(d_model) restores; zero the PAD row."""
     if not isinstance(embedding, nn.Embedding):
@@ -28,64 +39,57 @@ def init_token_embedding(embedding: nn.Embedding) -> nn.Embedding:
     return embedding
 
 
-def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens") -> None:
-    """Raise a TypeError/ValueError unless tokens is a (B, T) integer tensor of ids in [0, V)."""
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(tokens).__name__}")
-    if tokens.dtype not in (torch.int64, torch.int32):  # the index types nn.Embedding accepts
-        raise TypeError(
-            f"{name} must hold integer token ids (int64 or int32), got dtype {tokens.dtype}"
-        )
-    if tokens.dim() != 2 or tokens.shape[1] == 0:
-        raise ValueError(f"{name} must have shape (B, T) with T >= 1, got {tuple(tokens.shape)}")
-    if tokens.numel() == 0:
-        return
-    low, high = torch.stack(torch.aminmax(tokens)).tolist()  # one pass, one device sync
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        where = tuple((tokens == bad).nonzero()[0].tolist())
-        raise ValueError(
-            f"{name} holds token id {bad} at position {where}, outside [0, {vocab_size}) "
-            f"(vocab_size={vocab_size})"
-        )
-
-
+# Taught in notebook 09 · Embeddings and the output head
 def embed_tokens(
     embedding: nn.Embedding, tokens: torch.Tensor, name: str = "tokens"
 ) -> torch.Tensor:
     """Look up (B, T) token ids and multiply by sqrt(d_model): (B, T) -> (B, T, d_model)."""
-    check_token_ids(tokens, embedding.num_embeddings, name)
+    if checking():
+        check_token_ids(tokens, embedding.num_embeddings, name)
     return embedding(tokens) * math.sqrt(embedding.embedding_dim)  # (B, T) -> (B, T, d_model)
 
 
-def _check_length(name: str, tokens: torch.Tensor, max_len: int) -> None:
-    """Raise if (B, T) tokens are longer than max_len; check_token_ids reports other problems."""
-    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and tokens.shape[1] > max_len:
+# Taught in notebook 10 · The full model
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The sizes of a Transformer; Transformer.from_config(config) builds one."""
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    d_model: int = 128
+    num_heads: int = 4
+    d_ff: int = 512
+    num_layers: int = 2
+    dropout_p: float = 0.1
+    max_len: int = 512
+
+    def __post_init__(self):
+        for name in ("src_vocab_size", "tgt_vocab_size"):  # room for PAD, BOS, EOS and a symbol
+            check_int(name, getattr(self, name), minimum=EOS + 2)
+        for name in ("d_model", "num_heads", "d_ff", "num_layers", "max_len"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_probability("dropout_p", self.dropout_p)
+        if self.d_model % self.num_heads != 0:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
+                "every head needs the same width d_k = d_model / num_heads"
+            )
+
+
+# Taught in notebook 10 · The full model
+def _check_tokens(name: str, tokens: torch.Tensor, vocab_size: int, max_len: int, offset: int = 0):
+    """Raise unless tokens are (B, T) ids in [0, vocab_size) at positions below max_len."""
+    check_token_ids(tokens, vocab_size, name)
+    T = tokens.shape[1]
+    if offset + T > max_len:
+        where = f"positions {offset}..{offset + T - 1}" if offset else f"length {T}"
         raise ValueError(
-            f"{name} has length {tokens.shape[1]}, longer than the model's max_len={max_len} "
+            f"{name} has {where}, beyond the model's max_len={max_len} "
             "(the rows of its positional encoding)"
         )
 
 
-def _check_mask(
-    name: str, mask: torch.Tensor | None, shape: tuple, what: str, hint: str = ""
-) -> None:
-    """Raise unless mask is None or a tensor that broadcasts to `shape` (`what` in symbols)."""
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
-    try:
-        fits = torch.broadcast_shapes(mask.shape, shape) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"{name} of shape {tuple(mask.shape)} does not broadcast to {what} = {tuple(shape)}"
-            + (f"; {hint}" if hint else "")
-        )
-
-
+# Taught in notebook 10 · The full model
 class Transformer(nn.Module):
     """The encoder-decoder Transformer (Vaswani et al., 2017), pre-norm: token ids to logits."""
 
@@ -101,26 +105,9 @@ class Transformer(nn.Module):
         max_len: int = 512,
     ):
         super().__init__()
-        for name, value, least in (
-            ("src_vocab_size", src_vocab_size, EOS + 1),  # room for PAD, BOS and EOS
-            ("tgt_vocab_size", tgt_vocab_size, EOS + 1),
-            ("d_model", d_model, 1),
-            ("max_len", max_len, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-            if value < least:
-                raise ValueError(f"{name} must be at least {least}, got {value}")
-        self.config = dict(
-            src_vocab_size=src_vocab_size,
-            tgt_vocab_size=tgt_vocab_size,
-            d_model=d_model,
-            num_heads=num_heads,
-            d_ff=d_ff,
-            num_layers=num_layers,
-            dropout_p=dropout_p,
-            max_len=max_len,
-        )  # Transformer(**model.config) builds the same architecture
+        self.config = TransformerConfig(
+            src_vocab_size, tgt_vocab_size, d_model, num_heads, d_ff, num_layers, dropout_p, max_len
+        )  # checks every size; Transformer.from_config(model.config) builds the same architecture
         self.d_model, self.num_heads, self.max_len = d_model, num_heads, max_len
 
         self.src_embed = nn.Embedding(src_vocab_size, d_model, padding_idx=PAD)
@@ -133,40 +120,54 @@ class Transformer(nn.Module):
         init_token_embedding(self.src_embed)
         init_token_embedding(self.tgt_embed)
 
+    @classmethod
+    def from_config(cls, config: TransformerConfig) -> "Transformer":
+        """A new model with the sizes of `config`."""
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"expected a TransformerConfig, got {type(config).__name__}")
+        return cls(**dataclasses.asdict(config))
+
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Source ids (B, T_src) -> enc_out (B, T_src, d_model); src_mask True = a real token."""
-        _check_length("src", src, self.max_len)  # first; the lookup checks the ids
-        x = embed_tokens(self.src_embed, src, "src")  # (B, T_src) -> (B, T_src, d_model), * sqrt(d)
-        B, T_src = src.shape
-        _check_mask("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T_src, T_src)")
-        return self.encoder(self.pos(x), mask=src_mask)  # + PE, then N blocks and the final norm
+        if checking():
+            _check_tokens("src", src, self.src_embed.num_embeddings, self.max_len)
+            B, T_src = src.shape
+            check_broadcast("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T, T)")
+        with validated():  # the layers below need not check again
+            x = embed_tokens(
+                self.src_embed, src, "src"
+            )  # (B, T_src) -> (B, T_src, d_model), * sqrt(d)
+            return self.encoder(
+                self.pos(x), mask=src_mask
+            )  # + PE, then N blocks and the final norm
 
     def decode(
         self,
         tgt: torch.Tensor,  # (B, T_tgt) target ids, starting with BOS
         enc_out: torch.Tensor,  # (B, T_src, d_model) from encode
-        self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_tgt)
+        self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_kept + T_tgt)
         cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_src)
+        cache=None,  # keys and values of the T_kept tokens decoded before (notebook 12)
     ) -> torch.Tensor:
         """Target ids (B, T_tgt) and enc_out (B, T_src, d_model) -> dec_out (B, T_tgt, d_model)."""
-        _check_length("tgt", tgt, self.max_len)
-        x = embed_tokens(self.tgt_embed, tgt, "tgt")  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
-        if not isinstance(enc_out, torch.Tensor):
-            raise TypeError(f"enc_out must be a torch.Tensor, got {type(enc_out).__name__}")
-        if enc_out.dim() != 3:
-            raise ValueError(
-                f"enc_out must have shape (B, T_src, d_model), got {tuple(enc_out.shape)}"
-            )
-        if enc_out.shape[0] != tgt.shape[0]:
-            raise ValueError(
-                f"tgt {tuple(tgt.shape)} and enc_out {tuple(enc_out.shape)} "
-                "have different batch sizes"
-            )
-        B, T_tgt = tgt.shape
-        h, T_src = self.num_heads, enc_out.shape[1]
-        _check_mask("self_mask", self_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
-        _check_mask("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T_tgt, T_src)")
-        return self.decoder(self.pos(x), enc_out, self_mask=self_mask, cross_mask=cross_mask)
+        offset = 0 if cache is None else cache.length  # where the tokens of tgt sit
+        if checking():
+            _check_tokens("tgt", tgt, self.tgt_embed.num_embeddings, self.max_len, offset)
+            check_tensor("enc_out", enc_out, dim=3, kind="float")
+            if enc_out.shape[0] != tgt.shape[0]:
+                shapes = f"tgt {tuple(tgt.shape)} and enc_out {tuple(enc_out.shape)}"
+                raise ValueError(f"{shapes} have different batch sizes")
+            (B, T_tgt), h, T_src = tgt.shape, self.num_heads, enc_out.shape[1]
+            if offset > 0 and T_tgt > 1 and self_mask is None:
+                raise ValueError("several new tokens after cached ones need a (causal) self_mask")
+            check_broadcast("self_mask", self_mask, (B, h, T_tgt, offset + T_tgt), "(B, h, T, T_k)")
+            check_broadcast("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T, T_src)")
+        with validated():  # the layers below need not check again
+            x = embed_tokens(
+                self.tgt_embed, tgt, "tgt"
+            )  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
+            x = self.pos(x, offset=offset)  # + PE at positions offset .. offset + T_tgt - 1
+            return self.decoder(x, enc_out, self_mask=self_mask, cross_mask=cross_mask, cache=cache)
 
     def forward(
         self,
@@ -176,36 +177,24 @@ class Transformer(nn.Module):
         tgt_mask: torch.Tensor | None = None,  # causal (1, 1, T, T); with padding (B, 1, T, T)
     ) -> torch.Tensor:
         """Logits (B, T_tgt, tgt_vocab_size) for every target position; no softmax."""
-        src_ok, tgt_ok = (isinstance(ids, torch.Tensor) and ids.dim() == 2 for ids in (src, tgt))
-        if src_ok and tgt_ok:  # (otherwise encode or decode names the problem with the ids)
+        if checking():
+            _check_tokens("src", src, self.src_embed.num_embeddings, self.max_len)
+            _check_tokens("tgt", tgt, self.tgt_embed.num_embeddings, self.max_len)
             if src.shape[0] != tgt.shape[0]:
-                raise ValueError(
-                    f"src {tuple(src.shape)} and tgt {tuple(tgt.shape)} have different batch sizes"
-                )
-            B, h = src.shape[0], self.num_heads
-            _check_mask(
-                "src_mask",
-                src_mask,
-                (B, h, 1, src.shape[1]),
-                "(B, h, 1, T_src)",
+                shapes = f"src {tuple(src.shape)} and tgt {tuple(tgt.shape)}"
+                raise ValueError(f"{shapes} have different batch sizes")
+            (B, T_src), h, T_tgt = src.shape, self.num_heads, tgt.shape[1]
+            check_broadcast(
+                "src_mask", src_mask, (B, h, 1, T_src), "(B, h, 1, T_src)",
                 hint="it masks source keys for the encoder's and the decoder's queries alike: "
                 "build it with padding_mask",
-            )
-            _check_mask(
-                "tgt_mask", tgt_mask, (B, h, tgt.shape[1], tgt.shape[1]), "(B, h, T_tgt, T_tgt)"
-            )
-        enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
-        # src_mask again, as cross_mask: the decoder attends over the same source positions.
-        dec_out = self.decode(tgt, enc_out, tgt_mask, src_mask)  # (B, T_tgt, d_model)
+            )  # fmt: skip
+            check_broadcast("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
+        with validated():  # checked once, here: encode and decode skip their checks
+            enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
+            # src_mask again, as cross_mask: the decoder attends over the same source positions.
+            dec_out = self.decode(tgt, enc_out, tgt_mask, src_mask)  # (B, T_tgt, d_model)
         return self.out_proj(dec_out)  # (B, T_tgt, d_model) -> (B, T_tgt, tgt_vocab_size)
 
 
-__all__ = [
-    "PAD",
-    "BOS",
-    "EOS",
-    "init_token_embedding",
-    "check_token_ids",
-    "embed_tokens",
-    "Transformer",
-]
+__all__ = ["init_token_embedding", "embed_tokens", "TransformerConfig", "Transformer"]

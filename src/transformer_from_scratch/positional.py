@@ -7,43 +7,45 @@
 import torch
 from torch import nn
 
+from transformer_from_scratch.checks import check_float
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
 
-def _check_size(name: str, value: int, even: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {name}={value}")
+
+# Taught in notebook 04 · Positional encoding
+def _check_size(name: str, value: int, even: bool = False) -> int:
+    value = check_int(name, value, minimum=1)
     if even and value % 2 != 0:
         raise ValueError(f"{name} must be even (dimensions come in pairs), got {name}={value}")
+    return value
 
 
-def _check_dropout(dropout_p: float) -> None:
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-
-
-def _check_sequence(x: torch.Tensor, d_model: int, max_len: int, who: str) -> None:
+# Taught in notebook 04 · Positional encoding
+def _check_sequence(x: torch.Tensor, d_model: int, max_len: int, who: str, offset: int = 0) -> None:
     # A wrong rank or width would otherwise broadcast silently into a wrong shape.
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"{who} expects a floating-point tensor, got {got}")
+    check_tensor("x", x, kind="float")
     if x.dim() != 3 or x.size(-1) != d_model:
         raise ValueError(
             f"{who} expects x of shape (B, T, d_model={d_model}), got {tuple(x.shape)}"
         )
-    if x.size(1) > max_len:
-        raise ValueError(f"{who}: sequence length T={x.size(1)} exceeds max_len={max_len}")
+    check_int("offset", offset, minimum=0)
+    if offset + x.size(1) > max_len:
+        last = offset + x.size(1) - 1
+        raise ValueError(f"{who}: positions {offset}..{last} (offset + T) exceed max_len={max_len}")
 
 
+# Taught in notebook 04 · Positional encoding
 def _angles(max_len: int, dim: int, base: float) -> torch.Tensor:
     """Float64 angles t * base^(-2i/dim) for t < max_len, i < dim/2: shape (max_len, dim/2)."""
-    if not base > 1.0:
-        raise ValueError(f"base must be greater than 1, got base={base}")
+    check_float("base", base, 1.0, low_open=True)
     t = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
     omega = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # (dim/2,)
     return t * omega  # (max_len, dim/2)
 
 
+# Taught in notebook 04 · Positional encoding
 def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch.Tensor:
     """The (max_len, d_model) table of Vaswani et al. (2017): sin on even dims, cos on odd."""
     _check_size("max_len", max_len)
@@ -53,6 +55,7 @@ def sinusoidal_table(max_len: int, d_model: int, base: float = 10000.0) -> torch
     return table.flatten(-2).to(torch.get_default_dtype())  # (max_len, d_model): sin, cos, ...
 
 
+# Taught in notebook 04 · Positional encoding
 class PositionalEncoding(nn.Module):
     """Add the fixed sinusoidal table to (B, T, d_model) inputs, then apply dropout."""
 
@@ -60,7 +63,7 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model: int, max_len: int = 5000, dropout_p: float = 0.0) -> None:
         super().__init__()
-        _check_dropout(dropout_p)
+        check_probability("dropout_p", dropout_p)
         self.d_model, self.max_len = d_model, max_len
         self.dropout = nn.Dropout(dropout_p)
         pe = sinusoidal_table(max_len, d_model).unsqueeze(0)  # (1, max_len, d_model)
@@ -69,13 +72,17 @@ class PositionalEncoding(nn.Module):
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, d_model) -> dropout(x + PE[:T]), same shape."""
-        _check_sequence(x, self.d_model, self.max_len, "PositionalEncoding")
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: (B, T, d_model) at positions offset .. offset+T-1 -> dropout(x + PE[those rows])."""
+        if checking():  # off inside a model that checked its inputs already
+            _check_sequence(x, self.d_model, self.max_len, "PositionalEncoding", offset)
         T = x.size(1)
-        return self.dropout(x + self.pe[:, :T].to(x.dtype))  # (B, T, d) + (1, T, d)
+        return self.dropout(
+            x + self.pe[:, offset : offset + T].to(x.dtype)
+        )  # (B, T, d) + (1, T, d)
 
 
+# Taught in notebook 04 · Positional encoding
 class LearnedPositionalEmbedding(nn.Module):
     """Add a trained (max_len, d_model) table to (B, T, d_model) inputs, then apply dropout."""
 
@@ -85,19 +92,21 @@ class LearnedPositionalEmbedding(nn.Module):
         super().__init__()
         _check_size("max_len", max_len)
         _check_size("d_model", d_model)
-        _check_dropout(dropout_p)
+        check_probability("dropout_p", dropout_p)
         self.d_model, self.max_len = d_model, max_len
         self.embedding = nn.Embedding(max_len, d_model)
         nn.init.normal_(self.embedding.weight, std=init_std)  # BERT's scale, not N(0, 1)
         self.dropout = nn.Dropout(dropout_p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, d_model) -> dropout(x + E[:T]), same shape."""
-        _check_sequence(x, self.d_model, self.max_len, "LearnedPositionalEmbedding")
-        positions = torch.arange(x.size(1), device=x.device)  # (T,)
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """x: (B, T, d_model) at positions offset .. offset+T-1 -> dropout(x + E[those])."""
+        if checking():
+            _check_sequence(x, self.d_model, self.max_len, "LearnedPositionalEmbedding", offset)
+        positions = torch.arange(offset, offset + x.size(1), device=x.device)  # (T,)
         return self.dropout(x + self.embedding(positions).to(x.dtype))  # (B, T, d) + (T, d)
 
 
+# Taught in notebook 04 · Positional encoding
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (Su et al., 2021) for (..., T, d_head), interleaved pairs."""
 
@@ -119,18 +128,13 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Rotate x: (..., T, d_head), whose rows sit at positions offset .. offset+T-1."""
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(f"RotaryEmbedding expects a floating-point tensor, got {got}")
+        check_tensor("x", x, kind="float")
         if x.dim() < 2 or x.size(-1) != self.d_head:
             raise ValueError(
                 f"RotaryEmbedding expects x of shape (..., T, d_head={self.d_head}), "
                 f"got {tuple(x.shape)}"
             )
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise TypeError(f"offset must be an int, got {type(offset).__name__} {offset!r}")
-        if offset < 0:
-            raise ValueError(f"offset must be non-negative, got offset={offset}")
+        offset = check_int("offset", offset, minimum=0)
         T = x.size(-2)
         if offset + T > self.max_len:
             raise ValueError(

@@ -4,6 +4,7 @@
 
 """Training on the reversal task: the paper's schedule, the loop, exact match and checkpoints."""
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable
@@ -17,11 +18,15 @@ from tqdm.auto import tqdm
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
-from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import PAD, Transformer
-from transformer_from_scratch.utils import get_device, set_seed
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.utils import get_device
+from transformer_from_scratch.utils import set_seed
 
 
+# Taught in notebook 11 · Training
 def _positive(name: str, value: int | float) -> None:
     """Raise a TypeError/ValueError unless value is a real number > 0."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -30,6 +35,7 @@ def _positive(name: str, value: int | float) -> None:
         raise ValueError(f"{name} must be positive, got {value!r}")
 
 
+# Taught in notebook 11 · Training
 def _positive_int(name: str, value: int) -> None:
     """Raise a TypeError/ValueError unless value is an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -38,6 +44,7 @@ def _positive_int(name: str, value: int) -> None:
         raise ValueError(f"{name} must be positive, got {value}")
 
 
+# Taught in notebook 11 · Training
 def lr_lambda(step: int, d_model: int, warmup: int) -> float:
     """The paper's rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); step clamped to >= 1."""
     _positive("d_model", d_model)
@@ -48,6 +55,7 @@ def lr_lambda(step: int, d_model: int, warmup: int) -> float:
     return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
+# Taught in notebook 11 · Training
 def reversal_loss(
     model: Transformer,
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -67,6 +75,7 @@ def reversal_loss(
     )
 
 
+# Taught in notebook 11 · Training
 def train_model(
     model: Transformer,
     steps: int,
@@ -125,6 +134,7 @@ def train_model(
     return history
 
 
+# Taught in notebook 11 · Training
 REVERSAL_RECIPE: dict = {
     "vocab_size": 12,
     "max_len": 8,
@@ -142,6 +152,7 @@ REVERSAL_RECIPE: dict = {
 }
 
 
+# Taught in notebook 11 · Training
 def reversal_recipe(**changes) -> dict:
     """REVERSAL_RECIPE with `changes` applied; unknown keys are a ValueError."""
     unknown = sorted(set(changes) - set(REVERSAL_RECIPE))
@@ -155,6 +166,7 @@ def reversal_recipe(**changes) -> dict:
     return recipe
 
 
+# Taught in notebook 11 · Training
 def train_reversal(
     log_every: int = 0,
     callback: Callable[[int, Transformer], None] | None = None,
@@ -204,9 +216,11 @@ def train_reversal(
     return model.eval(), history
 
 
+# Taught in notebook 11 · Training
 EVAL_SEED = 2017  # the test sequences' generator; training uses seed + 1 for its batches
 
 
+# Taught in notebook 11 · Training
 @torch.no_grad()
 def reversal_correct(
     model: Transformer, src: torch.Tensor, tgt_out: torch.Tensor, lengths: torch.Tensor
@@ -221,6 +235,7 @@ def reversal_correct(
     return (padded == tgt_out).all(dim=1)
 
 
+# Taught in notebook 11 · Training
 def exact_match(
     model: Transformer, n: int = 256, max_len: int = 8, generator: torch.Generator | None = None
 ) -> int:
@@ -233,16 +248,20 @@ def exact_match(
     return int(reversal_correct(model, src, tgt_out, lengths).sum())
 
 
+# Taught in notebook 11 · Training
 CHECKPOINT_FORMAT = 1  # bumped whenever the layout of the saved dictionary changes
 
 
+# Taught in notebook 11 · Training
 class CheckpointError(ValueError):
     """A checkpoint file that is missing, truncated, corrupt or not written by save_checkpoint."""
 
 
+# Taught in notebook 11 · Training
 _SAFE_SCALARS = (str, int, float, bool, type(None), torch.Tensor)
 
 
+# Taught in notebook 11 · Training
 def _check_safe(value, where: str) -> None:
     """Raise a TypeError unless torch.load(weights_only=True) can read `value` back."""
     if isinstance(value, dict):
@@ -260,6 +279,7 @@ def _check_safe(value, where: str) -> None:
         )
 
 
+# Taught in notebook 11 · Training
 def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path:
     """Atomically write the model's weights, config and `meta` to `path`; return the path."""
     _check_safe(meta, "meta")
@@ -267,7 +287,7 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": CHECKPOINT_FORMAT,
-        "config": dict(model.config),  # Transformer(**config) rebuilds it
+        "config": dataclasses.asdict(model.config),  # plain data: Transformer(**config) rebuilds it
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "meta": meta,
     }
@@ -285,6 +305,7 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
     return path
 
 
+# Taught in notebook 11 · Training
 def load_checkpoint(
     path: str | os.PathLike, map_location: str | torch.device | None = None
 ) -> tuple[Transformer, dict]:
@@ -314,6 +335,7 @@ def load_checkpoint(
     return model.eval(), payload.get("meta", {})
 
 
+# Taught in notebook 11 · Training
 def get_reversal_model(
     checkpoint: str | os.PathLike = "checkpoints/reversal.pt",
     device: str | torch.device | None = None,

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 
+# Taught in notebook 00 · Setup and conventions
 def get_device(prefer: str | None = None) -> torch.device:
     """The best available device: cuda, then mps, then cpu (or `prefer` if given)."""
     if prefer is not None:
@@ -22,6 +23,7 @@ def get_device(prefer: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+# Taught in notebook 00 · Setup and conventions
 def set_seed(seed: int = 0) -> torch.Generator:
     """Seed Python's random, NumPy and PyTorch (all devices); return a CPU generator alike."""
     if not isinstance(seed, int) or seed < 0:
@@ -37,6 +39,7 @@ def set_seed(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+# Taught in notebook 00 · Setup and conventions
 def add_to_class(cls: type) -> Callable:
     """Decorator: attach the decorated function to `cls` as a method of the same name."""
 
@@ -47,6 +50,7 @@ def add_to_class(cls: type) -> Callable:
     return attach
 
 
+# Taught in notebook 00 · Setup and conventions
 def find_figures_dir(start: Path | None = None) -> Path | None:
     """The repository's figures/ folder, found upwards from `start` (default: the cwd)."""
     here = (start or Path.cwd()).resolve()
@@ -56,6 +60,7 @@ def find_figures_dir(start: Path | None = None) -> Path | None:
     return None
 
 
+# Taught in notebook 00 · Setup and conventions
 def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -> Path | None:
     """Save `fig` as figures/<name>.png in the repository; return the path (None if no repo)."""
     if not name or "/" in name or name.endswith(".png"):
@@ -69,6 +74,7 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
     return path
 
 
+# Taught in notebook 00 · Setup and conventions
 COLORS = {
     "query": "#1f77b4",
     "key": "#ff7f0e",
@@ -77,6 +83,9 @@ COLORS = {
     "torch": "#ff7f0e",
     "accent": "#d62728",
 }
+# Taught in notebook 00 · Setup and conventions
+# For series that are none of the above: matplotlib's tab10 from purple on.
+OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
 __all__ = [
     "get_device",
@@ -85,4 +94,5 @@ __all__ = [
     "find_figures_dir",
     "save_figure",
     "COLORS",
+    "OTHER_COLORS",
 ]

@@ -11,6 +11,7 @@ from matplotlib.axes import Axes
 from matplotlib.ticker import MaxNLocator
 
 
+# Taught in notebook 02 · Self-attention
 def plot_attention(
     weights,
     x_labels=None,
@@ -68,12 +69,12 @@ def plot_attention(
     if colorbar:
         ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label=label)
     if annotate:
-        low, high = image.get_clim()
         for i in range(T_q):
             for j in range(T_k):
                 value = data[i, j]
                 if np.isfinite(value):
-                    dark = (value - low) > 0.6 * (high - low)  # white text on dark cells
+                    red, green, blue, _ = image.cmap(image.norm(value))  # the cell's colour
+                    dark = 0.2126 * red + 0.7152 * green + 0.0722 * blue < 0.5  # its luminance
                     ax.text(
                         j,
                         i,

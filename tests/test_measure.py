@@ -1,0 +1,114 @@
+"""Unit tests of transformer_from_scratch.measure (notebook 02). No wall-clock assertions."""
+
+import math
+
+import pytest
+import torch
+
+from transformer_from_scratch import measure
+from transformer_from_scratch.measure import count_flops
+from transformer_from_scratch.measure import fit_slope
+from transformer_from_scratch.measure import peak_memory
+from transformer_from_scratch.measure import time_call
+
+
+@pytest.mark.parametrize("T", [16, 100, 256])
+def test_peak_memory_of_a_known_allocation(T):
+    assert peak_memory(lambda: torch.empty(T, T)) == T * T * 4  # float32
+    assert peak_memory(lambda: torch.empty(T, T, dtype=torch.float64), "cpu") == T * T * 8
+
+
+def test_peak_memory_sees_frees_and_ignores_what_existed_before():
+    outside = torch.empty(10_000)  # allocated before the call: not counted
+
+    def fn():
+        a = torch.empty(1000)  # +4000
+        view = a.view(10, 100)  # a view: +0
+        del a, view  # freed: -4000
+        b = outside.clone()  # +40000: the peak
+        b.add_(outside)  # in place: +0
+        del b
+        return torch.empty(500)  # +2000, after the peak
+
+    assert peak_memory(fn) == 40_000
+
+
+def test_peak_memory_of_our_attention_is_scores_weights_and_context():
+    from transformer_from_scratch.attention import scaled_dot_product_attention
+
+    T, d = 64, 8
+    Q, K, V = (torch.randn(2, 3, T, d) for _ in range(3))
+    with torch.no_grad():
+        peak = peak_memory(lambda: scaled_dot_product_attention(Q, K, V))
+    assert peak == 2 * 3 * (2 * T * T + T * d) * 4
+
+
+def test_peak_memory_leaves_stderr_usable(capfd):
+    peak_memory(lambda: torch.empty(8))
+    import sys
+
+    print("still here", file=sys.stderr)
+    assert "still here" in capfd.readouterr().err
+
+
+def test_peak_memory_rejects_other_devices():
+    with pytest.raises(ValueError, match="'cpu' or a 'cuda' device"):
+        peak_memory(lambda: None, "meta")
+
+
+def test_count_flops_of_a_matmul_and_attention():
+    a, b = torch.empty(3, 5, device="meta"), torch.empty(5, 7, device="meta")
+    assert count_flops(lambda: a @ b) == 2 * 3 * 5 * 7
+    Q = torch.empty(2, 4, 16, 8, device="meta")
+    flops = count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(Q, Q, Q))
+    assert flops == 2 * 2 * 4 * 16**2 * (8 + 8)
+    assert count_flops(lambda: torch.ones(3) + 1) == 0  # only matrix products are counted
+
+
+def test_time_call_returns_the_median_of_the_timed_calls(monkeypatch):
+    clock = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # three calls: 1, 3 and 2 seconds
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert time_call(lambda: calls.append(1), warmup=2, repeats=3) == 2.0
+    assert len(calls) == 2 + 3  # warm-up calls are made, not timed
+
+
+def test_time_call_measures_real_time():
+    seconds = time_call(lambda: sum(range(1000)), warmup=0, repeats=1)
+    assert 0 < seconds < math.inf
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"repeats": 0}, "repeats must be an int >= 1"),
+        ({"warmup": -1}, "warmup must be"),
+        ({"repeats": 2.5}, "repeats must be"),
+        ({"warmup": True}, "warmup must be"),
+    ],
+)
+def test_time_call_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        time_call(lambda: None, **kwargs)
+
+
+def test_fit_slope_recovers_exponents():
+    xs = [64, 128, 256, 512]
+    assert math.isclose(fit_slope(xs, [3 * x**2 for x in xs]), 2.0)
+    assert math.isclose(fit_slope(xs, [x**1.5 for x in xs]), 1.5)
+    assert math.isclose(fit_slope([1, 2], [5, 5]), 0.0, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "xs, ys, message",
+    [
+        ([1], [1], "length >= 2"),
+        ([1, 2], [1, 2, 3], "got 2 and 3"),
+        ([0, 2], [1, 2], "positive"),
+        ([1, 2], [1, -2], "positive"),
+        ([2, 2], [1, 2], "two different x"),
+    ],
+)
+def test_fit_slope_bad_input(xs, ys, message):
+    with pytest.raises(ValueError, match=message):
+        fit_slope(xs, ys)
