@@ -5,9 +5,7 @@
 # generator: greedy decoding, a key–value cache that makes every step cost one position instead
 # of the whole prefix (with exactly the same tokens), beam search with length normalisation, and
 # sampling with a temperature and top-$k$. On the way you will look inside the trained reversal
-# model and find the anti-diagonal its cross-attention learnt, and time the cache. An appendix
-# writes `bench_model`, the benchmark module that times our Transformer against `nn.Transformer`
-# and the cache against no cache.
+# model and find the anti-diagonal its cross-attention learnt, and time the cache.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/12_generation.ipynb) · Assumes: [10 · The full model](10_full_model.ipynb), [11 · Training](11_training.ipynb).
 
@@ -32,8 +30,6 @@ if "google.colab" in sys.modules:
 
 # %%
 import math
-import statistics
-import time
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -43,13 +39,13 @@ from matplotlib.ticker import NullLocator
 from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
-from transformer_from_scratch.measure import fit_slope
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.masks import causal_mask, padding_mask
+from transformer_from_scratch.measure import fit_slope, time_call
 from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.tokens import BOS, EOS, PAD
 from transformer_from_scratch.train import get_reversal_model
-from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
+from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
 from transformer_from_scratch.viz import plot_attention
 
 set_seed(0)
@@ -99,8 +95,8 @@ assert sum(p.numel() for p in model.parameters()) == 930_828
 print(f"vocabulary {VOCAB}, positions up to {model.pos.pe.size(1)}, d_model {model.d_model}")
 
 # %% [markdown]
-# Everything this notebook exports goes into the `decoding` module (and, at the end,
-# `bench_model`):
+# Everything this notebook exports goes into the `decoding` module, beside notebook 11's
+# `greedy_decode`:
 
 # %%
 #| default_exp decoding
@@ -117,10 +113,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_from_scratch.attention import MultiHeadAttention, scaled_dot_product_attention
-from transformer_from_scratch.layers import DecoderBlock, sublayer_connection
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import embed_tokens
 from transformer_from_scratch.tokens import BOS, EOS, PAD
 
 
@@ -205,27 +198,29 @@ def _generate(
     src: Tensor,
     max_new_tokens: int,
     src_mask: Tensor | None,
-    use_cache: bool,
-    pick: Callable[[Tensor], Tensor],
+    choose: Callable[[Tensor], Tensor],
+    cache=None,
 ) -> Tensor:
-    """The loop shared by greedy decoding and sampling; `pick` maps (B, V) logits to (B,) ids."""
+    """The loop shared by greedy decoding and sampling; `choose` maps (B, V) logits to (B,) ids."""
     B = src.size(0)
     enc_out = model.encode(src, src_mask=src_mask)  # once: (B, T_src, d_model)
     ys = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)  # (B, 1)
     finished = torch.zeros(B, dtype=torch.bool, device=src.device)
-    cache = KVCache(model, enc_out, max_new_tokens) if use_cache else None
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         if cache is not None:  # only the newest token goes through the decoder
-            logits = decode_step(model, ys[:, -1], cache, cross_mask=src_mask)  # (B, V)
+            dec_out = model.decode(ys[:, -1:], enc_out, cross_mask=src_mask, cache=cache)
         else:  # the whole prefix goes through the decoder again
             self_mask = causal_mask(ys.size(1), device=src.device)  # (1, 1, T, T)
             dec_out = model.decode(ys, enc_out, self_mask=self_mask, cross_mask=src_mask)
-            logits = model.out_proj(dec_out[:, -1])  # (B, T, d_model) -> (B, d_model) -> (B, V)
-        next_token = pick(logits).masked_fill(finished, PAD)  # (B,): finished rows get PAD
+        logits = model.out_proj(dec_out[:, -1])  # (B, T, d_model) -> (B, d_model) -> (B, V)
+        next_token = choose(logits).masked_fill(finished, PAD)  # (B,): finished rows get PAD
         ys = torch.cat([ys, next_token[:, None]], dim=1)  # (B, T) -> (B, T + 1)
         finished |= next_token == EOS
-        if bool(finished.all()):
+        if step % 8 == 7 and bool(finished.all()):  # a host-device sync only every 8 steps
             break
+    is_eos = ys == EOS  # (B, T)
+    if bool(is_eos.any(dim=1).all()):  # every row ended: cut after the last row's first EOS
+        ys = ys[:, : int(is_eos.int().argmax(dim=1).max()) + 1]
     return ys
 
 
@@ -235,13 +230,13 @@ def greedy_decode(
     src: Tensor,
     max_new_tokens: int,
     src_mask: Tensor | None = None,
-    use_cache: bool = False,
+    cache=None,
 ) -> Tensor:
     """Take the most likely token at each step: (B, <= max_new_tokens + 1) ids, BOS first."""
     _check_generation_inputs(model, src, max_new_tokens, src_mask)
     with _eval_mode(model):
         return _generate(
-            model, src, max_new_tokens, src_mask, use_cache, lambda logits: logits.argmax(dim=-1)
+            model, src, max_new_tokens, src_mask, lambda logits: logits.argmax(dim=-1), cache
         )
 
 
@@ -573,141 +568,162 @@ assert runner_pos, "the runner-up is a symbol of this source"
 # self-attention. Nothing in the mathematics changes, which is why the tokens must come out
 # identical.
 #
-# First, the two reshapes of multi-head attention, as in notebook 03:
+# The modules already know what to do with a cache. Notebook 03 gave `MultiHeadAttention.forward`
+# a `cache` argument: a *frozen* cache hands back its keys and values, any other stores this
+# call's keys and values and returns all it holds. Notebook 08's decoder block hands
+# `cache.self_attn` and `cache.cross_attn` to its two attentions, notebook 10's decoder stack
+# hands `cache.layer(i)` to block $i$, and `Transformer.decode` places the new tokens at
+# positions `cache.length`, `cache.length + 1`, .... So the full pass and the cached step run the
+# same code; all that is left to write is the cache itself, one small class per level.
+#
+# **One attention's keys and values.** Self-attention's cache grows by one position per step.
+# Concatenating the new keys to the old ones would copy all $t$ kept positions at step $t$, a
+# quadratic amount of copying over a long output. Instead the cache keeps a buffer with room to
+# spare, writes each call's positions into it, and doubles it when it is full (as a Python list
+# does), so that a position is copied a constant number of times on average. `keys` and `values`
+# are views of the filled part. Cross-attention's cache is filled once, from `enc_out`, and is
+# frozen from then on.
 
 # %%
 #| export
-def _split_heads(x: Tensor, num_heads: int) -> Tensor:
-    """(B, T, d_model) -> (B, h, T, d_k)."""
-    B, T, d_model = x.shape
-    x = x.view(B, T, num_heads, d_model // num_heads)  # (B, T, d_model) -> (B, T, h, d_k)
-    return x.transpose(1, 2)  # (B, T, h, d_k) -> (B, h, T, d_k)
+class AttentionCache:
+    """One attention's keys and values (B, h, T_kept, d_k): grown step by step, or fixed once."""
 
+    def __init__(self, grows: bool = True):
+        self.grows = grows  # True: self-attention (append); False: cross-attention (store once)
+        self.keys: Tensor | None = None  # (B, h, T_kept, d_k), a view of the buffer
+        self.values: Tensor | None = None
+        self._buffers: tuple[Tensor, Tensor] | None = None  # (B, h, capacity, d_k) each
 
-def _combine_heads(x: Tensor) -> Tensor:
-    """(B, h, T, d_k) -> (B, T, d_model)."""
-    B, h, T, d_k = x.shape
-    return x.transpose(1, 2).reshape(B, T, h * d_k)  # (B, h, T, d_k) -> (B, T, d_model)
+    @property
+    def frozen(self) -> bool:
+        """Is this a filled cross-attention cache (MultiHeadAttention then reuses keys, values)?"""
+        return not self.grows and self.keys is not None
 
-
-# %% [markdown]
-# The cache is a small object with four lists, one tensor per decoder layer in each. The
-# self-attention buffers are allocated once at their full length, `(B, h, max_len, d_k)`, and
-# filled one position per step, so no step copies the past; `length` says how much is filled.
-# `reorder` keeps chosen rows, which beam search will need.
-
-# %%
-#| export
-class KVCache:
-    """Each decoder layer's keys and values: self-attention's grow, cross-attention's are fixed."""
-
-    def __init__(self, model: nn.Module, enc_out: Tensor, max_len: int):
-        B = enc_out.size(0)
-        self.length = 0  # positions written so far
-        self.max_len = max_len
-        self.self_k: list[Tensor] = []  # per layer (B, h, max_len, d_k), filled up to length
-        self.self_v: list[Tensor] = []
-        self.cross_k: list[Tensor] = []  # per layer (B, h, T_src, d_k), computed once
-        self.cross_v: list[Tensor] = []
-        for block in model.decoder.layers:
-            attn: MultiHeadAttention = block.self_attn
-            shape = (B, attn.num_heads, max_len, attn.d_k)
-            self.self_k.append(enc_out.new_zeros(shape))
-            self.self_v.append(enc_out.new_zeros(shape))
-            cross: MultiHeadAttention = block.cross_attn
-            # enc_out does not change while we decode: project it once, not once per step.
-            self.cross_k.append(_split_heads(cross.W_k(enc_out), cross.num_heads))
-            self.cross_v.append(_split_heads(cross.W_v(enc_out), cross.num_heads))
+    @property
+    def length(self) -> int:
+        """Positions kept."""
+        return 0 if self.keys is None else self.keys.size(2)
 
     def reorder(self, index: Tensor) -> None:
-        """Keep rows `index` of every cached tensor (in beam search: each beam's parent)."""
-        for cached in (self.self_k, self.self_v, self.cross_k, self.cross_v):
-            for i, tensor in enumerate(cached):
-                cached[i] = tensor.index_select(0, index)
+        """Keep rows `index` (B_new,) of the batch: in beam search, each new beam's parent."""
+        if self.keys is None:
+            return
+        if self._buffers is not None:
+            self._buffers = tuple(buffer.index_select(0, index) for buffer in self._buffers)
+            self.keys, self.values = (buffer[:, :, : self.length] for buffer in self._buffers)
+        else:
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
 
     def num_bytes(self) -> int:
-        """Memory held by the cache, in bytes."""
-        tensors = self.self_k + self.self_v + self.cross_k + self.cross_v
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        """Bytes of the keys and values kept (not counting a growing buffer's spare room)."""
+        if self.keys is None:
+            return 0
+        return 2 * self.keys.numel() * self.keys.element_size()
 
 
 # %% [markdown]
-# The step reuses the blocks' own weights without touching their code. `_attend` is
-# `MultiHeadAttention.forward` for ready-made keys and values: only the queries are projected.
-# `_block_step` wires the three sub-layers exactly as `DecoderBlock.forward` does, through the
-# same `sublayer_connection` (notebook 08), so pre-norm and post-norm blocks both work. The new
-# position's self-attention needs no mask: the cache holds no future positions to hide.
+# `update` is what `MultiHeadAttention.forward` calls with the keys and values it has just
+# projected, `(B, h, T_new, d_k)` each; it returns everything kept, new positions included.
 
 # %%
 #| export
-def _attend(attn: MultiHeadAttention, x_q: Tensor, K: Tensor, V: Tensor, mask=None) -> Tensor:
-    """attn's forward pass for queries x_q (B, T_q, d) against heads K, V (B, h, T_k, d_k)."""
-    Q = _split_heads(attn.W_q(x_q), attn.num_heads)  # (B, T_q, d_model) -> (B, h, T_q, d_k)
-    context, _ = scaled_dot_product_attention(
-        Q, K, V, mask=mask, dropout_p=attn.dropout_p, training=attn.training
-    )  # (B, h, T_q, d_k)
-    return attn.W_o(_combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
-
-
-def _cached_self_attention(
-    attn: MultiHeadAttention, x: Tensor, cache: KVCache, layer: int
-) -> Tensor:
-    """Write the new position's key and value into the cache, then attend to positions 0..t."""
-    t = cache.length
-    # (B, 1, d_model) -> (B, h, 1, d_k), stored at position t
-    cache.self_k[layer][:, :, t : t + 1] = _split_heads(attn.W_k(x), attn.num_heads)
-    cache.self_v[layer][:, :, t : t + 1] = _split_heads(attn.W_v(x), attn.num_heads)
-    K = cache.self_k[layer][:, :, : t + 1]  # (B, h, t + 1, d_k)
-    V = cache.self_v[layer][:, :, : t + 1]
-    return _attend(attn, x, K, V)
-
-
-def _block_step(
-    block: DecoderBlock, x: Tensor, cache: KVCache, layer: int, cross_mask: Tensor | None
-) -> Tensor:
-    """DecoderBlock.forward for the newest position only, x: (B, 1, d_model)."""
-    x = sublayer_connection(
-        x,
-        lambda h: _cached_self_attention(block.self_attn, h, cache, layer),
-        block.norm1,
-        block.dropout1,
-        block.norm_first,
-    )
-    K, V = cache.cross_k[layer], cache.cross_v[layer]  # (B, h, T_src, d_k)
-    x = sublayer_connection(
-        x,
-        lambda h: _attend(block.cross_attn, h, K, V, cross_mask),
-        block.norm2,
-        block.dropout2,
-        block.norm_first,
-    )
-    return sublayer_connection(x, block.ffn, block.norm3, block.dropout3, block.norm_first)
+@add_to_class(AttentionCache)
+def update(self, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep K, V (B, h, T_new, d_k); return all keys and values kept (B, h, T_kept, d_k)."""
+    if not self.grows:  # cross-attention: keep them as they are; frozen from now on
+        if self.keys is not None:
+            raise RuntimeError("a cross-attention cache is filled once (it is frozen)")
+        self.keys, self.values = K, V
+        return K, V
+    start, end = self.length, self.length + K.size(2)
+    if self._buffers is None or end > self._buffers[0].size(2):  # no room left: double it
+        capacity = max(2 * end, 16)
+        buffers = tuple(K.new_empty(*K.shape[:2], capacity, K.size(3)) for _ in range(2))
+        if self._buffers is not None:
+            for buffer, old in zip(buffers, self._buffers, strict=True):
+                buffer[:, :, :start] = old[:, :, :start]
+        self._buffers = buffers
+    self._buffers[0][:, :, start:end] = K
+    self._buffers[1][:, :, start:end] = V
+    self.keys, self.values = (buffer[:, :, :end] for buffer in self._buffers)
+    return self.keys, self.values
 
 
 # %% [markdown]
-# A whole step embeds the newest token at its position $t$ (the same $\sqrt{d_\text{model}}$
-# scaling and sinusoidal row as `Transformer.decode`), runs it through every block, applies the
-# decoder's final norm and the output head, and advances the cache.
+# **Check.** Filled in chunks of 3, 1 and 20 positions, the cache holds exactly what one
+# concatenation would (the buffer grew twice on the way, from 16 to 48 positions); a
+# cross-attention cache keeps its first keys and refuses a second fill; `reorder` picks rows.
+
+# %%
+chunks = [torch.randn(2, 4, T_new, 8) for T_new in (3, 1, 20)]  # (B, h, T_new, d_k)
+grown = AttentionCache()
+for chunk in chunks:
+    K_all, V_all = grown.update(chunk, 2 * chunk)
+assert torch.equal(K_all, torch.cat(chunks, dim=2)) and torch.equal(V_all, 2 * K_all)
+assert grown.length == 24 and grown._buffers[0].size(2) == 48
+fixed = AttentionCache(grows=False)
+fixed.update(chunks[0], chunks[0])
+assert fixed.frozen and not grown.frozen
+try:
+    fixed.update(chunks[1], chunks[1])
+    raise AssertionError("a second fill must fail")
+except RuntimeError as err:
+    print(f"RuntimeError: {err}")
+grown.reorder(torch.tensor([1, 1, 0]))
+assert torch.equal(grown.keys, K_all[[1, 1, 0]]) and grown.length == 24
+
+# %% [markdown]
+# **The decoder's cache.** A decoder block has two attentions, so its part of the cache is a
+# pair; the whole cache is a list of pairs, one per block, made as the decoder asks for them.
+# `length` is the number of target positions kept, which `Transformer.decode` reads as the
+# position of the next token; `reorder` and `num_bytes` pass down to every attention.
 
 # %%
 #| export
-def decode_step(
-    model: nn.Module, tokens: Tensor, cache: KVCache, cross_mask: Tensor | None = None
-) -> Tensor:
-    """Run the newest tokens (B,) at position cache.length through the decoder: logits (B, V)."""
-    t = cache.length
-    if t >= cache.max_len:
-        raise ValueError(f"the cache is full: all its {cache.max_len} positions are used")
-    x = embed_tokens(model.tgt_embed, tokens[:, None], "tokens")  # (B,) -> (B, 1, d_model)
-    x = model.pos.dropout(x + model.pos.pe[:, t : t + 1].to(x.dtype))  # position t only
-    for layer, block in enumerate(model.decoder.layers):
-        x = _block_step(block, x, cache, layer, cross_mask)  # (B, 1, d_model)
-    cache.length = t + 1
-    return model.out_proj(model.decoder.norm(x))[:, 0]  # (B, 1, d_model) -> (B, V)
+class LayerCache:
+    """One decoder block's keys and values: self-attention grows, cross-attention is fixed."""
+
+    def __init__(self):
+        self.self_attn = AttentionCache(grows=True)
+        self.cross_attn = AttentionCache(grows=False)
+
+
+class KVCache:
+    """Every decoder block's keys and values, for Transformer.decode(..., cache=KVCache())."""
+
+    def __init__(self):
+        self.layers: list[LayerCache] = []
+
+    def layer(self, i: int) -> LayerCache:
+        """Block i's part (made empty the first time the decoder asks for it)."""
+        while len(self.layers) <= i:
+            self.layers.append(LayerCache())
+        return self.layers[i]
+
+    @property
+    def length(self) -> int:
+        """Target positions kept: where the next token goes."""
+        return self.layers[0].self_attn.length if self.layers else 0
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows `index` of the batch in every block (beam search: each beam's parent)."""
+        for layer in self.layers:
+            layer.self_attn.reorder(index)
+            layer.cross_attn.reorder(index)
+
+    def num_bytes(self) -> int:
+        """Bytes of all keys and values kept."""
+        return sum(a.num_bytes() for layer in self.layers for a in (layer.self_attn, layer.cross_attn))
 
 
 # %% [markdown]
-# **Check 1: the same logits.** Step through a decoded batch with the cache, and compare every
+# A cached step is then an ordinary call: `model.decode` with only the newest token and the
+# cache. No mask is needed for one new token (the cache holds no future positions to hide);
+# several new tokens at once (a prompt, say) need the causal mask, offset by the positions kept.
+#
+# **Check 1: the same logits.** Run the first three decoder inputs of the decoded batch in one
+# cached call (with the causal mask), then the rest one token at a time, and compare every
 # step's logits with the teacher-forced forward pass (float tolerance: the same numbers, summed
 # in a different order by matrix products of different shapes, so the last bits differ by an
 # amount that depends on the machine; the largest difference is printed, not compared).
@@ -717,10 +733,13 @@ T = decoded.size(1) - 1  # decoder inputs: BOS and all but the last token
 with torch.no_grad():
     model.eval()
     enc_out = model.encode(src, src_mask=src_mask)
-    cache = KVCache(model, enc_out, max_len=T)
-    stepped = torch.stack(
-        [decode_step(model, decoded[:, t], cache, cross_mask=src_mask) for t in range(T)], dim=1
-    )  # T x (B, V) -> (B, T, V)
+    cache = KVCache()
+    dec_first = model.decode(decoded[:, :3], enc_out, self_mask=causal_mask(3, device=device),
+                             cross_mask=src_mask, cache=cache)  # (B, 3, d_model), positions 0..2
+    dec_steps = [model.decode(decoded[:, t : t + 1], enc_out, cross_mask=src_mask, cache=cache)
+                 for t in range(3, T)]  # each (B, 1, d_model), at position cache.length
+    stepped = model.out_proj(torch.cat([dec_first, *dec_steps], dim=1))  # (B, T, V)
+assert cache.length == T and len(cache.layers) == len(model.decoder.layers)
 cache_gap = (stepped - logits).abs().max().item()
 
 # %% tags=["nbval-ignore-output"]
@@ -738,7 +757,7 @@ assert cache_gap < tolerance
 # steps.
 
 # %%
-assert torch.equal(greedy_decode(model, src, MAX_LEN + 1, src_mask, use_cache=True), decoded)
+assert torch.equal(greedy_decode(model, src, MAX_LEN + 1, src_mask, cache=KVCache()), decoded)
 
 check_gen = torch.Generator().manual_seed(7)
 for B, T_src, new_tokens, seed in [(1, 5, 40, 1), (3, 7, 64, 2), (16, 12, 100, 3), (64, 8, 24, 4)]:
@@ -750,7 +769,7 @@ for B, T_src, new_tokens, seed in [(1, 5, 40, 1), (3, 7, 64, 2), (16, 12, 100, 3
     ids = ids.masked_fill(torch.arange(T_src) >= lens[:, None], PAD).to(device)  # padded sources
     mask = padding_mask(lens, T_src).to(device)
     plain = greedy_decode(random_model, ids, new_tokens, mask)
-    cached = greedy_decode(random_model, ids, new_tokens, mask, use_cache=True)
+    cached = greedy_decode(random_model, ids, new_tokens, mask, cache=KVCache())
     assert torch.equal(plain, cached), (B, T_src, new_tokens)
     print(f"B={B:2d} T_src={T_src:2d}: {tuple(cached.shape)} tokens identical, "
           f"{int((cached == EOS).any(1).sum())} of {B} rows ended with EOS")
@@ -772,7 +791,7 @@ one_src = torch.randint(3, VOCAB, (1, MAX_LEN), generator=check_gen).to(device)
 def decoding_flops(n: int, use_cache: bool) -> int:
     """Floating-point operations of greedy decoding of n tokens, counted by PyTorch."""
     with FlopCounterMode(display=False) as counter:
-        greedy_decode(timing_model, one_src, n, use_cache=use_cache)
+        greedy_decode(timing_model, one_src, n, cache=KVCache() if use_cache else None)
     return counter.get_total_flops()
 
 
@@ -792,43 +811,19 @@ for n, plain, cached in zip(flop_lengths[2:], flops[False][2:], flops[True][2:],
 
 
 # %% [markdown]
-# **Check 4: the time.** Less arithmetic need not mean less time, so we measure. A timing is
-# noisy (other processes, caches, the clock speed), so each measurement is one untimed warm-up
-# run, then five timed runs, of which we keep the median: a stray slow run does not move it, and
-# it does not flatter like the minimum. On a GPU the clock must wait for the kernels to finish
-# (`torch.cuda.synchronize`), or it measures only their launch. Uncached and cached decoding
-# are timed in turns at each length, on one CPU thread, about half a minute in all:
-
-# %%
-def synchronize() -> None:
-    """Wait until the device has finished its queued work (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def median_time(fn, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall-clock seconds of fn() over `repeats` runs, after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize()
-        start = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
+# **Check 4: the time.** Less arithmetic need not mean less time, so we measure, with notebook
+# 02's `time_call`: one untimed warm-up run, then five timed runs, of which it keeps the median
+# (a stray slow run does not move it, and it does not flatter like the minimum); on a GPU it waits
+# for the queued kernels before reading the clock. Uncached and cached decoding are timed in turns
+# at each length, on one CPU thread, about half a minute in all:
 
 # %% tags=["nbval-ignore-output"]
 timing_lengths = [16, 32, 64, 128, 256]
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
 try:
-    timings = {n: {c: median_time(lambda n=n, c=c: greedy_decode(timing_model, one_src, n,
-                                                                 use_cache=c))
+    timings = {n: {c: time_call(lambda n=n, c=c: greedy_decode(
+                       timing_model, one_src, n, cache=KVCache() if c else None))
                    for c in (False, True)}
                for n in timing_lengths}
 finally:
@@ -851,7 +846,7 @@ for n, speedup, ratio in zip(timing_lengths, speedups, flop_ratio, strict=True):
 # %%
 for n in timing_lengths:  # the timed work: exactly n new tokens each time, both ways
     for c in (False, True):
-        assert greedy_decode(timing_model, one_src, n, use_cache=c).shape == (1, n + 1)
+        assert greedy_decode(timing_model, one_src, n, cache=KVCache() if c else None).shape == (1, n + 1)
 if device.type == "cpu":
     assert speedups[-1] > 1.5 and speedups[-1] > speedups[0]
 
@@ -915,7 +910,7 @@ plt.show()
 # live beams are finished as they are.
 #
 # The bookkeeping runs all beams of all sources as one batch of $B k$ rows through the cached
-# decoder step. When beam $j$ of the next step continues beam $i$ of this one, its cached keys
+# decoder (`model.decode` with a `KVCache`, as above). When beam $j$ of the next step continues beam $i$ of this one, its cached keys
 # and values must be beam $i$'s: that is `KVCache.reorder`.
 
 # %%
@@ -1019,15 +1014,16 @@ def beam_search(
         cross_mask = None
         if src_mask is not None:
             cross_mask = src_mask.expand(B, 1, 1, src.size(1)).repeat_interleave(k, dim=0)
-        cache = KVCache(model, enc_out, max_new_tokens)
+        cache = KVCache()
         tokens = torch.full((B * k, 1), BOS, dtype=torch.long, device=src.device)
         scores = torch.full((B, k), -math.inf, device=src.device)
         scores[:, 0] = 0.0  # one live beam to start with: k copies would fill the beam with twins
         finished: list[list[Hypothesis]] = [[] for _ in range(B)]
         done = [False] * B
         for step in range(max_new_tokens):
-            # 2) One cached decoder step for all B * k beams.
-            logits = decode_step(model, tokens[:, -1], cache, cross_mask)  # (B * k, V)
+            # 2) One cached decoder step for all B * k beams: the newest token of each.
+            dec_out = model.decode(tokens[:, -1:], enc_out, cross_mask=cross_mask, cache=cache)
+            logits = model.out_proj(dec_out[:, -1])  # (B * k, 1, d_model) -> (B * k, V)
             log_probs = F.log_softmax(logits.float(), dim=-1).view(B, k, -1)  # (B, k, V)
             # 3) Score every extension by its total log-prob and select.
             candidates = scores[:, :, None] + log_probs  # (B, k, 1) + (B, k, V)
@@ -1375,7 +1371,7 @@ def sample(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     src_mask: Tensor | None = None,
-    use_cache: bool = True,
+    cache: KVCache | None = None,
 ) -> Tensor:
     """Draw each token from next_token_probs: (B, <= max_new_tokens + 1) ids, BOS first."""
     _check_generation_inputs(model, src, max_new_tokens, src_mask)
@@ -1387,7 +1383,7 @@ def sample(
         return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)  # (B,)
 
     with _eval_mode(model):
-        return _generate(model, src, max_new_tokens, src_mask, use_cache, draw)
+        return _generate(model, src, max_new_tokens, src_mask, draw, cache=cache)
 
 
 # %% [markdown]
@@ -1407,7 +1403,8 @@ assert torch.equal(sample(early_model, src, MAX_LEN + 1, top_k=1, src_mask=src_m
 cold = sample(model, src, MAX_LEN + 1, temperature=1e-3, generator=seeded(0), src_mask=src_mask)
 assert torch.equal(cold, decoded)
 
-draws = [sample(early_model, src, MAX_LEN + 1, generator=seeded(s), src_mask=src_mask, use_cache=c)
+draws = [sample(early_model, src, MAX_LEN + 1, generator=seeded(s), src_mask=src_mask,
+                cache=KVCache() if c else None)
          for s, c in [(0, True), (0, False), (1, True)]]
 assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
 
@@ -1475,15 +1472,15 @@ assert trained_all[0] >= 0.97 and trained_top3[-1] > trained_all[-1]
 # |---|---|---|
 # | encode once, decode step by step | `greedy_decode(model, src, n, src_mask)` | `src (B, S)` → `(B, ≤ n+1)`, `BOS` first, `PAD` after `EOS` |
 # | cross-attention as alignment | `cross_attention_weights(model, src, tgt, src_mask)` | per layer `(B, h, T, S)` |
-# | KV cache | `KVCache(model, enc_out, max_len)`, `decode_step(model, tokens, cache)` | per layer `(B, h, max_len, d_k)` and `(B, h, S, d_k)`; `(B,)` → `(B, V)` |
-# | cached decoding | `greedy_decode(..., use_cache=True)` | same tokens, $\approx n/2$ less arithmetic |
+# | one attention's cache | `AttentionCache(grows)`, `.update(K, V)`, `.reorder(index)` | keys, values `(B, h, T_kept, d_k)` |
+# | the decoder's cache | `KVCache()`, `.layer(i)`, `.length`; `model.decode(new, enc_out, cache=cache)` | per block `(B, h, t, d_k)` and `(B, h, S, d_k)`; new `(B, 1)` → `(B, 1, d)` |
+# | cached decoding | `greedy_decode(..., cache=KVCache())` | same tokens, $\approx n/2$ less arithmetic |
 # | beam search | `beam_search(model, src, k, n, src_mask, length_penalty)` | `(B, T)` ids and `(B,)` log p; $k$ beams as `B·k` rows |
 # | length normalisation | `length_penalty_wu(length, alpha)` | $\mathrm{lp} = ((5+\lvert y\rvert)/6)^\alpha$ |
 # | scoring any output | `sequence_log_prob(model, src, tokens)` | `(B,)` |
 # | temperature, top-$k$ | `next_token_probs(logits, temperature, top_k)` | `(..., V)` → `(..., V)` |
 # | sampling | `sample(model, src, n, temperature, top_k, generator)` | `(B, ≤ n+1)` |
-# | timing the cache | `median_time(fn)`: warm-up, 5 runs, median | seconds; speed-up vs FLOP ratio |
-# | benchmark (appendix) | `python -m transformer_from_scratch.bench_model` | JSON with the ratios |
+# | timing the cache | `time_call(fn)` (notebook 02): warm-up, 5 runs, median | seconds; speed-up vs FLOP ratio |
 #
 # ## Exercises
 #
@@ -1536,9 +1533,10 @@ def cache_bytes(N: int, B: int, n: int, S: int, d: int, bytes_per_number: int = 
     return 2 * N * B * d * (n + S) * bytes_per_number
 
 
-with torch.no_grad():
-    enc_small = model.encode(src[:5], src_mask[:5])  # (5, 8, 128)
-    assert KVCache(model, enc_small, max_len=30).num_bytes() == cache_bytes(2, 5, 30, 8, 128)
+filled = KVCache()
+greedy_decode(timing_model, src[:5], 30, cache=filled)  # never ends early: 30 positions kept
+assert filled.length == 30
+assert filled.num_bytes() == cache_bytes(2, 5, 30, 8, 128)
 print(f"reversal model, B=64, n=512: {cache_bytes(2, 64, 512, 8, 128) / 2**20:.1f} MiB")
 
 # %% [markdown]
@@ -1553,417 +1551,13 @@ print(f"reversal model, B=64, n=512: {cache_bytes(2, 64, 512, 8, 128) / 2**20:.1
 # %%
 wider = F.pad(src, (0, 8), value=PAD)  # (256, 8) -> (256, 16)
 wider_mask = padding_mask(lengths, wider.size(1)).to(device)
-with_mask = greedy_decode(model, wider, MAX_LEN + 1, wider_mask, use_cache=True)
-without_mask = greedy_decode(model, wider, MAX_LEN + 1, use_cache=True)
+with_mask = greedy_decode(model, wider, MAX_LEN + 1, wider_mask, cache=KVCache())
+without_mask = greedy_decode(model, wider, MAX_LEN + 1, cache=KVCache())
 changed = (pad_right(without_mask, 10) != pad_right(with_mask, 10)).any(1)
 print(f"with the mask: identical to the unpadded batch: {torch.equal(with_mask, decoded)}")
 print(f"without it: {int(changed.sum())}/256 outputs change, "
       f"{int(reversed_correctly(without_mask).sum())}/256 still correct")
 assert torch.equal(with_mask, decoded) and changed.sum() > 128
-
-# %% [markdown]
-# ## Appendix · The benchmark module `bench_model`
-#
-# The course's claims about speed come from a benchmark that runs everything side by side in one
-# process, on the same thread count, and writes its numbers to a file: `make bench` runs
-# `python -m transformer_from_scratch.bench_model --threads 1 --out bench.json`. It measures two
-# things:
-#
-# 1. **A training step of our Transformer against PyTorch's `nn.Transformer`**, same
-#    configuration, same weights. PyTorch's module has no embeddings, positions or output head,
-#    so the reference keeps ours around it and swaps in `nn.Transformer` for the two stacks,
-#    with every block copied by notebook 08's `copy_block_to_torch`.
-# 2. **Greedy decoding with and without the KV cache** at 16 to 512 new tokens (512 is the
-#    positional table's length), on a random model that never emits `EOS`.
-
-# %%
-#| export bench_model
-"""Time our Transformer against nn.Transformer, and greedy decoding with and without the cache."""
-
-import argparse
-import copy
-import json
-import math
-import time
-import warnings
-from collections.abc import Callable
-from pathlib import Path
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-
-from transformer_from_scratch.decoding import greedy_decode
-from transformer_from_scratch.reference import copy_block_to_torch
-from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import Transformer, embed_tokens
-from transformer_from_scratch.tokens import BOS, EOS, PAD
-from transformer_from_scratch.utils import get_device
-
-
-# %% [markdown]
-# The reference model. Our masks say "may attend" with `True`; PyTorch's say "may **not**" with
-# `True` (notebook 05), so its forward pass flips them and otherwise takes the same call as ours.
-
-# %%
-#| export bench_model
-class TorchReference(nn.Module):
-    """Our model with nn.Transformer in place of its encoder and decoder, weights copied."""
-
-    def __init__(self, ours: Transformer):
-        super().__init__()
-        first = ours.encoder.layers[0]
-        activation = {nn.ReLU: "relu", nn.GELU: "gelu"}[type(first.ffn[1])]
-        # Embeddings, positions and the output head stay ours: only the stacks are compared.
-        self.src_embed = copy.deepcopy(ours.src_embed)
-        self.tgt_embed = copy.deepcopy(ours.tgt_embed)
-        self.pos = copy.deepcopy(ours.pos)
-        self.out_proj = copy.deepcopy(ours.out_proj)
-        with warnings.catch_warnings():  # "enable_nested_tensor is True, but ...": not needed
-            warnings.simplefilter("ignore", UserWarning)
-            self.transformer = nn.Transformer(
-                d_model=first.d_model,
-                nhead=first.num_heads,
-                num_encoder_layers=len(ours.encoder.layers),
-                num_decoder_layers=len(ours.decoder.layers),
-                dim_feedforward=first.d_ff,
-                dropout=first.dropout1.p,
-                activation=activation,
-                batch_first=True,
-                norm_first=first.norm_first,
-            )
-        with torch.no_grad():
-            for stack, theirs in (
-                (ours.encoder, self.transformer.encoder),
-                (ours.decoder, self.transformer.decoder),
-            ):
-                for block, layer in zip(stack.layers, theirs.layers, strict=True):
-                    copy_block_to_torch(block, layer)
-                theirs.norm.weight.copy_(stack.norm.weight)  # the final norm of each stack
-                theirs.norm.bias.copy_(stack.norm.bias)
-
-    def forward(
-        self,
-        src: Tensor,
-        tgt: Tensor,
-        src_mask: Tensor | None = None,
-        tgt_mask: Tensor | None = None,
-    ) -> Tensor:
-        """The same call as Transformer.forward, masks True = may attend: logits (B, T, V)."""
-        x_src = self.pos(embed_tokens(self.src_embed, src, "src"))  # (B, S, d_model)
-        x_tgt = self.pos(embed_tokens(self.tgt_embed, tgt, "tgt"))  # (B, T, d_model)
-        # (B, 1, 1, S) "may attend" -> (B, S) "ignore"; (1, 1, T, T) -> (T, T) "may not attend"
-        ignore = None if src_mask is None else ~src_mask[:, 0, 0, :]
-        blocked = None if tgt_mask is None else ~tgt_mask[0, 0]
-        out = self.transformer(
-            x_src,
-            x_tgt,
-            tgt_mask=blocked,
-            src_key_padding_mask=ignore,
-            memory_key_padding_mask=ignore,
-        )  # (B, T, d_model)
-        return self.out_proj(out)
-
-
-# %% [markdown]
-# **Check.** The reference computes the same function as our model (in eval mode, so that
-# dropout does not draw different masks), with padding and the causal mask:
-
-# %%
-reference = TorchReference(model).to(device).eval()
-T = decoded.size(1) - 1
-with torch.no_grad():
-    theirs_logits = reference(src, decoded[:, :-1], src_mask, causal_mask(T, device=device))
-reference_gap = (theirs_logits - logits).abs().max().item()
-
-# %% tags=["nbval-ignore-output"]
-print(f"largest logit difference from nn.Transformer: {reference_gap:.1e}")
-
-# %%
-assert_close(theirs_logits, logits, atol=tolerance, rtol=tolerance)  # 1e-4 on a CPU, 1e-3 on a GPU
-assert reference_gap < tolerance
-
-
-# %% [markdown]
-# The benchmark times with `best_time`: untimed warm-up runs, then the *best* of a few timed
-# runs (three by default), synchronising first on a GPU, where kernels run asynchronously and a
-# timer would otherwise only measure the launch. The minimum is the usual choice for comparing
-# two implementations side by side (it is the run least disturbed by the rest of the machine);
-# section "The KV cache" used the median instead, which also reports how a typical run goes.
-
-# %%
-#| export bench_model
-def _check_positive(**values: int) -> None:
-    """Raise a ValueError unless every value is a positive int."""
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
-def best_time(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
-    """Best wall-clock seconds of fn() over `repeats` runs, after `warmup` untimed ones."""
-    _check_positive(repeats=repeats)
-    for _ in range(warmup):
-        fn()
-    best = math.inf
-    for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def reversal_batch(
-    batch: int, src_len: int, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Random full-length sources (B, S) and their reversals: tgt_in and tgt_out (B, S + 1)."""
-    _check_positive(batch=batch, src_len=src_len)
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= EOS + 1:
-        raise ValueError(f"vocab_size must be an int > {EOS + 1} (symbols follow EOS), got {vocab_size!r}")
-    gen = torch.Generator().manual_seed(seed)
-    src = torch.randint(EOS + 1, vocab_size, (batch, src_len), generator=gen)  # (B, S)
-    bos = torch.full((batch, 1), BOS)
-    eos = torch.full((batch, 1), EOS)
-    tgt_in = torch.cat([bos, src.flip(1)], dim=1)  # [BOS, y_1 .. y_S]
-    tgt_out = torch.cat([src.flip(1), eos], dim=1)  # [y_1 .. y_S, EOS]
-    return src.to(device), tgt_in.to(device), tgt_out.to(device)
-
-
-# %% [markdown]
-# A training step is the one notebook 11 runs: forward, cross-entropy, backward, clipping, Adam.
-
-# %%
-#| export bench_model
-def make_train_step(
-    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor
-) -> Callable[[], Tensor]:
-    """A closure doing one training step (forward, loss, backward, clip, Adam); returns the loss."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-    tgt_mask = causal_mask(tgt_in.size(1), device=tgt_in.device)  # (1, 1, T, T)
-
-    def step() -> Tensor:
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(src, tgt_in, tgt_mask=tgt_mask)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        return loss.detach()
-
-    return step
-
-
-def compare_train_step(
-    batch: int = 64,
-    src_len: int = 8,
-    vocab_size: int = 12,
-    repeats: int = 5,
-    warmup: int = 2,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    model_kwargs: dict | None = None,
-) -> dict:
-    """Best time of one training step, ours against nn.Transformer with our weights copied."""
-    device = torch.device(device) if device is not None else get_device()
-    torch.manual_seed(seed)
-    ours = Transformer(vocab_size, vocab_size, **(model_kwargs or {})).to(device)
-    theirs = TorchReference(ours).to(device)
-    src, tgt_in, tgt_out = reversal_batch(batch, src_len, vocab_size, device, seed)
-    ours_s = best_time(make_train_step(ours.train(), src, tgt_in, tgt_out), device, repeats, warmup)
-    torch_s = best_time(
-        make_train_step(theirs.train(), src, tgt_in, tgt_out), device, repeats, warmup
-    )
-    return {
-        "batch": batch,
-        "src_len": src_len,
-        "ours_s": ours_s,
-        "torch_s": torch_s,
-        "ours_over_torch": ours_s / torch_s,
-    }
-
-
-# %% [markdown]
-# Decoding uses a random model that can never emit `EOS`, so each run decodes exactly the number
-# of tokens asked for; before timing, it checks once more that the cache changes no token.
-
-# %%
-#| export bench_model
-def never_ending(model: Transformer) -> Transformer:
-    """A copy of model whose EOS logit is -inf: decoding always runs its full length."""
-    copied = copy.deepcopy(model)
-    with torch.no_grad():
-        copied.out_proj.bias[EOS] = -math.inf
-    return copied
-
-
-def compare_decoding(
-    lengths=(16, 32, 64, 128, 256, 512),
-    batch: int = 1,
-    src_len: int = 8,
-    vocab_size: int = 12,
-    repeats: int = 3,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    model_kwargs: dict | None = None,
-) -> list[dict]:
-    """Best time of greedy decoding with and without the KV cache, per number of new tokens."""
-    device = torch.device(device) if device is not None else get_device()
-    torch.manual_seed(seed)
-    model = Transformer(vocab_size, vocab_size, **(model_kwargs or {}))
-    model = never_ending(model).to(device).eval()
-    src, _, _ = reversal_batch(batch, src_len, vocab_size, device, seed)
-    rows = []
-    for n in sorted(lengths):
-        _check_positive(new_tokens=n)
-        cached = greedy_decode(model, src, n, use_cache=True)
-        if not torch.equal(cached, greedy_decode(model, src, n)):
-            raise RuntimeError(f"the cache changed the tokens at {n} new tokens")
-        uncached_s = best_time(lambda n=n: greedy_decode(model, src, n), device, repeats, 0)
-        cached_s = best_time(
-            lambda n=n: greedy_decode(model, src, n, use_cache=True), device, repeats, 1
-        )
-        rows.append(
-            {"new_tokens": n, "uncached_s": uncached_s, "cached_s": cached_s,
-             "speedup": uncached_s / cached_s}
-        )
-    return rows
-
-
-# %% [markdown]
-# The whole suite, its table, and the command line:
-
-# %%
-#| export bench_model
-def run_model_suite(
-    lengths=(16, 32, 64, 128, 256, 512),
-    train_shapes=((64, 8), (16, 128)),
-    repeats: int = 3,
-    threads: int | None = None,
-    device: torch.device | str | None = None,
-    model_kwargs: dict | None = None,
-) -> dict:
-    """Train steps at each (batch, src_len), then decoding at each length, in one process."""
-    if threads is not None:
-        _check_positive(threads=threads)
-    device = torch.device(device) if device is not None else get_device()
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        kwargs = {"repeats": repeats, "device": device, "model_kwargs": model_kwargs}
-        train = [compare_train_step(b, s, **kwargs) for b, s in train_shapes]
-        decode = compare_decoding(lengths, **kwargs)
-    finally:
-        torch.set_num_threads(previous_threads)
-    config = {
-        "model": {"src_vocab_size": 12, "tgt_vocab_size": 12, **(model_kwargs or {})},
-        "device": str(device),
-        "threads": threads or previous_threads,
-        "repeats": repeats,
-        "torch": torch.__version__,
-    }
-    return {"config": config, "train_step": train, "decode": decode}
-
-
-def format_model_suite(suite: dict) -> str:
-    """The suite's results as plain-text tables, with the ratios."""
-    c = suite["config"]
-    lines = [
-        f"Transformer({c['model']}) on {c['device']}, threads={c['threads']}, "
-        f"best of {c['repeats']} runs, torch {c['torch']}",
-        "",
-        "training step (forward, backward, clip, Adam): ours against nn.Transformer",
-        f"{'batch':>6} {'S':>5} {'ours ms':>9} {'torch ms':>9} {'ours/torch':>11}",
-    ]
-    for r in suite["train_step"]:
-        lines.append(
-            f"{r['batch']:>6} {r['src_len']:>5} {1e3 * r['ours_s']:>9.2f} "
-            f"{1e3 * r['torch_s']:>9.2f} {r['ours_over_torch']:>10.2f}x"
-        )
-    lines += [
-        "",
-        "greedy decoding of one source: without against with the KV cache (same tokens)",
-        f"{'new':>6} {'uncached ms':>12} {'cached ms':>10} {'speed-up':>9}",
-    ]
-    for r in suite["decode"]:
-        lines.append(
-            f"{r['new_tokens']:>6} {1e3 * r['uncached_s']:>12.1f} {1e3 * r['cached_s']:>10.1f} "
-            f"{r['speedup']:>8.1f}x"
-        )
-    return "\n".join(lines)
-
-
-def _train_shape(text: str) -> tuple[int, int]:
-    """'64x8' -> (64, 8): a batch size and a source length, for the command line."""
-    try:
-        batch, src_len = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BATCHxLENGTH such as 64x8, got {text!r}") from None
-    return batch, src_len
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Command line: run the suite, print the tables, write the results as JSON to --out."""
-    parser = argparse.ArgumentParser(
-        prog="python -m transformer_from_scratch.bench_model",
-        description="Training-step time of our Transformer against nn.Transformer, and greedy "
-        "decoding with and without the KV cache.",
-    )
-    parser.add_argument(
-        "--lengths", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512],
-        help="numbers of new tokens to decode",
-    )
-    parser.add_argument(
-        "--train-shapes", type=_train_shape, nargs="+", default=[(64, 8), (16, 128)],
-        help="training batches as BATCHxLENGTH (default: 64x8 16x128)",
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (the best is kept)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: the best)")
-    parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON file to write")
-    args = parser.parse_args(argv)
-    suite = run_model_suite(
-        args.lengths, args.train_shapes, args.repeats, threads=args.threads, device=args.device
-    )
-    print(format_model_suite(suite))
-    args.out.write_text(json.dumps(suite, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__" and "__file__" in globals():  # run as a script, not in a notebook
-    raise SystemExit(main())
-
-# %% [markdown]
-# The whole suite, small: decoding at two lengths and one training step, best of two runs each
-# (`make bench` runs it in full). The numbers depend on the machine and are not compared; the
-# check is that the suite returns the rows it was asked for, in a form that the command line can
-# write as JSON and read back unchanged.
-
-# %% tags=["nbval-ignore-output"]
-suite = run_model_suite(lengths=(16, 64), train_shapes=((64, 8),), repeats=2, threads=1,
-                        device=device)
-print(format_model_suite(suite))
-
-# %%
-import json
-
-assert [r["new_tokens"] for r in suite["decode"]] == [16, 64]
-assert [(r["batch"], r["src_len"]) for r in suite["train_step"]] == [(64, 8)]
-assert json.loads(json.dumps(suite)) == suite
-
-# %% [markdown]
-# **Measure speed side by side, in one process; assert on what cannot flake (tokens, FLOPs), and
-# report the seconds.**
 
 # %% [markdown]
 # Next: later notebooks take the same decoders to a real translation task, where the alignment

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
+from transformer_from_scratch.decoding import AttentionCache
 from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import beam_search
 from transformer_from_scratch.decoding import cross_attention_weights
-from transformer_from_scratch.decoding import decode_step
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.decoding import length_penalty_wu
 from transformer_from_scratch.decoding import next_token_probs
@@ -72,10 +72,10 @@ def test_cache_gives_the_same_tokens(B, S, n, seed, num_layers):
     model = tiny_model(seed, num_layers)
     src, mask = padded_batch(B, S, seed)
     plain = greedy_decode(model, src, n, src_mask=mask)
-    cached = greedy_decode(model, src, n, src_mask=mask, use_cache=True)
+    cached = greedy_decode(model, src, n, src_mask=mask, cache=KVCache())
     assert torch.equal(plain, cached)
     check_format(plain, n)
-    no_mask = greedy_decode(model, src, n, use_cache=True)  # without a mask, too
+    no_mask = greedy_decode(model, src, n, cache=KVCache())  # without a mask, too
     assert torch.equal(no_mask, greedy_decode(model, src, n))
 
 
@@ -89,36 +89,92 @@ def test_cache_follows_post_norm_blocks_too():
     model.eval()
     src, mask = padded_batch(5, 6, 12)
     assert torch.equal(
-        greedy_decode(model, src, 20, mask), greedy_decode(model, src, 20, mask, use_cache=True)
+        greedy_decode(model, src, 20, mask), greedy_decode(model, src, 20, mask, cache=KVCache())
     )
 
 
-def test_decode_step_logits_match_the_forward_pass():
+def test_cached_decode_logits_match_the_forward_pass():
+    """Three positions in one cached call (causal mask), then one at a time: the same logits."""
     model = tiny_model(5)
     src, mask = padded_batch(4, 6, 5)
     tgt = torch.randint(3, VOCAB, (4, 9), generator=torch.Generator().manual_seed(0))
     tgt[:, 0] = BOS
     with torch.no_grad():
         full = model(src, tgt, src_mask=mask, tgt_mask=causal_mask(9))  # (B, T, V)
-        cache = KVCache(model, model.encode(src, src_mask=mask), max_len=9)
-        stepped = torch.stack([decode_step(model, tgt[:, t], cache, mask) for t in range(9)], 1)
-        assert cache.length == 9
-        with pytest.raises(ValueError, match="cache is full"):
-            decode_step(model, tgt[:, 0], cache, mask)
+        enc_out = model.encode(src, src_mask=mask)
+        cache = KVCache()
+        parts = [model.decode(tgt[:, :3], enc_out, causal_mask(3), mask, cache=cache)]
+        parts += [
+            model.decode(tgt[:, t : t + 1], enc_out, None, mask, cache=cache) for t in range(3, 9)
+        ]
+        stepped = model.out_proj(torch.cat(parts, dim=1))
+    assert cache.length == 9 and len(cache.layers) == 2
     assert_close(stepped, full, atol=1e-5, rtol=1e-5)
 
 
-def test_kv_cache_shapes_bytes_and_reorder():
+def test_cached_decode_past_max_len_and_without_a_mask_fail_clearly():
+    model = tiny_model(5, max_len=8)
+    src, mask = padded_batch(2, 4, 5)
+    tgt = torch.full((2, 8), BOS)
+    with torch.no_grad():
+        enc_out = model.encode(src, src_mask=mask)
+        cache = KVCache()
+        model.decode(tgt[:, :1], enc_out, cross_mask=mask, cache=cache)
+        with pytest.raises(ValueError, match="self_mask"):  # several new tokens, no causal mask
+            model.decode(tgt[:, :3], enc_out, cross_mask=mask, cache=cache)
+        after_one = torch.ones(7, 8, dtype=torch.bool).tril(diagonal=1)  # query i at position 1 + i
+        model.decode(tgt[:, :7], enc_out, after_one, mask, cache=cache)
+        assert cache.length == 8
+        with pytest.raises(ValueError, match="max_len"):
+            model.decode(tgt[:, :1], enc_out, cross_mask=mask, cache=cache)
+
+
+def test_attention_cache_grows_in_place_and_equals_concatenation():
+    gen = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(2, 3, t, 4, generator=gen) for t in (1, 5, 1, 30, 2)]
+    cache = AttentionCache()
+    assert cache.length == 0 and cache.keys is None and not cache.frozen
+    capacities = []
+    for chunk in chunks:
+        K, V = cache.update(chunk, -chunk)
+        capacities.append(cache._buffers[0].size(2))
+    assert torch.equal(K, torch.cat(chunks, dim=2)) and torch.equal(V, -K)
+    assert cache.length == 39 and cache.num_bytes() == 2 * 2 * 3 * 39 * 4 * 4
+    assert capacities == [16, 16, 16, 74, 74]  # doubled (2 * 37) only when full
+
+
+def test_cross_attention_cache_is_filled_once():
+    cache = AttentionCache(grows=False)
+    K = torch.randn(2, 3, 5, 4)
+    assert not cache.frozen
+    assert cache.update(K, K + 1)[0] is K and cache.frozen
+    with pytest.raises(RuntimeError, match="filled once"):
+        cache.update(K, K)
+
+
+def test_kv_cache_layers_bytes_and_reorder():
     model = tiny_model(0, num_layers=3)
     src, mask = padded_batch(4, 5)
+    cache = KVCache()
+    assert cache.length == 0 and cache.num_bytes() == 0
     with torch.no_grad():
-        cache = KVCache(model, model.encode(src, src_mask=mask), max_len=7)
-    assert len(cache.self_k) == len(cache.cross_v) == 3
-    assert cache.self_k[0].shape == (4, 2, 7, 8) and cache.cross_k[0].shape == (4, 2, 5, 8)
-    assert cache.num_bytes() == 2 * 3 * 4 * 16 * (7 + 5) * 4  # float32
-    before = cache.cross_k[1].clone()
+        enc_out = model.encode(src, src_mask=mask)
+        model.decode(torch.full((4, 1), BOS), enc_out, cross_mask=mask, cache=cache)
+        model.decode(torch.full((4, 1), 5), enc_out, cross_mask=mask, cache=cache)
+    assert len(cache.layers) == 3 and cache.length == 2
+    layer = cache.layer(1)
+    assert layer.self_attn.keys.shape == (4, 2, 2, 8) and layer.cross_attn.keys.shape == (
+        4,
+        2,
+        5,
+        8,
+    )
+    assert cache.num_bytes() == 2 * 3 * 4 * 16 * (2 + 5) * 4  # float32
+    self_before, cross_before = layer.self_attn.keys.clone(), layer.cross_attn.values.clone()
     cache.reorder(torch.tensor([3, 3, 0, 1]))
-    assert torch.equal(cache.cross_k[1], before[[3, 3, 0, 1]])
+    assert torch.equal(layer.self_attn.keys, self_before[[3, 3, 0, 1]])
+    assert torch.equal(layer.cross_attn.values, cross_before[[3, 3, 0, 1]])
+    assert layer.cross_attn.frozen and cache.length == 2
 
 
 def test_greedy_rows_stop_on_their_own_and_match_single_decoding():
@@ -139,7 +195,7 @@ def test_eos_at_the_first_step_and_never():
     always = set_eos_bias(tiny_model(), 1e4)
     assert torch.equal(greedy_decode(always, src, 10, mask), torch.tensor([[BOS, EOS]] * 3))
     never = set_eos_bias(tiny_model(), -math.inf)
-    out = greedy_decode(never, src, 10, mask, use_cache=True)
+    out = greedy_decode(never, src, 10, mask, cache=KVCache())
     assert out.shape == (3, 11) and not (out == EOS).any()
 
 
@@ -230,7 +286,15 @@ def test_sampling_is_deterministic_with_a_generator():
 
     def draw(seed, use_cache=True, **kwargs):
         gen = torch.Generator().manual_seed(seed)
-        return sample(model, src, 30, generator=gen, src_mask=mask, use_cache=use_cache, **kwargs)
+        return sample(
+            model,
+            src,
+            30,
+            generator=gen,
+            src_mask=mask,
+            cache=KVCache() if use_cache else None,
+            **kwargs,
+        )
 
     first = draw(0)
     check_format(first, 30)
@@ -264,7 +328,7 @@ def test_sample_draws_with_the_frequencies_of_next_token_probs():
 def test_cross_attention_weights():
     model = tiny_model(9, num_layers=3)
     src, mask = padded_batch(4, 6, 9)
-    tgt = greedy_decode(model, src, 7, mask, use_cache=True)
+    tgt = greedy_decode(model, src, 7, mask, cache=KVCache())
     weights = cross_attention_weights(model, src, tgt, mask)
     assert len(weights) == 3
     for w in weights:

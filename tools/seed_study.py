@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import (
+    KVCache,
     beam_search,
     cross_attention_weights,
     greedy_decode,
@@ -188,7 +189,7 @@ def generation_stats(model: Transformer, early: Transformer) -> dict:
         }
     # Notebook 12's exercise 3: 8 more PAD columns, decoded without the padding mask.
     wider = F.pad(src, (0, 8), value=PAD)
-    unmasked = greedy_decode(model, wider, MAX_LEN + 1, use_cache=True)
+    unmasked = greedy_decode(model, wider, MAX_LEN + 1, cache=KVCache())
     changed = (_pad_right(unmasked, MAX_LEN + 2) != _pad_right(decoded, MAX_LEN + 2)).any(1)
     out["unmasked_changed"] = int(changed.sum())
     # Sampling: exact match against the temperature, all tokens and top-3 (generator seed 0).

@@ -34,11 +34,12 @@ from .attention import scaled_dot_product_attention
 from .data import FIRST_SYMBOL
 from .data import MIN_LEN
 from .data import make_batch
+from .decoding import AttentionCache
 from .decoding import Hypothesis
 from .decoding import KVCache
+from .decoding import LayerCache
 from .decoding import beam_search
 from .decoding import cross_attention_weights
-from .decoding import decode_step
 from .decoding import greedy_decode
 from .decoding import length_penalty_wu
 from .decoding import next_token_probs

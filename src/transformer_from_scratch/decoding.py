@@ -14,12 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch import nn
 
-from transformer_from_scratch.attention import MultiHeadAttention
-from transformer_from_scratch.attention import scaled_dot_product_attention
-from transformer_from_scratch.layers import DecoderBlock
-from transformer_from_scratch.layers import sublayer_connection
 from transformer_from_scratch.masks import causal_mask
-from transformer_from_scratch.model import embed_tokens
 from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
@@ -79,27 +74,29 @@ def _generate(
     src: Tensor,
     max_new_tokens: int,
     src_mask: Tensor | None,
-    use_cache: bool,
-    pick: Callable[[Tensor], Tensor],
+    choose: Callable[[Tensor], Tensor],
+    cache=None,
 ) -> Tensor:
-    """The loop shared by greedy decoding and sampling; `pick` maps (B, V) logits to (B,) ids."""
+    """The loop shared by greedy decoding and sampling; `choose` maps (B, V) logits to (B,) ids."""
     B = src.size(0)
     enc_out = model.encode(src, src_mask=src_mask)  # once: (B, T_src, d_model)
     ys = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)  # (B, 1)
     finished = torch.zeros(B, dtype=torch.bool, device=src.device)
-    cache = KVCache(model, enc_out, max_new_tokens) if use_cache else None
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         if cache is not None:  # only the newest token goes through the decoder
-            logits = decode_step(model, ys[:, -1], cache, cross_mask=src_mask)  # (B, V)
+            dec_out = model.decode(ys[:, -1:], enc_out, cross_mask=src_mask, cache=cache)
         else:  # the whole prefix goes through the decoder again
             self_mask = causal_mask(ys.size(1), device=src.device)  # (1, 1, T, T)
             dec_out = model.decode(ys, enc_out, self_mask=self_mask, cross_mask=src_mask)
-            logits = model.out_proj(dec_out[:, -1])  # (B, T, d_model) -> (B, d_model) -> (B, V)
-        next_token = pick(logits).masked_fill(finished, PAD)  # (B,): finished rows get PAD
+        logits = model.out_proj(dec_out[:, -1])  # (B, T, d_model) -> (B, d_model) -> (B, V)
+        next_token = choose(logits).masked_fill(finished, PAD)  # (B,): finished rows get PAD
         ys = torch.cat([ys, next_token[:, None]], dim=1)  # (B, T) -> (B, T + 1)
         finished |= next_token == EOS
-        if bool(finished.all()):
+        if step % 8 == 7 and bool(finished.all()):  # a host-device sync only every 8 steps
             break
+    is_eos = ys == EOS  # (B, T)
+    if bool(is_eos.any(dim=1).all()):  # every row ended: cut after the last row's first EOS
+        ys = ys[:, : int(is_eos.int().argmax(dim=1).max()) + 1]
     return ys
 
 
@@ -110,13 +107,13 @@ def greedy_decode(
     src: Tensor,
     max_new_tokens: int,
     src_mask: Tensor | None = None,
-    use_cache: bool = False,
+    cache=None,
 ) -> Tensor:
     """Take the most likely token at each step: (B, <= max_new_tokens + 1) ids, BOS first."""
     _check_generation_inputs(model, src, max_new_tokens, src_mask)
     with _eval_mode(model):
         return _generate(
-            model, src, max_new_tokens, src_mask, use_cache, lambda logits: logits.argmax(dim=-1)
+            model, src, max_new_tokens, src_mask, lambda logits: logits.argmax(dim=-1), cache
         )
 
 
@@ -147,115 +144,103 @@ def cross_attention_weights(
 
 
 # Taught in notebook 12 · Generation
-def _split_heads(x: Tensor, num_heads: int) -> Tensor:
-    """(B, T, d_model) -> (B, h, T, d_k)."""
-    B, T, d_model = x.shape
-    x = x.view(B, T, num_heads, d_model // num_heads)  # (B, T, d_model) -> (B, T, h, d_k)
-    return x.transpose(1, 2)  # (B, T, h, d_k) -> (B, h, T, d_k)
+class AttentionCache:
+    """One attention's keys and values (B, h, T_kept, d_k): grown step by step, or fixed once."""
+
+    def __init__(self, grows: bool = True):
+        self.grows = grows  # True: self-attention (append); False: cross-attention (store once)
+        self.keys: Tensor | None = None  # (B, h, T_kept, d_k), a view of the buffer
+        self.values: Tensor | None = None
+        self._buffers: tuple[Tensor, Tensor] | None = None  # (B, h, capacity, d_k) each
+
+    @property
+    def frozen(self) -> bool:
+        """Is this a filled cross-attention cache (MultiHeadAttention then reuses keys, values)?"""
+        return not self.grows and self.keys is not None
+
+    @property
+    def length(self) -> int:
+        """Positions kept."""
+        return 0 if self.keys is None else self.keys.size(2)
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows `index` (B_new,) of the batch: in beam search, each new beam's parent."""
+        if self.keys is None:
+            return
+        if self._buffers is not None:
+            self._buffers = tuple(buffer.index_select(0, index) for buffer in self._buffers)
+            self.keys, self.values = (buffer[:, :, : self.length] for buffer in self._buffers)
+        else:
+            self.keys, self.values = (
+                self.keys.index_select(0, index),
+                self.values.index_select(0, index),
+            )
+
+    def num_bytes(self) -> int:
+        """Bytes of the keys and values kept (not counting a growing buffer's spare room)."""
+        if self.keys is None:
+            return 0
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def update(self, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep K, V (B, h, T_new, d_k); return all keys and values kept (B, h, T_kept, d_k)."""
+        if not self.grows:  # cross-attention: keep them as they are; frozen from now on
+            if self.keys is not None:
+                raise RuntimeError("a cross-attention cache is filled once (it is frozen)")
+            self.keys, self.values = K, V
+            return K, V
+        start, end = self.length, self.length + K.size(2)
+        if self._buffers is None or end > self._buffers[0].size(2):  # no room left: double it
+            capacity = max(2 * end, 16)
+            buffers = tuple(K.new_empty(*K.shape[:2], capacity, K.size(3)) for _ in range(2))
+            if self._buffers is not None:
+                for buffer, old in zip(buffers, self._buffers, strict=True):
+                    buffer[:, :, :start] = old[:, :, :start]
+            self._buffers = buffers
+        self._buffers[0][:, :, start:end] = K
+        self._buffers[1][:, :, start:end] = V
+        self.keys, self.values = (buffer[:, :, :end] for buffer in self._buffers)
+        return self.keys, self.values
 
 
 # Taught in notebook 12 · Generation
-def _combine_heads(x: Tensor) -> Tensor:
-    """(B, h, T, d_k) -> (B, T, d_model)."""
-    B, h, T, d_k = x.shape
-    return x.transpose(1, 2).reshape(B, T, h * d_k)  # (B, h, T, d_k) -> (B, T, d_model)
+class LayerCache:
+    """One decoder block's keys and values: self-attention grows, cross-attention is fixed."""
+
+    def __init__(self):
+        self.self_attn = AttentionCache(grows=True)
+        self.cross_attn = AttentionCache(grows=False)
 
 
 # Taught in notebook 12 · Generation
 class KVCache:
-    """Each decoder layer's keys and values: self-attention's grow, cross-attention's are fixed."""
+    """Every decoder block's keys and values, for Transformer.decode(..., cache=KVCache())."""
 
-    def __init__(self, model: nn.Module, enc_out: Tensor, max_len: int):
-        B = enc_out.size(0)
-        self.length = 0  # positions written so far
-        self.max_len = max_len
-        self.self_k: list[Tensor] = []  # per layer (B, h, max_len, d_k), filled up to length
-        self.self_v: list[Tensor] = []
-        self.cross_k: list[Tensor] = []  # per layer (B, h, T_src, d_k), computed once
-        self.cross_v: list[Tensor] = []
-        for block in model.decoder.layers:
-            attn: MultiHeadAttention = block.self_attn
-            shape = (B, attn.num_heads, max_len, attn.d_k)
-            self.self_k.append(enc_out.new_zeros(shape))
-            self.self_v.append(enc_out.new_zeros(shape))
-            cross: MultiHeadAttention = block.cross_attn
-            # enc_out does not change while we decode: project it once, not once per step.
-            self.cross_k.append(_split_heads(cross.W_k(enc_out), cross.num_heads))
-            self.cross_v.append(_split_heads(cross.W_v(enc_out), cross.num_heads))
+    def __init__(self):
+        self.layers: list[LayerCache] = []
+
+    def layer(self, i: int) -> LayerCache:
+        """Block i's part (made empty the first time the decoder asks for it)."""
+        while len(self.layers) <= i:
+            self.layers.append(LayerCache())
+        return self.layers[i]
+
+    @property
+    def length(self) -> int:
+        """Target positions kept: where the next token goes."""
+        return self.layers[0].self_attn.length if self.layers else 0
 
     def reorder(self, index: Tensor) -> None:
-        """Keep rows `index` of every cached tensor (in beam search: each beam's parent)."""
-        for cached in (self.self_k, self.self_v, self.cross_k, self.cross_v):
-            for i, tensor in enumerate(cached):
-                cached[i] = tensor.index_select(0, index)
+        """Keep rows `index` of the batch in every block (beam search: each beam's parent)."""
+        for layer in self.layers:
+            layer.self_attn.reorder(index)
+            layer.cross_attn.reorder(index)
 
     def num_bytes(self) -> int:
-        """Memory held by the cache, in bytes."""
-        tensors = self.self_k + self.self_v + self.cross_k + self.cross_v
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
-# Taught in notebook 12 · Generation
-def _attend(attn: MultiHeadAttention, x_q: Tensor, K: Tensor, V: Tensor, mask=None) -> Tensor:
-    """attn's forward pass for queries x_q (B, T_q, d) against heads K, V (B, h, T_k, d_k)."""
-    Q = _split_heads(attn.W_q(x_q), attn.num_heads)  # (B, T_q, d_model) -> (B, h, T_q, d_k)
-    context, _ = scaled_dot_product_attention(
-        Q, K, V, mask=mask, dropout_p=attn.dropout_p, training=attn.training
-    )  # (B, h, T_q, d_k)
-    return attn.W_o(_combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
-
-
-# Taught in notebook 12 · Generation
-def _cached_self_attention(
-    attn: MultiHeadAttention, x: Tensor, cache: KVCache, layer: int
-) -> Tensor:
-    """Write the new position's key and value into the cache, then attend to positions 0..t."""
-    t = cache.length
-    # (B, 1, d_model) -> (B, h, 1, d_k), stored at position t
-    cache.self_k[layer][:, :, t : t + 1] = _split_heads(attn.W_k(x), attn.num_heads)
-    cache.self_v[layer][:, :, t : t + 1] = _split_heads(attn.W_v(x), attn.num_heads)
-    K = cache.self_k[layer][:, :, : t + 1]  # (B, h, t + 1, d_k)
-    V = cache.self_v[layer][:, :, : t + 1]
-    return _attend(attn, x, K, V)
-
-
-# Taught in notebook 12 · Generation
-def _block_step(
-    block: DecoderBlock, x: Tensor, cache: KVCache, layer: int, cross_mask: Tensor | None
-) -> Tensor:
-    """DecoderBlock.forward for the newest position only, x: (B, 1, d_model)."""
-    x = sublayer_connection(
-        x,
-        lambda h: _cached_self_attention(block.self_attn, h, cache, layer),
-        block.norm1,
-        block.dropout1,
-        block.norm_first,
-    )
-    K, V = cache.cross_k[layer], cache.cross_v[layer]  # (B, h, T_src, d_k)
-    x = sublayer_connection(
-        x,
-        lambda h: _attend(block.cross_attn, h, K, V, cross_mask),
-        block.norm2,
-        block.dropout2,
-        block.norm_first,
-    )
-    return sublayer_connection(x, block.ffn, block.norm3, block.dropout3, block.norm_first)
-
-
-# Taught in notebook 12 · Generation
-def decode_step(
-    model: nn.Module, tokens: Tensor, cache: KVCache, cross_mask: Tensor | None = None
-) -> Tensor:
-    """Run the newest tokens (B,) at position cache.length through the decoder: logits (B, V)."""
-    t = cache.length
-    if t >= cache.max_len:
-        raise ValueError(f"the cache is full: all its {cache.max_len} positions are used")
-    x = embed_tokens(model.tgt_embed, tokens[:, None], "tokens")  # (B,) -> (B, 1, d_model)
-    x = model.pos.dropout(x + model.pos.pe[:, t : t + 1].to(x.dtype))  # position t only
-    for layer, block in enumerate(model.decoder.layers):
-        x = _block_step(block, x, cache, layer, cross_mask)  # (B, 1, d_model)
-    cache.length = t + 1
-    return model.out_proj(model.decoder.norm(x))[:, 0]  # (B, 1, d_model) -> (B, V)
+        """Bytes of all keys and values kept."""
+        return sum(
+            a.num_bytes() for layer in self.layers for a in (layer.self_attn, layer.cross_attn)
+        )
 
 
 # Taught in notebook 12 · Generation
@@ -356,15 +341,16 @@ def beam_search(
         cross_mask = None
         if src_mask is not None:
             cross_mask = src_mask.expand(B, 1, 1, src.size(1)).repeat_interleave(k, dim=0)
-        cache = KVCache(model, enc_out, max_new_tokens)
+        cache = KVCache()
         tokens = torch.full((B * k, 1), BOS, dtype=torch.long, device=src.device)
         scores = torch.full((B, k), -math.inf, device=src.device)
         scores[:, 0] = 0.0  # one live beam to start with: k copies would fill the beam with twins
         finished: list[list[Hypothesis]] = [[] for _ in range(B)]
         done = [False] * B
         for step in range(max_new_tokens):
-            # 2) One cached decoder step for all B * k beams.
-            logits = decode_step(model, tokens[:, -1], cache, cross_mask)  # (B * k, V)
+            # 2) One cached decoder step for all B * k beams: the newest token of each.
+            dec_out = model.decode(tokens[:, -1:], enc_out, cross_mask=cross_mask, cache=cache)
+            logits = model.out_proj(dec_out[:, -1])  # (B * k, 1, d_model) -> (B * k, V)
             log_probs = F.log_softmax(logits.float(), dim=-1).view(B, k, -1)  # (B, k, V)
             # 3) Score every extension by its total log-prob and select.
             candidates = scores[:, :, None] + log_probs  # (B, k, 1) + (B, k, V)
@@ -429,7 +415,7 @@ def sample(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     src_mask: Tensor | None = None,
-    use_cache: bool = True,
+    cache: KVCache | None = None,
 ) -> Tensor:
     """Draw each token from next_token_probs: (B, <= max_new_tokens + 1) ids, BOS first."""
     _check_generation_inputs(model, src, max_new_tokens, src_mask)
@@ -441,14 +427,15 @@ def sample(
         return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)  # (B,)
 
     with _eval_mode(model):
-        return _generate(model, src, max_new_tokens, src_mask, use_cache, draw)
+        return _generate(model, src, max_new_tokens, src_mask, draw, cache=cache)
 
 
 __all__ = [
     "greedy_decode",
     "cross_attention_weights",
+    "AttentionCache",
+    "LayerCache",
     "KVCache",
-    "decode_step",
     "length_penalty_wu",
     "Hypothesis",
     "beam_search",
