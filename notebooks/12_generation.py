@@ -113,6 +113,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from transformer_from_scratch.checks import check_float, check_int
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.tokens import BOS, EOS, PAD
 
@@ -1001,13 +1002,9 @@ def beam_search(
 ) -> tuple[Tensor, Tensor]:
     """Best of beam_size hypotheses by log p / lp (Wu et al., 2016): ids (B, T) and log p (B,)."""
     _check_generation_inputs(model, src, max_new_tokens, src_mask)
-    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
-    if isinstance(length_penalty, bool) or not isinstance(length_penalty, (int, float)):
-        raise TypeError(f"length_penalty must be a number, got {type(length_penalty).__name__}")
-    if not (length_penalty >= 0 and math.isfinite(length_penalty)):
-        raise ValueError(f"length_penalty must be a finite number >= 0, got {length_penalty!r}")
-    B, k = src.size(0), beam_size
+    k = check_int("beam_size", beam_size, minimum=1)
+    length_penalty = check_float("length_penalty", length_penalty, low=0.0)
+    B = src.size(0)
     with _eval_mode(model):
         # 1) Encode once; each source gets k rows, one per beam: (B, ...) -> (B * k, ...).
         enc_out = model.encode(src, src_mask=src_mask).repeat_interleave(k, dim=0)
@@ -1294,12 +1291,9 @@ for alpha in (0.0, 0.6, 1.0, 2.0):
 #| export
 def next_token_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None) -> Tensor:
     """softmax(logits / temperature) over the top_k largest logits (the others get 0)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    temperature = check_float("temperature", temperature, low=0.0, low_open=True)
+    if top_k is not None:
+        top_k = check_int("top_k", top_k, minimum=1)
     logits = logits / temperature  # (..., V)
     if top_k is not None and top_k < logits.size(-1):
         kth_largest = logits.topk(top_k, dim=-1).values[..., -1:]  # (..., 1)

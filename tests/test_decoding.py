@@ -367,15 +367,19 @@ def test_bad_src():
         )
 
 
-@pytest.mark.parametrize("k", [0, -2, 1.5, True])
-def test_bad_beam_size(k):
-    with pytest.raises(ValueError, match="beam_size"):
+@pytest.mark.parametrize(
+    "k, error", [(0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)]
+)
+def test_bad_beam_size(k, error):
+    with pytest.raises(error, match="beam_size"):
         beam_search(tiny_model(), torch.full((1, 3), 4), k, 5)
 
 
 def test_bad_length_penalty():
     with pytest.raises(ValueError, match="length_penalty"):
         beam_search(tiny_model(), torch.full((1, 3), 4), 2, 5, length_penalty=-0.5)
+    with pytest.raises(TypeError, match="length_penalty"):
+        beam_search(tiny_model(), torch.full((1, 3), 4), 2, 5, length_penalty="0.6")
 
 
 @pytest.mark.parametrize("temperature", [0.0, -1.0, math.inf, math.nan])
@@ -384,11 +388,13 @@ def test_bad_temperature(temperature):
         sample(tiny_model(), torch.full((1, 3), 4), 5, temperature=temperature)
     with pytest.raises(ValueError, match="temperature"):
         next_token_probs(torch.zeros(3), temperature)
+    with pytest.raises(TypeError, match="temperature"):
+        next_token_probs(torch.zeros(3), "hot")
 
 
-@pytest.mark.parametrize("top_k", [0, -1, 2.5])
-def test_bad_top_k(top_k):
-    with pytest.raises(ValueError, match="top_k"):
+@pytest.mark.parametrize("top_k, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError)])
+def test_bad_top_k(top_k, error):
+    with pytest.raises(error, match="top_k"):
         sample(tiny_model(), torch.full((1, 3), 4), 5, top_k=top_k)
 
 
