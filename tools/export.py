@@ -45,7 +45,7 @@ DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Helper modules the top-level package does not re-export (import them by their full name):
 # input checks, measuring, PyTorch twins for parity checks, and the benchmark (until it moves).
-NOT_REEXPORTED = {"bench_model", "checks", "measure", "reference"}
+NOT_REEXPORTED = {"checks", "measure", "reference"}
 
 
 class ExportError(ValueError):
