@@ -96,27 +96,20 @@ LOSS_COLOR, EM_COLOR, LR_COLOR, VARIANT_COLOR = "#404040", "#9467bd", "#8c564b",
 
 import torch
 
+from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.tokens import BOS, EOS, PAD
 
 FIRST_SYMBOL = 3  # ids below it are PAD, BOS and EOS
 MIN_LEN = 3  # the shortest sequence the task draws
 
 
-def _check_int(name: str, value: int, minimum: int) -> None:
-    """Raise a TypeError/ValueError unless value is an int of at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-
-
 def make_batch(
     batch_size: int, max_len: int, vocab_size: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A reversal batch (CPU): src (B, max_len), tgt_in, tgt_out (B, max_len + 1), lengths (B,)."""
-    _check_int("batch_size", batch_size, 1)
-    _check_int("max_len", max_len, MIN_LEN)
-    _check_int("vocab_size", vocab_size, FIRST_SYMBOL + 1)  # at least one real symbol
+    check_int("batch_size", batch_size, 1)
+    check_int("max_len", max_len, MIN_LEN)
+    check_int("vocab_size", vocab_size, FIRST_SYMBOL + 1)  # at least one real symbol
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if generator is not None and generator.device.type != "cpu":
@@ -332,6 +325,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from transformer_from_scratch.checks import check_choice
+from transformer_from_scratch.checks import check_float
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import causal_mask, padding_mask
@@ -340,28 +337,11 @@ from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.utils import get_device, set_seed
 
 
-def _positive(name: str, value: int | float) -> None:
-    """Raise a TypeError/ValueError unless value is a real number > 0."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-
-
-def _positive_int(name: str, value: int) -> None:
-    """Raise a TypeError/ValueError unless value is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
 def lr_lambda(step: int, d_model: int, warmup: int) -> float:
     """The paper's rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); step clamped to >= 1."""
-    _positive("d_model", d_model)
-    _positive("warmup", warmup)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    check_float("d_model", d_model, 0.0, low_open=True)
+    check_float("warmup", warmup, 0.0, low_open=True)
+    step = check_int("step", step, 0)
     step = max(step, 1)  # step 0 would divide by zero in step^-0.5
     return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
@@ -482,10 +462,9 @@ def train_model(
     `schedule(s)`, if given, is the rate of update s (from 1) instead of lr_lambda(s, d, warmup).
     `progress=True` shows a progress bar (tqdm.auto: a widget in Jupyter, text elsewhere).
     """
-    _positive_int("steps", steps)
-    _positive("clip_norm", clip_norm)
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    check_int("steps", steps, 1)
+    check_float("clip_norm", clip_norm, 0.0, low_open=True)
+    check_probability("label_smoothing", label_smoothing)
     if schedule is not None and not callable(schedule):
         raise TypeError(f"schedule must be callable (step -> rate), got {type(schedule).__name__}")
     vocab_size = model.tgt_embed.num_embeddings
@@ -533,32 +512,46 @@ def train_model(
 
 # %%
 #| export
-REVERSAL_RECIPE: dict = {
-    "vocab_size": 12,
-    "max_len": 8,
-    "d_model": 128,
-    "num_heads": 4,
-    "d_ff": 512,
-    "num_layers": 2,
-    "dropout_p": 0.1,
-    "batch_size": 64,
-    "steps": 2500,
-    "warmup": 400,
-    "label_smoothing": 0.0,
-    "embedding_init": "paper",  # or "default": nn.Embedding's N(0, 1)
-    "seed": 0,
-}
+@dataclasses.dataclass(frozen=True)
+class ReversalRecipe:
+    """All a reversal run depends on: the model's sizes, the batches, the schedule, the seed."""
+
+    vocab_size: int = 12
+    max_len: int = 8
+    d_model: int = 128
+    num_heads: int = 4
+    d_ff: int = 512
+    num_layers: int = 2
+    dropout_p: float = 0.1
+    batch_size: int = 64
+    steps: int = 2500
+    warmup: int = 400
+    label_smoothing: float = 0.0
+    embedding_init: str = "paper"  # or "default": nn.Embedding's N(0, 1)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_len", "d_model", "num_heads", "d_ff", "num_layers",
+                     "batch_size", "steps", "warmup"):
+            check_int(name, getattr(self, name), 1)
+        check_int("seed", self.seed)
+        check_probability("dropout_p", self.dropout_p)
+        check_probability("label_smoothing", self.label_smoothing)
+        check_choice("embedding_init", self.embedding_init, ("paper", "default"))
+        if self.embedding_init not in ("paper", "default"):  # check_choice ignores case
+            raise ValueError(f"embedding_init must be 'paper' or 'default', got {self.embedding_init!r}")
 
 
-def reversal_recipe(**changes) -> dict:
-    """REVERSAL_RECIPE with `changes` applied; unknown keys are a ValueError."""
-    unknown = sorted(set(changes) - set(REVERSAL_RECIPE))
+REVERSAL_RECIPE = ReversalRecipe()  # the tutorial's recipe, as this notebook trains it
+
+
+def reversal_recipe(**changes) -> ReversalRecipe:
+    """REVERSAL_RECIPE with `changes` applied; an unknown key is a ValueError naming the known."""
+    known = [field.name for field in dataclasses.fields(ReversalRecipe)]
+    unknown = sorted(set(changes) - set(known))
     if unknown:
-        raise ValueError(f"unknown recipe keys {unknown}; known: {sorted(REVERSAL_RECIPE)}")
-    recipe = {**REVERSAL_RECIPE, **changes}
-    if recipe["embedding_init"] not in ("paper", "default"):
-        raise ValueError(f"embedding_init must be 'paper' or 'default', got {recipe['embedding_init']!r}")
-    return recipe
+        raise ValueError(f"unknown recipe keys {unknown}; known: {known}")
+    return dataclasses.replace(REVERSAL_RECIPE, **changes)
 
 
 def train_reversal(
@@ -572,18 +565,18 @@ def train_reversal(
 ) -> tuple[Transformer, dict[str, list[float]]]:
     """Build a reversal model as the recipe says, train it on `device`; return it and its history.
 
-    The weights are drawn on the CPU, so they are the same on every device; on a GPU the dropout
-    masks come from the GPU's generator, so a GPU run is another run of the same recipe.
+    `changes` are recipe fields (`steps=800`, `embedding_init="default"`, ...). The weights are
+    drawn on the CPU, so they are the same on every device; on a GPU the dropout masks come from
+    the GPU's generator, so a GPU run is another run of the same recipe.
     """
     recipe = reversal_recipe(**changes)
-    seed, V = recipe["seed"], recipe["vocab_size"]
-    set_seed(seed)  # the weights and the dropout masks
+    set_seed(recipe.seed)  # the weights and the dropout masks
     model = Transformer(
-        V, V, d_model=recipe["d_model"], num_heads=recipe["num_heads"], d_ff=recipe["d_ff"],
-        num_layers=recipe["num_layers"], dropout_p=recipe["dropout_p"],
+        recipe.vocab_size, recipe.vocab_size, d_model=recipe.d_model, num_heads=recipe.num_heads,
+        d_ff=recipe.d_ff, num_layers=recipe.num_layers, dropout_p=recipe.dropout_p,
     )
-    if recipe["embedding_init"] == "default":
-        embedding_generator = torch.Generator().manual_seed(seed + 2)
+    if recipe.embedding_init == "default":
+        embedding_generator = torch.Generator().manual_seed(recipe.seed + 2)
         with torch.no_grad():
             for embedding in (model.src_embed, model.tgt_embed):
                 nn.init.normal_(embedding.weight, 0.0, 1.0, generator=embedding_generator)
@@ -591,12 +584,12 @@ def train_reversal(
     model = model.to(device)
     history = train_model(
         model,
-        recipe["steps"],
-        batch_size=recipe["batch_size"],
-        max_len=recipe["max_len"],
-        warmup=recipe["warmup"],
-        label_smoothing=recipe["label_smoothing"],
-        generator=torch.Generator().manual_seed(seed + 1),  # the batches
+        recipe.steps,
+        batch_size=recipe.batch_size,
+        max_len=recipe.max_len,
+        warmup=recipe.warmup,
+        label_smoothing=recipe.label_smoothing,
+        generator=torch.Generator().manual_seed(recipe.seed + 1),  # the batches
         log_every=log_every,
         callback=callback,
         schedule=schedule,
@@ -624,12 +617,21 @@ print(f"parameters: {n_params:,}")
 #
 # A low loss under teacher forcing is not yet a working model: at test time the decoder reads
 # its *own* previous outputs, and a single wrong token derails what follows. The real test is
-# generation. **Greedy decoding** encodes the source once, starts the target with `BOS`, and
-# appends the most likely next token until every sequence has produced `EOS` (or a length cap).
-# A sequence that has finished gets `PAD` from then on. The loop re-runs the decoder over the
-# whole prefix at every step. This is the plain version, for reading; notebook 12 writes the
-# package's `greedy_decode` (in `decoding`, with a key-value cache, beside beam search and
-# sampling), and that is the one `exact_match` below calls.
+# generation. **Greedy decoding** takes the most likely token at every step,
+# $\hat y_t = \arg\max_v p(v \mid \hat y_{<t}, x)$, and feeds it back as the next input (the
+# softmax is monotone, so the argmax of the logits will do). Three details make it work on a
+# batch:
+#
+# - **The encoder runs once.** The source does not change while we generate, so `enc_out` is
+#   computed before the loop and read by every step.
+# - **Each sequence stops on its own.** A row that has emitted `EOS` is finished and receives
+#   `PAD` from then on, so the result is a rectangle `(B, ≤ max_new_tokens + 1)`, `BOS` first,
+#   like a padded target batch. The loop ends when every row has finished, or after
+#   `max_new_tokens` steps.
+# - **Dropout is off**, and the model is handed back in the mode it came in.
+#
+# The simplest form re-runs the decoder over the whole prefix at every step and checks after
+# every step whether all rows are done:
 
 # %%
 @torch.no_grad()
@@ -661,6 +663,169 @@ def plain_greedy_decode(
 
 
 # %% [markdown]
+# The package's `greedy_decode` (in the `decoding` module, which notebook 12 extends with beam
+# search and sampling) is this loop with four changes, none of which changes a token:
+#
+# - **Checks at the boundary.** A wrong argument fails at once with a message, not deep inside
+#   attention; `encode` checks the source's ids once, and the steps run inside `validated()`
+#   (notebook 00), so the model does not check the loop's own tokens again at every step.
+# - **One loop for every strategy.** `_generate` takes a function `choose` that maps the logits
+#   `(B, V)` to the next tokens `(B,)`: greedy decoding passes the argmax; notebook 12's sampling
+#   will pass a random draw.
+# - **An optional cache.** Re-running the decoder over the whole prefix repeats the work of
+#   every earlier step. With `cache` (a `KVCache`, built in notebook 12), each step feeds only the
+#   newest token, `ys[:, -1:]`, and the decoder's attention layers keep the keys and values of
+#   the earlier ones (`Transformer.decode` already takes a `cache`, notebook 10). Until notebook
+#   12 we leave it at `None`.
+# - **No wait at every step.** `bool(finished.all())` brings a flag from the device to Python;
+#   on a GPU that means waiting until every queued kernel has run, so the CPU cannot queue the
+#   next step ahead. `_generate` asks only every 8 steps. In between, rows that are finished get
+#   `PAD` as before, so a batch that finished early only adds columns of `PAD`; at the end the
+#   result is cut right after the column where the last row emitted `EOS`, which is exactly
+#   where the step-by-step loop would have stopped.
+#
+# First the context manager for the mode and the checks:
+
+# %%
+#| export decoding
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from transformer_from_scratch.checks import check_broadcast, check_int, check_tensor, validated
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.tokens import BOS, EOS, PAD
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Switch dropout off while generating; give the model back in the mode it came in."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _check_generation_inputs(
+    model: nn.Module, src: Tensor, max_new_tokens: int, src_mask: Tensor | None
+) -> None:
+    """Raise a TypeError (wrong type) or ValueError (wrong value) if generation cannot start."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_tensor("src", src, dim=2, kind="int")  # (B, T_src) token ids
+    check_int("max_new_tokens", max_new_tokens, 1)
+    max_len = getattr(model, "max_len", None)  # rows of the positional table, if the model says
+    if max_len is not None and max_new_tokens > max_len:  # the last step reads positions 0..n-1
+        raise ValueError(
+            f"max_new_tokens={max_new_tokens} is more than the model's max_len={max_len}: the "
+            "decoder would read positions beyond its positional table"
+        )
+    B, T_src = src.shape
+    check_broadcast(
+        "src_mask", src_mask, (B, 1, 1, T_src), "(B, 1, 1, T_src)", hint="build it with padding_mask"
+    )
+
+
+# %% [markdown]
+# Then the loop, and greedy decoding as one use of it:
+
+# %%
+#| export decoding
+_SYNC_EVERY = 8  # steps between two "has every row finished?" checks (each waits for the device)
+
+
+def _generate(
+    model: nn.Module,
+    src: Tensor,
+    max_new_tokens: int,
+    src_mask: Tensor | None,
+    choose: Callable[[Tensor], Tensor],
+    cache=None,
+) -> Tensor:
+    """The loop shared by the decoding strategies; `choose` maps (B, V) logits to (B,) ids."""
+    if cache is not None and cache.length != 0:
+        raise ValueError(f"cache must be empty (a new KVCache), it holds {cache.length} positions")
+    B, device = src.size(0), src.device
+    enc_out = model.encode(src, src_mask=src_mask)  # once: (B, T_src, d_model); checks the ids
+    ys = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (B, 1)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+    with validated():  # the inputs were checked; the loop's own tokens need no checks
+        for step in range(1, max_new_tokens + 1):
+            if cache is None:  # the whole prefix goes through the decoder again
+                self_mask = causal_mask(ys.size(1), device=device)  # (1, 1, T, T)
+                dec_out = model.decode(ys, enc_out, self_mask=self_mask, cross_mask=src_mask)
+            else:  # only the newest token: the cache holds the keys and values of the others
+                dec_out = model.decode(ys[:, -1:], enc_out, cross_mask=src_mask, cache=cache)
+            logits = model.out_proj(dec_out[:, -1])  # last position: (B, d_model) -> (B, V)
+            next_token = choose(logits).masked_fill(finished, PAD)  # (B,): finished rows get PAD
+            ys = torch.cat([ys, next_token[:, None]], dim=1)  # (B, T) -> (B, T + 1)
+            finished |= next_token == EOS  # stays on the device: no wait here
+            if step % _SYNC_EVERY == 0 and bool(finished.all()):  # the only wait, every 8 steps
+                break
+    # Cut after the column where the last row emitted EOS (all of ys if a row never did):
+    # what a check after every step would have returned.
+    is_eos = ys == EOS  # (B, T)
+    ends = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), ys.size(1) - 1)  # (B,)
+    return ys[:, : int(ends.max()) + 1]
+
+
+@torch.no_grad()
+def greedy_decode(
+    model: nn.Module,
+    src: Tensor,
+    max_new_tokens: int,
+    src_mask: Tensor | None = None,
+    cache=None,
+) -> Tensor:
+    """Take the most likely token at each step: (B, <= max_new_tokens + 1) ids, BOS first.
+
+    A row that has emitted EOS gets PAD after it. `cache` (a new KVCache, notebook 12) makes
+    each step feed only the newest token to the decoder; the tokens are the same.
+    """
+    _check_generation_inputs(model, src, max_new_tokens, src_mask)
+    with _eval_mode(model):
+        return _generate(
+            model, src, max_new_tokens, src_mask, lambda logits: logits.argmax(dim=-1), cache
+        )
+
+
+# %% [markdown]
+# **Check:** `greedy_decode` gives exactly the tokens of the plain loop. The untrained model of
+# section 2 rarely emits `EOS`, so its rows run to the cap; a copy of it whose output layer
+# favours `EOS` (a larger bias for that one logit) stops its rows at different steps, and
+# finishes the batch before the cap, so the every-8-steps check and the final cut both matter.
+# For both, and in training mode as well as in evaluation mode: the same tokens and the same
+# shape, nothing but `PAD` after a row's `EOS`, the loop as long as the last row needed, and the
+# model handed back in the mode it came in.
+
+# %%
+src, _, tgt_out, lengths = make_batch(32, MAX_LEN, VOCAB, torch.Generator().manual_seed(7))
+src, src_mask = src.to(device), padding_mask(lengths, MAX_LEN).to(device)
+eager = Transformer(VOCAB, VOCAB).to(device)
+eager.load_state_dict(probe.state_dict())  # the untrained model again ...
+with torch.no_grad():
+    eager.out_proj.bias[EOS] += 1.5  # ... with a taste for EOS
+for m, mode in ((probe, "eval"), (eager, "eval"), (eager, "train")):
+    m.train(mode == "train")
+    ys = plain_greedy_decode(m, src, MAX_LEN + 1, src_mask=src_mask)
+    assert torch.equal(greedy_decode(m, src, MAX_LEN + 1, src_mask), ys)
+    assert m.training == (mode == "train")
+    ys = ys.cpu()
+    is_eos = (ys == EOS).long()
+    after_eos = is_eos.cumsum(dim=1) - is_eos  # (B, T): > 0 after a row's first EOS
+    assert (ys[after_eos > 0] == PAD).all()
+    finished_at = torch.where(is_eos.any(1), is_eos.argmax(1), MAX_LEN + 1)  # (B,): EOS column
+    assert ys.size(1) == int(finished_at.max()) + 1  # as long as the last row needed
+    print(f"{mode:5s}: {int(is_eos.any(1).sum()):2d} of 32 rows emitted EOS, the last at step "
+          f"{int(finished_at.max())}; output {tuple(ys.shape)}")
+eager_ends = finished_at
+assert 1 < len(eager_ends.unique()) and int(eager_ends.max()) < MAX_LEN + 1  # stops before the cap
+
+# %% [markdown]
 # A sequence counts as correct only if the decoded tokens are its reversal, then `EOS`, then
 # nothing but `PAD`: the whole of `tgt_out`. `exact_match` draws `n` fresh sequences from a
 # generator with a seed of its own (2017, never used for training), so they are new batches
@@ -689,7 +854,7 @@ def exact_match(
     model: Transformer, n: int = 256, max_len: int = 8, generator: torch.Generator | None = None
 ) -> int:
     """How many of `n` fresh reversal sequences greedy decoding gets exactly right."""
-    _positive_int("n", n)
+    check_int("n", n, 1)
     if generator is None:
         generator = torch.Generator().manual_seed(EVAL_SEED)
     vocab_size = model.tgt_embed.num_embeddings
@@ -698,27 +863,13 @@ def exact_match(
 
 
 # %% [markdown]
-# **Check:** the plain loop gives exactly the tokens of the package's `greedy_decode`, with and
-# without its cache; a row that emits `EOS` gets nothing but `PAD` after it, and the loop runs
-# until every row has finished or $L_\max + 1$ tokens are out, not a step longer; and the
-# untrained model of section 2 gets none of the 256 right. (The unit tests check `exact_match`
-# against a hand-written perfect reverser.)
+# **Check:** the untrained model of section 2 gets none of the 256 right. (The unit tests check
+# `exact_match` against a hand-written perfect reverser.)
 
 # %%
-src, _, tgt_out, lengths = make_batch(32, MAX_LEN, VOCAB, torch.Generator().manual_seed(7))
-src, src_mask = src.to(device), padding_mask(lengths, MAX_LEN).to(device)
-ys = plain_greedy_decode(probe, src, MAX_LEN + 1, src_mask=src_mask)
-for use_cache in (False, True):
-    assert torch.equal(ys, greedy_decode(probe, src, MAX_LEN + 1, src_mask, use_cache=use_cache))
-ys = ys.cpu()
-is_eos = (ys == EOS).long()
-after_eos = is_eos.cumsum(dim=1) - is_eos  # (B, T): > 0 after a row's first EOS
-assert (ys[after_eos > 0] == PAD).all()
-finished_at = torch.where(is_eos.any(1), is_eos.argmax(1), ys.size(1))  # (B,): first EOS column
-assert ys.size(1) == min(int(finished_at.max()) + 1, MAX_LEN + 2)  # stops when all are done
-assert exact_match(probe) == 0
-print(f"untrained: 0/256; {int(is_eos.any(1).sum())} of 32 rows emitted EOS; "
-      f"first greedy output: {ys[0].tolist()}")
+untrained_em = exact_match(probe)
+assert untrained_em == 0
+print(f"untrained: {untrained_em}/256")
 
 # %% [markdown]
 # **Exact match asks for the whole reversal and the `EOS`, generated token by token from the
@@ -766,7 +917,7 @@ model, history = train_reversal(
 )
 seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
 print(f"{seconds:.0f} s on {device.type}, {cpu_seconds:.0f} s of it on the CPU: "
-      f"{1000 * cpu_seconds / RECIPE['steps']:.0f} ms of CPU time per step, "
+      f"{1000 * cpu_seconds / RECIPE.steps:.0f} ms of CPU time per step, "
       "exact-match evaluations included")
 
 # %% [markdown]
@@ -775,7 +926,7 @@ print(f"{seconds:.0f} s on {device.type}, {cpu_seconds:.0f} s of it on the CPU: 
 
 # %% tags=["nbval-ignore-output"]
 losses, rates = np.array(history["loss"]), np.array(history["lr"])
-STEPS = RECIPE["steps"]
+STEPS = RECIPE.steps
 for s in range(500, STEPS + 1, 500):
     print(f"step {s:5d}  loss {losses[s - 1]:.4f}  lr {rates[s - 1]:.2e}  "
           f"exact match {em_curve[s]}/256")
@@ -810,13 +961,13 @@ fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained",
 ax = axes[0]
 ax.plot(step_axis, losses, color=LOSS_COLOR, alpha=0.25, lw=0.8, label="loss per batch")
 ax.plot(step_axis, smooth(losses), color=LOSS_COLOR, lw=2, label="50-step moving average")
-ax.axvline(RECIPE["warmup"], color="grey", ls=":", lw=1, label="end of warmup")
+ax.axvline(RECIPE.warmup, color="grey", ls=":", lw=1, label="end of warmup")
 ax.set(xlabel="training step", ylabel="cross-entropy (nats, log scale)", yscale="log",
        title="Training loss")
 ax.legend(loc="upper right", fontsize=9)
 ax = axes[1]
 ax.plot(step_axis, rates, color=LR_COLOR, lw=1.5)
-ax.axvline(RECIPE["warmup"], color="grey", ls=":", lw=1)
+ax.axvline(RECIPE.warmup, color="grey", ls=":", lw=1)
 ax.set(xlabel="training step", ylabel="learning rate", ylim=(0, rates.max() * 1.1),
        title="Learning rate (section 3's schedule)")
 ax = axes[2]
@@ -860,7 +1011,7 @@ for b in range(3):
 assert correct >= 250
 test_src, _, test_out, test_len = make_batch(256, MAX_LEN, VOCAB,
                                              torch.Generator().manual_seed(EVAL_SEED))
-replay = torch.Generator().manual_seed(RECIPE["seed"] + 1)  # the training batches, again
+replay = torch.Generator().manual_seed(RECIPE.seed + 1)  # the training batches, again
 seen = set()
 for _ in range(STEPS):
     seen.update(map(tuple, make_batch(64, MAX_LEN, VOCAB, generator=replay)[0].tolist()))
@@ -900,10 +1051,10 @@ WARMUP_STEPS = 300  # the length of each run: the ramp lasts 400 steps, so they 
 
 def rate(scale: float, ramp: bool):
     """The recipe's schedule times `scale`; without the ramp: its peak from update 1, then the decay."""
-    peak = scale * lr_lambda(RECIPE["warmup"], RECIPE["d_model"], RECIPE["warmup"])
+    peak = scale * lr_lambda(RECIPE.warmup, RECIPE.d_model, RECIPE.warmup)
     if ramp:
-        return lambda s: scale * lr_lambda(s, RECIPE["d_model"], RECIPE["warmup"])
-    return lambda s: min(peak, scale * lr_lambda(s, RECIPE["d_model"], 1))  # warmup 1: d^-1/2 s^-1/2
+        return lambda s: scale * lr_lambda(s, RECIPE.d_model, RECIPE.warmup)
+    return lambda s: min(peak, scale * lr_lambda(s, RECIPE.d_model, 1))  # warmup 1: d^-1/2 s^-1/2
 
 
 warmup_variants = {"no warm-up": (1.0, False), "2× rate, warm-up": (2.0, True),
@@ -932,7 +1083,7 @@ for name, run in warmup_runs.items():
 # **Check:** the schedules are what they say (facts), and «WARMUP_CLAIM»
 
 # %%
-peak = lr_lambda(RECIPE["warmup"], RECIPE["d_model"], RECIPE["warmup"])
+peak = lr_lambda(RECIPE.warmup, RECIPE.d_model, RECIPE.warmup)
 flat = warmup_runs["no warm-up"]
 assert np.allclose(flat["lr"], peak, rtol=1e-12, atol=0)  # the peak from the first update on
 assert np.allclose(warmup_runs["2× rate, warm-up"]["lr"], 2 * rates[:WARMUP_STEPS], rtol=1e-12)
@@ -1095,7 +1246,7 @@ plt.show()
 #
 # (the per-seed tables are in `tools/seed_study.md`, the raw numbers in `tools/seed_study.json`):
 #
-«STUDY_TABLE»
+# «STUDY_TABLE»
 #
 # «STUDY_TEXT»
 #
@@ -1620,7 +1771,7 @@ def load_checkpoint(
 
 # %%
 checkpoint = Path("checkpoints/reversal.pt")
-save_checkpoint(checkpoint, model, recipe=RECIPE, history=history)
+save_checkpoint(checkpoint, model, recipe=dataclasses.asdict(RECIPE), history=history)
 print(checkpoint, "saved")
 
 # %% [markdown]
@@ -1631,7 +1782,7 @@ print(checkpoint, "saved")
 
 # %%
 raw = torch.load(checkpoint, weights_only=True)
-assert set(raw) == {"format", "config", "state_dict", "meta"} and raw["meta"]["recipe"] == RECIPE
+assert set(raw) == {"format", "config", "state_dict", "meta"} and raw["meta"]["recipe"] == dataclasses.asdict(RECIPE)
 restored, meta = load_checkpoint(checkpoint, map_location=device)
 assert restored.config == model.config and not restored.training
 for (name, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items(), strict=True):
@@ -1695,18 +1846,23 @@ def get_reversal_model(
             if verbose:
                 print(f"{err}; training a new model")
         else:
-            if meta.get("recipe") == recipe:
+            if meta.get("recipe") == dataclasses.asdict(recipe):  # saved as plain data
                 if verbose:
                     print(f"loaded {path}")
                 return model
             if verbose:
                 print(f"{path} was trained with another recipe; training a new model")
-    model, history = train_reversal(device=device, progress=progress, **recipe)
+    model, history = train_reversal(device=device, progress=progress, **changes)
     save_checkpoint(
-        path, model, recipe=recipe, history=history, device=device.type, torch=str(torch.__version__)
+        path,
+        model,
+        recipe=dataclasses.asdict(recipe),  # plain data: loads with weights_only=True
+        history=history,
+        device=device.type,
+        torch=str(torch.__version__),
     )
     if verbose:
-        print(f"trained {recipe['steps']} steps on {device.type} and saved {path}")
+        print(f"trained {recipe.steps} steps on {device.type} and saved {path}")
     return model
 
 

@@ -106,8 +106,6 @@ print(f"vocabulary {VOCAB}, positions up to {model.pos.pe.size(1)}, d_model {mod
 """Generate with a trained encoder-decoder: greedy, a key-value cache, beam search, sampling."""
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -121,125 +119,17 @@ from transformer_from_scratch.tokens import BOS, EOS, PAD
 # %% [markdown]
 # ## Greedy decoding
 #
-# Greedy decoding takes the most likely token at every step,
-#
-# $$\hat y_t = \arg\max_{v}\; p\bigl(v \mid \hat y_{<t},\, x\bigr),$$
-#
-# feeds it back as the next input, and stops when it emits `EOS` or runs out of room. Since the
-# softmax is monotone, the argmax of the logits is the argmax of the probabilities: no softmax
-# is needed.
-#
-# Three details make it usable on a batch:
-#
-# - **The encoder runs once.** The source does not change while we generate, so `enc_out`
-#   is computed before the loop and read by every step (and by every decoder layer).
-# - **Each sequence stops on its own.** A row that has emitted `EOS` is finished; it keeps
-#   receiving `PAD` until the whole batch is done, so the result is a rectangle
-#   `(B, ≤ max_new_tokens + 1)`, `BOS` first, exactly like a padded target batch.
-# - **Dropout is off**, and the model is handed back in the mode it came in.
-#
-# First the input checks, so that a wrong call fails with a message instead of deep inside
-# attention (the token ids themselves are checked by `Transformer.encode`). `max_new_tokens` is
-# bounded by the positional table: at the last step the decoder reads positions
-# $0, \dots, n-1$. The loop needs nothing from the model but `encode`, `decode` and `out_proj`.
+# Notebook 11 wrote `greedy_decode` to test its model: it encodes the source once, takes the
+# most likely token at every step, gives a finished row `PAD` after its `EOS`, and returns
+# `(B, ≤ max_new_tokens + 1)` ids, `BOS` first. Its loop, `_generate`, takes the rule that picks
+# each token (`choose`) and an optional `cache`, which this notebook builds below. Here we use
+# them: beam search and sampling below reuse its input checks and its loop.
 
 # %%
-#| export
-def _check_generation_inputs(
-    model: nn.Module, src: Tensor, max_new_tokens: int, src_mask: Tensor | None
-) -> None:
-    """Raise a TypeError/ValueError naming the offending value if generation cannot start."""
-    if not isinstance(src, Tensor):
-        raise TypeError(f"src must be a torch.Tensor of token ids, got {type(src).__name__}")
-    if src.dim() != 2:
-        raise ValueError(f"src must have shape (B, T_src), got {tuple(src.shape)}")
-    if src.dtype == torch.bool or src.is_floating_point() or src.is_complex():
-        raise TypeError(f"src must hold integer token ids, got dtype {src.dtype}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    max_len = getattr(model, "max_len", None)  # rows of the positional table, if the model says
-    if max_len is not None and max_new_tokens > max_len:
-        raise ValueError(
-            f"max_new_tokens={max_new_tokens} is more than the model's max_len={max_len}: the "
-            "decoder would read positions beyond its positional table"
-        )
-    if src_mask is not None:
-        expected = (src.size(0), 1, 1, src.size(1))  # one row per source: same for every query
-        try:
-            fits = torch.broadcast_shapes(src_mask.shape, expected) == expected
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(
-                f"src_mask of shape {tuple(src_mask.shape)} does not broadcast to "
-                f"(B, 1, 1, T_src) = {expected}"
-            )
-
-
-@contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Switch dropout off while generating; give the model back in the mode it came in."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-# %% [markdown]
-# The loop itself is shared by greedy decoding and sampling: they differ only in how the next
-# token is *picked* from the logits. The `use_cache` branch calls two names from the section on
-# the KV cache below; until then we leave it off.
-
-# %%
-#| export
-def _generate(
-    model: nn.Module,
-    src: Tensor,
-    max_new_tokens: int,
-    src_mask: Tensor | None,
-    choose: Callable[[Tensor], Tensor],
-    cache=None,
-) -> Tensor:
-    """The loop shared by greedy decoding and sampling; `choose` maps (B, V) logits to (B,) ids."""
-    B = src.size(0)
-    enc_out = model.encode(src, src_mask=src_mask)  # once: (B, T_src, d_model)
-    ys = torch.full((B, 1), BOS, dtype=torch.long, device=src.device)  # (B, 1)
-    finished = torch.zeros(B, dtype=torch.bool, device=src.device)
-    for step in range(max_new_tokens):
-        if cache is not None:  # only the newest token goes through the decoder
-            dec_out = model.decode(ys[:, -1:], enc_out, cross_mask=src_mask, cache=cache)
-        else:  # the whole prefix goes through the decoder again
-            self_mask = causal_mask(ys.size(1), device=src.device)  # (1, 1, T, T)
-            dec_out = model.decode(ys, enc_out, self_mask=self_mask, cross_mask=src_mask)
-        logits = model.out_proj(dec_out[:, -1])  # (B, T, d_model) -> (B, d_model) -> (B, V)
-        next_token = choose(logits).masked_fill(finished, PAD)  # (B,): finished rows get PAD
-        ys = torch.cat([ys, next_token[:, None]], dim=1)  # (B, T) -> (B, T + 1)
-        finished |= next_token == EOS
-        if step % 8 == 7 and bool(finished.all()):  # a host-device sync only every 8 steps
-            break
-    is_eos = ys == EOS  # (B, T)
-    if bool(is_eos.any(dim=1).all()):  # every row ended: cut after the last row's first EOS
-        ys = ys[:, : int(is_eos.int().argmax(dim=1).max()) + 1]
-    return ys
-
-
-@torch.no_grad()
-def greedy_decode(
-    model: nn.Module,
-    src: Tensor,
-    max_new_tokens: int,
-    src_mask: Tensor | None = None,
-    cache=None,
-) -> Tensor:
-    """Take the most likely token at each step: (B, <= max_new_tokens + 1) ids, BOS first."""
-    _check_generation_inputs(model, src, max_new_tokens, src_mask)
-    with _eval_mode(model):
-        return _generate(
-            model, src, max_new_tokens, src_mask, lambda logits: logits.argmax(dim=-1), cache
-        )
-
+from transformer_from_scratch.decoding import _check_generation_inputs
+from transformer_from_scratch.decoding import _eval_mode
+from transformer_from_scratch.decoding import _generate
+from transformer_from_scratch.decoding import greedy_decode
 
 # %% [markdown]
 # Let us reverse a few fresh sequences. `make_batch` (notebook 11) draws them; a generator with

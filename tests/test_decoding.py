@@ -1,4 +1,5 @@
-"""Unit tests of transformer_from_scratch.decoding (notebook 12), on tiny random models."""
+"""Unit tests of transformer_from_scratch.decoding (greedy: notebook 11; the rest: notebook 12), on
+tiny random models."""
 
 import itertools
 import math
@@ -63,7 +64,207 @@ def check_format(tokens: torch.Tensor, max_new_tokens: int) -> None:
     assert (tokens[after] == PAD).all()
 
 
-# ------------------------------------------------------------------ greedy and the cache
+# ------------------------------------------------------------------ greedy decoding (notebook 11)
+@torch.no_grad()
+def greedy_reference(model, src, max_new_tokens, src_mask=None):
+    """The simplest greedy loop: the whole prefix every step, and a check after every step."""
+    was_training = model.training
+    model.eval()
+    enc_out = model.encode(src, src_mask=src_mask)
+    ys = torch.full((src.size(0), 1), BOS, dtype=torch.long)
+    finished = torch.zeros(src.size(0), dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        dec_out = model.decode(ys, enc_out, self_mask=causal_mask(ys.size(1)), cross_mask=src_mask)
+        token = model.out_proj(dec_out[:, -1]).argmax(-1).masked_fill(finished, PAD)
+        ys = torch.cat([ys, token[:, None]], dim=1)
+        finished |= token == EOS
+        if finished.all():
+            break
+    model.train(was_training)
+    return ys
+
+
+def eos_steps(tokens: torch.Tensor) -> list[int]:
+    """The column of each row's EOS (None for a row without one)."""
+    return [int(row.nonzero()[0]) if row.any() else None for row in tokens == EOS]
+
+
+# (seed, EOS bias) that make rows end: never; all at the first step; all before the check at
+# step 8 (the final cut matters); the last one exactly at step 8; some after it; some never.
+# Each case asserts that it is what it says, so that it cannot pass vacuously.
+GREEDY_CASES = [
+    ("never ends", 0, -math.inf),
+    ("never ends", 3, -math.inf),
+    ("all end at once", 1, 1e4),
+    ("all end before step 8", 0, 2.0),
+    ("all end before step 8", 2, 1.5),
+    ("the last ends at step 8", 1, 2.5),
+    ("some end after step 8", 0, 1.5),
+    ("some end after step 8", 2, 1.0),
+    ("some end after step 8", 4, 2.0),
+    ("some never end", 1, 1.5),
+]
+
+
+@pytest.mark.parametrize(("case", "seed", "bias"), GREEDY_CASES)
+def test_greedy_equals_a_per_step_reference_loop(case, seed, bias):
+    n = 40
+    model = set_eos_bias(tiny_model(seed), bias)
+    src, mask = padded_batch(12, 6, seed)
+    out = greedy_decode(model, src, n, src_mask=mask)
+    reference = greedy_reference(model, src, n, src_mask=mask)
+    assert out.shape == reference.shape and torch.equal(out, reference)
+    check_format(out, n)
+    ends = eos_steps(out)
+    if case == "never ends":
+        assert ends == [None] * 12 and out.shape == (12, n + 1)
+    elif case == "some never end":
+        assert None in ends and ends != [None] * 12 and out.shape == (12, n + 1)
+    elif case == "all end at once":
+        assert torch.equal(out, torch.tensor([[BOS, EOS]] * 12))
+    else:
+        assert None not in ends and out.size(1) == max(ends) + 1 < n + 1
+        last = {"all end before step 8": max(ends) < 8, "the last ends at step 8": max(ends) == 8}
+        assert last.get(case, max(ends) > 8)
+
+
+def test_greedy_gives_pad_after_eos_and_each_row_what_it_gets_alone():
+    model = set_eos_bias(tiny_model(11), 1.5)  # some rows end early, some never
+    src, mask = padded_batch(12, 6, 11)
+    out = greedy_decode(model, src, 40, src_mask=mask)
+    ended = (out == EOS).any(1)
+    assert 0 < int(ended.sum()) < 12, "the test needs rows that end and rows that do not"
+    check_format(out, 40)
+    for b in range(12):
+        alone = greedy_decode(model, src[b : b + 1], 40, src_mask=mask[b : b + 1])
+        width = alone.size(1)
+        assert torch.equal(out[b, :width], alone[0])
+        assert (out[b, width:] == PAD).all()
+
+
+class CountingDecodes(nn.Module):
+    """A model that counts its decoder calls (the steps greedy decoding ran)."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model, self.calls = model, 0
+        self.out_proj, self.max_len = model.out_proj, model.max_len
+
+    def encode(self, *args, **kwargs):
+        return self.model.encode(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        self.calls += 1
+        return self.model.decode(*args, **kwargs)
+
+
+def test_greedy_stops_early_checking_every_8_steps():
+    counting = CountingDecodes(set_eos_bias(tiny_model(), 1e4))  # every row ends at step 1
+    src, mask = padded_batch(4, 5)
+    out = greedy_decode(counting, src, 50, mask)
+    assert out.shape == (4, 2) and counting.calls == 8  # not 50: it stopped at the first check
+    counting = CountingDecodes(set_eos_bias(tiny_model(), -math.inf))  # no row ever ends
+    assert greedy_decode(counting, src, 13, mask).shape == (4, 14) and counting.calls == 13
+
+
+def test_greedy_restores_the_training_mode_and_ignores_dropout():
+    model = tiny_model(3)
+    model.train()
+    src, mask = padded_batch(2, 5, 3)
+    first = greedy_decode(model, src, 12, mask)
+    assert model.training
+    assert torch.equal(first, greedy_decode(model.eval(), src, 12, mask))
+    assert not model.training
+
+
+def test_greedy_allows_max_new_tokens_up_to_the_positional_table():
+    model = set_eos_bias(tiny_model(max_len=10), -math.inf)
+    src, mask = padded_batch(2, 4)
+    assert greedy_decode(model, src, 10, mask).shape == (2, 11)  # reads positions 0..9
+    with pytest.raises(ValueError, match="max_new_tokens=11 is more than the model's max_len=10"):
+        greedy_decode(model, src, 11, mask)
+
+
+class ListCache:
+    """The smallest cache the modules accept (notebooks 03, 08, 10): keys and values in lists."""
+
+    class Attention:
+        def __init__(self, frozen_after_first: bool):
+            self.frozen_after_first, self.frozen = frozen_after_first, False
+            self.keys = self.values = None
+
+        def update(self, K, V):
+            if self.keys is not None:
+                K, V = torch.cat([self.keys, K], dim=2), torch.cat([self.values, V], dim=2)
+            self.keys, self.values = K, V
+            self.frozen = self.frozen_after_first  # cross-attention: the source's keys, once
+            return K, V
+
+    class Block:
+        def __init__(self):
+            self.self_attn, self.cross_attn = ListCache.Attention(False), ListCache.Attention(True)
+
+    def __init__(self, num_layers: int):
+        self.blocks = [ListCache.Block() for _ in range(num_layers)]
+
+    def layer(self, i: int):
+        return self.blocks[i]
+
+    @property
+    def length(self) -> int:  # positions decoded so far
+        keys = self.blocks[0].self_attn.keys
+        return 0 if keys is None else keys.size(2)
+
+
+@pytest.mark.parametrize("bias", [-math.inf, 1.5])
+def test_greedy_with_a_cache_feeds_one_token_per_step_and_gives_the_same_tokens(bias):
+    model = set_eos_bias(tiny_model(5, num_layers=2), bias)
+    src, mask = padded_batch(6, 7, 5)
+    cache = ListCache(num_layers=2)
+    out = greedy_decode(model, src, 20, mask, cache=cache)
+    assert torch.equal(out, greedy_decode(model, src, 20, mask))  # cache=None: the default
+    assert torch.equal(out, greedy_reference(model, src, 20, mask))
+    steps = 20 if bias == -math.inf else 8 * math.ceil(max(eos_steps(out)) / 8)
+    assert cache.length == min(steps, 20)  # one position per step, the newest token only
+    with pytest.raises(ValueError, match="cache must be empty"):
+        greedy_decode(model, src, 20, mask, cache=cache)  # a used cache holds other positions
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (("model", "src", 5), TypeError, "model must be an nn.Module"),
+        ((None, "list", 5), TypeError, "src must be a torch.Tensor"),
+        ((None, "1-D", 5), ValueError, "src must be 2-D"),
+        ((None, "float", 5), TypeError, "src must hold integers"),
+        ((None, "src", 0), ValueError, "max_new_tokens must be at least 1"),
+        ((None, "src", 2.0), TypeError, "max_new_tokens must be an int"),
+        ((None, "src", True), TypeError, "max_new_tokens must be an int"),
+        ((None, "src", 65), ValueError, "more than the model's max_len=64"),
+        ((None, "src", 5, "wide mask"), ValueError, r"src_mask of shape \(2, 1, 1, 9\)"),
+        ((None, "src", 5, "list mask"), TypeError, "src_mask must be a torch.Tensor"),
+        ((None, "out of vocabulary", 5), ValueError, "src"),
+    ],
+)
+def test_greedy_bad_input(args, error, match):
+    model = tiny_model()
+    src, mask = padded_batch(2, 4)
+    inputs = {
+        "src": src,
+        "list": src.tolist(),
+        "1-D": src[0],
+        "float": src.float(),
+        "out of vocabulary": torch.full_like(src, VOCAB + 3),
+        "wide mask": padding_mask(torch.tensor([9, 9]), 9),
+        "list mask": mask.tolist(),
+    }
+    m = model if args[0] is None else args[0]
+    src_mask = inputs[args[3]] if len(args) > 3 else mask
+    with pytest.raises(error, match=match):
+        greedy_decode(m, inputs[args[1]], args[2], src_mask)
+
+
+# ------------------------------------------------------------------ the cache
 @pytest.mark.parametrize(
     "B, S, n, seed, num_layers",
     [(1, 1, 1, 0, 1), (1, 5, 30, 1, 2), (3, 7, 40, 2, 3), (8, 6, 17, 3, 2), (32, 9, 25, 4, 1)],
@@ -177,19 +378,6 @@ def test_kv_cache_layers_bytes_and_reorder():
     assert layer.cross_attn.frozen and cache.length == 2
 
 
-def test_greedy_rows_stop_on_their_own_and_match_single_decoding():
-    model = set_eos_bias(tiny_model(11), 1.5)  # some rows end early, some never
-    src, mask = padded_batch(12, 6, 11)
-    out = greedy_decode(model, src, 40, src_mask=mask)
-    ended = (out == EOS).any(1)
-    assert 0 < int(ended.sum()) < 12, "the test needs rows that end and rows that do not"
-    for b in range(12):
-        alone = greedy_decode(model, src[b : b + 1], 40, src_mask=mask[b : b + 1])
-        width = alone.size(1)
-        assert torch.equal(out[b, :width], alone[0])
-        assert (out[b, width:] == PAD).all()
-
-
 def test_eos_at_the_first_step_and_never():
     src, mask = padded_batch(3, 4)
     always = set_eos_bias(tiny_model(), 1e4)
@@ -197,15 +385,6 @@ def test_eos_at_the_first_step_and_never():
     never = set_eos_bias(tiny_model(), -math.inf)
     out = greedy_decode(never, src, 10, mask, cache=KVCache())
     assert out.shape == (3, 11) and not (out == EOS).any()
-
-
-def test_decoding_restores_the_training_mode_and_ignores_dropout():
-    model = tiny_model(3)
-    model.train()
-    src, mask = padded_batch(2, 5, 3)
-    first = greedy_decode(model, src, 12, mask)
-    assert model.training
-    assert torch.equal(first, greedy_decode(model.eval(), src, 12, mask))
 
 
 # ------------------------------------------------------------------ beam search

@@ -18,6 +18,7 @@ from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.train import EVAL_SEED
 from transformer_from_scratch.train import REVERSAL_RECIPE
 from transformer_from_scratch.train import CheckpointError
+from transformer_from_scratch.train import ReversalRecipe
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import get_reversal_model
 from transformer_from_scratch.train import load_checkpoint
@@ -63,10 +64,11 @@ def test_lr_lambda_peak_at_warmup(d_model, warmup):
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
-        ((-1, 128, 400), ValueError, "step must be a non-negative int"),
-        ((1.5, 128, 400), ValueError, "step must be a non-negative int"),
-        ((1, 0, 400), ValueError, "d_model must be positive"),
-        ((1, 128, -4), ValueError, "warmup must be positive"),
+        ((-1, 128, 400), ValueError, "step must be at least 0"),
+        ((1.5, 128, 400), TypeError, "step must be an int"),
+        ((True, 128, 400), TypeError, "step must be an int"),
+        ((1, 0, 400), ValueError, "d_model must be > 0"),
+        ((1, 128, -4), ValueError, "warmup must be > 0"),
         ((1, "128", 400), TypeError, "d_model must be a number"),
     ],
 )
@@ -183,10 +185,11 @@ def test_train_model_prints_when_asked(capsys):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"steps": 0}, ValueError, "steps must be positive"),
+        ({"steps": 0}, ValueError, "steps must be at least 1"),
         ({"steps": 2.5}, TypeError, "steps must be an int"),
         ({"steps": 3, "label_smoothing": 1.0}, ValueError, r"label_smoothing must be in \[0, 1\)"),
-        ({"steps": 3, "clip_norm": 0.0}, ValueError, "clip_norm must be positive"),
+        ({"steps": 3, "label_smoothing": "0.1"}, TypeError, "label_smoothing must be a number"),
+        ({"steps": 3, "clip_norm": 0.0}, ValueError, "clip_norm must be > 0"),
     ],
 )
 def test_train_model_bad_input(kwargs, error, match):
@@ -245,20 +248,51 @@ def test_exact_match_uses_greedy_decoding_of_a_real_model():
 
 
 def test_exact_match_bad_n():
-    with pytest.raises(ValueError, match="n must be positive"):
+    with pytest.raises(ValueError, match="n must be at least 1"):
         exact_match(ReverseOracle(), n=0)
 
 
 # ---------------------------------------------------------------- recipes
 
 
-def test_reversal_recipe_defaults_and_errors():
-    assert reversal_recipe() == REVERSAL_RECIPE
-    assert reversal_recipe(steps=7)["steps"] == 7 and REVERSAL_RECIPE["steps"] != 7
-    with pytest.raises(ValueError, match=r"unknown recipe keys \['stpes'\]"):
-        reversal_recipe(stpes=7)
-    with pytest.raises(ValueError, match="embedding_init must be 'paper' or 'default'"):
-        reversal_recipe(embedding_init="xavier")
+def test_reversal_recipe_is_a_frozen_dataclass_with_the_tutorial_defaults():
+    assert isinstance(REVERSAL_RECIPE, ReversalRecipe) and REVERSAL_RECIPE == ReversalRecipe()
+    assert dataclasses.asdict(REVERSAL_RECIPE) == {
+        "vocab_size": 12, "max_len": 8, "d_model": 128, "num_heads": 4, "d_ff": 512,
+        "num_layers": 2, "dropout_p": 0.1, "batch_size": 64, "steps": 2500, "warmup": 400,
+        "label_smoothing": 0.0, "embedding_init": "paper", "seed": 0,
+    }  # fmt: skip
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        REVERSAL_RECIPE.steps = 7
+
+
+def test_reversal_recipe_replaces_fields_and_leaves_the_default_alone():
+    recipe = reversal_recipe(steps=7, embedding_init="default")
+    assert isinstance(recipe, ReversalRecipe)
+    assert recipe.steps == 7 and recipe.embedding_init == "default" and recipe.seed == 0
+    assert REVERSAL_RECIPE.steps == 2500 and reversal_recipe() == REVERSAL_RECIPE
+    assert recipe == dataclasses.replace(REVERSAL_RECIPE, steps=7, embedding_init="default")
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"stpes": 7}, ValueError, r"unknown recipe keys \['stpes'\]; known: \['vocab_size'"),
+        ({"embedding_init": "xavier"}, ValueError, "embedding_init"),
+        ({"embedding_init": "Paper"}, ValueError, "embedding_init must be 'paper' or 'default'"),
+        ({"embedding_init": 1}, TypeError, "embedding_init must be a str"),
+        ({"steps": 0}, ValueError, "steps must be at least 1"),
+        ({"steps": 2.0}, TypeError, "steps must be an int"),
+        ({"dropout_p": 1.0}, ValueError, "dropout_p must be in"),
+        ({"label_smoothing": -0.1}, ValueError, "label_smoothing must be in"),
+        ({"seed": "0"}, TypeError, "seed must be an int"),
+    ],
+)
+def test_reversal_recipe_errors(changes, error, match):
+    with pytest.raises(error, match=match):
+        reversal_recipe(**changes)
+    with pytest.raises(error, match=match):
+        train_reversal(**changes)  # the keyword API checks the same way
 
 
 def test_train_reversal_is_bit_reproducible_and_default_init_changes_only_embeddings():
@@ -378,3 +412,14 @@ def test_get_reversal_model_retrains_on_a_corrupt_file_or_another_recipe(tmp_pat
     get_reversal_model(path, device="cpu", **{**TINY, "steps": 2})
     assert "another recipe" in capsys.readouterr().out
     assert load_checkpoint(path)[1]["recipe"]["steps"] == 2
+
+
+def test_the_checkpoint_stores_the_recipe_as_plain_data(tmp_path, capsys):
+    path = tmp_path / "reversal.pt"
+    get_reversal_model(path, device="cpu", verbose=False, **TINY)
+    raw = torch.load(path, weights_only=True)  # plain data only: no ReversalRecipe to unpickle
+    recipe = raw["meta"]["recipe"]
+    assert type(recipe) is dict and recipe == dataclasses.asdict(reversal_recipe(**TINY))
+    assert ReversalRecipe(**recipe) == reversal_recipe(**TINY)  # and it rebuilds the recipe
+    get_reversal_model(path, device="cpu", **TINY)
+    assert "loaded" in capsys.readouterr().out  # the stored dict matches the recipe asked for

@@ -230,11 +230,13 @@ def hoist_imports(chunks: list[str], module: str = "") -> tuple[str | None, list
     Several notebooks may export into one module (layers: 06, 07, 08); their imports all move
     to the top of the file so that it reads, and lints, as one module. A later notebook that
     adds to a module imports the earlier part from the package; that import of the module
-    itself is dropped.
+    itself is dropped. The module's docstring is the first chunk's that opens with one (an
+    earlier notebook may add to a module before the notebook that introduces it: 11 writes
+    greedy decoding into `decoding`, whose docstring is notebook 12's).
     """
     itself = f"{PACKAGE}.{module}"
     docstring, imports, bodies = None, [], []
-    for n, chunk in enumerate(chunks):
+    for chunk in chunks:
         tree = ast.parse(chunk)
         lines = chunk.splitlines()
         drop: set[int] = set()
@@ -249,7 +251,7 @@ def hoist_imports(chunks: list[str], module: str = "") -> tuple[str | None, list
                     imports.append(statement)
                 drop.update(span)
             elif (
-                n == 0
+                docstring is None  # the first chunk that opens with a docstring gives the module's
                 and i == 0
                 and isinstance(node, ast.Expr)
                 and isinstance(node.value, ast.Constant)

@@ -24,12 +24,14 @@ prints the tables (markdown) and writes tools/seed_study.md and tools/seed_study
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import queue
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import Manager, get_context
+from multiprocessing import Manager
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -37,26 +39,25 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from transformer_from_scratch.data import make_batch
-from transformer_from_scratch.decoding import (
-    KVCache,
-    beam_search,
-    cross_attention_weights,
-    greedy_decode,
-    sample,
-    sequence_log_prob,
-)
-from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import EOS, PAD, Transformer
-from transformer_from_scratch.train import (
-    EVAL_SEED,
-    REVERSAL_RECIPE,
-    exact_match,
-    lr_lambda,
-    save_checkpoint,
-    train_reversal,
-)
+from transformer_from_scratch.decoding import beam_search
+from transformer_from_scratch.decoding import cross_attention_weights
+from transformer_from_scratch.decoding import greedy_decode
+from transformer_from_scratch.decoding import sample
+from transformer_from_scratch.decoding import sequence_log_prob
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import EVAL_SEED
+from transformer_from_scratch.train import REVERSAL_RECIPE
+from transformer_from_scratch.train import exact_match
+from transformer_from_scratch.train import lr_lambda
+from transformer_from_scratch.train import reversal_recipe
+from transformer_from_scratch.train import save_checkpoint
+from transformer_from_scratch.train import train_reversal
 
-VOCAB, MAX_LEN = REVERSAL_RECIPE["vocab_size"], REVERSAL_RECIPE["max_len"]
+VOCAB, MAX_LEN = REVERSAL_RECIPE.vocab_size, REVERSAL_RECIPE.max_len
 TEST_SEED_12 = 2024  # notebook 12's test sequences
 PROBE_SEED_11 = 11  # notebook 11's label-smoothing probe batch
 EARLY_STEP, SMOOTHING_STEP, ABLATION_STEP = 100, 600, 800  # the snapshots the notebooks use
@@ -189,7 +190,7 @@ def generation_stats(model: Transformer, early: Transformer) -> dict:
         }
     # Notebook 12's exercise 3: 8 more PAD columns, decoded without the padding mask.
     wider = F.pad(src, (0, 8), value=PAD)
-    unmasked = greedy_decode(model, wider, MAX_LEN + 1, cache=KVCache())
+    unmasked = greedy_decode(model, wider, MAX_LEN + 1)
     changed = (_pad_right(unmasked, MAX_LEN + 2) != _pad_right(decoded, MAX_LEN + 2)).any(1)
     out["unmasked_changed"] = int(changed.sum())
     # Sampling: exact match against the temperature, all tokens and top-3 (generator seed 0).
@@ -268,7 +269,7 @@ def study_seed(seed: int, options: dict, progress) -> dict:
     }
     if options["save_models"]:
         folder = Path(options["save_models"])
-        recipe = {**REVERSAL_RECIPE, "seed": seed, "steps": options["steps"]}
+        recipe = dataclasses.asdict(reversal_recipe(seed=seed, steps=options["steps"]))
         save_checkpoint(folder / f"reversal_seed{seed}.pt", model, recipe=recipe, history=history)
     early = _model_from(snapshots[EARLY_STEP])
     result["failures_early"] = failure_stats(early)
@@ -295,7 +296,7 @@ def study_seed(seed: int, options: dict, progress) -> dict:
         _, warm_history = train_reversal(
             seed=seed,
             steps=W,
-            schedule=schedule(scale, ramp, REVERSAL_RECIPE["d_model"], REVERSAL_RECIPE["warmup"]),
+            schedule=schedule(scale, ramp, REVERSAL_RECIPE.d_model, REVERSAL_RECIPE.warmup),
             callback=watcher(warm_curve),
         )
         result[name] = {

@@ -72,6 +72,7 @@ from .train import CHECKPOINT_FORMAT
 from .train import EVAL_SEED
 from .train import REVERSAL_RECIPE
 from .train import CheckpointError
+from .train import ReversalRecipe
 from .train import exact_match
 from .train import get_reversal_model
 from .train import load_checkpoint

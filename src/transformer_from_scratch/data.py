@@ -6,6 +6,7 @@
 
 import torch
 
+from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
@@ -17,22 +18,13 @@ MIN_LEN = 3  # the shortest sequence the task draws
 
 
 # Taught in notebook 11 · Training
-def _check_int(name: str, value: int, minimum: int) -> None:
-    """Raise a TypeError/ValueError unless value is an int of at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-
-
-# Taught in notebook 11 · Training
 def make_batch(
     batch_size: int, max_len: int, vocab_size: int, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A reversal batch (CPU): src (B, max_len), tgt_in, tgt_out (B, max_len + 1), lengths (B,)."""
-    _check_int("batch_size", batch_size, 1)
-    _check_int("max_len", max_len, MIN_LEN)
-    _check_int("vocab_size", vocab_size, FIRST_SYMBOL + 1)  # at least one real symbol
+    check_int("batch_size", batch_size, 1)
+    check_int("max_len", max_len, MIN_LEN)
+    check_int("vocab_size", vocab_size, FIRST_SYMBOL + 1)  # at least one real symbol
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if generator is not None and generator.device.type != "cpu":

@@ -16,6 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from transformer_from_scratch.checks import check_choice
+from transformer_from_scratch.checks import check_float
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import causal_mask
@@ -27,30 +31,11 @@ from transformer_from_scratch.utils import set_seed
 
 
 # Taught in notebook 11 · Training
-def _positive(name: str, value: int | float) -> None:
-    """Raise a TypeError/ValueError unless value is a real number > 0."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not value > 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
-
-
-# Taught in notebook 11 · Training
-def _positive_int(name: str, value: int) -> None:
-    """Raise a TypeError/ValueError unless value is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be positive, got {value}")
-
-
-# Taught in notebook 11 · Training
 def lr_lambda(step: int, d_model: int, warmup: int) -> float:
     """The paper's rate d_model^-0.5 * min(step^-0.5, step * warmup^-1.5); step clamped to >= 1."""
-    _positive("d_model", d_model)
-    _positive("warmup", warmup)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    check_float("d_model", d_model, 0.0, low_open=True)
+    check_float("warmup", warmup, 0.0, low_open=True)
+    step = check_int("step", step, 0)
     step = max(step, 1)  # step 0 would divide by zero in step^-0.5
     return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
@@ -97,10 +82,9 @@ def train_model(
     `schedule(s)`, if given, is the rate of update s (from 1) instead of lr_lambda(s, d, warmup).
     `progress=True` shows a progress bar (tqdm.auto: a widget in Jupyter, text elsewhere).
     """
-    _positive_int("steps", steps)
-    _positive("clip_norm", clip_norm)
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing!r}")
+    check_int("steps", steps, 1)
+    check_float("clip_norm", clip_norm, 0.0, low_open=True)
+    check_probability("label_smoothing", label_smoothing)
     if schedule is not None and not callable(schedule):
         raise TypeError(f"schedule must be callable (step -> rate), got {type(schedule).__name__}")
     vocab_size = model.tgt_embed.num_embeddings
@@ -135,35 +119,59 @@ def train_model(
 
 
 # Taught in notebook 11 · Training
-REVERSAL_RECIPE: dict = {
-    "vocab_size": 12,
-    "max_len": 8,
-    "d_model": 128,
-    "num_heads": 4,
-    "d_ff": 512,
-    "num_layers": 2,
-    "dropout_p": 0.1,
-    "batch_size": 64,
-    "steps": 2500,
-    "warmup": 400,
-    "label_smoothing": 0.0,
-    "embedding_init": "paper",  # or "default": nn.Embedding's N(0, 1)
-    "seed": 0,
-}
+@dataclasses.dataclass(frozen=True)
+class ReversalRecipe:
+    """All a reversal run depends on: the model's sizes, the batches, the schedule, the seed."""
+
+    vocab_size: int = 12
+    max_len: int = 8
+    d_model: int = 128
+    num_heads: int = 4
+    d_ff: int = 512
+    num_layers: int = 2
+    dropout_p: float = 0.1
+    batch_size: int = 64
+    steps: int = 2500
+    warmup: int = 400
+    label_smoothing: float = 0.0
+    embedding_init: str = "paper"  # or "default": nn.Embedding's N(0, 1)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "max_len",
+            "d_model",
+            "num_heads",
+            "d_ff",
+            "num_layers",
+            "batch_size",
+            "steps",
+            "warmup",
+        ):
+            check_int(name, getattr(self, name), 1)
+        check_int("seed", self.seed)
+        check_probability("dropout_p", self.dropout_p)
+        check_probability("label_smoothing", self.label_smoothing)
+        check_choice("embedding_init", self.embedding_init, ("paper", "default"))
+        if self.embedding_init not in ("paper", "default"):  # check_choice ignores case
+            raise ValueError(
+                f"embedding_init must be 'paper' or 'default', got {self.embedding_init!r}"
+            )
 
 
 # Taught in notebook 11 · Training
-def reversal_recipe(**changes) -> dict:
-    """REVERSAL_RECIPE with `changes` applied; unknown keys are a ValueError."""
-    unknown = sorted(set(changes) - set(REVERSAL_RECIPE))
+REVERSAL_RECIPE = ReversalRecipe()  # the tutorial's recipe, as this notebook trains it
+
+
+# Taught in notebook 11 · Training
+def reversal_recipe(**changes) -> ReversalRecipe:
+    """REVERSAL_RECIPE with `changes` applied; an unknown key is a ValueError naming the known."""
+    known = [field.name for field in dataclasses.fields(ReversalRecipe)]
+    unknown = sorted(set(changes) - set(known))
     if unknown:
-        raise ValueError(f"unknown recipe keys {unknown}; known: {sorted(REVERSAL_RECIPE)}")
-    recipe = {**REVERSAL_RECIPE, **changes}
-    if recipe["embedding_init"] not in ("paper", "default"):
-        raise ValueError(
-            f"embedding_init must be 'paper' or 'default', got {recipe['embedding_init']!r}"
-        )
-    return recipe
+        raise ValueError(f"unknown recipe keys {unknown}; known: {known}")
+    return dataclasses.replace(REVERSAL_RECIPE, **changes)
 
 
 # Taught in notebook 11 · Training
@@ -178,23 +186,23 @@ def train_reversal(
 ) -> tuple[Transformer, dict[str, list[float]]]:
     """Build a reversal model as the recipe says, train it on `device`; return it and its history.
 
-    The weights are drawn on the CPU, so they are the same on every device; on a GPU the dropout
-    masks come from the GPU's generator, so a GPU run is another run of the same recipe.
+    `changes` are recipe fields (`steps=800`, `embedding_init="default"`, ...). The weights are
+    drawn on the CPU, so they are the same on every device; on a GPU the dropout masks come from
+    the GPU's generator, so a GPU run is another run of the same recipe.
     """
     recipe = reversal_recipe(**changes)
-    seed, V = recipe["seed"], recipe["vocab_size"]
-    set_seed(seed)  # the weights and the dropout masks
+    set_seed(recipe.seed)  # the weights and the dropout masks
     model = Transformer(
-        V,
-        V,
-        d_model=recipe["d_model"],
-        num_heads=recipe["num_heads"],
-        d_ff=recipe["d_ff"],
-        num_layers=recipe["num_layers"],
-        dropout_p=recipe["dropout_p"],
+        recipe.vocab_size,
+        recipe.vocab_size,
+        d_model=recipe.d_model,
+        num_heads=recipe.num_heads,
+        d_ff=recipe.d_ff,
+        num_layers=recipe.num_layers,
+        dropout_p=recipe.dropout_p,
     )
-    if recipe["embedding_init"] == "default":
-        embedding_generator = torch.Generator().manual_seed(seed + 2)
+    if recipe.embedding_init == "default":
+        embedding_generator = torch.Generator().manual_seed(recipe.seed + 2)
         with torch.no_grad():
             for embedding in (model.src_embed, model.tgt_embed):
                 nn.init.normal_(embedding.weight, 0.0, 1.0, generator=embedding_generator)
@@ -202,12 +210,12 @@ def train_reversal(
     model = model.to(device)
     history = train_model(
         model,
-        recipe["steps"],
-        batch_size=recipe["batch_size"],
-        max_len=recipe["max_len"],
-        warmup=recipe["warmup"],
-        label_smoothing=recipe["label_smoothing"],
-        generator=torch.Generator().manual_seed(seed + 1),  # the batches
+        recipe.steps,
+        batch_size=recipe.batch_size,
+        max_len=recipe.max_len,
+        warmup=recipe.warmup,
+        label_smoothing=recipe.label_smoothing,
+        generator=torch.Generator().manual_seed(recipe.seed + 1),  # the batches
         log_every=log_every,
         callback=callback,
         schedule=schedule,
@@ -240,7 +248,7 @@ def exact_match(
     model: Transformer, n: int = 256, max_len: int = 8, generator: torch.Generator | None = None
 ) -> int:
     """How many of `n` fresh reversal sequences greedy decoding gets exactly right."""
-    _positive_int("n", n)
+    check_int("n", n, 1)
     if generator is None:
         generator = torch.Generator().manual_seed(EVAL_SEED)
     vocab_size = model.tgt_embed.num_embeddings
@@ -357,23 +365,23 @@ def get_reversal_model(
             if verbose:
                 print(f"{err}; training a new model")
         else:
-            if meta.get("recipe") == recipe:
+            if meta.get("recipe") == dataclasses.asdict(recipe):  # saved as plain data
                 if verbose:
                     print(f"loaded {path}")
                 return model
             if verbose:
                 print(f"{path} was trained with another recipe; training a new model")
-    model, history = train_reversal(device=device, progress=progress, **recipe)
+    model, history = train_reversal(device=device, progress=progress, **changes)
     save_checkpoint(
         path,
         model,
-        recipe=recipe,
+        recipe=dataclasses.asdict(recipe),  # plain data: loads with weights_only=True
         history=history,
         device=device.type,
         torch=str(torch.__version__),
     )
     if verbose:
-        print(f"trained {recipe['steps']} steps on {device.type} and saved {path}")
+        print(f"trained {recipe.steps} steps on {device.type} and saved {path}")
     return model
 
 
@@ -381,6 +389,7 @@ __all__ = [
     "lr_lambda",
     "reversal_loss",
     "train_model",
+    "ReversalRecipe",
     "REVERSAL_RECIPE",
     "reversal_recipe",
     "train_reversal",
