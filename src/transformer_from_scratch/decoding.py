@@ -350,22 +350,23 @@ def beam_search(
         scores[:, 0] = 0.0  # one live beam to start with: k copies would fill the beam with twins
         finished: list[list[Hypothesis]] = [[] for _ in range(B)]
         done = [False] * B
-        for step in range(max_new_tokens):
-            # 2) One cached decoder step for all B * k beams: the newest token of each.
-            dec_out = model.decode(tokens[:, -1:], enc_out, cross_mask=cross_mask, cache=cache)
-            logits = model.out_proj(dec_out[:, -1])  # (B * k, 1, d_model) -> (B * k, V)
-            log_probs = F.log_softmax(logits.float(), dim=-1).view(B, k, -1)  # (B, k, V)
-            # 3) Score every extension by its total log-prob and select.
-            candidates = scores[:, :, None] + log_probs  # (B, k, 1) + (B, k, V)
-            last_step = step == max_new_tokens - 1
-            parent, token, scores = _advance_beams(
-                candidates, tokens, finished, done, length_penalty, last_step
-            )
-            if all(done):
-                break
-            # 4) Each new beam takes over its parent's tokens and cached keys and values.
-            cache.reorder(parent)
-            tokens = torch.cat([tokens[parent], token[:, None]], dim=1)  # (B * k, t + 2)
+        with validated():  # encode checked the ids; the loop's own tokens need no checks
+            for step in range(max_new_tokens):
+                # 2) One cached decoder step for all B * k beams: the newest token of each.
+                dec_out = model.decode(tokens[:, -1:], enc_out, cross_mask=cross_mask, cache=cache)
+                logits = model.out_proj(dec_out[:, -1])  # (B * k, 1, d_model) -> (B * k, V)
+                log_probs = F.log_softmax(logits.float(), dim=-1).view(B, k, -1)  # (B, k, V)
+                # 3) Score every extension by its total log-prob and select.
+                candidates = scores[:, :, None] + log_probs  # (B, k, 1) + (B, k, V)
+                last_step = step == max_new_tokens - 1
+                parent, token, scores = _advance_beams(
+                    candidates, tokens, finished, done, length_penalty, last_step
+                )
+                if all(done):
+                    break
+                # 4) Each new beam takes over its parent's tokens and cached keys and values.
+                cache.reorder(parent)
+                tokens = torch.cat([tokens[parent], token[:, None]], dim=1)  # (B * k, t + 2)
     return _best_hypotheses(finished, src.device)
 
 
