@@ -1288,14 +1288,14 @@ def decoder_block_formula(d: int, d_ff: int) -> int:
 configs = [("course (notebook 10)", 128, 4, 512), ("paper, base", 512, 8, 2048), ("paper, big", 1024, 16, 4096)]
 counts, lines = {}, []
 for name, d, h, dff in configs:
-    enc, dec = EncoderBlock(d, h, dff), DecoderBlock(d, h, dff)
-    counts[name] = (enc, dec)
-    assert num_params(enc) == encoder_block_formula(d, dff)
-    assert num_params(dec) == decoder_block_formula(d, dff)
-    assert num_params(enc) == num_params(nn.TransformerEncoderLayer(d, h, dff))
-    assert num_params(dec) == num_params(nn.TransformerDecoderLayer(d, h, dff))
-    lines.append(f"{name:>21}: d={d:>4}, d_ff={dff:>4}: encoder block {num_params(enc):>10,}, "
-                 f"decoder block {num_params(dec):>10,}")
+    enc_block, dec_block = EncoderBlock(d, h, dff), DecoderBlock(d, h, dff)
+    counts[name] = (enc_block, dec_block)
+    assert num_params(enc_block) == encoder_block_formula(d, dff)
+    assert num_params(dec_block) == decoder_block_formula(d, dff)
+    assert num_params(enc_block) == num_params(nn.TransformerEncoderLayer(d, h, dff))
+    assert num_params(dec_block) == num_params(nn.TransformerDecoderLayer(d, h, dff))
+    lines.append(f"{name:>21}: d={d:>4}, d_ff={dff:>4}: encoder block {num_params(enc_block):>10,}, "
+                 f"decoder block {num_params(dec_block):>10,}")
 print("\n".join(lines))
 assert num_params(EncoderBlock(128, 1, 512)) == num_params(EncoderBlock(128, 16, 512))
 
@@ -1317,9 +1317,9 @@ def breakdown(block) -> dict:
 
 
 rows = [("encoder block", counts["course (notebook 10)"][0]), ("decoder block", counts["course (notebook 10)"][1])]
-for _, block in rows:
-    assert sum(breakdown(block).values()) == num_params(block)  # the parts cover the whole block
-    assert breakdown(block)["FFN"] == 2 * 128 * 512 + 512 + 128
+for _, counted in rows:
+    assert sum(breakdown(counted).values()) == num_params(counted)  # the parts cover the whole block
+    assert breakdown(counted)["FFN"] == 2 * 128 * 512 + 512 + 128
 
 # %% [markdown]
 # The picture, with the colours of a model's parts here and in notebook 10: attention in cyan
@@ -1330,9 +1330,9 @@ part_colors = {"self-attention": "#17becf", "cross-attention": "#0e7c86",
                "FFN": "#bcbd22", "LayerNorms": "#9467bd"}
 text_colors = {"self-attention": "black", "cross-attention": "white", "FFN": "black", "LayerNorms": "white"}
 fig, ax = plt.subplots(figsize=(9, 3.4))
-for i, (_, block) in enumerate(rows):
+for i, (_, counted) in enumerate(rows):
     left = 0
-    for part, n in breakdown(block).items():
+    for part, n in breakdown(counted).items():
         visible = part != "LayerNorms"  # 512 or 768 of ~200,000: too thin to see, so not in the legend
         ax.barh(i, n, left=left, color=part_colors[part], edgecolor="white",
                 label=part if i == 1 and visible else None)
@@ -1340,7 +1340,7 @@ for i, (_, block) in enumerate(rows):
             ax.text(left + n / 2, i, f"{part}\n{n:,}", ha="center", va="center", color=text_colors[part],
                     fontsize=9)
         left += n
-    norms = breakdown(block)["LayerNorms"]
+    norms = breakdown(counted)["LayerNorms"]
     ax.text(left + 4_000, i, f"total {left:,}\n(LayerNorms: {norms:,},\ntoo few to see)",
             va="center", fontsize=9)
 ax.set_yticks(range(len(rows)), [r[0] for r in rows])
