@@ -122,6 +122,7 @@ for b, seq in enumerate(sequences):
     tgt_out[b, : L + 1] = torch.tensor([*reversed_seq, EOS])
 print("src\n", src, "\ntgt_in\n", tgt_in, "\ntgt_out\n", tgt_out)
 
+
 # %% [markdown]
 # **Check:** the loop above against two other routes to the same batch. PyTorch's
 # `pad_sequence` pads a list of sequences on its own; it must give the same three tensors. And

@@ -86,7 +86,7 @@ device = get_device()
 #   the decoder's output head and the decoder's cross-attention (which reads the encoder's output
 #   as it is) then see vectors of a controlled scale. A post-norm stack ends in a norm already.
 #
-# The defaults are the stacks' of the blog tutorial this course follows, "Deep Learning:
+# The defaults are those of the stacks in the blog tutorial this course follows, "Deep Learning:
 # Transformers" (README, "Where it comes from"): dropout 0.1, and ReLU in the feed-forward network,
 # the paper's choice. The blocks themselves default to GELU (notebook 08), and so do the
 # tutorial's: its `EncoderBlock` and `DecoderBlock` are declared with `activation: str = "gelu"`,

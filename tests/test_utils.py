@@ -100,10 +100,20 @@ def test_other_colors_never_reuse_a_role_colour():
 
 
 def test_part_colors_one_distinct_colour_per_part_and_no_role_colour():
-    parts = {"embedding", "positional", "attention", "cross_attention", "ffn", "layer_norm", "dropout", "head"}
+    parts = {
+        "embedding",
+        "positional",
+        "attention",
+        "cross_attention",
+        "ffn",
+        "layer_norm",
+        "dropout",
+        "head",
+    }
     assert set(utils.PART_COLORS) == parts
     colours = list(utils.PART_COLORS.values())
-    assert all(matplotlib.colors.is_color_like(c) and c.startswith("#") and len(c) == 7 for c in colours)
+    assert all(matplotlib.colors.is_color_like(c) for c in colours)
+    assert all(c.startswith("#") and len(c) == 7 for c in colours)
     assert len(set(colours)) == len(colours)  # no two parts share a colour
-    assert not set(colours) & set(utils.COLORS.values())  # blue, orange, green, red keep their roles
+    assert not set(colours) & set(utils.COLORS.values())  # the role colours keep their roles
     assert utils.PART_COLORS["layer_norm"] == "#9467bd"  # purple since notebook 06's first figure
