@@ -167,9 +167,12 @@ print(a.round(decimals=4))
 
 
 # %% [markdown]
-# The printed numbers are the same on every machine with this PyTorch version: the CPU generator
-# is specified bit for bit. GPU generators are not the CPU one, which is why data for the
-# course is always drawn on the CPU and then moved. Dropout is the exception that cannot be
+# The printed numbers repeat whenever the cell runs again with the same PyTorch version on the
+# same kind of machine. PyTorch promises no more than that: its notes on reproducibility say
+# that results can differ across releases and platforms even with the same seed (on the CPU,
+# `torch.randn` itself has vectorised code paths that depend on the tensor's size and the
+# processor). GPU generators are not the CPU one at all, which is why data for the course is
+# always drawn on the CPU and then moved. Dropout is the exception that cannot be
 # moved: it draws its mask from the generator of the device it runs on, so a check or a figure
 # that depends on one particular mask runs its dropout on the CPU.
 #
@@ -364,16 +367,14 @@ def checking() -> bool:
 # argument; inside `validated()`, `checking()` is off, and it is on again afterwards.
 
 # %%
-from transformer_from_scratch import checks
-
-mistakes = {
-    "num_layers=2.0": (lambda: checks.check_int("num_layers", 2.0, minimum=1), TypeError),
-    "num_layers=True": (lambda: checks.check_int("num_layers", True, minimum=1), TypeError),
-    "num_layers=0": (lambda: checks.check_int("num_layers", 0, minimum=1), ValueError),
-    "dropout_p=1.0": (lambda: checks.check_probability("dropout_p", 1.0), ValueError),
-    "dropout_p='0.1'": (lambda: checks.check_probability("dropout_p", "0.1"), TypeError),
+mistakes = {  # the functions just defined above, not the installed package's copies
+    "num_layers=2.0": (lambda: check_int("num_layers", 2.0, minimum=1), TypeError),
+    "num_layers=True": (lambda: check_int("num_layers", True, minimum=1), TypeError),
+    "num_layers=0": (lambda: check_int("num_layers", 0, minimum=1), ValueError),
+    "dropout_p=1.0": (lambda: check_probability("dropout_p", 1.0), ValueError),
+    "dropout_p='0.1'": (lambda: check_probability("dropout_p", "0.1"), TypeError),
     "mask (3, 5) for (2, 4, 5, 5)": (
-        lambda: checks.check_broadcast("mask", torch.ones(3, 5), (2, 4, 5, 5), "(B, h, T, T)"),
+        lambda: check_broadcast("mask", torch.ones(3, 5), (2, 4, 5, 5), "(B, h, T, T)"),
         ValueError,
     ),
 }
@@ -384,10 +385,10 @@ for label, (call, expected) in mistakes.items():
         print(f"{label:<30} {type(err).__name__}: {err}")
     else:
         raise AssertionError(f"{label} was accepted")
-assert checks.check_int("T", torch.tensor(7), minimum=1) == 7  # 0-d integer tensors are ints
-with checks.validated():
-    assert not checks.checking()
-assert checks.checking()
+assert check_int("T", torch.tensor(7), minimum=1) == 7  # 0-d integer tensors are ints
+with validated():
+    assert not checking()
+assert checking()
 
 
 # %% [markdown]
@@ -450,7 +451,7 @@ OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
 # %% jupyter={"source_hidden": true}
 import matplotlib.pyplot as plt
-from matplotlib.colors import to_rgb
+from matplotlib.colors import to_hex, to_rgb
 
 
 def text_color(color) -> str:
@@ -477,7 +478,11 @@ plt.show()
 
 # %%
 assert saved is None or saved.stat().st_size > 0
-assert not set(OTHER_COLORS) & set(COLORS.values())  # "other" never reuses a role's colour
+# The figure shows the palette: one bar per entry, in order, in the entry's colour and labelled.
+# (That OTHER_COLORS never reuses a role's colour is a property of the constants: a unit test.)
+for ax, entries, _ in rows:
+    assert [to_hex(bar.get_facecolor()) for bar in ax.patches] == [color for _, color in entries]
+    assert [text.get_text() for text in ax.texts] == [name for name, _ in entries]
 assert find_figures_dir(Path("/")) is None
 
 # %% [markdown]

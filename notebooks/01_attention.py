@@ -526,8 +526,8 @@ assert torch.all(jac_norm <= 4 * (1 - s_max) + 1e-12)
 near_one_hot = s_max > 0.99
 assert near_one_hot[lead > 0.2].all() and not near_one_hot.all()
 print(f"random draws near one-hot at {sharpen}z: {near_one_hot.double().mean():.1%}; "
-      f"all of those with a lead > 0.2 ({(lead > 0.2).double().mean():.1%} of the draws); "
-      f"largest lead among the others: {lead[~near_one_hot].max():.3f}")
+      f"draws with a lead > 0.2: {(lead > 0.2).double().mean():.1%}, every one of them near "
+      f"one-hot; largest lead among the draws that are not: {lead[~near_one_hot].max():.3f}")
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2))
@@ -795,13 +795,19 @@ def demo_weights(d_k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # %% [markdown]
 # **Check:** for this query too, raw weights are nearly one-hot at $d_k = 1024$, scaled ones
-# are not, and both agree at $d_k = 1$ where the scale is $\sqrt{1} = 1$.
+# are not; and the argument above holds for its scores: at every width from 1 to 1024 the
+# standard deviation of the scaled scores (over the 16 keys) stays between 0.5 and 2, while that
+# of the raw scores grows with the width, to about $\sqrt{1024} = 32$ at $d_k = 1024$.
 
 # %%
 w_raw_1024, w_scaled_1024 = demo_weights(1024)
 assert w_raw_1024.max() > 0.99 and w_scaled_1024.max() < 0.5
-torch.testing.assert_close(*demo_weights(1))
+raw_spread = {d_k: (K_demo[:, :d_k] @ q_demo[:d_k]).std().item() for d_k in D_K_VALUES}
+scaled_spread = {d_k: spread / math.sqrt(d_k) for d_k, spread in raw_spread.items()}
+assert all(0.5 < spread < 2 for spread in scaled_spread.values()) and raw_spread[1024] > 16
 print(f"d_k = 1024: largest weight raw {w_raw_1024.max():.3f}, scaled {w_scaled_1024.max():.3f}")
+print("std of the scaled scores, d_k = 1 .. 1024:",
+      [round(spread, 2) for spread in scaled_spread.values()])
 
 
 # %% jupyter={"source_hidden": true}

@@ -229,27 +229,54 @@ plt.show()
 # %% [markdown]
 # **Check** the picture: one heatmap with its colorbar, the keys' names across, and in every cell
 # the weight it shows, written in a colour that stands out from the cell.
+#
+# "Stands out" is measured the way the Web Content Accessibility Guidelines (WCAG 2) do, and on
+# the picture as drawn, not on what `plot_attention` meant to draw: we render the figure, read
+# each cell's colour from the pixels next to its number, and compute the contrast ratio
+# $(L_1 + 0.05)/(L_2 + 0.05)$ of the text and the cell, with $L$ the relative luminance of
+# linearised sRGB. The ratio runs from 1 (the same colour) to 21 (black on white); WCAG's level
+# AA asks for at least 4.5 for text of this size. `plot_attention` picks black or white by a
+# simpler brightness rule, so this tests that rule on these cells; and the text colour it did
+# not pick must fail on some cell, or the choice would not matter.
 
 # %%
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgb
 
 
-def luminance(color) -> float:
-    """Relative brightness of a colour, 0 (black) to 1 (white)."""
-    red, green, blue = to_rgb(color)
-    return 0.2126 * red + 0.7152 * green + 0.0722 * blue
+def contrast_ratio(color_a, color_b) -> float:
+    """WCAG 2 contrast ratio of two colours: 1 (identical) to 21 (black and white)."""
+    linear = []
+    for color in (color_a, color_b):
+        channels = np.asarray(to_rgb(color))  # sRGB in [0, 1]
+        channels = np.where(
+            channels <= 0.04045, channels / 12.92, ((channels + 0.055) / 1.055) ** 2.4
+        )
+        linear.append(float(channels @ [0.2126, 0.7152, 0.0722]))  # relative luminance
+    return (max(linear) + 0.05) / (min(linear) + 0.05)
 
 
 assert len(ax_b.images) == 1 and len(fig_b.axes) == 2  # the heatmap and its colorbar
 assert [t.get_text() for t in ax_b.get_xticklabels()] == key_names
 assert len(ax_b.texts) == weights_b[0].numel()  # one number per cell
-image = ax_b.images[0]
+canvas = FigureCanvasAgg(fig_b)  # render the figure to pixels again (it was shown and closed)
+canvas.draw()
+pixels = np.asarray(canvas.buffer_rgba())[..., :3] / 255  # (H, W, 3), top row first
+ratios, other_ratios = [], []
 for text in ax_b.texts:
     column, row = (round(c) for c in text.get_position())
     value = weights_b[0, row, column].item()
     assert text.get_text() == f"{value:.2f}"
-    cell = image.cmap(image.norm(value))[:3]
-    assert abs(luminance(text.get_color()) - luminance(cell)) >= 0.45  # readable on its cell
+    # A point inside the cell, beside the digits: display coordinates count up from the bottom.
+    x_px, y_px = ax_b.transData.transform((column - 0.35, row - 0.35))
+    cell = pixels[pixels.shape[0] - 1 - round(y_px), round(x_px)]
+    ratios.append(contrast_ratio(text.get_color(), cell))
+    other = "black" if text.get_color() == "white" else "white"
+    other_ratios.append(contrast_ratio(other, cell))
+print(f"contrast of each number with its cell: lowest {min(ratios):.1f}, "
+      f"highest {max(ratios):.1f}; with the other text colour, lowest {min(other_ratios):.1f}")
+assert min(ratios) >= 4.5  # readable: WCAG's level AA for small text
+assert min(other_ratios) < 3  # the choice matters: the other colour would not be
 
 # %% [markdown]
 # **Takeaway: attention for all queries is two matrix products and a row-wise softmax; leading
@@ -316,11 +343,12 @@ print("nn.Linear weight", tuple(proj_q.weight.shape), "== W_q.T")
 # %%
 gen = torch.Generator().manual_seed(2)
 T, d_k, d_v = 5, 4, 3
-Q = torch.randn(T, d_k, generator=gen).to(device)
-K = torch.randn(T, d_k, generator=gen).to(device)
-V = torch.randn(T, d_v, generator=gen).to(device)
+# Names of their own (Q_s: "of the steps"), which steps 1-5 and Check 2 below share.
+Q_s = torch.randn(T, d_k, generator=gen).to(device)
+K_s = torch.randn(T, d_k, generator=gen).to(device)
+V_s = torch.randn(T, d_v, generator=gen).to(device)
 
-scores = Q @ K.transpose(-2, -1) / math.sqrt(d_k)  # (T, d_k) @ (d_k, T) -> (T, T)
+scores = Q_s @ K_s.transpose(-2, -1) / math.sqrt(d_k)  # (T, d_k) @ (d_k, T) -> (T, T)
 print(scores.cpu().round(decimals=2))
 
 # %% [markdown]
@@ -391,8 +419,8 @@ torch.testing.assert_close(dropped[kept], 2 * attn_cpu[kept])
 # **Step 5, weighted sum** of the values: $\mathrm{context} = AV$, one row per query.
 
 # %%
-context = attn @ V  # (T, T) @ (T, d_v) -> (T, d_v)
-torch.testing.assert_close(context[0], V[0])  # query 0 may only see key 0: it copies value 0
+context = attn @ V_s  # (T, T) @ (T, d_v) -> (T, d_v)
+torch.testing.assert_close(context[0], V_s[0])  # query 0 may only see key 0: it copies value 0
 print(context.cpu().round(decimals=3))
 
 # %% [markdown]
@@ -563,8 +591,8 @@ for seed, (name, case) in enumerate(cases.items()):
 
 # %%
 additive_causal = torch.zeros(causal.shape, device=device).masked_fill(~causal, float("-inf"))
-context_bool, attn_bool = scaled_dot_product_attention(Q, K, V, mask=causal)
-context_float, attn_float = scaled_dot_product_attention(Q, K, V, mask=additive_causal)
+context_bool, attn_bool = scaled_dot_product_attention(Q_s, K_s, V_s, mask=causal)
+context_float, attn_float = scaled_dot_product_attention(Q_s, K_s, V_s, mask=additive_causal)
 torch.testing.assert_close(attn_float, attn_bool)
 torch.testing.assert_close(context_float, context_bool)
 torch.testing.assert_close(attn_bool, attn)  # the steps, one at a time
@@ -1131,7 +1159,9 @@ ax_time.plot(Ts, [1e3 * t for t in times["torch"]], "s-", color=COLORS["torch"],
 last_ms = 1e3 * times["ours"][-1]
 ax_time.plot(Ts, [last_ms * (T / Ts[-1]) ** 2 for T in Ts], "--", color="0.4",
              label="$\\propto T^2$, through ours at the last point")
-ax_time.set_title(f"Time of one forward pass ({device.type}, one CPU thread)")
+# One CPU thread is what the sweep sets; on a GPU that setting only affects the host side.
+where = "CPU, one thread" if device.type == "cpu" else device.type.upper()
+ax_time.set_title(f"Time of one forward pass ({where}, one head)")
 ax_time.set_ylabel("time per call (ms, median of 5)")
 
 ax_mem.plot(Ts, [b / 2**20 for b in peaks["ours"]], "o", color=COLORS["ours"], markersize=8,

@@ -480,9 +480,9 @@ print(M_3[:4, :4].round(decimals=4))
 # row to another. And two shifts compose: $M_j M_k = M_{j+k}$.
 
 # %%
-for k in [1, 3, 17, 250, 4000]:
-    M_k = shift_matrix(k, 128)
-    assert_close(pe[k:], pe[:-k] @ M_k.T)  # all 5000 - k positions at once
+for shift in [1, 3, 17, 250, 4000]:
+    M_k = shift_matrix(shift, 128)
+    assert_close(pe[shift:], pe[:-shift] @ M_k.T)  # all 5000 - k positions at once
 assert not torch.allclose(pe[3:], pe[:-3] @ shift_matrix(4, 128).T, atol=1e-2)  # off by one
 radius_sq = pe[:, 0::2].double() ** 2 + pe[:, 1::2].double() ** 2  # (5000, 64): sin^2 + cos^2
 assert_close(radius_sq, torch.ones_like(radius_sq), atol=1e-6, rtol=0)
@@ -499,10 +499,11 @@ assert_close(shift_matrix(5, 128) @ shift_matrix(12, 128), shift_matrix(17, 128)
 # %%
 S = pe[:1000] @ pe[:1000].T  # (1000, 1000): dot product of every pair of positions
 by_offset = torch.cos(torch.arange(1000, dtype=torch.float64)[:, None] * omega).sum(-1)  # (1000,)
-for k in [0, 1, 5, 60, 999]:
-    diagonal = torch.diagonal(S, offset=k).double()  # PE(t) . PE(t+k) for t = 0 .. 999-k
-    assert_close(diagonal, by_offset[k].expand_as(diagonal), atol=1e-4, rtol=0)
-print("PE(t).PE(t+k) for k = 0, 1, 5, 60:", [round(by_offset[k].item(), 2) for k in [0, 1, 5, 60]])
+for shift in [0, 1, 5, 60, 999]:
+    diagonal = torch.diagonal(S, offset=shift).double()  # PE(t) . PE(t+k) for t = 0 .. 999-k
+    assert_close(diagonal, by_offset[shift].expand_as(diagonal), atol=1e-4, rtol=0)
+print("PE(t).PE(t+k) for k = 0, 1, 5, 60:",
+      [round(by_offset[shift].item(), 2) for shift in [0, 1, 5, 60]])
 
 # %% [markdown]
 # At $k = 0$ the dot product is $d_{\text{model}}/2 = 64$, and it falls off, not monotonically,
@@ -585,6 +586,7 @@ x = torch.randn(2, 10, 128).to(device)
 assert_close(learned(x), x + learned.embedding.weight[:10])
 assert sum(p.numel() for p in learned.parameters()) == 64 * 128
 
+learned.zero_grad()  # a re-run starts from no gradient
 learned(x).pow(2).sum().backward()
 grad_per_row = learned.embedding.weight.grad.norm(dim=-1)  # (max_len,)
 assert (grad_per_row[:10] > 0).all() and (grad_per_row[10:] == 0).all()
@@ -593,6 +595,8 @@ try:
     learned(torch.randn(1, 65, 128).to(device))
 except ValueError as err:
     print("ValueError:", err)
+else:
+    raise AssertionError("a sequence longer than max_len was accepted")
 assert torch.equal(PositionalEncoding(128, max_len=100).pe, PositionalEncoding(128).pe[:, :100])
 
 
@@ -688,8 +692,8 @@ content = torch.randn(1, 128)  # the same token at every position
 W_q_big, W_k_big = torch.randn(128, 32) / 128**0.5, torch.randn(128, 32) / 128**0.5
 with_pe = content + pe[:64]  # (64, 128)
 additive_scores = (with_pe @ W_q_big) @ (with_pe @ W_k_big).T  # (64, 64), score of (m, n)
-for k in [0, 1, 5]:
-    assert torch.diagonal(additive_scores, offset=k).std() > 0.1  # varies along the diagonal
+for shift in [0, 1, 5]:
+    assert torch.diagonal(additive_scores, offset=shift).std() > 0.1  # varies along the diagonal
 print("scores at offset 1, from m = 0, 20, 40:",
       [round(additive_scores[m, m + 1].item(), 3) for m in [0, 20, 40]])
 
@@ -1030,17 +1034,26 @@ print(f"{'the order-blind model':<40}{short_accuracy['none']:>8.3f}"
 # initialised. The sinusoidal model, although its code is defined everywhere, loses accuracy on
 # the positions it never saw. RoPE is perfect everywhere: what it learned ("attend to offset
 # $-1$") is stated in offsets, and every offset in the window was seen in training.
+#
+# These are the findings of the run stored here, on a CPU. On a GPU the same 150 steps round
+# differently and take another path, so there the check keeps only what does not depend on the
+# path: the untouched rows, and looser bounds on the rest.
 
 # %%
 beyond = {s: accuracy[s][T_train - 1:].mean().item() for s in schemes}
-assert abs(short_accuracy["none"] - best_short) < 0.03 and abs(beyond["none"] - best_long) < 0.03
-assert all(short_accuracy[s] > 0.95 for s in ["sinusoidal", "learned", "rotary"])
-assert beyond["learned"] < best_long + 0.05
-assert accuracy["rotary"].min() > 0.95  # at every position of the long sequences
-assert beyond["sinusoidal"] < beyond["rotary"] - 0.1
 learned_table = models["learned"].position.embedding.weight.detach()
 assert torch.equal(learned_table[T_train:], initial_tables["learned"][T_train:])  # untouched
 assert not torch.equal(learned_table[:T_train], initial_tables["learned"][:T_train])
+if device.type == "cpu":  # this run's numbers, printed above
+    assert abs(short_accuracy["none"] - best_short) < 0.03 and abs(beyond["none"] - best_long) < 0.03
+    assert all(short_accuracy[s] > 0.95 for s in ["sinusoidal", "learned", "rotary"])
+    assert beyond["learned"] < best_long + 0.05
+    assert accuracy["rotary"].min() > 0.95  # at every position of the long sequences
+    assert beyond["sinusoidal"] < beyond["rotary"] - 0.1
+else:  # another device's run: facts that do not depend on the details of training
+    assert all(short_accuracy[s] > 0.8 for s in ["sinusoidal", "learned", "rotary"])
+    assert short_accuracy["none"] < best_short + 0.1 and beyond["learned"] < best_long + 0.1
+    assert beyond["rotary"] > 0.8
 
 # %% [markdown]
 # Left, accuracy at each position of the long test sequences; right, how far each row of the
@@ -1101,8 +1114,11 @@ correlation = torch.corrcoef(torch.stack([margin, acc_beyond]))[0, 1].item()
 print(f"positions 16..47: correlation of the position-only margin with the accuracy {correlation:.2f}")
 print(f"mean accuracy where the margin is positive {acc_beyond[margin > 0].mean():.2f}, "
       f"where it is negative {acc_beyond[margin < 0].mean():.2f}")
-assert correlation > 0.5
-assert acc_beyond[margin > 0].mean() > acc_beyond[margin < 0].mean() + 0.2
+if device.type == "cpu":  # the run stored here
+    assert correlation > 0.5
+    assert acc_beyond[margin > 0].mean() > acc_beyond[margin < 0].mean() + 0.2
+elif (margin > 0).any() and (margin < 0).any():  # another device's run, where it swings at all
+    assert acc_beyond[margin > 0].mean() > acc_beyond[margin < 0].mean()
 
 
 # %% [markdown]

@@ -30,6 +30,7 @@ if "google.colab" in sys.modules:
         )
 
 # %%
+import copy
 import math
 
 import matplotlib.pyplot as plt
@@ -43,9 +44,32 @@ from transformer_from_scratch.utils import COLORS, add_to_class, get_device, sav
 
 generator = set_seed(0)
 device = get_device()
-# Layer norm and batch norm are not roles (notebook 00): they get colours of their own, the same
-# in every notebook.
-LAYER_NORM_COLOR, BATCH_NORM_COLOR = "#9467bd", "#8c564b"  # purple, brown
+
+# %% [markdown]
+# **Colours of the parts.** From here on, figures draw the parts of a Transformer: embeddings,
+# attention, the feed-forward network, `LayerNorm`, dropout, the output head. The parts are not
+# roles (notebook 00), so they get colours of their own, defined once here and used by every
+# figure of notebooks 06–10 that shows a part: `LayerNorm` is always purple, attention always
+# cyan, dropout always pink. A figure that draws parts uses none of these colours for anything
+# else.
+
+# %%
+#| export utils
+# The parts of a Transformer, one colour each in every figure that draws them (notebooks 06-10).
+PART_COLORS = {
+    "embedding": "#d9d9d9",  # light grey: the token embeddings
+    "positional": "#f0f0f0",  # lighter grey: the positional encodings
+    "attention": "#17becf",  # cyan: (self-)attention
+    "cross_attention": "#0e7c86",  # dark cyan: the decoder's cross-attention
+    "ffn": "#bcbd22",  # olive: the feed-forward network
+    "layer_norm": "#9467bd",  # purple: LayerNorm
+    "dropout": "#e377c2",  # pink: dropout
+    "head": "#525252",  # dark grey: the output head
+}
+
+# %%
+LAYER_NORM_COLOR = PART_COLORS["layer_norm"]
+BATCH_NORM_COLOR = "#8c564b"  # brown: not a part of the Transformer, only compared with in this notebook
 
 
 # %% [markdown]
@@ -472,6 +496,7 @@ for _ in range(num_batches):
         bn_outputs.append(batch_norm(batch)[0].cpu())  # (D,)
         ln_outputs.append(layer_norm(batch)[0].cpu())  # (D,)
 bn_outputs, ln_outputs = torch.stack(bn_outputs), torch.stack(ln_outputs)  # (12, D) each
+last_batch = batch.clone()  # the 12th batch, (8, D): the mode check below reads it
 
 bn_spread = (bn_outputs.max(dim=0).values - bn_outputs.min(dim=0).values).max().item()
 ln_spread = (ln_outputs.max(dim=0).values - ln_outputs.min(dim=0).values).max().item()
@@ -559,14 +584,15 @@ print(f"change in the real tokens' outputs when padded further: "
 # %% [markdown]
 # Then the modes. `batch_norm` has by now seen 12 batches in training mode and keeps running
 # averages of their statistics; in eval mode it uses those instead of the batch's own, so the
-# same batch comes out differently. Layer norm has no mode. And a batch holding a single token
+# same batch comes out differently (a copy is switched between the modes, because a forward pass
+# in training mode updates the averages again). Layer norm has no mode. And a batch holding a single token
 # cannot be batch-normalised in training mode at all.
 
 # %%
-last_batch = batch.clone()  # the 12th batch from above, (8, D)
+bn_modes = copy.deepcopy(batch_norm)  # a copy: training mode updates the running averages
 with torch.no_grad():
-    bn_train_out = batch_norm.train()(last_batch)
-    bn_eval_out = batch_norm.eval()(last_batch)
+    bn_eval_out = bn_modes.eval()(last_batch)  # the averages of the 12 batches
+    bn_train_out = bn_modes.train()(last_batch)  # the batch's own statistics
     ln_train_out = layer_norm.train()(last_batch)
     ln_eval_out = layer_norm.eval()(last_batch)
 print(f"train vs eval mode, max |difference|: BatchNorm "
@@ -582,11 +608,14 @@ print("BatchNorm on a single token:", single_token_error)
 
 # %% [markdown]
 # **Check:** padding and the mode change batch norm's output for real tokens and leave layer
-# norm's exactly as it was; batch norm refuses a batch of one.
+# norm's as it was (bit for bit on the CPU; within float32 rounding on a GPU, whose kernels may
+# group the sums differently for another shape); batch norm refuses a batch of one.
 
 # %%
 assert (bn_short - bn_long).abs().max() > 0.1
-assert_close(ln_short, ln_long, rtol=0, atol=1e-6)  # bit for bit on the CPU
+assert_close(ln_short, ln_long, rtol=0, atol=1e-6)  # on any device: within float32 rounding
+if device.type == "cpu":
+    assert torch.equal(ln_short, ln_long)  # on the CPU: bit for bit
 assert (bn_train_out - bn_eval_out).abs().max() > 0.1
 assert torch.equal(ln_train_out, ln_eval_out)
 assert isinstance(single_token_error, ValueError)  # refused (the message is PyTorch's own)
@@ -691,7 +720,7 @@ running_inverted = torch.cumsum(draws / (1 - p), dim=0) / steps
 running_plain = torch.cumsum(draws.float(), dim=0) / steps
 
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [1.3, 1]})
-drop_cmap = ListedColormap([COLORS["accent"], "#e6e6e6"])  # two values: dropped, kept
+drop_cmap = ListedColormap([PART_COLORS["dropout"], "#e6e6e6"])  # two values: dropped, kept
 image = axes[0].imshow(mask_image, cmap=drop_cmap, vmin=0, vmax=1, aspect="auto")
 axes[0].set_xlabel("feature")
 axes[0].set_ylabel("token position")
@@ -766,23 +795,24 @@ def draw_add(ax, xy):
 
 fig, ax = plt.subplots(figsize=(9, 9.6))
 stream_x, branch_x, inner_x = 2.5, 5.6, 8.9  # residual stream, sub-layer branch, inside attention
-drop, norm, sub, embed = COLORS["accent"], LAYER_NORM_COLOR, "#6c6c6c", "#17becf"
+drop, norm = PART_COLORS["dropout"], PART_COLORS["layer_norm"]
 
 # bottom of the stack: embeddings + positional encodings, then dropout (1)
-draw_box(ax, (1.35, 0.4), "token embedding", embed, width=2.5, text_color="black")
-draw_box(ax, (4.0, 0.4), "positional encoding", embed, width=2.6, text_color="black")
+draw_box(ax, (1.35, 0.4), "token embedding", PART_COLORS["embedding"], width=2.5, text_color="black")
+draw_box(ax, (4.0, 0.4), "positional encoding", PART_COLORS["positional"], width=2.6, text_color="black")
 draw_add(ax, (stream_x, 1.35))
 draw_arrow(ax, (1.35, 0.71), (stream_x - 0.16, 1.2))
 draw_arrow(ax, (4.0, 0.71), (stream_x + 0.16, 1.2))
-draw_box(ax, (stream_x, 2.2), "Dropout (1)", drop, width=1.7)
+draw_box(ax, (stream_x, 2.2), "Dropout (1)", drop, width=1.7, text_color="black")
 draw_arrow(ax, (stream_x, 1.57), (stream_x, 1.89))
 
 # two pre-norm sub-layers: x + Dropout(Sublayer(LayerNorm(x)))
-for name, base in (("multi-head attention", 2.9), ("feed-forward network", 7.0)):
+for name, base, sub in (("multi-head attention", 2.9, PART_COLORS["attention"]),
+                        ("feed-forward network", 7.0, PART_COLORS["ffn"])):
     top = base + 3.4
     draw_box(ax, (branch_x, base + 0.75), "LayerNorm", norm)
-    draw_box(ax, (branch_x, base + 1.75), name, sub, width=2.9)
-    draw_box(ax, (branch_x, base + 2.75), "Dropout (3)", drop, width=1.7)
+    draw_box(ax, (branch_x, base + 1.75), name, sub, width=2.9, text_color="black")
+    draw_box(ax, (branch_x, base + 2.75), "Dropout (3)", drop, width=1.7, text_color="black")
     draw_add(ax, (stream_x, top))
     # the branch leaves the stream, passes the three boxes, and comes back to the add
     ax.plot([stream_x, branch_x], [base + 0.2, base + 0.2], color="black", linewidth=1.2)
@@ -802,7 +832,7 @@ ax.text(stream_x, 11.2, "to the next block (× N)", ha="center", va="bottom", fo
 
 # dropout (2) lives inside the attention, on the softmax weights
 draw_box(ax, (inner_x, 4.65), r"softmax($QK^{\top}/\sqrt{d_k}$)", "#9a9a9a", width=2.5)
-draw_box(ax, (inner_x, 5.55), "Dropout (2)", drop, width=1.7)
+draw_box(ax, (inner_x, 5.55), "Dropout (2)", drop, width=1.7, text_color="black")
 draw_arrow(ax, (inner_x, 4.96), (inner_x, 5.24))
 ax.text(inner_x, 6.0, "then weights @ V", ha="center", va="bottom", fontsize=9)
 ax.plot([branch_x + 1.45, inner_x - 1.25], [4.65, 4.65], color="black", linewidth=0.8,
@@ -820,7 +850,7 @@ legend_text = ("(1) on the sum of embeddings and positional encodings:\n"
                "(3) on each sub-layer's output, before the residual add:\n"
                "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)")
 ax.text(0.2, -0.55, legend_text, ha="left", va="top", fontsize=9, linespacing=1.5,
-        bbox={"boxstyle": "round", "facecolor": "#fbeaea", "edgecolor": drop})
+        bbox={"boxstyle": "round", "facecolor": "#fbe6f3", "edgecolor": drop})
 ax.set_xlim(0, 10.6)
 ax.set_ylim(-3.2, 11.7)
 ax.set_aspect("equal")

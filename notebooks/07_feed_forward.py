@@ -40,14 +40,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 
-from transformer_from_scratch.utils import add_to_class, get_device, save_figure, set_seed
+from transformer_from_scratch.utils import PART_COLORS, add_to_class, get_device, save_figure, set_seed
 
 set_seed(0)
 device = get_device()
-# Activations and sub-layers are not roles (notebook 00): colours of their own, the same in every
-# notebook. GELU is purple wherever no LayerNorm shares its figure.
-RELU_COLOR, GELU_COLOR, SILU_COLOR = "#7f7f7f", "#9467bd", "#17becf"  # grey, purple, cyan
-ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = "#c7c7c7", "#bcbd22", "#9467bd"  # light grey, olive, purple
+# The sub-layers keep the part colours of notebook 06 (PART_COLORS), as in every notebook. The
+# activations are variants (notebook 00), drawn in this notebook only, in colours no part uses.
+RELU_COLOR, GELU_COLOR, SILU_COLOR = "#7f7f7f", "#8c564b", "#e7ba52"  # grey, brown, gold
+ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = PART_COLORS["attention"], PART_COLORS["ffn"], PART_COLORS["layer_norm"]
 
 # %% [markdown]
 # ## Why a block needs a second sublayer
@@ -95,9 +95,10 @@ ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = "#c7c7c7", "#bcbd22", "#9467bd"  
 # The builder takes the activation by name, so a block can say `activation="gelu"`. It also knows
 # SiLU, $x\,\sigma(x)$ (Swish with $\beta = 1$), which the gated variant at the end uses.
 #
-# Which one is the default depends on what is being built, and the tutorial this course follows
-# is not consistent about it: its encoder and decoder *blocks* default to GELU, while its
-# `Encoder` and `Decoder` *stacks* default to ReLU and pass that to every block they build. The
+# Which one is the default depends on what is being built, and the blog tutorial this course
+# follows, "Deep Learning: Transformers" (README, "Where it comes from"), is not consistent about
+# it: its encoder and decoder *blocks* default to GELU, while its `Encoder` and `Decoder`
+# *stacks* default to ReLU and pass that to every block they build. The
 # course keeps the same defaults. `feed_forward` and notebook 10's `Encoder` and `Decoder` default
 # to `"relu"`, the paper's choice (and PyTorch's `nn.TransformerEncoderLayer`'s); the blocks of
 # notebook 08, used on their own, default to `"gelu"` and pass it on to `feed_forward`. So the
@@ -182,12 +183,12 @@ print("GELU'(-2), GELU'(0), GELU'(2):",
 # %% jupyter={"source_hidden": true}
 fig, (ax_f, ax_d) = plt.subplots(1, 2, figsize=(10, 3.8))
 x_plot = torch.linspace(-4, 4, 801, dtype=torch.float64)
-curves = [  # activations are not roles: the course's ReLU grey and GELU purple, SiLU cyan
+curves = [  # activations are variants, not parts: grey, brown, gold (setup cell)
     ("ReLU", F.relu, dict(color=RELU_COLOR, lw=2)),
     ("GELU  $x\\Phi(x)$", F.gelu, dict(color=GELU_COLOR, lw=2)),
     ("GELU, tanh approx.", lambda t: F.gelu(t, approximate="tanh"),
      dict(color="black", lw=1, ls="--")),
-    ("SiLU  $x\\sigma(x)$", F.silu, dict(color=SILU_COLOR, lw=1.5, ls=":")),
+    ("SiLU  $x\\sigma(x)$", F.silu, dict(color=SILU_COLOR, lw=2, ls=":")),
 ]
 for label, fn, style in curves:
     ax_f.plot(x_plot, fn(x_plot), label=label, **style)
@@ -512,7 +513,7 @@ print(f"paper base: FFN {counts['paper base']['ffn']:,} = 2·512·2048 + 2048 + 
 # %% [markdown]
 # Across a whole model the picture is the same. The base model has 6 encoder and 6 decoder
 # layers, so 12 FFNs. The course's model (2 + 2 layers, $d = 128$, $d_{ff} = 512$, a vocabulary of
-# 12 tokens for the reversal task) has 930,828 parameters, the number the source tutorial reports
+# 12 tokens for the reversal task) has 930,828 parameters, the number that tutorial reports
 # and notebook 10 reproduces. We rebuild that total from the parts. Besides the 2 encoder and 2
 # decoder blocks it holds:
 #

@@ -43,7 +43,7 @@ from torch.testing import assert_close
 from transformer_from_scratch.attention import MultiHeadAttention
 from transformer_from_scratch.layers import LayerNorm, feed_forward
 from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+from transformer_from_scratch.utils import COLORS, PART_COLORS, add_to_class, get_device, save_figure, set_seed
 
 generator = set_seed(0)
 device = get_device()
@@ -166,13 +166,13 @@ print(f"post-norm  mean {post.mean().item():+.3f}  std {post.std().item():.3f}  
 # every `LayerNorm`.
 
 # %% jupyter={"source_hidden": true}
-def draw_box(ax, xy, text, color, width=2.0, height=0.55):
-    """A rounded box centred at xy, white text."""
+def draw_box(ax, xy, text, color, width=2.0, height=0.55, text_color="white"):
+    """A rounded box centred at xy."""
     x0, y0 = xy
     ax.add_patch(FancyBboxPatch((x0 - width / 2, y0 - height / 2), width, height,
                                 boxstyle="round,pad=0.03,rounding_size=0.1",
                                 facecolor=color, edgecolor="black", linewidth=1, zorder=3))
-    ax.text(x0, y0, text, ha="center", va="center", fontsize=9, color="white", zorder=4)
+    ax.text(x0, y0, text, ha="center", va="center", fontsize=9, color=text_color, zorder=4)
 
 
 def draw_arrow(ax, start, end, color="black", lw=1.2):
@@ -185,28 +185,26 @@ def draw_add(ax, xy):
     ax.text(*xy, "+", ha="center", va="center", fontsize=12, zorder=4)
 
 
-NORM_COLOR = "#9467bd"  # LayerNorm's colour in every notebook of the course
-
-
 def draw_block(ax, norm_first: bool):
     """One encoder block, drawn from its input (bottom) to its output (top)."""
     stream, branch = 1.0, 3.6  # x positions of the residual stream and of the sub-layer branch
     path = dict(color=COLORS["accent"], lw=3.0)  # the input -> output path, in red
-    sub_color, norm_color, drop_color = "#6c6c6c", NORM_COLOR, "#9a9a9a"  # LayerNorm: purple
+    norm_color, drop_color = PART_COLORS["layer_norm"], PART_COLORS["dropout"]  # notebook 06's part colours
     ax.text(stream, 0.05, "$x$ (input)", ha="center", va="top", fontsize=10)
     y = 0.1  # where the stream currently is
-    for name in ("multi-head\nself-attention", "feed-forward\nnetwork"):
+    for name, sub_color in (("multi-head\nself-attention", PART_COLORS["attention"]),
+                            ("feed-forward\nnetwork", PART_COLORS["ffn"])):
         fork = y + 0.3
         ax.plot([stream, branch], [fork, fork], color="black", lw=1.2, zorder=1)
         # the branch: (LayerNorm,) sub-layer, Dropout, stacked upwards; (centre, height, ...)
-        boxes = [(name, sub_color, 2.0, 0.75), ("Dropout", drop_color, 1.4, 0.5)]
+        boxes = [(name, sub_color, 2.0, 0.75, "black"), ("Dropout", drop_color, 1.4, 0.5, "black")]
         if norm_first:
-            boxes.insert(0, ("LayerNorm", norm_color, 2.0, 0.5))
+            boxes.insert(0, ("LayerNorm", norm_color, 2.0, 0.5, "white"))
         bottom = fork
-        for text, color, width, height in boxes:
+        for text, color, width, height, text_color in boxes:
             centre = bottom + 0.3 + height / 2
             draw_arrow(ax, (branch, bottom), (branch, centre - height / 2))
-            draw_box(ax, (branch, centre), text, color, width=width, height=height)
+            draw_box(ax, (branch, centre), text, color, width=width, height=height, text_color=text_color)
             bottom = centre + height / 2
         add_y = bottom + 0.35
         ax.plot([branch, branch], [bottom, add_y], color="black", lw=1.2, zorder=1)
@@ -259,7 +257,8 @@ plt.show()
 # (`dropout1`, `dropout2`). The FFN is `feed_forward(d_model, d_ff, activation)` with no dropout
 # inside, so `ffn` is exactly `Sequential(Linear, activation, Linear)`.
 #
-# **Which activation.** The course's tutorial is not consistent here, and the course keeps both of
+# **Which activation.** The blog tutorial this course follows, "Deep Learning: Transformers"
+# (README, "Where it comes from"), is not consistent here, and the course keeps both of
 # its defaults. Its blocks are declared with `activation: str = "gelu"` (GELU, as in BERT and
 # GPT), but its stacks `Encoder` and `Decoder` are declared with `activation: str = "relu"` and
 # pass that to every block, and its `Transformer` passes none: the model it trains runs ReLU, the
@@ -578,20 +577,20 @@ for norm_first in (True, False):
     assert_close(y, by_hand)
 
 dec = DecoderBlock(d_model, num_heads, d_ff).to(device)
-src_pad = padding_mask(torch.tensor([7, 5]), T_src).to(device)  # (B, 1, 1, T_src)
-y = dec(x_tgt, enc_out, self_mask=causal, cross_mask=src_pad)
+dec_src_pad = padding_mask(torch.tensor([7, 5]), T_src).to(device)  # (B, 1, 1, T_src); a name of its own
+y = dec(x_tgt, enc_out, self_mask=causal, cross_mask=dec_src_pad)
 
 x_future = x_tgt.clone()
 x_future[:, 3:] += torch.randn(B, T - 3, d_model, generator=generator).to(device)
-assert_close(dec(x_future, enc_out, self_mask=causal, cross_mask=src_pad)[:, :3], y[:, :3])
+assert_close(dec(x_future, enc_out, self_mask=causal, cross_mask=dec_src_pad)[:, :3], y[:, :3])
 
 enc_repadded = enc_out.clone()
 enc_repadded[1, 5:] = torch.randn(2, d_model, generator=generator).to(device)  # new source padding
-assert_close(dec(x_tgt, enc_repadded, self_mask=causal, cross_mask=src_pad), y)
+assert_close(dec(x_tgt, enc_repadded, self_mask=causal, cross_mask=dec_src_pad), y)
 
 enc_last = enc_out.clone()
 enc_last[0, -1] += 1.0  # change only the last source token of sequence 0
-assert not torch.allclose(dec(x_tgt, enc_last, self_mask=causal, cross_mask=src_pad)[0, 0], y[0, 0])
+assert not torch.allclose(dec(x_tgt, enc_last, self_mask=causal, cross_mask=dec_src_pad)[0, 0], y[0, 0])
 print("decoder: shapes, hand-written forward, causal, source padding and cross-attention checks passed")
 
 # %% [markdown]
@@ -619,7 +618,7 @@ for call in bad_calls:
 
 # %%
 x_one, enc_one = x_tgt[1], enc_out[1]  # (T, d), (T_src, d)
-src_pad_one = src_pad[1:2]  # (1, 1, 1, T_src)
+src_pad_one = dec_src_pad[1:2]  # (1, 1, 1, T_src)
 dec_maps = {
     r"$\|\partial y_t / \partial x_s\|$: target (causal self-mask)": dependency_map(
         lambda s: dec(s[None], enc_one[None], self_mask=causal, cross_mask=src_pad_one)[0], x_one),
@@ -934,10 +933,10 @@ assert max(v for diffs in max_diffs.values() for v in diffs.values()) < 1e-4
 # float32 numbers near 1, drawn as a scale, not as a bound.) The bars depend on the machine (its
 # BLAS, its CPU or GPU), so CI does not compare the figure's cell; it runs the assert after it.
 #
-# **Would the check notice a wrong weight?** Change a single entry of our decoder block's
-# $W_v$ (post-norm, the last pair compared above) by 0.02, about a tenth of a typical weight, and
-# measure the outputs' largest difference in units of what `PARITY` allows for each entry,
-# $\text{atol} + \text{rtol}\,|y|$:
+# **Would the check notice a wrong weight?** Build one more decoder pair as above, pre-norm this
+# time (`norm_first=True`), check that it passes, then change a single entry of our block's
+# $W_v$ by 0.02, about a tenth of a typical weight, and measure the outputs' largest difference
+# in units of what `PARITY` allows for each entry, $\text{atol} + \text{rtol}\,|y|$:
 
 # %%
 def in_tolerances(ours_out: torch.Tensor, their_out: torch.Tensor) -> float:
@@ -1247,8 +1246,9 @@ plt.show()
 # fivefold. So the two measurements do not contradict each other: the pre-norm profile is flat
 # only where the stream stays close to its starting size, and how close it stays depends on the
 # depth and on how large the stack's input is against the sub-layers' updates, details in which
-# a translation model and this toy stack differ. (The course's model feeds its stacks
-# embeddings of RMS about 1.2, notebook 09, and has only two blocks per stack.) Shleifer et al.
+# a translation model and this toy stack differ. (The course's model feeds its stacks token
+# vectors of RMS about 1 plus positional encodings of RMS $1/\sqrt 2$, notebook 09, so inputs of
+# RMS about $\sqrt{1 + 1/2} \approx 1.22$, and has only two blocks per stack.) Shleifer et al.
 # (2021, "NormFormer") report the same imbalance in large pre-norm language models during
 # pretraining, early layers with much larger gradients than late ones, and add normalisations
 # inside each block to even it out.
@@ -1288,14 +1288,14 @@ def decoder_block_formula(d: int, d_ff: int) -> int:
 configs = [("course (notebook 10)", 128, 4, 512), ("paper, base", 512, 8, 2048), ("paper, big", 1024, 16, 4096)]
 counts, lines = {}, []
 for name, d, h, dff in configs:
-    enc, dec = EncoderBlock(d, h, dff), DecoderBlock(d, h, dff)
-    counts[name] = (enc, dec)
-    assert num_params(enc) == encoder_block_formula(d, dff)
-    assert num_params(dec) == decoder_block_formula(d, dff)
-    assert num_params(enc) == num_params(nn.TransformerEncoderLayer(d, h, dff))
-    assert num_params(dec) == num_params(nn.TransformerDecoderLayer(d, h, dff))
-    lines.append(f"{name:>21}: d={d:>4}, d_ff={dff:>4}: encoder block {num_params(enc):>10,}, "
-                 f"decoder block {num_params(dec):>10,}")
+    enc_block, dec_block = EncoderBlock(d, h, dff), DecoderBlock(d, h, dff)
+    counts[name] = (enc_block, dec_block)
+    assert num_params(enc_block) == encoder_block_formula(d, dff)
+    assert num_params(dec_block) == decoder_block_formula(d, dff)
+    assert num_params(enc_block) == num_params(nn.TransformerEncoderLayer(d, h, dff))
+    assert num_params(dec_block) == num_params(nn.TransformerDecoderLayer(d, h, dff))
+    lines.append(f"{name:>21}: d={d:>4}, d_ff={dff:>4}: encoder block {num_params(enc_block):>10,}, "
+                 f"decoder block {num_params(dec_block):>10,}")
 print("\n".join(lines))
 assert num_params(EncoderBlock(128, 1, 512)) == num_params(EncoderBlock(128, 16, 512))
 
@@ -1317,22 +1317,23 @@ def breakdown(block) -> dict:
 
 
 rows = [("encoder block", counts["course (notebook 10)"][0]), ("decoder block", counts["course (notebook 10)"][1])]
-for _, block in rows:
-    assert sum(breakdown(block).values()) == num_params(block)  # the parts cover the whole block
-    assert breakdown(block)["FFN"] == 2 * 128 * 512 + 512 + 128
+for _, counted in rows:
+    assert sum(breakdown(counted).values()) == num_params(counted)  # the parts cover the whole block
+    assert breakdown(counted)["FFN"] == 2 * 128 * 512 + 512 + 128
 
 # %% [markdown]
-# The picture, with the colours of a model's parts here and in notebook 10: attention in cyan
-# (cross-attention darker), the feed-forward network in olive, `LayerNorm` in purple.
+# The picture, in the colours of a model's parts (notebook 06's `PART_COLORS`, the same in
+# notebook 10): attention in cyan (cross-attention darker), the feed-forward network in olive,
+# `LayerNorm` in purple.
 
 # %% jupyter={"source_hidden": true}
-part_colors = {"self-attention": "#17becf", "cross-attention": "#0e7c86",
-               "FFN": "#bcbd22", "LayerNorms": "#9467bd"}
+part_colors = {"self-attention": PART_COLORS["attention"], "cross-attention": PART_COLORS["cross_attention"],
+               "FFN": PART_COLORS["ffn"], "LayerNorms": PART_COLORS["layer_norm"]}
 text_colors = {"self-attention": "black", "cross-attention": "white", "FFN": "black", "LayerNorms": "white"}
 fig, ax = plt.subplots(figsize=(9, 3.4))
-for i, (_, block) in enumerate(rows):
+for i, (_, counted) in enumerate(rows):
     left = 0
-    for part, n in breakdown(block).items():
+    for part, n in breakdown(counted).items():
         visible = part != "LayerNorms"  # 512 or 768 of ~200,000: too thin to see, so not in the legend
         ax.barh(i, n, left=left, color=part_colors[part], edgecolor="white",
                 label=part if i == 1 and visible else None)
@@ -1340,7 +1341,7 @@ for i, (_, block) in enumerate(rows):
             ax.text(left + n / 2, i, f"{part}\n{n:,}", ha="center", va="center", color=text_colors[part],
                     fontsize=9)
         left += n
-    norms = breakdown(block)["LayerNorms"]
+    norms = breakdown(counted)["LayerNorms"]
     ax.text(left + 4_000, i, f"total {left:,}\n(LayerNorms: {norms:,},\ntoo few to see)",
             va="center", fontsize=9)
 ax.set_yticks(range(len(rows)), [r[0] for r in rows])

@@ -122,21 +122,27 @@ for b, seq in enumerate(sequences):
     tgt_out[b, : L + 1] = torch.tensor([*reversed_seq, EOS])
 print("src\n", src, "\ntgt_in\n", tgt_in, "\ntgt_out\n", tgt_out)
 
+
 # %% [markdown]
-# **Check:** the bookkeeping that training relies on: every target starts with `BOS` and holds
-# exactly one `EOS`, right after the last real token; `tgt_in` and `tgt_out` are the same
-# sequence offset by one; and `PAD` sits at the same places in both (so one mask covers both).
+# **Check:** the loop above against two other routes to the same batch. PyTorch's
+# `pad_sequence` pads a list of sequences on its own; it must give the same three tensors. And
+# the relation that training relies on (notebook 11): `tgt_in` is `tgt_out` moved one place to
+# the right, with `BOS` in front and the `EOS` left out, so the decoder reads at position $t$
+# exactly the tokens it must predict before $t$.
 
 # %%
-lengths = torch.tensor([len(s) for s in sequences])  # (B,)
-assert (tgt_in[:, 0] == BOS).all()
-assert ((tgt_out == EOS).sum(dim=1) == 1).all()
-assert (tgt_out[torch.arange(B), lengths] == EOS).all()  # EOS right after the L real tokens
-real = tgt_in != PAD  # (B, T_tgt)
-assert torch.equal(real, tgt_out != PAD)
-assert torch.equal(tgt_in[:, 1:][real[:, 1:]], tgt_out[:, :-1][real[:, 1:]])  # shifted by one
-assert torch.equal((src != PAD).sum(dim=1), lengths)
-print("targets: BOS first, one EOS each, shifted by one position, same padding")
+def padded(rows: list[list[int]]) -> torch.Tensor:
+    """PyTorch's own padding of a list of id lists: (B, longest) filled with PAD."""
+    return nn.utils.rnn.pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=PAD)
+
+
+assert torch.equal(padded(sequences), src)
+assert torch.equal(padded([[BOS, *seq[::-1]] for seq in sequences]), tgt_in)
+assert torch.equal(padded([[*seq[::-1], EOS] for seq in sequences]), tgt_out)
+shifted = torch.cat([torch.full((B, 1), BOS), tgt_out[:, :-1]], dim=1)  # (B, T_tgt): one place right
+shifted[shifted == EOS] = PAD  # EOS is never an input
+assert torch.equal(shifted, tgt_in)
+print("src, tgt_in, tgt_out: as pad_sequence builds them; tgt_in is tgt_out shifted right by one")
 
 # %% [markdown]
 # The same batch as a picture, one shade per kind of token (greys, so that no kind is mistaken
@@ -344,7 +350,8 @@ print(f"ratio {ratio:.3f} = sqrt({d_model}) = {math.sqrt(d_model):.3f}")
 # instead starts from $\mathcal{N}(0, 1)$. Keep the multiply with that default and the token
 # vector has norm $\approx d_\text{model}$, a factor $\sqrt{2 d_\text{model}}$ (16 at
 # $d_\text{model} = 128$, 32 at 512) above the positional encoding, which then barely moves the
-# input. The course's tutorial measures what this costs on its reversal model: with the default
+# input. The blog tutorial this course follows, "Deep Learning: Transformers" (README, "Where it
+# comes from"), measures what this costs on its reversal model: with the default
 # initialisation and the multiply, the loss at its last training step (6,000) is 0.0985 instead
 # of 0.0059, and the model gets 244 of 256 test sequences right instead of all 256 (notebook 11
 # reproduces the ablation). Those two losses are each measured on a single batch of 64 and move
@@ -513,9 +520,12 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens")
 
 
 # %% [markdown]
-# The check reads every id, so on a GPU it waits for the ids to arrive on the host: a model calls
-# it once per batch, where the ids enter, never once per generated token (notebook 12).
-# `embed_tokens` checks unless an outer entry point already has (notebook 00's `checking()`):
+# The check reads every id, so on a GPU it waits for the ids to arrive on the host. So the ids
+# are checked where they enter: when the model's `encode` or `decode` (notebook 10) is called
+# from outside. A generation loop (notebook 12) calls `decode` once per generated token, after
+# `encode` has checked the source ids, and runs inside notebook 00's `validated()`, which
+# switches the checks off there. `embed_tokens` checks unless an outer entry point already has
+# (`checking()`):
 
 # %%
 #| export
@@ -615,7 +625,8 @@ print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
 #   float32, $2^{-14} \approx 6.1 \cdot 10^{-5}$ in float16) values are **subnormal**: stored
 #   with fewer significant bits the smaller they get, so $p_2$ loses relative precision and its
 #   log loses digits.
-# * Below half the smallest subnormal ($2^{-149}$ in float32, $2^{-24}$ in float16) they round to
+# * Below half the smallest subnormal, that is below $2^{-150}$ in float32 (half of $2^{-149}$)
+#   and below $2^{-25}$ in float16 (half of $2^{-24}$), they round to
 #   exactly 0: the loss becomes $-\log 0 = +\infty$ and the gradient NaN.
 #
 # Both limits, as margins $m$, follow from `torch.finfo`: in float32 digits are lost from
@@ -674,6 +685,8 @@ for dtype in limits:
     rounds_to_m = (true_loss - margins.double()) < ulp / 2  # the term is below half an ULP
     exact_from[dtype] = margins[~rounds_to_m][-1].item() + 0.5  # from here on, on the grid of 0.5
     print(f"{str(dtype):>14}: the exact loss rounds to m from m = {exact_from[dtype]}")
+float64_is_m_from = margins[true_loss != margins.double()][-1].item() + 0.5  # the float64 reference itself
+print(f" torch.float64: the exact loss rounds to m from m = {float64_is_m_from}")
 
 # %% tags=["nbval-ignore-output"]
 for dtype, (subnormal_from, _) in limits.items():
@@ -707,12 +720,20 @@ print(f"m = 120: naive loss {naive_loss.item()}, gradient {naive_grad.tolist()};
 
 # %% [markdown]
 # The picture: the two losses (top), and the error of each against the exact value computed in
-# float64 (bottom, log scale), with the two-ULP band of the check in grey. Where a curve stops
-# in the bottom panels, the route is exactly right (from $m = 15$ in float32 the fused route
-# returns $m$, and the exact loss rounds to it) or, for the naive route, infinite.
+# float64 (bottom, log scale), with the two-ULP band of the check in grey. Once the fused route
+# returns $m$ itself (at the latest from $m = 15$ in float32 and $m = 6.5$ in float16, where the
+# format rounds the exact loss to $m$, printed above), its error is the term
+# $\log(1 + e^{-m}) \approx e^{-m}$ that the format cannot hold, a straight line on the log
+# scale: about $3 \cdot 10^{-7}$ at $m = 15$ and $7 \cdot 10^{-15}$ at $m = 33$. The error is
+# exactly 0 only from $m = 33.5$, where float64 too rounds the exact loss to $m$ (printed above),
+# so only in the float32 panel, whose margins go that far. A log scale has no place for 0: the
+# exact zeros are the bands along the bottom edge, one per route (the naive route's, in float32,
+# until its digits run out in the subnormal range). The naive route's curve stops where its loss
+# is infinite.
 
 # %% jupyter={"source_hidden": true}
-fig, axes = plt.subplots(2, 2, figsize=(12, 7.4), sharex="col", layout="constrained")
+ERROR_FLOOR = 1e-18  # the bottom of the error panels: below the smallest nonzero error (about 7e-15)
+fig, axes = plt.subplots(2, 2, figsize=(12, 8.2), sharex="col", layout="constrained")
 for col, (dtype, curves) in enumerate(stability.items()):
     subnormal_from, zero_from = limits[dtype]
     end = 130 if dtype == torch.float32 else 25
@@ -737,21 +758,27 @@ for col, (dtype, curves) in enumerate(stability.items()):
     ax = axes[1, col]
     exact = true_loss[shown]
     two_ulps = 2 * torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(exact))  # of the result, in dtype
-    ax.fill_between(m_shown, 1e-9, two_ulps, color="#d9d9d9", step="mid",
+    ax.fill_between(m_shown, ERROR_FLOOR, two_ulps, color="#d9d9d9", step="mid",
                     label="within 2 units in the last place (the check's band)")
-    for name, values, color, style in (("F.log_softmax", curves["fused"][shown], COLORS["torch"], "-"),
-                                       ("-log(softmax(z))", naive, COLORS["accent"], "--")):
+    for name, values, color, style, zero_level in (
+            ("F.log_softmax", curves["fused"][shown], COLORS["torch"], "-", 4 * ERROR_FLOOR),
+            ("-log(softmax(z))", naive, COLORS["accent"], "--", 25 * ERROR_FLOOR)):
         error = (values.double() - exact).abs()
-        error[error == 0] = float("nan")  # exactly right: nothing to draw on a log scale
+        is_zero = error == 0  # exactly right: no place on a log scale, so a mark on the bottom edge
+        error[is_zero] = float("nan")
         ax.plot(m_shown, error, style, color=color, lw=1.5, label=f"|{name} - exact|")
+        if is_zero.any():  # a band at the bottom, one level per route, wherever the error is exactly 0
+            zero_band = torch.where(is_zero, zero_level, float("nan"))
+            ax.plot(m_shown, zero_band, color=color, lw=4, solid_capstyle="butt",
+                    label=f"{name}: error exactly 0 (from m = {m_shown[is_zero][0].item():g})")
     ax.axvline(subnormal_from, color="#525252", lw=1.2, ls=":")
     ax.axvline(zero_from, color=COLORS["accent"], lw=1.2)
     ax.text(subnormal_from, 3, r" $e^{-m}$ subnormal" + "\n " + f"from {subnormal_from:.1f}", fontsize=8,
             color="#525252", va="top", ha="right")
     ax.text(zero_from, 3, f" zero from\n {zero_from:.2f}", fontsize=8, color=COLORS["accent"], va="top")
-    ax.set(yscale="log", ylim=(1e-9, 10), xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
+    ax.set(yscale="log", ylim=(ERROR_FLOOR, 10), xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
            ylabel="absolute error (nats)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: the panel is full
 fig.suptitle("Cross-entropy of a confidently wrong prediction: fused log-softmax against softmax-then-log")
 save_figure(fig, "embeddings_logit_stability")
 plt.show()
@@ -881,8 +908,9 @@ print("shared gradient = embedding's + head's; one step updates the table in bot
 # **Check:** the initial logits of a tied head have standard deviation $\approx 1$ with the
 # paper's scale and $\approx \sqrt d$ with PyTorch's default, whose softmax is saturated before
 # training starts. The logits are those of the 11 tokens other than `PAD` (whose zero row always
-# gives a logit of 0); the largest of their 11 probabilities is close to 1 with the default,
-# where a uniform guess would give $1/11$.
+# gives a logit of 0). Averaged over 4,096 draws of $h_t$, the largest of their 11 probabilities
+# is above 0.8 with the default (0.90 below) and below 0.5 with the paper's scale (0.29), where
+# a uniform guess would give $1/11 \approx 0.09$.
 
 # %%
 set_seed(0)

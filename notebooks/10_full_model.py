@@ -53,7 +53,7 @@ from transformer_from_scratch.model import embed_tokens, init_token_embedding
 from transformer_from_scratch.positional import PositionalEncoding
 from transformer_from_scratch.reference import copy_block_to_torch, torch_parameter
 from transformer_from_scratch.tokens import BOS, EOS, PAD, check_token_ids
-from transformer_from_scratch.utils import COLORS, add_to_class, get_device, save_figure, set_seed
+from transformer_from_scratch.utils import COLORS, PART_COLORS, add_to_class, get_device, save_figure, set_seed
 
 generator = set_seed(0)
 device = get_device()
@@ -86,7 +86,8 @@ device = get_device()
 #   the decoder's output head and the decoder's cross-attention (which reads the encoder's output
 #   as it is) then see vectors of a controlled scale. A post-norm stack ends in a norm already.
 #
-# The defaults are the tutorial's stacks': dropout 0.1, and ReLU in the feed-forward network,
+# The defaults are those of the stacks in the blog tutorial this course follows, "Deep Learning:
+# Transformers" (README, "Where it comes from"): dropout 0.1, and ReLU in the feed-forward network,
 # the paper's choice. The blocks themselves default to GELU (notebook 08), and so do the
 # tutorial's: its `EncoderBlock` and `DecoderBlock` are declared with `activation: str = "gelu"`,
 # its `Encoder` and `Decoder` with `activation: str = "relu"`, which they pass to every block.
@@ -221,7 +222,7 @@ assert abs(rms[-1] - 1) < 1e-3  # the output: unit scale, which a stack without 
 # %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
 labels = ["input"] + [f"block {i}" for i in range(1, 7)] + ["final norm"]
-colors = ["#9a9a9a"] + [COLORS["ours"]] * 6 + ["#9467bd"]  # pre-norm blocks in blue, LayerNorm in purple
+colors = ["#9a9a9a"] + [COLORS["ours"]] * 6 + [PART_COLORS["layer_norm"]]  # pre-norm blocks in blue, LayerNorm in purple
 ax.bar(labels, rms, color=colors)
 ax.axhline(1.0, color="black", lw=0.8, ls="--")
 for i, r in enumerate(rms):
@@ -589,19 +590,20 @@ print(f"the positional table holds {model.pos.pe.numel():,} numbers, saved in th
 fig, ax = plt.subplots(figsize=(10.5, 4.6), layout="constrained")
 names = [name for name, *_ in parts][::-1]
 values = [counted[n] for n in names]
-# notebook 08's colours for a model's parts; embeddings and output layer in dark grey
-part_color = {"self-attention": "#17becf", "cross-attention": "#0e7c86", "FFN": "#bcbd22", "norm": "#9467bd"}
-OTHER_COLOR = "#525252"
-colors = [next((c for k, c in part_color.items() if k in n), OTHER_COLOR) for n in names]
-ax.barh(names, values, color=colors)
+# the part colours of notebook 06 (PART_COLORS), as in every figure of a model's parts
+part_color = {"self-attention": PART_COLORS["attention"], "cross-attention": PART_COLORS["cross_attention"],
+              "FFN": PART_COLORS["ffn"], "norm": PART_COLORS["layer_norm"], "embed": PART_COLORS["embedding"],
+              "out_proj": PART_COLORS["head"]}
+colors = [next((c for k, c in part_color.items() if k in n), PART_COLORS["positional"]) for n in names]  # pos: 0
+ax.barh(names, values, color=colors, edgecolor="#888888", lw=0.5)  # an edge: the light grey shows
 for i, v in enumerate(values):
     ax.text(v + 2_000, i, f"{v:,}", va="center", fontsize=8)
 ax.set(xlabel="parameters", xlim=(0, 320_000),
        title=f"The {num_params(model):,} parameters of Transformer(12, 12) "
              "($d$=128, $h$=4, $d_{ff}$=512, $N$=2)")
 ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{int(v):,}"))
-ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in [*part_color.values(), OTHER_COLOR]],
-          labels=["self-attention", "cross-attention", "feed-forward", "LayerNorm", "embeddings / output"],
+ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="#888888") for c in part_color.values()],
+          labels=["self-attention", "cross-attention", "feed-forward", "LayerNorm", "embeddings", "output head"],
           loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
 save_figure(fig, "model_parameters")
 plt.show()
@@ -951,16 +953,18 @@ print("evaluation mode, dropout_p=0.1: equal to nn.Transformer")
 # ## The architecture, drawn from the code
 #
 # The paper's Figure 1, redrawn for this model: the pre-norm blocks (norm before each sub-layer,
-# the residual stream untouched), the dropouts (grey italic labels), the final norms, and the
+# the residual stream untouched), the dropouts (pink labels), the final norms, and the
 # output layer without a softmax. The labels are the attribute names, so every box can be found
 # in `print(model)`; the shapes are those of a batch of $B$ sources of length $S$ and targets of
-# length $T$. The colours are notebook 08's for a model's parts: attention cyan (cross-attention
-# darker, and so is `enc_out`, which it reads), feed-forward olive, `LayerNorm` purple; the
+# length $T$. The colours are notebook 06's part colours (`PART_COLORS`), as in notebooks 07 and
+# 08: attention cyan (cross-attention darker, and so is `enc_out`, which it reads), feed-forward
+# olive, `LayerNorm` purple, dropout pink, embeddings light grey, the output head dark grey; the
 # residual connections are the red accent.
 
 # %% jupyter={"source_hidden": true}
-PALETTE = {"embed": "#d9d9d9", "pos": "#f0f0f0", "attn": "#17becf", "cross": "#0e7c86", "ffn": "#bcbd22",
-           "norm": "#9467bd", "head": "#525252", "frame": "#f7f7f7"}
+PALETTE = {"embed": PART_COLORS["embedding"], "pos": PART_COLORS["positional"], "attn": PART_COLORS["attention"],
+           "cross": PART_COLORS["cross_attention"], "ffn": PART_COLORS["ffn"], "norm": PART_COLORS["layer_norm"],
+           "head": PART_COLORS["head"], "frame": "#f7f7f7"}
 
 
 def box(ax, x, y, text, kind, w=3.0, h=0.6, fontsize=9):
@@ -988,13 +992,13 @@ def shape(ax, x, y, text, ha="left"):
     ax.text(x, y, text, ha=ha, va="center", fontsize=8.5, color="#444444", style="italic", zorder=4)
 
 
-DROPOUT_COLOR = "#555555"
+DROPOUT_TAG = dict(color="black", bbox=dict(boxstyle="round,pad=0.15", facecolor=PART_COLORS["dropout"], edgecolor="none"))
 
 
 def dropout_tag(ax, x, y, side):
     """A small 'dropout' label beside the arrow at (x, y), on the side opposite `side`."""
     ax.text(x - side * 0.12, y, "dropout", ha="right" if side > 0 else "left", va="center", fontsize=8,
-            color=DROPOUT_COLOR, style="italic", zorder=4)
+            style="italic", zorder=4, **DROPOUT_TAG)
 
 
 def sublayers(ax, x, y0, specs, side):
@@ -1076,7 +1080,8 @@ ax.text(0.2, 13.5, "red: the residual connections;\nthe stream itself is never n
         fontsize=9, color=COLORS["accent"], va="center")
 ax.text(0.2, 12.35, "dropout (p = 0.1, training only): on embedding + PE,\n"
         "on each sub-layer's output before ⊕, and on the\nattention weights inside every attention layer",
-        fontsize=9, color=DROPOUT_COLOR, style="italic", va="center")
+        fontsize=9, style="italic", va="center",
+        bbox=dict(boxstyle="round", facecolor="#fbe6f3", edgecolor=PART_COLORS["dropout"]))
 ax.set_xlim(-0.2, 12.8)
 ax.set_ylim(0, 14.6)
 ax.set_aspect("equal")
@@ -1116,7 +1121,9 @@ plt.show()
 # **Check:** every row, on the forward pass of the padded batch above ($B = 2$, $S = 7$,
 # $T = 8$, $d = 128$, $h = 4$, $V = 12$). Forward hooks record the inputs and the output of each
 # module as the model runs (`with_kwargs=True` also keeps the keyword arguments, such as the
-# masks); the hooks return nothing, so they must leave the logits exactly as they are without them.
+# masks). Each watched module must run exactly once in the forward pass (`pos` twice: once for
+# the source, once for the target), and the output recorded for `out_proj` must be the very
+# logits the model returns.
 
 # %%
 recorded = {}
@@ -1138,15 +1145,17 @@ watch = {"src_embed": model.src_embed, "tgt_embed": model.tgt_embed, "pos": mode
          "decoder.layers": model.decoder.layers[-1], "decoder.norm": model.decoder.norm,
          "out_proj": model.out_proj}
 with torch.no_grad():
-    logits_plain = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # no hooks yet
     handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in watch.items()]
     try:
         logits_hooked = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # hooks attached
     finally:
         for handle in handles:
             handle.remove()
-assert torch.equal(logits_hooked, logits_plain)  # recording changed nothing
-print(f"recorded {sum(len(v) for v in recorded.values())} module calls; logits with and without hooks identical")
+calls = {name: len(v) for name, v in recorded.items()}
+assert calls == {name: 2 if name == "pos" else 1 for name in watch}, calls  # pos: source and target
+assert torch.equal(recorded["out_proj"][0][2], logits_hooked)  # the recorded output is the model's
+print(f"recorded {sum(calls.values())} module calls, each module once (pos twice); "
+      "out_proj's recorded output is the logits the model returned")
 
 # %% [markdown]
 # The output shape of every module, against the table:

@@ -1,4 +1,4 @@
-"""transformer_from_scratch.utils (notebook 00)."""
+"""transformer_from_scratch.utils (notebook 00; PART_COLORS: notebook 06)."""
 
 import matplotlib
 
@@ -97,3 +97,23 @@ def test_other_colors_never_reuse_a_role_colour():
     assert len(utils.OTHER_COLORS) == len(set(utils.OTHER_COLORS)) >= 5
     assert all(c.startswith("#") and len(c) == 7 for c in utils.OTHER_COLORS)
     assert not set(utils.OTHER_COLORS) & set(utils.COLORS.values())
+
+
+def test_part_colors_one_distinct_colour_per_part_and_no_role_colour():
+    parts = {
+        "embedding",
+        "positional",
+        "attention",
+        "cross_attention",
+        "ffn",
+        "layer_norm",
+        "dropout",
+        "head",
+    }
+    assert set(utils.PART_COLORS) == parts
+    colours = list(utils.PART_COLORS.values())
+    assert all(matplotlib.colors.is_color_like(c) for c in colours)
+    assert all(c.startswith("#") and len(c) == 7 for c in colours)
+    assert len(set(colours)) == len(colours)  # no two parts share a colour
+    assert not set(colours) & set(utils.COLORS.values())  # the role colours keep their roles
+    assert utils.PART_COLORS["layer_norm"] == "#9467bd"  # purple since notebook 06's first figure

@@ -85,6 +85,7 @@ from .train import train_model
 from .train import train_reversal
 from .utils import COLORS
 from .utils import OTHER_COLORS
+from .utils import PART_COLORS
 from .utils import add_to_class
 from .utils import find_figures_dir
 from .utils import get_device
