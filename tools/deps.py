@@ -66,7 +66,7 @@ def table() -> str:
     rows = ["| module | written in notebooks | imports |", "|---|---|---|"]
     for module in order:
         where = ", ".join(f"{n:02d}" for n in notebooks.get(module, []))
-        uses = ", ".join(sorted(edges[module], key=lambda m: notebooks[m][0])) or "—"
+        uses = ", ".join(sorted(edges[module], key=lambda m: (notebooks[m][0], m))) or "—"
         rows.append(f"| `{module}` | {where} | {uses} |")
     return "\n".join(rows)
 
