@@ -252,21 +252,23 @@ plt.show()
 # the tokens they are meant to predict.
 
 # %%
-src, tgt_in, tgt_out, lengths = make_batch(64, MAX_LEN, VOCAB, torch.Generator().manual_seed(2))
-symbol = tgt_out[:, :-1] >= 3
-assert torch.equal(tgt_in[:, 1:][symbol], tgt_out[:, :-1][symbol])
+# tf_: this section's batch (names of its own: later cells draw other batches)
+tf_src, tf_tgt_in, tf_tgt_out, tf_lengths = make_batch(64, MAX_LEN, VOCAB,
+                                                      torch.Generator().manual_seed(2))
+symbol = tf_tgt_out[:, :-1] >= 3
+assert torch.equal(tf_tgt_in[:, 1:][symbol], tf_tgt_out[:, :-1][symbol])
 
 set_seed(0)
 probe = Transformer(VOCAB, VOCAB).to(device).eval()
-src_mask = padding_mask(lengths, MAX_LEN).to(device)  # (B, 1, 1, L_max)
+tf_mask = padding_mask(tf_lengths, MAX_LEN).to(device)  # (B, 1, 1, L_max)
 t = 3
-changed = tgt_in.clone()
+changed = tf_tgt_in.clone()
 changed[:, t + 1 :] = torch.randint(3, VOCAB, changed[:, t + 1 :].shape,
                                     generator=torch.Generator().manual_seed(5))
 with torch.no_grad():
     for tgt_mask, should_match in ((causal_mask(MAX_LEN + 1, device=device), True), (None, False)):
-        before = probe(src.to(device), tgt_in.to(device), src_mask=src_mask, tgt_mask=tgt_mask)
-        after = probe(src.to(device), changed.to(device), src_mask=src_mask, tgt_mask=tgt_mask)
+        before = probe(tf_src.to(device), tf_tgt_in.to(device), src_mask=tf_mask, tgt_mask=tgt_mask)
+        after = probe(tf_src.to(device), changed.to(device), src_mask=tf_mask, tgt_mask=tgt_mask)
         same = torch.equal(before[:, : t + 1], after[:, : t + 1])  # positions 0..t
         assert same == should_match, (tgt_mask is None, same)
 print(f"positions 0..{t}: unchanged by later tokens with the causal mask, changed without it")
@@ -277,13 +279,13 @@ print(f"positions 0..{t}: unchanged by later tokens with the causal mask, change
 
 # %%
 with torch.no_grad():
-    logits = probe(src.to(device), tgt_in.to(device), src_mask=src_mask,
+    logits = probe(tf_src.to(device), tf_tgt_in.to(device), src_mask=tf_mask,
                    tgt_mask=causal_mask(MAX_LEN + 1, device=device))  # (B, T, V)
-    target = tgt_out.to(device)
+    target = tf_tgt_out.to(device)
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), ignore_index=PAD)
     log_p = logits.log_softmax(dim=-1).gather(-1, target[..., None])[..., 0]  # (B, T)
     graded = target != PAD  # (B, T)
-    assert graded.sum() == (lengths + 1).sum()  # L symbols + EOS per sequence
+    assert graded.sum() == (tf_lengths + 1).sum()  # L symbols + EOS per sequence
     assert_close(loss, -log_p[graded].mean())
 print(f"untrained loss {loss.item():.4f}  vs  ln V = {math.log(VOCAB):.4f} (a uniform guess)")
 
