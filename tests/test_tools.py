@@ -78,6 +78,27 @@ def test_export_folds_methods_and_hoists_imports(tmp_path):
     assert abs(namespace["unit"]().area() - 3.14159) < 1e-4
 
 
+def test_an_earlier_notebook_may_add_to_a_module_that_a_later_one_documents(tmp_path):
+    """11 writes greedy decoding into `decoding`; 12 opens its part with the module's docstring."""
+    early = (
+        "# %%\n#| default_exp t\n\n# %%\n#| export gen\nimport math\n\n\n"
+        "def first():\n    return math.pi\n"
+    )
+    late = (
+        '# %%\n#| default_exp gen\n\n# %%\n#| export\n"""Generation."""\n\nimport math\n\n\n'
+        "def second():\n    return first()\n"
+    )
+    paths = [write(tmp_path, early, "11_a.py"), write(tmp_path, late, "12_b.py")]
+    text, names = export.render_module(export.collect(paths)["gen"])
+    assert names == ["first", "second"]
+    body = text.split("\n", 4)[-1]  # after the generated header
+    assert body.lstrip().startswith('"""Generation."""') and text.count('"""Generation."""') == 1
+    assert text.count("import math") == 1
+    namespace: dict = {}
+    exec(compile(text, "gen.py", "exec"), namespace)
+    assert namespace["second"]() == namespace["first"]()
+
+
 def test_export_needs_a_default_module(tmp_path):
     path = write(tmp_path, "# %%\n#| export\nx = 1\n")
     with pytest.raises(export.ExportError, match="before any '#| default_exp'"):
