@@ -43,7 +43,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
-from torch.utils.flop_counter import FlopCounterMode
 
 from transformer_from_scratch.attention import scaled_dot_product_attention
 from transformer_from_scratch.decoding import KVCache
@@ -134,10 +133,10 @@ lengths = [512, 1024, 2048, 4096]
 naive_fwd_mem, naive_train_mem = [], []
 for T in lengths:
     Q, K, V = make_qkv(T)
-    naive_fwd_mem.append(peak_memory(lambda: naive_forward(Q, K, V), device))
+    naive_fwd_mem.append(peak_memory(lambda Q=Q, K=K, V=V: naive_forward(Q, K, V), device))
     Qg, Kg, Vg = make_qkv(T, requires_grad=True)
-    naive_train_mem.append(peak_memory(lambda: naive_training(Qg, Kg, Vg), device))
-for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem):
+    naive_train_mem.append(peak_memory(lambda Q=Qg, K=Kg, V=Vg: naive_training(Q, K, V), device))
+for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem, strict=True):
     print(f"T={T:5d}: forward {fwd / MiB:7.1f} MiB, forward+backward {train / MiB:7.1f} MiB, "
           f"one T x T matrix {T * T * 4 / MiB:6.1f} MiB")
 
@@ -149,7 +148,7 @@ for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem):
 slope_fwd, slope_train = fit_slope(lengths, naive_fwd_mem), fit_slope(lengths, naive_train_mem)
 print(f"memory ~ T^k: forward k = {slope_fwd:.2f}, forward+backward k = {slope_train:.2f}")
 assert 1.9 < slope_fwd < 2.1 and 1.9 < slope_train < 2.1
-for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem):
+for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem, strict=True):
     square = T * T * 4  # bytes of one (T, T) float32 matrix
     assert 1.5 * square < fwd < 3 * square and 2 * square < train < 5 * square
 
@@ -435,14 +434,13 @@ def tiled_training(Q, K, V):
 tiled_fwd_mem, tiled_train_mem = [], []
 for T in lengths:
     Q, K, V = make_qkv(T)
-    tiled_fwd_mem.append(peak_memory(lambda: tiled_forward(Q, K, V), device))
+    tiled_fwd_mem.append(peak_memory(lambda Q=Q, K=K, V=V: tiled_forward(Q, K, V), device))
     Qg, Kg, Vg = make_qkv(T, requires_grad=True)
-    tiled_train_mem.append(peak_memory(lambda: tiled_training(Qg, Kg, Vg), device))
+    tiled_train_mem.append(peak_memory(lambda Q=Qg, K=Kg, V=Vg: tiled_training(Q, K, V), device))
 T_long = 8192
-Q, K, V = make_qkv(T_long)
-naive_long = peak_memory(lambda: naive_forward(Q, K, V), device)
-tiled_long = peak_memory(lambda: tiled_forward(Q, K, V), device)
-del Q, K, V, Qg, Kg, Vg
+Q_long, K_long, V_long = make_qkv(T_long)
+naive_long = peak_memory(lambda: naive_forward(Q_long, K_long, V_long), device)
+tiled_long = peak_memory(lambda: tiled_forward(Q_long, K_long, V_long), device)
 for i, T in enumerate(lengths):
     print(f"T={T:5d}: forward naive {naive_fwd_mem[i] / MiB:7.1f} MiB, tiled "
           f"{tiled_fwd_mem[i] / MiB:5.2f} MiB; training naive {naive_train_mem[i] / MiB:7.1f} MiB, "
@@ -570,7 +568,6 @@ for name in candidates:
 # %%
 assert kernel_mem["tiled (ours)"] < kernel_mem["naive (notebook 02)"] / 8
 assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (notebook 02)"] / 4
-del Qm, Km, Vm
 
 # %% [markdown]
 # **Use `F.scaled_dot_product_attention` for speed; our `tiled_attention` is there to show what it
