@@ -92,6 +92,7 @@ from transformer_from_scratch.layers import EncoderBlock
 from transformer_from_scratch.layers import LayerNorm
 from transformer_from_scratch.layers import _check_block_input
 
+
 # %% [markdown]
 # ## 1 · Where the memory goes
 #
@@ -186,6 +187,7 @@ for block in range(0, 10, 3):  # blocks of 3 keys: 3, 3, 3, 1
 streamed = acc / ell
 assert_close(streamed, torch.softmax(s_row, dim=0) @ v_rows)
 print("streamed:", [round(x, 4) for x in streamed.tolist()])
+
 
 # %% [markdown]
 # ## 3 · Tiled attention
@@ -415,6 +417,7 @@ assert_close(tiled_attention(Q32, K32, V32, causal=True),
              F.scaled_dot_product_attention(Q32, K32, V32, is_causal=True), atol=1e-5, rtol=1e-5)
 print("gradcheck passed; equal to F.scaled_dot_product_attention with and without masks")
 
+
 # %% [markdown]
 # ### Memory against $T$
 #
@@ -568,6 +571,7 @@ for name in candidates:
 # %%
 assert kernel_mem["tiled (ours)"] < kernel_mem["naive (notebook 02)"] / 8
 assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (notebook 02)"] / 4
+
 
 # %% [markdown]
 # **Use `F.scaled_dot_product_attention` for speed; our `tiled_attention` is there to show what it
@@ -916,6 +920,7 @@ t_uniform = time_call(lambda: fast_dropout(weights, 0.1), warmup=1, repeats=5)
 print(f"F.dropout {1e3 * t_bernoulli:.1f} ms, ours {1e3 * t_uniform:.1f} ms "
       f"({t_bernoulli / t_uniform:.1f}x) for {weights.numel():,} weights on {device.type}")
 
+
 # %% [markdown]
 # Then one training step of the model: forward, loss, backward, gradient clipping and an Adam
 # step, on the reversal task of notebook 11 (a batch of 64 sources of 8 symbols), for the
@@ -1011,6 +1016,7 @@ if RUN_COMPILE:
           f"eager {1e3 * eager_time:.1f} ms")
 else:
     print("torch.compile skipped on the CPU (slow to compile here); see the text above")
+
 
 # %% [markdown]
 # **The fast path is the same model (same parameters, outputs and gradients) computed with fewer,
@@ -1148,6 +1154,7 @@ amp_time = {on: time_call(lambda on=on: amp_loss(on).backward(), warmup=1, repea
 amp_mem = {on: peak_memory(lambda on=on: amp_loss(on).backward(), device) for on in (False, True)}
 print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False] / MiB:.1f} MiB; "
       f"bf16 autocast {1e3 * amp_time[True]:.0f} ms, {amp_mem[True] / MiB:.1f} MiB")
+
 
 # %% [markdown]
 # On this course's CPU autocast was about as fast as float32 (every matmul's inputs are cast
