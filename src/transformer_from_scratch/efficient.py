@@ -189,9 +189,16 @@ class FastDropout(nn.Dropout):
 
 
 # Taught in notebook 14 · Efficient attention and a fast path
-@functools.lru_cache(maxsize=32)
 def _causal_pattern(T: int, device: torch.device) -> Tensor:
     """(T, T) bool, True on and below the diagonal: our causal_mask without its leading dims."""
+    if torch.compiler.is_compiling():  # torch.compile makes its own constant; no cache
+        return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return _cached_causal_pattern(T, device)
+
+
+# Taught in notebook 14 · Efficient attention and a fast path
+@functools.lru_cache(maxsize=32)
+def _cached_causal_pattern(T: int, device: torch.device) -> Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
@@ -200,6 +207,8 @@ def fused_attention_mask(mask: Tensor | None, T_q: int, T_k: int) -> tuple[Tenso
     """Our mask as F.scaled_dot_product_attention's (attn_mask, is_causal) arguments."""
     if mask is None:
         return None, False
+    if torch.compiler.is_compiling():  # no data-dependent test inside a compiled graph
+        return mask, False
     if (
         mask.dtype == torch.bool
         and T_q == T_k
@@ -228,7 +237,7 @@ def _attention_with_dropout(
             scores = scores + attn_mask
             blocked = torch.isneginf(attn_mask)
         no_key = blocked.all(dim=-1, keepdim=True)  # on the (small) mask, not on the scores
-        if no_key.any():  # rows with no allowed key: zeros, as notebook 05's policy
+        if torch.compiler.is_compiling() or no_key.any():  # rows with no allowed key: zeros
             scores = scores.masked_fill(no_key, 0.0)
         else:
             no_key = None
