@@ -595,7 +595,7 @@ assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (noteboo
 #    with the faster dropout below.
 # 3. **Fused layer norm.** `F.layer_norm`, one kernel instead of five operations.
 # 4. **A faster dropout on the CPU.** `F.dropout` draws its mask with `bernoulli_`, which on a
-#    CPU is slower (here 1.5–2.5×) than drawing uniforms and comparing: $u \ge p$ with $u \sim U[0, 1)$ keeps
+#    CPU is slower (here 1.4–2.6×) than drawing uniforms and comparing: $u \ge p$ with $u \sim U[0, 1)$ keeps
 #    an element with probability $1 - p$, the same distribution. Dropout is not a small cost
 #    here: the attention weights of a batch of 16 sequences of 128 tokens hold a million numbers
 #    per layer.
@@ -985,8 +985,7 @@ for name, seconds in step_time.items():
 # %% [markdown]
 # On this course's (shared, 2-core) machine the fast path took 0.7–0.9 of `nn.Transformer`'s time
 # and the from-scratch model 0.85–1.0; `make bench` measures it properly (section 8). A notebook
-# cannot assert a time; it asserts that the three steps train the same model, with a generous bound
-# on the ratio:
+# cannot assert a time; it asserts a generous bound on the ratio, and a finite loss from each step:
 
 # %%
 assert step_time["fast path"] < 1.5 * step_time["nn.Transformer"]
@@ -1220,7 +1219,7 @@ print(f"time: plain {1e3 * ckpt_time['plain']:.0f} ms, checkpointed "
 
 # %% [markdown]
 # **Mixed precision trades a little accuracy for memory (and, with the right hardware, speed);
-# checkpointing trades about a third more time for a fraction of the activations' memory.**
+# checkpointing trades a third to a half more time for a fraction of the activations' memory.**
 #
 # ## 8 · The benchmark: `make bench`
 #
