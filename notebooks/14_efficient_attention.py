@@ -595,10 +595,10 @@ assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (noteboo
 #    with the faster dropout below.
 # 3. **Fused layer norm.** `F.layer_norm`, one kernel instead of five operations.
 # 4. **A faster dropout on the CPU.** `F.dropout` draws its mask with `bernoulli_`, which on a
-#    CPU is slower (here 1.4–2.6×) than drawing uniforms and comparing: $u \ge p$ with $u \sim U[0, 1)$ keeps
-#    an element with probability $1 - p$, the same distribution. Dropout is not a small cost
-#    here: the attention weights of a batch of 16 sequences of 128 tokens hold a million numbers
-#    per layer.
+#    CPU is slower (here 1.4–2.6×) than drawing uniforms and comparing: $u \ge p$ with
+#    $u \sim U[0, 1)$ keeps an element with probability $1 - p$, the same distribution. Dropout
+#    is not a small cost here: the attention weights of a batch of 16 sequences of 128 tokens
+#    hold a million numbers per layer.
 # 5. **Fewer Python calls.** The blocks call those functions directly, without the lambdas of
 #    `sublayer_connection` and without checking inputs again below the block.
 #
