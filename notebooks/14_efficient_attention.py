@@ -589,8 +589,10 @@ assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (noteboo
 #    One large matmul is faster than three small ones, and the heads are views of its output.
 # 2. **Fused attention.** `F.scaled_dot_product_attention` with `is_causal=True` when the mask is
 #    the causal one (its kernel then skips the tiles above the diagonal). Our masks already mean
-#    what its boolean masks mean; and since torch 2.5 it also returns zeros for a row with no
-#    allowed key. One exception: with dropout in training on the CPU, PyTorch's flash kernel has
+#    what its boolean masks mean. A row with no allowed key gets zeros from PyTorch's CPU kernels
+#    (since torch 2.5), but some GPU kernels have returned NaN for it; the fast path opens such
+#    a row to every key and zeroes its output, so every backend follows notebook 05's policy.
+#    One exception: with dropout in training on the CPU, PyTorch's flash kernel has
 #    no dropout and falls back to the math backend, so there the fast path does the math itself,
 #    with the faster dropout below.
 # 3. **Fused layer norm.** `F.layer_norm`, one kernel instead of five operations.
@@ -685,6 +687,14 @@ def _attention_with_dropout(
     return fast_dropout(attn, p) @ V  # (B, h, T_q, T_k) @ (B, h, T_k, d_k)
 
 
+def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The mask with every row that allows no key opened to all keys, and those rows (..., 1)."""
+    blocked = ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
+    no_key = blocked.all(dim=-1, keepdim=True)  # (..., T_q or 1, 1), on the (small) mask
+    opened = mask | no_key if mask.dtype == torch.bool else mask.masked_fill(no_key, 0.0)
+    return opened, no_key
+
+
 def _layer_norm(norm: LayerNorm, x: Tensor) -> Tensor:
     """Our LayerNorm's numbers in one fused call."""
     return F.layer_norm(x, (norm.d_model,), norm.weight, norm.bias, norm.eps)
@@ -739,9 +749,14 @@ class FastMultiHeadAttention(MultiHeadAttention):
         if p > 0.0 and Q.device.type == "cpu":
             context = _attention_with_dropout(Q, K, V, attn_mask, is_causal, p)
         else:
+            no_key = None
+            if attn_mask is not None:  # empty rows: zeros on every backend (some GPU kernels
+                attn_mask, no_key = _open_empty_rows(attn_mask)  # have returned NaN for them)
             context = F.scaled_dot_product_attention(
                 Q, K, V, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal
             )  # (B, h, T_q, d_k)
+            if no_key is not None:
+                context = context.masked_fill(no_key, 0.0)
         # 3) Concatenate the heads and mix them with W_o.
         context = context.transpose(1, 2).reshape(B, T_q, d)  # (B, h, T_q, d_k) -> (B, T_q, d)
         return F.linear(context, self.W_o.weight, self.W_o.bias)

@@ -461,3 +461,23 @@ def test_fast_model_decodes_the_same_tokens_and_trains():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def test_fast_attention_zeroes_empty_rows_even_if_the_kernel_returns_nan(monkeypatch):
+    def nan_kernel(Q, K, V, attn_mask=None, dropout_p=0.0, is_causal=False):
+        scores = (Q @ K.transpose(-2, -1)) / Q.size(-1) ** 0.5
+        if attn_mask is not None:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))  # empty rows: NaN
+        return torch.softmax(scores, dim=-1) @ V
+
+    torch.manual_seed(0)
+    scratch = MultiHeadAttention(8, 2).eval()
+    fast = fast_copy(scratch)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    mask = padding_mask([4, 0], 4)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", nan_kernel)
+    out = fast(x, mask=mask)
+    assert torch.isfinite(out).all()
+    assert_close(out, scratch(x, mask=mask))
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()

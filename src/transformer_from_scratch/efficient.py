@@ -248,6 +248,15 @@ def _attention_with_dropout(
 
 
 # Taught in notebook 14 · Efficient attention and a fast path
+def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The mask with every row that allows no key opened to all keys, and those rows (..., 1)."""
+    blocked = ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
+    no_key = blocked.all(dim=-1, keepdim=True)  # (..., T_q or 1, 1), on the (small) mask
+    opened = mask | no_key if mask.dtype == torch.bool else mask.masked_fill(no_key, 0.0)
+    return opened, no_key
+
+
+# Taught in notebook 14 · Efficient attention and a fast path
 def _layer_norm(norm: LayerNorm, x: Tensor) -> Tensor:
     """Our LayerNorm's numbers in one fused call."""
     return F.layer_norm(x, (norm.d_model,), norm.weight, norm.bias, norm.eps)
@@ -296,9 +305,14 @@ class FastMultiHeadAttention(MultiHeadAttention):
         if p > 0.0 and Q.device.type == "cpu":
             context = _attention_with_dropout(Q, K, V, attn_mask, is_causal, p)
         else:
+            no_key = None
+            if attn_mask is not None:  # empty rows: zeros on every backend (some GPU kernels
+                attn_mask, no_key = _open_empty_rows(attn_mask)  # have returned NaN for them)
             context = F.scaled_dot_product_attention(
                 Q, K, V, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal
             )  # (B, h, T_q, d_k)
+            if no_key is not None:
+                context = context.masked_fill(no_key, 0.0)
         # 3) Concatenate the heads and mix them with W_o.
         context = context.transpose(1, 2).reshape(B, T_q, d)  # (B, h, T_q, d_k) -> (B, T_q, d)
         return F.linear(context, self.W_o.weight, self.W_o.bias)
