@@ -1015,18 +1015,19 @@ assert all(math.isfinite(step()) for step in steps.values())
 #
 # ### `torch.compile`
 #
-# `torch.compile` traces the model into a graph and generates fused kernels for it (Triton on a
-# GPU, C++ on a CPU). The first call compiles, which takes tens of seconds or more; later calls
-# run the compiled code. The fast path is written to compile without graph breaks: under
-# compilation it skips its data-dependent tests (the causal-mask detection, the check for rows
-# with no allowed key) and keeps the plain, always-correct arithmetic. On this course's 2-core
-# CPU, `python benchmarks/model.py --threads 1 --shapes 64x8 --compile` measured the compiled
-# training step of the fast path at 0.95 of a compiled `nn.Transformer`'s and 1.0 of an *eager*
-# `nn.Transformer`'s: compiling bought nothing here, after minutes of compilation (the machine was
-# shared and busy, so take the compile times as rough). The reason: at these sizes the time is
-# in the matmuls, which compilation does not change, and the element-wise kernels it fuses are a
-# small part of a CPU step. On a GPU, where launching many small kernels is
-# the bottleneck, fusing them is what compilation is good at. The cell runs there only:
+# `torch.compile` traces the model into a graph and generates fused kernels for it (Triton on a GPU,
+# C++ on a CPU). The first call compiles, which takes tens of seconds or more; later calls run the
+# compiled code. Under compilation the fast path skips its data-dependent tests (the causal-mask
+# detection, the check for rows with no allowed key) and keeps the plain, always correct arithmetic,
+# so that each block traces into one graph (`torch._dynamo.explain` finds no break inside a block;
+# the whole model, with torch 2.13, still splits into 8 graphs, about one per block, embedding and
+# head). On this course's 2-core CPU, `python benchmarks/model.py --threads 1 --shapes 64x8
+# --compile` measured the compiled training step of the fast path at 0.95 of a compiled
+# `nn.Transformer`'s and 1.0 of an *eager* `nn.Transformer`'s: compiling bought nothing here, after
+# minutes of compilation (the machine was shared and busy, so take the compile times as rough). The
+# reason: at these sizes the time is in the matmuls, which compilation does not change, and the
+# element-wise kernels it fuses are a small part of a CPU step. On a GPU, where launching many small
+# kernels is the bottleneck, fusing them is what compilation is good at. The cell runs there only:
 
 # %% tags=["nbval-ignore-output"]
 RUN_COMPILE = device.type == "cuda"
