@@ -1116,11 +1116,10 @@ print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s; fast training step {1e3 * fa
       f"= {counted / fast_step_s / 1e9:.1f} GFLOP/s; MFU {mfu:.2f}")
 
 # %% [markdown]
-# On this course's CPU, between a half and two thirds of the peak. The rest goes to what is not
-# a large matmul: small
-# matmuls that run below the peak, the element-wise work (dropout, layer norm, softmax, Adam)
-# and Python. On a GPU the same step would have a much lower MFU, since the model is far too
-# small to fill it.
+# On this course's CPU, between a half and two thirds of the peak (`make bench` reports it as
+# `mfu`). The rest goes to what is not a large matmul: small matmuls that run below the peak, the
+# element-wise work (dropout, layer norm, softmax, Adam) and Python. On a GPU the same step would
+# have a much lower MFU, since the model is far too small to fill it.
 
 # %%
 assert 0.0 < mfu < 1.0
