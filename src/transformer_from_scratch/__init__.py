@@ -11,6 +11,7 @@
 #   notebooks/10_full_model.py
 #   notebooks/11_training.py
 #   notebooks/12_generation.py
+#   notebooks/14_efficient_attention.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """The Transformer from scratch: the library that the course's notebooks build."""
@@ -21,6 +22,7 @@ from importlib.metadata import version
 from . import attention
 from . import data
 from . import decoding
+from . import efficient
 from . import layers
 from . import masks
 from . import model
@@ -44,6 +46,18 @@ from .decoding import length_penalty_wu
 from .decoding import next_token_probs
 from .decoding import sample
 from .decoding import sequence_log_prob
+from .efficient import FastDecoderBlock
+from .efficient import FastDropout
+from .efficient import FastEncoderBlock
+from .efficient import FastLayerNorm
+from .efficient import FastMultiHeadAttention
+from .efficient import TiledAttention
+from .efficient import fast_dropout
+from .efficient import fused_attention_mask
+from .efficient import tiled_attention
+from .efficient import tiled_attention_backward
+from .efficient import tiled_attention_forward
+from .efficient import use_fast_path
 from .layers import Decoder
 from .layers import DecoderBlock
 from .layers import Encoder
@@ -109,4 +123,5 @@ __all__ = [
     *data.__all__,
     *train.__all__,
     *decoding.__all__,
+    *efficient.__all__,
 ]
