@@ -230,7 +230,9 @@ class TrainConfig:
 
 # Taught in notebook 13 · A real translation task
 @torch.no_grad()
-def evaluate_loss(model: nn.Module, loader, amp_dtype: str | None = None) -> tuple[float, float]:
+def evaluate_loss(
+    model: nn.Module, loader, amp_dtype: str | None = None, label_smoothing: float = 0.0
+) -> tuple[float, float]:
     """Mean cross-entropy per real target token and the share of tokens predicted right."""
     was_training = model.training
     model.eval()
@@ -246,7 +248,11 @@ def evaluate_loss(model: nn.Module, loader, amp_dtype: str | None = None) -> tup
             )  # fmt: skip
         real = tgt_out != PAD  # (B, T)
         loss_sum += F.cross_entropy(
-            logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD, reduction="sum"
+            logits.float().flatten(0, 1),
+            tgt_out.flatten(),
+            ignore_index=PAD,
+            label_smoothing=label_smoothing,  # the training loss's, so the curves compare
+            reduction="sum",
         ).item()
         correct += int(((logits.argmax(-1) == tgt_out) & real).sum())
         tokens += int(real.sum())
@@ -346,7 +352,9 @@ def train_translation(
                 bar.update()
                 bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}")
         bar.close()
-        val_loss, val_acc = evaluate_loss(model, valid_loader, config.amp_dtype)
+        val_loss, val_acc = evaluate_loss(
+            model, valid_loader, config.amp_dtype, config.label_smoothing
+        )
         history["train_loss"].append(sum(epoch_losses) / len(epoch_losses))
         history["val_loss"].append(val_loss)
         history["val_acc"].append(val_acc)
