@@ -1248,8 +1248,8 @@ def layer_grad_norms(model: nn.Module) -> dict[str, float]:
 # is made; one `update` takes $k$ micro-batches, scales, unscales, records and clips the
 # gradients, and steps the optimizer, the scaler and the scheduler. Each epoch ends with a
 # validation pass (mean loss per token and token accuracy), early stopping and the two
-# checkpoints. A `tqdm.auto` progress bar shows the steps of each epoch in JupyterLab and Colab
-# and disappears when the epoch is done (`leave=False`).
+# checkpoints. A `tqdm.auto` progress bar shows the steps of each epoch in JupyterLab and Colab,
+# redrawn at most every 2 seconds, and disappears when the epoch is done (`leave=False`).
 
 # %%
 #| export practice
@@ -1396,8 +1396,14 @@ def train_translation(
     for epoch in range(start_epoch, config.epochs):
         if hasattr(train_loader.batch_sampler, "set_epoch"):
             train_loader.batch_sampler.set_epoch(epoch)  # a new order, the same on every run
+        # One redraw every 2 s at most: a bar that redraws every step floods the notebook's
+        # message channel (and nbval, which reads it after the cell) with thousands of updates.
         bar = tqdm(
-            total=steps_per_epoch, desc=f"epoch {epoch + 1}", leave=False, disable=not progress
+            total=steps_per_epoch,
+            desc=f"epoch {epoch + 1}",
+            leave=False,  # the bar disappears when its epoch is done
+            mininterval=2.0,
+            disable=not progress,
         )
         micro_batches, epoch_losses = [], []
         num_batches = len(train_loader)  # this epoch's, after set_epoch
@@ -1408,7 +1414,7 @@ def train_translation(
                 history["step_loss"].append(epoch_losses[-1])
                 micro_batches = []
                 bar.update()
-                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}")
+                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}", refresh=False)
         bar.close()
         val_loss, val_acc = evaluate_loss(
             model, valid_loader, config.amp_dtype, config.label_smoothing

@@ -200,14 +200,14 @@ def test_train_config_validates():
 
 
 def test_training_lowers_the_loss_and_resumes_exactly(tmp_path):
-    train, valid = loaders(make_items(40))
-    config = TrainConfig(epochs=3, lr=3e-3, warmup_steps=2, patience=5)
+    train, valid = loaders(make_items(24))
+    config = TrainConfig(epochs=2, lr=3e-3, warmup_steps=2, patience=5)
     straight = tiny_model(dropout_p=0.1)
     history = train_translation(straight, train, valid, config, tmp_path / "a", progress=False)
     assert history["val_loss"][-1] < history["val_loss"][0]
     assert len(history["grad_norms"]) == len(history["lr"]) == len(history["step_loss"])
     interrupted = tiny_model(dropout_p=0.1)
-    train_translation(interrupted, train, valid, config, tmp_path / "b", stop_after_epoch=2,
+    train_translation(interrupted, train, valid, config, tmp_path / "b", stop_after_epoch=1,
                       progress=False)  # fmt: skip
     resumed = tiny_model(seed=5, dropout_p=0.1)
     train_translation(resumed, train, valid, config, tmp_path / "b", resume=True, progress=False)

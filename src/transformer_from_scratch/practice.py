@@ -338,8 +338,14 @@ def train_translation(
     for epoch in range(start_epoch, config.epochs):
         if hasattr(train_loader.batch_sampler, "set_epoch"):
             train_loader.batch_sampler.set_epoch(epoch)  # a new order, the same on every run
+        # One redraw every 2 s at most: a bar that redraws every step floods the notebook's
+        # message channel (and nbval, which reads it after the cell) with thousands of updates.
         bar = tqdm(
-            total=steps_per_epoch, desc=f"epoch {epoch + 1}", leave=False, disable=not progress
+            total=steps_per_epoch,
+            desc=f"epoch {epoch + 1}",
+            leave=False,  # the bar disappears when its epoch is done
+            mininterval=2.0,
+            disable=not progress,
         )
         micro_batches, epoch_losses = [], []
         num_batches = len(train_loader)  # this epoch's, after set_epoch
@@ -350,7 +356,7 @@ def train_translation(
                 history["step_loss"].append(epoch_losses[-1])
                 micro_batches = []
                 bar.update()
-                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}")
+                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}", refresh=False)
         bar.close()
         val_loss, val_acc = evaluate_loss(
             model, valid_loader, config.amp_dtype, config.label_smoothing
