@@ -96,8 +96,8 @@ test-compat: .venv-compat/$(COMPAT)/.installed  ## run every notebook under comp
 html: $(STAMP)  ## render the static site into site/ (offline: MathJax and widget JS vendored)
 	$(BIN)/python tools/build_site.py site
 
-bench: $(STAMP)  ## side-by-side speed and memory: bench-attention.json (02)
-	$(BIN)/python benchmarks/attention.py --threads 1 --out bench-attention.json
+bench: $(STAMP)  ## every benchmark side by side in one process: a table, and bench.json (notebook 14)
+	$(BIN)/python benchmarks/model.py --out bench.json
 
 clean:  ## remove the environment and everything built
 	rm -rf $(VENV) .venv-compat site test-artifacts build .pytest_cache .ruff_cache bench.json bench-attention.json

@@ -11,6 +11,8 @@
 #   notebooks/10_full_model.py
 #   notebooks/11_training.py
 #   notebooks/12_generation.py
+#   notebooks/13_translation.py
+#   notebooks/14_efficient_attention.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """The Transformer from scratch: the library that the course's notebooks build."""
@@ -19,18 +21,29 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version
 
 from . import attention
+from . import bpe
 from . import data
 from . import decoding
+from . import efficient
 from . import layers
 from . import masks
 from . import model
 from . import positional
+from . import practice
 from . import tokens
 from . import train
+from . import translation
 from . import utils
 from . import viz
 from .attention import MultiHeadAttention
 from .attention import scaled_dot_product_attention
+from .bpe import SPACE
+from .bpe import SPECIAL_TOKENS
+from .bpe import UNK
+from .bpe import BPETokenizer
+from .bpe import learn_merges
+from .bpe import merge_pair
+from .bpe import split_words
 from .data import FIRST_SYMBOL
 from .data import MIN_LEN
 from .data import make_batch
@@ -45,6 +58,18 @@ from .decoding import length_penalty_wu
 from .decoding import next_token_probs
 from .decoding import sample
 from .decoding import sequence_log_prob
+from .efficient import FastDecoderBlock
+from .efficient import FastDropout
+from .efficient import FastEncoderBlock
+from .efficient import FastLayerNorm
+from .efficient import FastMultiHeadAttention
+from .efficient import TiledAttention
+from .efficient import fast_dropout
+from .efficient import fused_attention_mask
+from .efficient import tiled_attention
+from .efficient import tiled_attention_backward
+from .efficient import tiled_attention_forward
+from .efficient import use_fast_path
 from .layers import Decoder
 from .layers import DecoderBlock
 from .layers import Encoder
@@ -64,6 +89,20 @@ from .positional import LearnedPositionalEmbedding
 from .positional import PositionalEncoding
 from .positional import RotaryEmbedding
 from .positional import sinusoidal_table
+from .practice import EarlyStopping
+from .practice import TrainConfig
+from .practice import amp_autocast
+from .practice import evaluate_loss
+from .practice import layer_grad_norms
+from .practice import load_training_state
+from .practice import param_groups
+from .practice import rng_state
+from .practice import save_training_state
+from .practice import sequence_loss
+from .practice import set_gradient_checkpointing
+from .practice import set_rng_state
+from .practice import train_translation
+from .practice import warmup_cosine
 from .tokens import BOS
 from .tokens import EOS
 from .tokens import PAD
@@ -83,6 +122,17 @@ from .train import reversal_recipe
 from .train import save_checkpoint
 from .train import train_model
 from .train import train_reversal
+from .translation import LANGUAGES
+from .translation import MAX_NUMBER
+from .translation import TokenBatchSampler
+from .translation import TranslationDataset
+from .translation import collate_translations
+from .translation import load_corpus
+from .translation import number_to_words
+from .translation import padding_fraction
+from .translation import score_translations
+from .translation import split_numbers
+from .translation import translate
 from .utils import COLORS
 from .utils import OTHER_COLORS
 from .utils import PART_COLORS
@@ -111,4 +161,8 @@ __all__ = [
     *data.__all__,
     *train.__all__,
     *decoding.__all__,
+    *translation.__all__,
+    *bpe.__all__,
+    *practice.__all__,
+    *efficient.__all__,
 ]

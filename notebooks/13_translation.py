@@ -1,0 +1,1823 @@
+# %% [markdown]
+# # 13 · A real translation task
+#
+# **What you will build:** everything it takes to train the Transformer on a real task, end to end, each piece checked: English number words translated into German ("three hundred and forty-two thousand and seven" → "dreihundertzweiundvierzigtausendsieben"), a corpus made offline with disjoint splits by number; byte-pair encoding written from scratch (`bpe`) beside the Hugging Face `tokenizers` library; a `Dataset`, dynamic padding and batches by tokens with length bucketing (`translation`); and the practice of training (`practice`): AdamW without decay on norms, biases and embeddings, warmup and cosine decay, gradient clipping, label smoothing, gradient accumulation checked against a larger batch, mixed precision, gradient checkpointing, early stopping and checkpoints that resume bit for bit. Last, the trained model is scored on numbers it never saw, with greedy and beam search, sacrebleu's BLEU and chrF and exact match; its errors are sorted by kind, and its cross-attention shows German putting units before tens.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/13_translation.ipynb) · Assumes: [10 · The full model](10_full_model.ipynb), [11 · Training](11_training.ipynb), [12 · Generation](12_generation.ipynb).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
+    )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
+
+# %%
+import math
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from torch import nn
+from torch.testing import assert_close
+from tokenizers import Tokenizer
+from tokenizers import decoders
+from tokenizers import models
+from tokenizers import pre_tokenizers
+from tokenizers import trainers
+from torch.utils.data import DataLoader
+
+from transformer_from_scratch.decoding import cross_attention_weights
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.measure import peak_memory
+from transformer_from_scratch.measure import time_call
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.utils import COLORS
+from transformer_from_scratch.utils import OTHER_COLORS
+from transformer_from_scratch.utils import get_device
+from transformer_from_scratch.utils import save_figure
+from transformer_from_scratch.utils import set_seed
+
+set_seed(0)
+device = get_device()
+DATA = Path("data")  # the corpus is cached here (gitignored), made again when missing
+
+# %% [markdown]
+# ## The task
+#
+# Notebooks 11 and 12 trained on a toy: reverse a random sequence. A real task has what the toy
+# lacks: two languages with their own grammar, words that a fixed vocabulary cannot list, and
+# a test on sentences the model has never seen. Translating numbers written in words keeps all
+# three and still trains on a laptop:
+#
+# | English | German | what makes it hard |
+# |---|---|---|
+# | forty-two | zweiundvierzig | *two-and-forty*: units before tens, the alignment crosses |
+# | three hundred and forty-two thousand and seven | dreihundertzweiundvierzigtausendsieben | one compound word, no spaces |
+# | seventy-one | einundsiebzig | "sieben" shortened to "sieb", "eins" to "ein" |
+#
+# The sentences come from `num2words`, a well-kept library of spelling rules for dozens of
+# languages, so nothing is downloaded and the corpus is the same on every machine. The
+# numbers are split **by number** into training, validation and test sets that share none, in
+# the proportions of a usual corpus (80 / 10 / 10 %). Every number below 1000 is in the corpus,
+# because those are the pieces every larger number is made of; the rest are drawn at random up
+# to 999,999. The test set is numbers the model never saw: it must *compose* what it learnt.
+
+# %%
+#| default_exp translation
+
+# %% [markdown]
+# `#| default_exp translation` sends this notebook's export cells to
+# `transformer_from_scratch/translation.py`; the tokenizer goes to `bpe` and the training
+# practice to `practice` (`#| export bpe`, `#| export practice`), one idea per module.
+
+# %%
+#| export
+"""A real task: English number words to German; disjoint splits, a Dataset, batches by tokens."""
+
+import json
+import os
+import random
+from collections.abc import Iterator
+from collections.abc import Sequence
+from pathlib import Path
+
+import sacrebleu
+import torch
+from num2words import num2words
+from torch.utils.data import Dataset
+from torch.utils.data import Sampler
+
+from transformer_from_scratch.checks import check_choice
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.decoding import beam_search
+from transformer_from_scratch.decoding import greedy_decode
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.tokens import PAD
+
+LANGUAGES = ("en", "de", "fr")  # the source is English; German (or French) is the target
+MAX_NUMBER = 999_999
+
+
+# %%
+#| export
+def split_numbers(
+    num_numbers: int, seed: int = 0, valid: float = 0.1, test: float = 0.1
+) -> dict[str, list[int]]:
+    """Disjoint train/valid/test lists of distinct numbers up to MAX_NUMBER; 0..999 all in."""
+    num_numbers = check_int("num_numbers", num_numbers, minimum=1000)
+    if num_numbers > MAX_NUMBER + 1:
+        raise ValueError(f"num_numbers={num_numbers} is more than the {MAX_NUMBER + 1} numbers")
+    valid, test = check_probability("valid", valid), check_probability("test", test)
+    if valid <= 0 or test <= 0 or valid + test >= 1.0:
+        raise ValueError(f"valid={valid} and test={test} must be > 0 and leave room for training")
+    rng = random.Random(seed)
+    # Every number below 1000 (the building blocks), then distinct random larger ones.
+    numbers = list(range(1000)) + rng.sample(range(1000, MAX_NUMBER + 1), num_numbers - 1000)
+    rng.shuffle(numbers)
+    n_valid, n_test = round(valid * num_numbers), round(test * num_numbers)
+    return {
+        "train": numbers[n_valid + n_test :],
+        "valid": numbers[:n_valid],
+        "test": numbers[n_valid : n_valid + n_test],
+    }
+
+
+def number_to_words(n: int, lang: str) -> str:
+    """A number written out in words: number_to_words(42, "de") == "zweiundvierzig"."""
+    n = check_int("n", n, minimum=0)
+    lang = check_choice("lang", lang, LANGUAGES)
+    if n > MAX_NUMBER:
+        raise ValueError(f"n={n} is beyond the task's range 0..{MAX_NUMBER}")
+    return num2words(n, lang=lang)
+
+
+def load_corpus(
+    directory: str | os.PathLike, num_numbers: int, seed: int = 0, tgt_lang: str = "de"
+) -> dict[str, list[tuple[int, str, str]]]:
+    """(number, English, target) triples per split, made once and cached as JSON in directory."""
+    tgt_lang = check_choice("tgt_lang", tgt_lang, LANGUAGES[1:])
+    path = Path(directory) / f"numbers_en_{tgt_lang}_{num_numbers}_seed{seed}.json"
+    if path.exists():
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        return {split: [tuple(row) for row in rows] for split, rows in cached.items()}
+    corpus = {
+        split: [(n, number_to_words(n, "en"), number_to_words(n, tgt_lang)) for n in numbers]
+        for split, numbers in split_numbers(num_numbers, seed).items()
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(corpus, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)  # atomic: a reader finds no file or the whole file, never half
+    return corpus
+
+
+# %% [markdown]
+# 20,000 numbers: 16,000 to train on, 2,000 to validate and 2,000 to test. The first run writes
+# the corpus to `data/` (a few seconds); later runs read it back.
+
+# %%
+corpus = load_corpus(DATA, num_numbers=20_000, seed=0, tgt_lang="de")
+for split, rows in corpus.items():
+    print(f"{split:5s} {len(rows):6,d} pairs   e.g. {rows[0][0]:>7,d}: {rows[0][1]!r} -> {rows[0][2]!r}")
+
+# %%
+numbers = {split: {n for n, _, _ in rows} for split, rows in corpus.items()}
+assert not numbers["train"] & numbers["valid"]  # the splits share no number
+assert not numbers["train"] & numbers["test"]
+assert not numbers["valid"] & numbers["test"]
+assert sum(map(len, numbers.values())) == 20_000  # and no number twice
+assert all(n <= 999_999 for rows in numbers.values() for n in rows)
+assert number_to_words(42, "de") == "zweiundvierzig"  # units before tens
+
+# %% [markdown]
+# ## Tokenization: byte-pair encoding from scratch
+#
+# The model reads token ids, so the text must be cut into pieces from a fixed vocabulary.
+# Whole words fail here: every German number is its own word ("dreihundertzweiundvierzigtausendsieben"),
+# so a word vocabulary would have to list a million of them, and a number from the test set
+# would be unknown. Characters always work but make sequences long (the German above is 38
+# characters). **Byte-pair encoding** (BPE; Sennrich et al., 2016) sits between the two: start
+# from characters, then repeatedly *merge the most frequent adjacent pair* into a new token,
+# until the vocabulary has the size you asked for. Frequent pieces ("hundert", "und", "zig")
+# become single tokens; anything else still spells out from smaller pieces.
+#
+# Words are first split at spaces, each with a marker `▁` in front (SentencePiece's
+# convention), so that decoding can put every space back: the round trip is exact.
+
+# %%
+#| export bpe
+"""Byte-pair encoding from scratch: learn merges from a corpus, encode text to ids and back."""
+
+import hashlib
+import json
+import os
+from collections import Counter
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+from transformer_from_scratch.checks import check_choice
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+
+UNK = 3  # the id of a character the tokenizer never saw in training
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids PAD, BOS, EOS, UNK = 0, 1, 2, 3
+SPACE = "\u2581"  # "▁" marks the start of a word, as in SentencePiece
+
+
+# %%
+#| export bpe
+def split_words(text: str) -> list[str]:
+    """Split text at spaces, each word with SPACE in front: decoding can put the spaces back."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if not text:
+        raise ValueError("text is empty: there is nothing to tokenize")
+    if SPACE in text:
+        raise ValueError(f"text contains {SPACE!r}, the character that marks word starts")
+    return [SPACE + word for word in text.split(" ")]
+
+
+# %% [markdown]
+# Training counts every word once per occurrence, then merges. The whole algorithm is two
+# functions: `merge_pair` rewrites one word, `learn_merges` picks the pairs. Counting all pairs
+# again after every merge would read the whole corpus once per merge; instead, `learn_merges`
+# keeps the counts and an index from each pair to the words that contain it, so a merge only
+# touches the words it changes.
+
+# %%
+#| export bpe
+def merge_pair(symbols: list[str], pair: tuple[str, str]) -> list[str]:
+    """Replace every occurrence of the adjacent pair (a, b) in symbols by the symbol a + b."""
+    a, b = pair
+    merged, i = [], 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and symbols[i] == a and symbols[i + 1] == b:
+            merged.append(a + b)
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return merged
+
+
+def learn_merges(word_counts: dict[str, int], num_merges: int) -> list[tuple[str, str]]:
+    """The num_merges most frequent adjacent pairs, merged one after the other (Sennrich, 2016)."""
+    num_merges = check_int("num_merges", num_merges, minimum=0)
+    words = [list(word) for word in word_counts]  # each word as a list of symbols
+    counts = list(word_counts.values())
+    pair_counts: Counter = Counter()
+    where = defaultdict(set)  # pair -> indices of the words that contain it
+    for i, symbols in enumerate(words):
+        for pair in zip(symbols, symbols[1:], strict=False):
+            pair_counts[pair] += counts[i]
+            where[pair].add(i)
+    merges = []
+    for _ in range(num_merges):
+        if not pair_counts:
+            break  # every word is a single symbol: nothing left to merge
+        # The most frequent pair; ties go to the alphabetically first, so training is deterministic.
+        best, count = min(pair_counts.items(), key=lambda item: (-item[1], item[0]))
+        if count < 2:
+            break  # a pair seen once is a whole word, not a reusable piece
+        merges.append(best)
+        for i in where.pop(best):  # only the words that contain the pair change
+            symbols, c = words[i], counts[i]
+            for pair in zip(symbols, symbols[1:], strict=False):
+                pair_counts[pair] -= c
+                if pair_counts[pair] <= 0:
+                    del pair_counts[pair]
+            words[i] = symbols = merge_pair(symbols, best)
+            for pair in zip(symbols, symbols[1:], strict=False):
+                pair_counts[pair] += c
+                where[pair].add(i)
+    return merges
+
+
+# %% [markdown]
+# The tokenizer holds the alphabet and the merges. Its ids start with the library's reserved
+# ones, `PAD, BOS, EOS = 0, 1, 2` from notebook 09, and one more, `UNK = 3`, for a character
+# it never saw. Encoding a word applies the learnt merges *in the order they were learnt*,
+# which is what makes the result the same as during training.
+
+# %%
+#| export bpe
+class BPETokenizer:
+    """Byte-pair encoding: characters, then learnt merges; text <-> ids, PAD/BOS/EOS/UNK first."""
+
+    def __init__(self, alphabet: Iterable[str], merges: Iterable[tuple[str, str]]):
+        self.alphabet = sorted(set(alphabet) | {SPACE})
+        self.merges = [tuple(pair) for pair in merges]
+        tokens = list(SPECIAL_TOKENS) + self.alphabet + [a + b for a, b in self.merges]
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("the alphabet and the merges give the same token twice")
+        self.id_to_token = tokens
+        self.token_to_id = {token: i for i, token in enumerate(tokens)}
+        self.ranks = {pair: rank for rank, pair in enumerate(self.merges)}  # earlier = first
+        self._cache: dict[str, list[int]] = {}
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
+        """Learn merges from texts until there are vocab_size tokens (or no pair repeats)."""
+        vocab_size = check_int("vocab_size", vocab_size, minimum=len(SPECIAL_TOKENS) + 2)
+        word_counts: Counter = Counter()
+        for text in texts:
+            word_counts.update(split_words(text))
+        if not word_counts:
+            raise ValueError("texts is empty: BPE needs a corpus to learn from")
+        alphabet = sorted({char for word in word_counts for char in word})
+        num_merges = vocab_size - len(SPECIAL_TOKENS) - len(alphabet)
+        if num_merges < 0:
+            raise ValueError(
+                f"vocab_size={vocab_size} is smaller than the {len(SPECIAL_TOKENS)} special "
+                f"tokens and the corpus's {len(alphabet)} characters"
+            )
+        return cls(alphabet, learn_merges(word_counts, num_merges))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.id_to_token)
+
+    def _encode_word(self, word: str, unknown: str) -> list[int]:
+        """One word's ids: apply the learnt merges in the order they were learnt."""
+        if word in self._cache:
+            return self._cache[word]
+        symbols = list(word)
+        while len(symbols) > 1:
+            pairs = set(zip(symbols, symbols[1:], strict=False))
+            pair = min(pairs, key=lambda p: self.ranks.get(p, len(self.ranks)))
+            if pair not in self.ranks:
+                break  # no learnt merge applies any more
+            symbols = merge_pair(symbols, pair)
+        ids = []
+        for symbol in symbols:
+            if symbol in self.token_to_id:
+                ids.append(self.token_to_id[symbol])
+            elif unknown == "error":
+                raise ValueError(f"character {symbol!r} in {word[1:]!r} is not in the vocabulary")
+            else:
+                ids.append(UNK)
+        if UNK not in ids:
+            self._cache[word] = ids
+        return ids
+
+    def encode(self, text: str, add_special: bool = True, unknown: str = "unk") -> list[int]:
+        """Text -> ids, BOS first and EOS last if add_special; unknown="error" refuses UNK."""
+        unknown = check_choice("unknown", unknown, ("unk", "error"))
+        ids = [i for word in split_words(text) for i in self._encode_word(word, unknown)]
+        return [BOS, *ids, EOS] if add_special else ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Ids -> text; PAD, BOS and EOS are dropped, UNK becomes "\ufffd"."""
+        pieces = []
+        for i in ids:
+            i = check_int("token id", i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside [0, {self.vocab_size})")
+            if i in (PAD, BOS, EOS):
+                continue
+            pieces.append("\ufffd" if i == UNK else self.id_to_token[i])
+        return "".join(pieces).replace(SPACE, " ").removeprefix(" ")
+
+    def tokens(self, text: str) -> list[str]:
+        """The pieces text is cut into (without BOS/EOS), to look at."""
+        return [self.id_to_token[i] for i in self.encode(text, add_special=False)]
+
+    def fingerprint(self) -> str:
+        """A short hash of the vocabulary: two tokenizers with the same one give the same ids."""
+        blob = json.dumps([self.id_to_token, self.merges], ensure_ascii=False).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the tokenizer as JSON (atomically: a crash never leaves half a file)."""
+        path = Path(path)
+        state = {
+            "format": "transformer_from_scratch.bpe/1",
+            "special_tokens": list(SPECIAL_TOKENS),
+            "alphabet": self.alphabet,
+            "merges": [list(pair) for pair in self.merges],
+            "fingerprint": self.fingerprint(),
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(state, ensure_ascii=False, indent=0), encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, fingerprint: str | None = None) -> "BPETokenizer":
+        """Read a saved tokenizer; with fingerprint, refuse one with another vocabulary."""
+        try:
+            state = json.loads(Path(path).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path} is not a tokenizer file: {error}") from None
+        if not isinstance(state, dict) or state.get("format") != "transformer_from_scratch.bpe/1":
+            raise ValueError(f"{path} is not a tokenizer saved by BPETokenizer.save")
+        if state["special_tokens"] != list(SPECIAL_TOKENS):
+            raise ValueError(
+                f"{path} has special tokens {state['special_tokens']}, but this library's ids "
+                f"are {list(SPECIAL_TOKENS)}"
+            )
+        tokenizer = cls(state["alphabet"], [tuple(pair) for pair in state["merges"]])
+        if tokenizer.fingerprint() != state["fingerprint"]:
+            raise ValueError(f"{path} was edited: its merges do not match its fingerprint")
+        if fingerprint is not None and tokenizer.fingerprint() != fingerprint:
+            raise ValueError(
+                f"{path} holds another vocabulary (fingerprint {tokenizer.fingerprint()}, "
+                f"expected {fingerprint}): its ids would mean other tokens to the model"
+            )
+        return tokenizer
+
+
+# %% [markdown]
+# ### Training the two tokenizers
+#
+# One tokenizer per language, trained on the **training split only** (the validation and test
+# sentences must not shape anything the model uses). A sample of 5,000 training sentences is
+# plenty to find the frequent pieces and keeps training to a second or two. The vocabulary sizes
+# are chosen so that the pieces are the building blocks of numbers: mostly whole English words
+# (some compounds stay in two pieces, "▁twen" + "ty-five"), and in German the units with
+# "und", the tens, "hundert" and "tausend".
+
+# %%
+train_en = [en for _, en, _ in corpus["train"]]
+train_de = [de for _, _, de in corpus["train"]]
+src_tokenizer = BPETokenizer.train(train_en[:5000], vocab_size=160)
+tgt_tokenizer = BPETokenizer.train(train_de[:5000], vocab_size=90)
+print("English:", src_tokenizer.vocab_size, "tokens, German:", tgt_tokenizer.vocab_size, "tokens")
+example_n, example_en, example_de = 342_057, number_to_words(342_057, "en"), number_to_words(342_057, "de")
+print(src_tokenizer.tokens(example_en))
+print(tgt_tokenizer.tokens(example_de))
+print(tgt_tokenizer.encode(example_de))
+
+# %% [markdown]
+# The check that matters for a tokenizer: **decode(encode(s)) == s**, on every sentence of every
+# split, including the ones it was not trained on.
+
+# %%
+for rows in corpus.values():
+    for _, en, de in rows:
+        assert src_tokenizer.decode(src_tokenizer.encode(en)) == en, en
+        assert tgt_tokenizer.decode(tgt_tokenizer.encode(de)) == de, de
+assert tgt_tokenizer.encode(example_de)[0] == BOS and tgt_tokenizer.encode(example_de)[-1] == EOS
+assert tgt_tokenizer.id_to_token[:4] == ["<pad>", "<bos>", "<eos>", "<unk>"] and UNK == 3
+
+
+# %% [markdown]
+# Bad input gets a clear error, not a crash deep inside the model: an empty sentence, a
+# character the tokenizer never saw (with `unknown="error"`; by default it becomes `UNK`), and
+# a saved tokenizer that belongs to another vocabulary. The fingerprint, a hash of the
+# vocabulary, is what a checkpoint stores to recognise its own tokenizer.
+
+# %%
+def error_of(fn, *args, **kwargs) -> str:
+    """The type and message of the exception fn raises."""
+    try:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError("no error raised")
+
+
+print(error_of(tgt_tokenizer.encode, ""))
+print(error_of(tgt_tokenizer.encode, "dreiunddreißig €", unknown="error"))
+print(tgt_tokenizer.decode(tgt_tokenizer.encode("zwei€")), tgt_tokenizer.encode("zwei€")[-3:])
+with tempfile.TemporaryDirectory() as tmp:
+    saved = tgt_tokenizer.save(Path(tmp) / "de.json")
+    assert BPETokenizer.load(saved).encode(example_de) == tgt_tokenizer.encode(example_de)
+    message = error_of(BPETokenizer.load, saved, fingerprint=src_tokenizer.fingerprint())
+    print(message.replace(tmp, "TMP"))  # the temporary folder's name changes every run
+
+
+# %% [markdown]
+# ### The same corpus through a tokenizer library
+#
+# In practice you would not write BPE yourself: Hugging Face's `tokenizers` (Rust, used by the
+# `transformers` library) trains and encodes the same kind of model much faster. It is trained
+# here offline, on the same sentences, with the same vocabulary size, the same special tokens
+# and the same `▁` word marker, and compared side by side.
+
+# %%
+def train_library_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A Hugging Face BPE tokenizer with our special tokens (ids 0-3) and word marker."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+hf_tokenizer = train_library_bpe(train_de[:5000], vocab_size=90)
+print(hf_tokenizer.get_vocab_size(), hf_tokenizer.encode(example_de).tokens)
+
+# %%
+all_de = [de for rows in corpus.values() for _, _, de in rows]
+ours_lengths = [len(tgt_tokenizer.encode(s, add_special=False)) for s in all_de]
+hf_lengths = [len(e.ids) for e in hf_tokenizer.encode_batch(all_de)]
+assert [hf_tokenizer.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>", "<unk>")] == [0, 1, 2, 3]
+assert all(hf_tokenizer.decode(e.ids) == s for e, s in zip(hf_tokenizer.encode_batch(all_de), all_de, strict=False))
+print(f"tokens per German sentence: ours {np.mean(ours_lengths):.2f}, library {np.mean(hf_lengths):.2f}")
+print(f"longest:                    ours {max(ours_lengths)}, library {max(hf_lengths)}")
+shared = set(tgt_tokenizer.id_to_token) & set(hf_tokenizer.get_vocab())
+print(f"tokens in both vocabularies: {len(shared)} of {tgt_tokenizer.vocab_size}")
+
+# %% tags=["nbval-ignore-output"]
+fresh = BPETokenizer(tgt_tokenizer.alphabet, tgt_tokenizer.merges)  # an empty word cache
+seconds_ours = time_call(lambda: [fresh.encode(s) for s in all_de[:2000]], warmup=0, repeats=1)
+seconds_hf = time_call(lambda: hf_tokenizer.encode_batch(all_de[:2000]), warmup=0, repeats=1)
+print(f"encoding 2,000 sentences: ours {1000 * seconds_ours:.0f} ms, library {1000 * seconds_hf:.0f} ms")
+
+# %%
+assert seconds_ours > 0 and seconds_hf > 0
+
+
+# %% [markdown]
+# The two learn nearly the same pieces (the same counts drive both; they differ in how ties
+# are broken and in what they count), and encode to about as many tokens per sentence. The
+# library is much faster, compiled and parallel. The course's model trains on **our**
+# tokenizer: it is the one you can read, its ids are the library's own `PAD, BOS, EOS` by
+# construction, its round trip is checked above on every sentence, and at 20,000 sentences its
+# speed costs a second or two.
+#
+# **BPE turns an open vocabulary into a closed one: a number never seen spells out from pieces
+# that were.**
+
+# %% [markdown]
+# ## Data: a `Dataset`, dynamic padding and batches by tokens
+#
+# The sentences become token ids once, in a `Dataset`. It refuses what the model could not
+# take: a sentence longer than the model's `max_len` (the rows of its positional table) would
+# otherwise fail deep in the positional encoding, many steps into training.
+
+# %%
+#| export
+class TranslationDataset(Dataset):
+    """Sentence pairs as token ids: item i is (src_ids, tgt_ids), both with BOS and EOS."""
+
+    def __init__(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        src_tokenizer: BPETokenizer,
+        tgt_tokenizer: BPETokenizer,
+        max_len: int,
+    ):
+        max_len = check_int("max_len", max_len, minimum=3)
+        if len(pairs) == 0:
+            raise ValueError("pairs is empty: a dataset needs at least one sentence pair")
+        self.src, self.tgt = [], []
+        for i, (src_text, tgt_text) in enumerate(pairs):
+            src_ids = src_tokenizer.encode(src_text, unknown="error")
+            tgt_ids = tgt_tokenizer.encode(tgt_text, unknown="error")
+            if max(len(src_ids), len(tgt_ids)) > max_len:
+                raise ValueError(
+                    f"pair {i} has {len(src_ids)} source and {len(tgt_ids)} target tokens, "
+                    f"more than max_len={max_len}: {src_text!r}"
+                )
+            self.src.append(torch.tensor(src_ids))
+            self.tgt.append(torch.tensor(tgt_ids))
+        # A pair's cost in a batch: its longer side, which sets how far the batch is padded.
+        self.lengths = [max(len(s), len(t)) for s, t in zip(self.src, self.tgt, strict=True)]
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.src[i], self.tgt[i]
+
+
+# %% [markdown]
+# A batch is a list of pairs of different lengths. **Dynamic padding** pads them only to the
+# longest *in the batch*, not to a global maximum, and cuts the target into the decoder's input
+# and the shifted output of teacher forcing (notebook 11): `tgt_in = [BOS, y]`,
+# `tgt_out = [y, EOS]`. The returned tuple has the same shape as notebook 11's batches, and
+# the source lengths give the padding mask.
+
+# %%
+#| export
+def collate_translations(
+    items: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pad a list of (src, tgt) to the longest in the batch: (src, tgt_in, tgt_out, src_lengths)."""
+    if len(items) == 0:
+        raise ValueError("cannot collate an empty batch")
+    src = torch.nn.utils.rnn.pad_sequence(
+        [s for s, _ in items], batch_first=True, padding_value=PAD
+    )  # (B, T_src)
+    tgt = torch.nn.utils.rnn.pad_sequence(
+        [t for _, t in items], batch_first=True, padding_value=PAD
+    )  # (B, T_tgt + 1)
+    src_lengths = torch.tensor([len(s) for s, _ in items])  # (B,)
+    return src, tgt[:, :-1], tgt[:, 1:], src_lengths  # teacher forcing: input and shifted target
+
+
+# %% [markdown]
+# Dynamic padding still wastes work when a batch mixes a short sentence with a long one.
+# **Length bucketing** puts sentences of similar length together: take a pool of shuffled
+# indices, sort the pool by length, cut it into batches, and shuffle the batches. And since the
+# cost of a batch is its padded size, the batches are cut by a **token budget** (sentences ×
+# longest length ≤ `max_tokens`) instead of a fixed number of sentences: short sentences come in
+# bigger batches, every step does about the same work. The sampler is a `batch_sampler` for
+# PyTorch's `DataLoader`; `set_epoch` gives each epoch its own order, the same on every run, as
+# `DistributedSampler` does.
+
+# %%
+#| export
+class TokenBatchSampler(Sampler):
+    """Batches of dataset indices holding at most max_tokens (padded) tokens each.
+
+    bucket=True sorts each pool of shuffled indices by length before cutting it into batches,
+    so a batch holds sentences of similar length; bucket=False keeps the random order.
+    Call set_epoch(e) before each epoch for a new, reproducible order.
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        max_tokens: int,
+        bucket: bool = True,
+        shuffle: bool = True,
+        pool_size: int = 4096,
+        seed: int = 0,
+    ):
+        self.lengths = [check_int("length", n, minimum=1) for n in lengths]
+        if not self.lengths:
+            raise ValueError("lengths is empty: there is nothing to batch")
+        self.max_tokens = check_int("max_tokens", max_tokens, minimum=max(self.lengths))
+        self.pool_size = check_int("pool_size", pool_size, minimum=1)
+        self.bucket, self.shuffle, self.seed, self.epoch = bucket, shuffle, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = check_int("epoch", epoch, minimum=0)
+
+    def batches(self) -> list[list[int]]:
+        """This epoch's batches (the same list every time for the same seed and epoch)."""
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        order = list(range(len(self.lengths)))
+        if self.shuffle:
+            rng.shuffle(order)
+        batches = []
+        for start in range(0, len(order), self.pool_size):
+            pool = order[start : start + self.pool_size]
+            if self.bucket:
+                pool.sort(key=lambda i: self.lengths[i])
+            batch, longest = [], 0
+            for i in pool:
+                longest_if_added = max(longest, self.lengths[i])
+                if batch and longest_if_added * (len(batch) + 1) > self.max_tokens:
+                    batches.append(batch)
+                    batch, longest_if_added = [], self.lengths[i]
+                batch.append(i)
+                longest = longest_if_added
+            if batch:
+                batches.append(batch)
+        if self.shuffle:
+            rng.shuffle(batches)  # long and short batches mixed through the epoch
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+
+# %%
+#| export
+def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
+    """The share of a batch's positions that are padding, over all batches."""
+    real = padded = 0
+    for batch in batches:
+        if len(batch) == 0:
+            raise ValueError("a batch is empty")
+        longest = max(lengths[i] for i in batch)
+        real += sum(lengths[i] for i in batch)
+        padded += longest * len(batch)
+    return 1.0 - real / padded
+
+
+# %%
+MAX_LEN = 32  # positions of the model; the longest pair has far fewer tokens
+datasets = {
+    split: TranslationDataset([(en, de) for _, en, de in rows], src_tokenizer, tgt_tokenizer, MAX_LEN)
+    for split, rows in corpus.items()
+}
+src_ids, tgt_ids = datasets["train"][0]
+print(src_ids.tolist(), tgt_ids.tolist(), sep="\n")
+print("longest pair:", max(max(ds.lengths) for ds in datasets.values()), "tokens")
+print(error_of(TranslationDataset, [(example_en, example_de)], src_tokenizer, tgt_tokenizer, max_len=8))
+
+# %%
+batch = collate_translations([datasets["train"][i] for i in range(3)])
+for name, t in zip(("src", "tgt_in", "tgt_out", "src_lengths"), batch, strict=False):
+    print(f"{name:12s} {tuple(t.shape)}")
+src, tgt_in, tgt_out, src_lengths = batch
+assert src.size(1) == int(src_lengths.max())  # padded to the longest in the batch, no further
+assert (tgt_in[:, 0] == BOS).all() and torch.equal(tgt_in[:, 1:], tgt_out[:, :-1])
+assert torch.equal(padding_mask(src_lengths, src.size(1))[:, 0, 0], src != PAD)  # mask = not PAD
+
+# %% [markdown]
+# How much padding does bucketing save? The same token budget, with and without sorting the
+# pools, over one epoch of the training set:
+
+# %%
+MAX_TOKENS = 2048
+lengths = datasets["train"].lengths
+bucketed = TokenBatchSampler(lengths, MAX_TOKENS, bucket=True, seed=0).batches()
+random_batches = TokenBatchSampler(lengths, MAX_TOKENS, bucket=False, seed=0).batches()
+waste_random = padding_fraction(random_batches, lengths)
+waste_bucketed = padding_fraction(bucketed, lengths)
+print(f"random batches:   {len(random_batches):4d} batches, {waste_random:.1%} of positions are padding")
+print(f"length-bucketed:  {len(bucketed):4d} batches, {waste_bucketed:.1%} of positions are padding")
+
+# %%
+assert waste_bucketed <= waste_random / 2  # at most half the waste
+assert sorted(i for b in bucketed for i in b) == list(range(len(lengths)))  # each pair once
+assert all(len(b) * max(lengths[i] for i in b) <= MAX_TOKENS for b in bucketed)  # the budget
+
+# %% jupyter={"source_hidden": true}
+fig, (ax_len, ax_waste) = plt.subplots(1, 2, figsize=(10, 3.4))
+ax_len.hist(lengths, bins=range(min(lengths), max(lengths) + 2), color=COLORS["ours"], align="left")
+ax_len.set(xlabel="tokens in the longer side of a pair", ylabel="pairs", title="Lengths in the training set")
+for batches, name, color in ((random_batches, "random", COLORS["torch"]), (bucketed, "bucketed", COLORS["ours"])):
+    waste = [1 - sum(lengths[i] for i in b) / (len(b) * max(lengths[i] for i in b)) for b in batches]
+    ax_waste.hist(np.array(waste) * 100, bins=np.linspace(0, 36, 37), alpha=0.7, color=color, label=name)
+ax_waste.set(xlabel="padding in a batch (%)", ylabel="batches", title="Padding per batch, same token budget")
+ax_waste.legend()
+fig.tight_layout()
+save_figure(fig, "13_padding_waste")
+plt.show()
+
+# %% [markdown]
+# Random batches pad each sentence to the longest of a random handful; bucketed ones are
+# nearly all real tokens. The loader is then ordinary PyTorch: the sampler decides which
+# indices go together, the collate function pads them.
+#
+# **Pad to the longest in the batch, batch by tokens, and bucket by length: the model's time
+# goes to real tokens.**
+
+# %%
+train_loader = DataLoader(
+    datasets["train"],
+    batch_sampler=TokenBatchSampler(datasets["train"].lengths, MAX_TOKENS, seed=0),
+    collate_fn=collate_translations,
+)
+valid_loader = DataLoader(
+    datasets["valid"],
+    batch_sampler=TokenBatchSampler(datasets["valid"].lengths, 4096, shuffle=False),
+    collate_fn=collate_translations,
+)
+print(len(train_loader), "training batches,", len(valid_loader), "validation batches")
+
+# %% [markdown]
+# ## Training practice
+#
+# Notebook 11's loop was the minimum: Adam, the paper's schedule, clipping. Practitioners add a
+# handful of habits, each small, each with a reason. They go into the module `practice`.
+
+# %%
+#| export practice
+"""Training practice: AdamW groups, warmup + cosine, accumulation, mixed precision,
+gradient checkpointing, early stopping, exact-resume checkpoints, the training loop."""
+
+import math
+import os
+import random
+import types
+from collections.abc import Sequence
+from dataclasses import asdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
+
+from transformer_from_scratch.checks import check_choice
+from transformer_from_scratch.checks import check_float
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.tokens import PAD
+
+
+# %% [markdown]
+# ### AdamW, and what not to decay
+#
+# Weight decay pulls weights towards zero, a mild preference for small weights. Adam folds an
+# L2 penalty into its adaptive step, where it is rescaled per parameter and stops meaning
+# "decay"; **AdamW** (Loshchilov and Hutter, 2019) applies the decay *decoupled*, directly to the
+# weights, $\theta \leftarrow \theta - \eta\lambda\theta$, beside the Adam step. Not every
+# parameter should shrink: a LayerNorm gain of 1 is the identity, a bias is an offset, and an
+# embedding row is only updated when its token appears, so decay would wear rare tokens away.
+# The usual rule: decay the weight matrices, nothing else.
+
+# %%
+#| export practice
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on weight matrices; none on norms, biases and embeddings."""
+    weight_decay = check_float("weight_decay", weight_decay, 0.0)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        # Matrices that mix features decay; gains, biases and embedding rows do not.
+        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+# %%
+probe = Transformer(src_tokenizer.vocab_size, tgt_tokenizer.vocab_size, d_model=64, num_heads=4, d_ff=128, num_layers=2)
+decay_group, no_decay_group = param_groups(probe, weight_decay=0.01)
+print(f"decay:    {len(decay_group['params']):3d} tensors, {sum(p.numel() for p in decay_group['params']):7,d} weights")
+print(f"no decay: {len(no_decay_group['params']):3d} tensors, {sum(p.numel() for p in no_decay_group['params']):7,d} weights")
+
+# %%
+no_decay_ids = {id(p) for p in no_decay_group["params"]}
+for name, p in probe.named_parameters():
+    is_norm_bias_or_embedding = "norm" in name or name.endswith("bias") or "embed" in name
+    assert (id(p) in no_decay_ids) == is_norm_bias_or_embedding, name
+assert len(decay_group["params"]) + len(no_decay_group["params"]) == len(list(probe.parameters()))
+
+
+# %% [markdown]
+# ### Warmup, then cosine decay
+#
+# Adam's moment estimates are poor in the first steps, and a full learning rate then can throw
+# the weights far off; a linear **warmup** ramps the rate up. The source tutorial's schedule
+# then decays like $1/\sqrt{t}$: $\eta_t = \eta_\max \min\bigl(t/t_w, \sqrt{t_w/t}\bigr)$, which
+# never reaches zero and needs no idea of how long training lasts. When the number of steps is
+# known, most recipes today decay along a half cosine to a small floor instead:
+#
+# $$\eta_t = \eta_\max\Bigl(r + (1 - r)\,\tfrac12\bigl(1 + \cos \pi\,\tfrac{t - t_w}{T - t_w}\bigr)\Bigr), \quad t \ge t_w,$$
+#
+# so the last steps take small, careful steps near the minimum.
+
+# %%
+#| export practice
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
+    """Multiplier of the peak rate: linear warmup to 1, then a cosine down to min_ratio."""
+    step = check_int("step", step, minimum=0)
+    warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+    total_steps = check_int("total_steps", total_steps, minimum=warmup_steps + 1)
+    min_ratio = check_float("min_ratio", min_ratio, 0.0, 1.0)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps  # step 0 already gets a small, non-zero rate
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# %%
+total_demo, warmup_demo = 1000, 100
+cosine_curve = [warmup_cosine(s, warmup_demo, total_demo, min_ratio=0.05) for s in range(total_demo)]
+inverse_sqrt_curve = [min((s + 1) / warmup_demo, math.sqrt(warmup_demo / (s + 1))) for s in range(total_demo)]
+assert cosine_curve[warmup_demo - 1] == max(cosine_curve) == 1.0  # the peak ends the warmup
+assert cosine_curve[0] == 1 / warmup_demo and abs(cosine_curve[-1] - 0.05) < 1e-4
+assert all(a >= b for a, b in zip(cosine_curve[warmup_demo:], cosine_curve[warmup_demo + 1:], strict=False))
+
+# %% jupyter={"source_hidden": true}
+fig, ax = plt.subplots(figsize=(6.5, 3.2))
+ax.plot(cosine_curve, color=COLORS["ours"], label="warmup + cosine (used here)")
+ax.plot(inverse_sqrt_curve, color=COLORS["torch"], label=r"warmup + $1/\sqrt{t}$ (the tutorial's)")
+ax.axvline(warmup_demo, color="gray", lw=0.8, ls=":")
+ax.set(xlabel="optimizer step", ylabel=r"learning rate / $\eta_{max}$", title="Learning-rate schedules, 100 warmup steps of 1000")
+ax.legend()
+fig.tight_layout()
+save_figure(fig, "13_lr_schedule")
+plt.show()
+
+
+# %% [markdown]
+# ### The loss, and gradient accumulation
+#
+# The loss is notebook 11's: cross-entropy over the real target tokens, PAD ignored, with label
+# smoothing. It also returns how many real tokens it counted, and can return the *sum* instead
+# of the mean, for the next idea.
+
+# %%
+#| export practice
+def sequence_loss(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> tuple[torch.Tensor, int]:
+    """Cross-entropy of a (src, tgt_in, tgt_out, src_lengths) batch over its real target tokens.
+
+    Returns (loss, number of real target tokens); reduction="sum" gives the sum, to be divided
+    by the tokens of a whole accumulated batch.
+    """
+    reduction = check_choice("reduction", reduction, ("mean", "sum"))
+    device = next(model.parameters()).device
+    src, tgt_in, tgt_out, src_lengths = (t.to(device) for t in batch)
+    src_mask = padding_mask(src_lengths, src.size(1))  # (B, 1, 1, T_src)
+    tgt_mask = causal_mask(tgt_in.size(1), device=device)  # (1, 1, T, T)
+    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1),  # (B*T, V), in float32 even under autocast
+        tgt_out.flatten(),  # (B*T,)
+        ignore_index=PAD,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+    )
+    return loss, int((tgt_out != PAD).sum())
+
+
+# %% [markdown]
+# A batch too big for memory can be split into $k$ **micro-batches** whose gradients add up
+# before one optimizer step. The trap: averaging the $k$ mean losses is *not* the mean over the
+# big batch when the micro-batches hold different numbers of tokens (and with dynamic padding
+# they do). The exact version sums each micro-batch's loss and divides by the tokens of all $k$:
+#
+# $$\nabla \frac{1}{N} \sum_{i \in \text{batch}} \ell_i = \sum_{j=1}^{k} \nabla \frac{1}{N} \sum_{i \in \text{micro}_j} \ell_i, \qquad N = \text{real tokens in all } k}.$$
+#
+# The check: one batch of 48 pairs against 4 micro-batches of 12 (each padded to its own
+# longest), dropout off so that both see the same network.
+
+# %%
+def gradients(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in model.parameters()]
+
+
+set_seed(0)
+accum_model = Transformer(src_tokenizer.vocab_size, tgt_tokenizer.vocab_size, d_model=64, num_heads=4, d_ff=128, num_layers=2, dropout_p=0.0).to(device)
+pairs = [datasets["train"][i] for i in range(48)]
+big_batch = collate_translations(pairs)
+micro = [collate_translations(pairs[j : j + 12]) for j in range(0, 48, 12)]
+
+accum_model.zero_grad()
+loss_big, tokens_big = sequence_loss(accum_model, big_batch, label_smoothing=0.1)
+loss_big.backward()
+grads_big = gradients(accum_model)
+
+accum_model.zero_grad()
+tokens_all = sum(int((b[2] != PAD).sum()) for b in micro)
+for b in micro:
+    loss_sum, _ = sequence_loss(accum_model, b, label_smoothing=0.1, reduction="sum")
+    (loss_sum / tokens_all).backward()  # gradients add up in .grad
+grads_accumulated = gradients(accum_model)
+
+accum_model.zero_grad()
+for b in micro:  # the naive version: the mean of the k means
+    (sequence_loss(accum_model, b, label_smoothing=0.1)[0] / len(micro)).backward()
+grads_naive = gradients(accum_model)
+print("tokens per micro-batch:", [int((b[2] != PAD).sum()) for b in micro], "total", tokens_big)
+print("padded widths:", [tuple(b[0].shape) for b in micro], "vs", tuple(big_batch[0].shape))
+naive_error = max(float((a - b).abs().max()) for a, b in zip(grads_naive, grads_big, strict=False))
+print(f"largest gradient difference, mean of means: {naive_error:.1e}")
+
+# %%
+assert tokens_all == tokens_big
+for g_acc, g_big in zip(grads_accumulated, grads_big, strict=False):
+    assert_close(g_acc, g_big, rtol=1e-4, atol=1e-6)  # the same update, to float tolerance
+assert naive_error > 1e-5  # the mean of means is a different gradient
+
+
+# %% [markdown]
+# ### Mixed precision
+#
+# Most of a Transformer's time goes into matrix products, and those run faster in 16-bit
+# floats on hardware built for them. `torch.amp.autocast` runs chosen operations (matmuls,
+# linear layers) in a 16-bit type and keeps precision-sensitive ones (softmax, norms, the
+# loss) in float32; the weights and the optimizer stay float32. Two 16-bit formats:
+#
+# | | exponent bits | mantissa bits | range | needs loss scaling |
+# |---|---|---|---|---|
+# | float16 | 5 | 10 | up to 65,504; tiny gradients underflow to 0 | yes: `torch.amp.GradScaler` |
+# | bfloat16 | 8 | 7 | float32's | no |
+#
+# float16 needs a **gradient scaler**: multiply the loss by a large factor so that small
+# gradients stay representable, divide the gradients back before the step, and skip a step
+# whose gradients overflowed. (The source tutorial imports these from `torch.cuda.amp`, which
+# is deprecated; `torch.amp` is the current API, with the device type as first argument.) On
+# the CPU, autocast supports bfloat16, which is what this notebook measures here; on a CUDA
+# GPU the cell below also measures float16 with the scaler.
+
+# %%
+#| export practice
+def amp_autocast(device: torch.device, amp_dtype: str | None):
+    """torch.amp.autocast for the device in amp_dtype, or a no-op context for float32."""
+    dtype = getattr(torch, amp_dtype) if amp_dtype else None
+    return torch.amp.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+# %% tags=["nbval-ignore-output"]
+set_seed(0)
+amp_model = Transformer(src_tokenizer.vocab_size, tgt_tokenizer.vocab_size, d_model=128, num_heads=4, d_ff=512, num_layers=2, dropout_p=0.0).to(device)
+amp_batch = collate_translations([datasets["train"][i] for i in range(128)])
+amp_dtypes = [None, "bfloat16"] + (["float16"] if device.type == "cuda" else [])
+amp_losses = {}
+for amp_dtype in amp_dtypes:
+    with amp_autocast(device, amp_dtype):
+        amp_losses[amp_dtype or "float32"] = sequence_loss(amp_model, amp_batch)[0].item()
+print({name: round(loss, 3) for name, loss in amp_losses.items()})
+
+# %%
+assert abs(amp_losses["bfloat16"] - amp_losses["float32"]) < 0.05 * amp_losses["float32"]
+
+
+# %% tags=["nbval-ignore-output"]
+def train_step(amp_dtype):
+    amp_model.zero_grad()
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == "float16")
+    with amp_autocast(device, amp_dtype):
+        loss = sequence_loss(amp_model, amp_batch)[0]
+    scaler.scale(loss).backward()
+
+
+amp_seconds = {name or "float32": time_call(lambda name=name: train_step(name), repeats=3) for name in amp_dtypes}
+for name, seconds in amp_seconds.items():
+    print(f"{name:9s} forward + backward: {1000 * seconds:6.1f} ms  ({amp_seconds['float32'] / seconds:.2f}x)")
+
+# %%
+assert all(seconds > 0 for seconds in amp_seconds.values())
+
+
+# %% [markdown]
+# bfloat16 changes the loss only in its second or third digit (the assert allows 5 %). Its
+# speed depends on the processor: CPUs with bfloat16 instructions (recent Intel Xeons with
+# AMX or AVX-512 BF16, AMD Zen 4) run the products faster, older ones lose time to the casts;
+# the cell above prints what yours does. On a recent GPU the products run on tensor cores
+# and a step is typically several times faster. The training below stays in float32 on the
+# CPU, so that its numbers are the same on every machine, and uses bfloat16 autocast on a GPU.
+
+# %% [markdown]
+# ### Gradient checkpointing
+#
+# Backpropagation needs every block's intermediate activations, kept from the forward pass;
+# for long sequences and deep stacks they dominate memory. **Gradient checkpointing** keeps only
+# each block's *input* and runs the block's forward again during the backward pass: less
+# memory, paid in time (roughly one more forward pass). `torch.utils.checkpoint` does the work;
+# the function below switches it on for every encoder and decoder block without changing the
+# model's parameters or its `state_dict`.
+
+# %%
+#| export practice
+def set_gradient_checkpointing(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Recompute each encoder and decoder block's activations in the backward pass (or stop)."""
+    for block in [*model.encoder.layers, *model.decoder.layers]:
+        if enabled:
+            block.forward = types.MethodType(_checkpointed_forward, block)
+        else:
+            block.__dict__.pop("forward", None)  # the class's forward again
+    return model
+
+
+def _checkpointed_forward(block: nn.Module, *args, **kwargs):
+    """The block's own forward under torch.utils.checkpoint: keep inputs, not activations."""
+    if not (torch.is_grad_enabled() and block.training):
+        return type(block).forward(block, *args, **kwargs)
+    return checkpoint(
+        lambda *a, **k: type(block).forward(block, *a, **k), *args, use_reentrant=False, **kwargs
+    )
+
+
+# %%
+def forward_backward():
+    sequence_loss(amp_model, amp_batch)[0].backward()
+
+
+def measured_peak() -> int:
+    """Peak memory of one forward + backward, gradients freed before (not during) it."""
+    amp_model.zero_grad(set_to_none=True)
+    return peak_memory(forward_backward, device if device.type == "cuda" else "cpu")
+
+
+set_gradient_checkpointing(amp_model, False)
+memory_plain = measured_peak()
+grads_plain = gradients(amp_model)
+set_gradient_checkpointing(amp_model, True)
+memory_checkpointed = measured_peak()
+grads_checkpointed = gradients(amp_model)
+print(f"peak memory of forward + backward: {memory_plain / 2**20:.1f} MiB plain, "
+      f"{memory_checkpointed / 2**20:.1f} MiB with checkpointing")
+
+# %%
+for g_ckpt, g_plain in zip(grads_checkpointed, grads_plain, strict=False):
+    assert_close(g_ckpt, g_plain, rtol=1e-4, atol=1e-6)  # the same gradients
+assert memory_checkpointed < 0.8 * memory_plain  # and less memory
+
+# %% tags=["nbval-ignore-output"]
+set_gradient_checkpointing(amp_model, True)
+seconds_checkpointed = time_call(forward_backward, repeats=3)
+set_gradient_checkpointing(amp_model, False)
+seconds_plain = time_call(forward_backward, repeats=3)
+print(f"time: {1000 * seconds_plain:.0f} ms plain, {1000 * seconds_checkpointed:.0f} ms with checkpointing "
+      f"({seconds_checkpointed / seconds_plain:.2f}x)")
+
+# %%
+assert "forward" not in vars(amp_model.encoder.layers[0])  # switched off again
+assert seconds_checkpointed > 0 and seconds_plain > 0
+
+
+# %% [markdown]
+# **Accumulation trades steps for memory, mixed precision trades bits for speed, and
+# checkpointing trades time for memory; each is checked to change nothing else.**
+
+# %% [markdown]
+# ### Early stopping
+#
+# The validation loss says when more training stops helping: when it has not improved for
+# `patience` epochs, stop, and keep the weights of the best epoch, not the last.
+
+# %%
+#| export practice
+class EarlyStopping:
+    """Stop when the validation loss has not improved for `patience` epochs in a row."""
+
+    def __init__(self, patience: int, min_delta: float = 0.0):
+        self.patience = check_int("patience", patience, minimum=1)
+        self.min_delta = check_float("min_delta", min_delta, 0.0)
+        self.best, self.best_epoch, self.bad_epochs = math.inf, -1, 0
+
+    def step(self, epoch: int, val_loss: float) -> bool:
+        """Record an epoch's validation loss; True if it is the best so far."""
+        if val_loss < self.best - self.min_delta:
+            self.best, self.best_epoch, self.bad_epochs = float(val_loss), epoch, 0
+            return True
+        self.bad_epochs += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return self.bad_epochs >= self.patience
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_epoch": self.best_epoch, "bad_epochs": self.bad_epochs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_epoch = state["best"], state["best_epoch"]
+        self.bad_epochs = state["bad_epochs"]
+
+
+# %%
+stopper = EarlyStopping(patience=2)
+for epoch, val_loss in enumerate([2.0, 1.2, 0.9, 0.95, 0.91, 0.8]):
+    improved = stopper.step(epoch, val_loss)
+    print(f"epoch {epoch}: val loss {val_loss:.2f}  {'best so far' if improved else f'no better ({stopper.bad_epochs})'}")
+    if stopper.should_stop:
+        print("stop; best epoch", stopper.best_epoch)
+        break
+assert (stopper.best_epoch, epoch) == (2, 4)
+
+
+# %% [markdown]
+# ### Checkpoints that resume exactly
+#
+# A long run gets interrupted: a preempted Colab session, a crash, a laptop lid. A checkpoint
+# worth the name lets training continue as if nothing happened, and that needs more than the
+# weights: the optimizer's moments, the scheduler's step, the early-stopping counters, the
+# history, and the state of **every random generator** (dropout draws from torch's; data order
+# from the sampler's seed and epoch). The file is written to a temporary name and renamed,
+# so a crash during the write leaves the previous checkpoint whole; it is read back with
+# `weights_only=True`, which loads tensors and plain Python values but never runs code from
+# the file.
+
+# %%
+#| export practice
+def rng_state() -> dict:
+    """Every random generator training draws from: Python's, the CPU's and CUDA's."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_training_state(path: str | os.PathLike, state: dict) -> Path:
+    """torch.save to a temporary file, then rename: a crash leaves the old checkpoint whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # atomic on POSIX and Windows
+    return path
+
+
+def load_training_state(path: str | os.PathLike, map_location=None) -> dict:
+    """torch.load with weights_only=True: tensors and plain Python values, never code."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    return torch.load(path, map_location=map_location, weights_only=True)
+
+
+# %% [markdown]
+# The loop also records the gradient's norm per block at every step: the seed's
+# "gradient-flow" plot, which shows whether every layer learns and none explodes.
+
+# %%
+#| export practice
+def layer_grad_norms(model: nn.Module) -> dict[str, float]:
+    """The gradient's L2 norm per part of the model: embeddings, each block, the output head."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        parts = name.split(".")
+        depth = 3 if parts[1:2] == ["layers"] else min(2, len(parts) - 1)  # encoder.layers.0
+        key = ".".join(parts[:depth])
+        groups.setdefault(key, []).append(p.grad.detach().float().norm())
+    norms = torch.stack([torch.stack(g).norm() for g in groups.values()]).tolist()  # one sync
+    return dict(zip(groups, norms, strict=True))
+
+
+# %% [markdown]
+# ## The training loop
+#
+# Everything above, in one function. Its settings live in a frozen dataclass, checked when it
+# is made; one `update` takes $k$ micro-batches, scales, unscales, records and clips the
+# gradients, and steps the optimizer, the scaler and the scheduler. Each epoch ends with a
+# validation pass (mean loss per token and token accuracy), early stopping and the two
+# checkpoints. A `tqdm.auto` progress bar shows the steps of each epoch in JupyterLab and Colab,
+# redrawn at most every 2 seconds, and disappears when the epoch is done (`leave=False`).
+
+# %%
+#| export practice
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: one place for every knob of train_translation."""
+
+    epochs: int = 10
+    lr: float = 2e-3  # the peak rate, reached after warmup_steps
+    weight_decay: float = 0.01
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.05
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0
+    accumulation_steps: int = 1  # micro-batches per optimizer step
+    amp_dtype: str | None = None  # None (float32), "bfloat16" or "float16"
+    gradient_checkpointing: bool = False
+    patience: int = 3  # epochs without a better validation loss before stopping
+    seed: int = 0
+
+    def __post_init__(self):
+        check_int("epochs", self.epochs, minimum=1)
+        check_float("lr", self.lr, 0.0, low_open=True)
+        check_float("weight_decay", self.weight_decay, 0.0)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_probability("label_smoothing", self.label_smoothing)
+        check_float("clip_norm", self.clip_norm, 0.0, low_open=True)
+        check_int("accumulation_steps", self.accumulation_steps, minimum=1)
+        if self.amp_dtype is not None:
+            check_choice("amp_dtype", self.amp_dtype, ("bfloat16", "float16"))
+        check_int("patience", self.patience, minimum=1)
+
+
+# %%
+#| export practice
+@torch.no_grad()
+def evaluate_loss(
+    model: nn.Module, loader, amp_dtype: str | None = None, label_smoothing: float = 0.0
+) -> tuple[float, float]:
+    """Mean cross-entropy per real target token and the share of tokens predicted right."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    loss_sum, correct, tokens = 0.0, 0, 0
+    for batch in loader:
+        src, tgt_in, tgt_out, src_lengths = (t.to(device) for t in batch)
+        with amp_autocast(device, amp_dtype):
+            logits = model(
+                src, tgt_in,
+                src_mask=padding_mask(src_lengths, src.size(1)),
+                tgt_mask=causal_mask(tgt_in.size(1), device=device),
+            )  # fmt: skip
+        real = tgt_out != PAD  # (B, T)
+        loss_sum += F.cross_entropy(
+            logits.float().flatten(0, 1),
+            tgt_out.flatten(),
+            ignore_index=PAD,
+            label_smoothing=label_smoothing,  # the training loss's, so the curves compare
+            reduction="sum",
+        ).item()
+        correct += int(((logits.argmax(-1) == tgt_out) & real).sum())
+        tokens += int(real.sum())
+    model.train(was_training)
+    return loss_sum / tokens, correct / tokens
+
+
+# %%
+#| export practice
+def train_translation(
+    model: nn.Module,
+    train_loader,
+    valid_loader,
+    config: TrainConfig,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    stop_after_epoch: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train with everything in this notebook; return the history (losses, rates, grad norms).
+
+    Each epoch ends with a validation pass, early stopping and, with checkpoint_dir, two
+    checkpoints: last.pt (everything needed to resume exactly) and best.pt (the best weights,
+    loaded back into the model at the end). stop_after_epoch simulates an interruption.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs the checkpoint_dir to resume from")
+    device = next(model.parameters()).device
+    if config.amp_dtype == "float16" and device.type == "cpu":
+        raise ValueError("float16 autocast is for GPUs; on the CPU use amp_dtype='bfloat16'")
+    set_gradient_checkpointing(model, config.gradient_checkpointing)
+    optimizer = torch.optim.AdamW(
+        param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
+    )
+    steps_per_epoch = math.ceil(len(train_loader) / config.accumulation_steps)
+    total_steps = max(config.epochs * steps_per_epoch, config.warmup_steps + 1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: warmup_cosine(s, config.warmup_steps, total_steps, config.min_lr_ratio),
+    )
+    # Loss scaling keeps small float16 gradients from underflowing; bf16 and fp32 need none.
+    scaler = torch.amp.GradScaler(device.type, enabled=config.amp_dtype == "float16")
+    stopper = EarlyStopping(config.patience)
+    history: dict = {
+        key: [] for key in ("step_loss", "lr", "grad_norms", "train_loss", "val_loss", "val_acc")
+    }
+    start_epoch = 0
+    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if resume:
+        state = load_training_state(directory / "last.pt", map_location=device)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        stopper.load_state_dict(state["early_stopping"])
+        history = state["history"]
+        set_rng_state(state["rng"])
+        start_epoch = state["epoch"] + 1
+    else:
+        torch.manual_seed(config.seed)  # dropout draws the same masks on every run
+
+    def update(micro_batches: list) -> float:
+        """One optimizer step from k micro-batches: the gradient of their token-mean loss."""
+        tokens = sum(int((batch[2] != PAD).sum()) for batch in micro_batches)
+        loss_sum = 0.0
+        for batch in micro_batches:
+            with amp_autocast(device, config.amp_dtype):
+                loss, _ = sequence_loss(model, batch, config.label_smoothing, reduction="sum")
+            scaler.scale(loss / tokens).backward()  # the sum over all k, over all their tokens
+            loss_sum += loss.item()
+        scaler.unscale_(optimizer)  # true gradients, before measuring and clipping them
+        history["grad_norms"].append(layer_grad_norms(model))
+        nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+        history["lr"].append(optimizer.param_groups[0]["lr"])
+        scaler.step(optimizer)  # skipped if a float16 gradient overflowed
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        return loss_sum / tokens
+
+    model.train()
+    for epoch in range(start_epoch, config.epochs):
+        if hasattr(train_loader.batch_sampler, "set_epoch"):
+            train_loader.batch_sampler.set_epoch(epoch)  # a new order, the same on every run
+        # One redraw every 2 s at most: a bar that redraws every step floods the notebook's
+        # message channel (and nbval, which reads it after the cell) with thousands of updates.
+        bar = tqdm(
+            total=steps_per_epoch,
+            desc=f"epoch {epoch + 1}",
+            leave=False,  # the bar disappears when its epoch is done
+            mininterval=2.0,
+            disable=not progress,
+        )
+        micro_batches, epoch_losses = [], []
+        num_batches = len(train_loader)  # this epoch's, after set_epoch
+        for i, batch in enumerate(train_loader):
+            micro_batches.append(batch)
+            if len(micro_batches) == config.accumulation_steps or i == num_batches - 1:
+                epoch_losses.append(update(micro_batches))
+                history["step_loss"].append(epoch_losses[-1])
+                micro_batches = []
+                bar.update()
+                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}", refresh=False)
+        bar.close()
+        val_loss, val_acc = evaluate_loss(
+            model, valid_loader, config.amp_dtype, config.label_smoothing
+        )
+        history["train_loss"].append(sum(epoch_losses) / len(epoch_losses))
+        history["val_loss"].append(val_loss)
+        history["val_acc"].append(val_acc)
+        improved = stopper.step(epoch, val_loss)
+        if directory is not None:
+            if improved:
+                save_training_state(directory / "best.pt", {"model": model.state_dict(), "epoch": epoch})
+            save_training_state(
+                directory / "last.pt",
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "scaler": scaler.state_dict(),
+                    "early_stopping": stopper.state_dict(),
+                    "history": history,
+                    "rng": rng_state(),
+                    "epoch": epoch,
+                    "config": asdict(config),
+                },
+            )
+        if stopper.should_stop or (stop_after_epoch is not None and epoch + 1 >= stop_after_epoch):
+            break
+    if directory is not None and (directory / "best.pt").exists() and stop_after_epoch is None:
+        model.load_state_dict(load_training_state(directory / "best.pt", map_location=device)["model"])
+    set_gradient_checkpointing(model, False)
+    return history
+
+
+# %% [markdown]
+# **The check that matters for checkpoints:** train a small model for 3 epochs in one go; train
+# the same model for 2 epochs, "crash", build a *new* model with other weights, resume it from
+# the checkpoint and finish. Both must end with exactly the same weights: `torch.equal`, not
+# a tolerance. Dropout is on, so the random generators must really be restored.
+
+# %%
+small_pairs = torch.utils.data.Subset(datasets["train"], range(600))
+small_lengths = [datasets["train"].lengths[i] for i in range(600)]
+small_loader = DataLoader(small_pairs, batch_sampler=TokenBatchSampler(small_lengths, 1024, seed=1), collate_fn=collate_translations)
+small_valid = DataLoader(datasets["valid"], batch_sampler=TokenBatchSampler(datasets["valid"].lengths[:200], 4096, shuffle=False), collate_fn=collate_translations)
+small_config = TrainConfig(epochs=3, lr=1e-3, warmup_steps=5, seed=1)
+
+
+def small_model(seed: int) -> Transformer:
+    set_seed(seed)
+    return Transformer(src_tokenizer.vocab_size, tgt_tokenizer.vocab_size, d_model=32, num_heads=2, d_ff=64, num_layers=1, dropout_p=0.1, max_len=MAX_LEN).to(device)
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    straight = small_model(seed=1)
+    history_straight = train_translation(straight, small_loader, small_valid, small_config, checkpoint_dir=Path(tmp) / "a", progress=False)
+    interrupted = small_model(seed=1)
+    train_translation(interrupted, small_loader, small_valid, small_config, checkpoint_dir=Path(tmp) / "b", stop_after_epoch=2, progress=False)
+    resumed = small_model(seed=2)  # other weights: all must come from the checkpoint
+    history_resumed = train_translation(resumed, small_loader, small_valid, small_config, checkpoint_dir=Path(tmp) / "b", resume=True, progress=False)
+    checkpoint_keys = sorted(load_training_state(Path(tmp) / "b" / "last.pt"))
+print("a checkpoint holds:", checkpoint_keys)
+print("validation loss per epoch:", [round(x, 3) for x in history_resumed["val_loss"]])
+
+# %%
+assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=False))
+assert history_straight["val_loss"] == history_resumed["val_loss"]
+assert history_straight["step_loss"] == history_resumed["step_loss"]
+
+# %% [markdown]
+# ## Training the model
+#
+# The model is notebook 10's `Transformer`, smaller than the tutorial's default so that it
+# trains in about two minutes on one CPU thread: $d_\text{model} = 64$, 4 heads, 2 encoder and
+# 2 decoder blocks. On a GPU the same cell runs as it is, in bfloat16 autocast if the GPU
+# supports it. The checkpoints go to `checkpoints/13_translation/` (gitignored).
+
+# %%
+CHECKPOINTS = Path("checkpoints") / "13_translation"
+set_seed(0)
+model = Transformer(
+    src_tokenizer.vocab_size, tgt_tokenizer.vocab_size,
+    d_model=64, num_heads=4, d_ff=256, num_layers=2, dropout_p=0.0, max_len=MAX_LEN,
+).to(device)  # fmt: skip
+use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+config = TrainConfig(
+    epochs=8, lr=3e-3, warmup_steps=60, min_lr_ratio=0.02, label_smoothing=0.1,
+    patience=3, amp_dtype="bfloat16" if use_bf16 else None, seed=0,
+)  # fmt: skip
+print(f"{sum(p.numel() for p in model.parameters()):,d} parameters; {config}")
+
+# %% tags=["nbval-ignore-output"]
+start = time.perf_counter()
+history = train_translation(model, train_loader, valid_loader, config, checkpoint_dir=CHECKPOINTS)
+train_seconds = time.perf_counter() - start
+for epoch, (train_loss, val_loss, val_acc) in enumerate(zip(history["train_loss"], history["val_loss"], history["val_acc"], strict=False), 1):
+    print(f"epoch {epoch:2d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  val token accuracy {val_acc:.2%}")
+print(f"{len(history['step_loss'])} steps in {train_seconds:.0f} s")
+
+# %%
+assert len(history["val_loss"]) >= 5  # early stopping did not end it before it learnt
+assert max(history["val_acc"]) > 0.97  # next-token accuracy on unseen numbers
+
+# %% [markdown]
+# Why does the loss stop near 0.77 and not at 0? Label smoothing (notebook 11) trains towards
+# the target $q$ = $1 - \varepsilon + \varepsilon/V$ on the right token and $\varepsilon/V$ on each of
+# the others, and cross-entropy against $q$ is never below $q$'s own entropy
+# $H(q) = -\sum_k q_k \log q_k$. With $\varepsilon = 0.1$ and $V = 90$ German tokens that floor is:
+
+# %%
+eps, V_tgt = config.label_smoothing, tgt_tokenizer.vocab_size
+q_target = torch.full((V_tgt,), eps / V_tgt)
+q_target[0] += 1 - eps
+smoothing_floor = float(-(q_target * q_target.log()).sum())
+print(f"floor H(q) = {smoothing_floor:.4f} nats per token")
+
+# %%
+assert smoothing_floor <= min(history["val_loss"]) < smoothing_floor + 0.03  # at the floor
+
+# %% jupyter={"source_hidden": true}
+fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(13, 3.4))
+epochs_axis = np.arange(1, len(history["val_loss"]) + 1)
+steps_per_epoch_run = len(history["step_loss"]) / len(epochs_axis)
+ax_loss.plot(np.arange(1, len(history["step_loss"]) + 1) / steps_per_epoch_run, history["step_loss"], color=COLORS["ours"], alpha=0.35, lw=0.8, label="train (per step)")
+ax_loss.plot(epochs_axis, history["train_loss"], "o-", color=COLORS["ours"], label="train (epoch mean)")
+ax_loss.plot(epochs_axis, history["val_loss"], "o-", color=COLORS["accent"], label="validation")
+ax_loss.set(xlabel="epoch", ylabel="cross-entropy per token (nats)", title="Loss, both with label smoothing 0.1", ylim=(0.5, 3))
+ax_loss.axhline(smoothing_floor, color="gray", lw=0.8, ls=":", label="floor: entropy of the target")
+ax_loss.legend()
+ax_acc.plot(epochs_axis, 100 * np.array(history["val_acc"]), "o-", color=COLORS["accent"])
+ax_acc.set(xlabel="epoch", ylabel="next-token accuracy (%)", title="Validation token accuracy", ylim=(80, 100.5))
+ax_lr.plot(history["lr"], color=COLORS["ours"])
+ax_lr.set(xlabel="optimizer step", ylabel="learning rate", title="Warmup, then cosine")
+fig.tight_layout()
+save_figure(fig, "13_training_curves")
+plt.show()
+
+# %% [markdown]
+# The gradient-flow plot: the norm of each block's gradient at every step (before clipping),
+# on a log scale. Every block receives a gradient of the same order: none is starved (a
+# vanishing gradient would sit decades lower) and none explodes.
+
+# %% jupyter={"source_hidden": true}
+grad_names = list(history["grad_norms"][0])
+grad_table = np.array([[step[name] for name in grad_names] for step in history["grad_norms"]])
+fig, (ax_lines, ax_bars) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1.4, 1]})
+palette = [COLORS["query"], COLORS["key"], COLORS["value"], COLORS["accent"], *OTHER_COLORS, "black", "gray"]
+for k, name in enumerate(grad_names):
+    ax_lines.plot(grad_table[:, k], lw=0.8, color=palette[k % len(palette)], label=name)
+ax_lines.set(yscale="log", xlabel="optimizer step", ylabel="gradient L2 norm", title="Gradient norm per part of the model")
+ax_lines.legend(fontsize=7, ncol=2)
+ax_bars.barh(grad_names[::-1], grad_table.mean(axis=0)[::-1], color=COLORS["ours"])
+ax_bars.set(xlabel="mean gradient L2 norm", title="Gradient flow, averaged over training")
+fig.tight_layout()
+save_figure(fig, "13_gradient_flow")
+plt.show()
+
+# %%
+assert np.isfinite(grad_table).all() and (grad_table > 0).all()  # every part learns
+assert grad_table.mean(axis=0).max() / grad_table.mean(axis=0).min() < 1e3
+
+
+# %% [markdown]
+# ## Evaluation on numbers the model never saw
+#
+# Teacher-forced token accuracy flatters: the model is handed the right prefix at every step.
+# The real test is to generate. `translate` encodes, decodes greedily or with beam search
+# (notebook 12), and turns the ids back into text; `score_translations` scores a list of
+# translations against the references with three measures:
+#
+# - **exact match**: the share of numbers translated without a single wrong character; here
+#   it is the measure that matters, since a number is right or wrong.
+# - **chrF** (Popović, 2015): an F-score over character $n$-grams, 0-100. Partial credit for a
+#   nearly right compound.
+# - **BLEU** (Papineni et al., 2002): the machine-translation standard, a geometric mean of
+#   word $n$-gram precisions, 0-100. Every German number here is *one* word, so word BLEU
+#   has no 2-, 3- or 4-grams to count; it is reported on characters too (`tokenize="char"`).
+#
+# The scores come from `sacrebleu`, the reference implementation, so they are comparable with
+# published numbers and not another home-made variant.
+
+# %%
+#| export
+@torch.no_grad()
+def translate(
+    model: torch.nn.Module,
+    src_tokenizer: BPETokenizer,
+    tgt_tokenizer: BPETokenizer,
+    texts: Sequence[str],
+    beam_size: int = 1,
+    batch_size: int = 256,
+    max_new_tokens: int | None = None,
+) -> list[str]:
+    """Translate texts: greedy decoding (beam_size=1) or beam search, batch by batch."""
+    beam_size = check_int("beam_size", beam_size, minimum=1)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens or model.max_len, minimum=1)
+    device = next(model.parameters()).device
+    translations = []
+    for start in range(0, len(texts), batch_size):
+        ids = [torch.tensor(src_tokenizer.encode(text)) for text in texts[start : start + batch_size]]
+        lengths = torch.tensor([len(i) for i in ids], device=device)
+        src = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=PAD).to(device)
+        src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src)
+        if beam_size == 1:
+            out = greedy_decode(model, src, max_new_tokens, src_mask=src_mask)
+        else:
+            out, _ = beam_search(model, src, beam_size, max_new_tokens, src_mask=src_mask)
+        for row in out.tolist():  # BOS first; cut at the first EOS
+            translations.append(tgt_tokenizer.decode(row[: row.index(EOS)] if EOS in row else row))
+    return translations
+
+
+def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+    """Exact match (%), chrF, and BLEU on words and on characters, all 0-100, from sacrebleu."""
+    if len(hypotheses) != len(references) or len(references) == 0:
+        raise ValueError(
+            f"need as many hypotheses as references, at least one: got {len(hypotheses)} "
+            f"and {len(references)}"
+        )
+    if not all(isinstance(s, str) for s in [*hypotheses, *references]):
+        raise TypeError("hypotheses and references must be strings")
+    hypotheses, references = list(hypotheses), list(references)
+    exact = sum(h == r for h, r in zip(hypotheses, references, strict=True))
+    return {
+        "exact_match": 100.0 * exact / len(references),
+        "chrf": sacrebleu.corpus_chrf(hypotheses, [references]).score,
+        "bleu": sacrebleu.corpus_bleu(hypotheses, [references]).score,
+        "bleu_char": sacrebleu.corpus_bleu(hypotheses, [references], tokenize="char").score,
+    }
+
+
+# %% tags=["nbval-ignore-output"]
+test_numbers = [n for n, _, _ in corpus["test"]]
+test_en = [en for _, en, _ in corpus["test"]]
+test_de = [de for _, _, de in corpus["test"]]
+greedy_de = translate(model, src_tokenizer, tgt_tokenizer, test_en, beam_size=1)
+beam_de = translate(model, src_tokenizer, tgt_tokenizer, test_en, beam_size=4)
+scores = {"greedy": score_translations(greedy_de, test_de), "beam 4": score_translations(beam_de, test_de)}
+for name, s in scores.items():
+    print(f"{name:7s} exact match {s['exact_match']:6.2f} %   chrF {s['chrf']:6.2f}   "
+          f"BLEU {s['bleu']:5.1f} (words)  {s['bleu_char']:5.1f} (characters)")
+print(f"{len(test_en):,d} test numbers")
+
+# %%
+for s in scores.values():
+    assert s["exact_match"] >= 97.0 and s["chrf"] >= 99.0  # the targets
+
+# %% [markdown]
+# ### Error analysis
+#
+# A score says how often the model is wrong; the errors say *how*. For each wrong translation,
+# the cell below asks which number the model actually wrote: it spells out every number one
+# digit away from the right one, and every number with two neighbouring digits swapped, and
+# looks the translation up among them. A swapped units and tens digit would be the signature
+# of German's reordering going wrong.
+
+# %% tags=["nbval-ignore-output"]
+DIGIT_NAMES = ("units", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands")
+
+
+def explain_error(n: int, hypothesis: str) -> str:
+    """What went wrong, if the hypothesis is the spelling of a number close to n."""
+    digits = f"{n:06d}"
+    candidates = {}
+    for i in range(6):
+        for d in "0123456789":
+            if d != digits[i]:
+                candidates[int(digits[:i] + d + digits[i + 1 :])] = f"{DIGIT_NAMES[5 - i]} digit wrong"
+        if i < 5 and digits[i] != digits[i + 1]:
+            swapped = digits[:i] + digits[i + 1] + digits[i] + digits[i + 2 :]
+            candidates[int(swapped)] = f"{DIGIT_NAMES[5 - i - 1]} and {DIGIT_NAMES[5 - i]} swapped"
+    for m, kind in candidates.items():
+        if number_to_words(m, "de") == hypothesis:
+            return kind
+    return "not a number one digit away"
+
+
+greedy_errors = [(n, hyp, ref) for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False) if hyp != ref]
+error_kinds = Counter(explain_error(n, hyp) for n, hyp, _ in greedy_errors)
+print(f"{len(greedy_errors)} of {len(test_numbers)} greedy translations are wrong")
+for kind, count in error_kinds.most_common():
+    print(f"  {count:3d}  {kind}")
+for n, hyp, ref in greedy_errors[:8]:
+    print(f"{n:>7,d}  {explain_error(n, hyp):28s}  model: {hyp}\n{'':38s}  truth: {ref}")
+
+# %%
+assert sum(error_kinds.values()) == len(greedy_errors) <= 0.03 * len(test_numbers)
+
+
+# %% [markdown]
+# ### Where the decoder looks
+#
+# Notebook 12 drew the cross-attention of the reversal model, an anti-diagonal. Here it shows
+# the reordering: writing "…zweiundvierzig…" the decoder must read "two" *before* "forty" in
+# the English, though it comes after. Each row below is one step of the decoder (the German
+# piece it is about to write); each column an English piece; the weights are averaged over the
+# heads of a layer.
+
+# %% tags=["nbval-ignore-output"]
+def is_reordered(n: int) -> bool:
+    """Both halves end in tens and units that German reorders (42, not 40), and the English of
+    the last two digits is in two pieces ("▁twen" + "ty-five"), so the crossing can show."""
+    both = all(part % 100 > 20 and part % 10 != 0 for part in (n // 1000, n % 1000))
+    return both and len(src_tokenizer.tokens(number_to_words(n % 100, "en"))) > 1
+
+
+shown_n = next(n for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False) if is_reordered(n) and hyp == ref)
+shown_en, shown_de = number_to_words(shown_n, "en"), number_to_words(shown_n, "de")
+shown_src = torch.tensor([src_tokenizer.encode(shown_en)], device=device)
+shown_tgt = torch.tensor([tgt_tokenizer.encode(shown_de)], device=device)
+layer_weights = cross_attention_weights(model, shown_src, shown_tgt[:, :-1])  # per layer (1, h, T_tgt, T_src)
+src_labels = [src_tokenizer.id_to_token[i] for i in shown_src[0].tolist()]
+tgt_labels = [tgt_tokenizer.id_to_token[i] for i in shown_tgt[0, 1:].tolist()]  # what each step writes
+print(shown_n, "|", shown_en, "|", shown_de)
+print(len(layer_weights), "layers of", tuple(layer_weights[0].shape))
+
+# %%
+for w in layer_weights:
+    assert_close(w.sum(-1), torch.ones_like(w.sum(-1)))  # each row is a distribution over the source
+# The alignment crosses: in the last layer, some German piece looks further right in the
+# English than the piece after it (the unit, then the tens).
+looked_at = layer_weights[-1][0].mean(0).argmax(-1)[1:-1].tolist()  # without "▁" and <eos>
+assert any(a > b for a, b in zip(looked_at, looked_at[1:], strict=False)), looked_at
+
+# %% jupyter={"source_hidden": true}
+fig, axes = plt.subplots(1, len(layer_weights), figsize=(6 * len(layer_weights), 5.2))
+for layer, (ax, w) in enumerate(zip(np.atleast_1d(axes), layer_weights, strict=False)):
+    image = ax.imshow(w[0].mean(0).float().cpu().numpy(), cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(len(src_labels)), src_labels, rotation=70, fontsize=8)
+    ax.set_yticks(range(len(tgt_labels)), tgt_labels, fontsize=8)
+    ax.set(xlabel="English piece (key)", ylabel="German piece being written (query)", title=f"Cross-attention, decoder layer {layer + 1}, mean of heads")
+    fig.colorbar(image, ax=ax, fraction=0.046, label="attention weight")
+fig.suptitle(f"{shown_n:,d}: {shown_en} -> {shown_de}", fontsize=9)
+fig.tight_layout()
+save_figure(fig, "13_cross_attention")
+plt.show()
+
+# %% [markdown]
+# In the last layer, each German piece looks at the English piece it translates. The rows
+# that write a unit ("…und") look at the English unit, which sits to the *right* of the tens
+# that the next row looks at: the alignment crosses, once in each half of the number. The
+# first layer is more diffuse; the second does the looking up.
+
+# %% [markdown]
+# **A real task needs the whole pipeline: disjoint splits, a tokenizer that round-trips, batches
+# without waste, a loop that can be stopped and resumed exactly, and a test on what the model
+# never saw.**
+#
+# ## Recap
+#
+# | piece | code | checked by |
+# |---|---|---|
+# | corpus and splits | `split_numbers`, `number_to_words`, `load_corpus` | splits share no number |
+# | tokenizer | `BPETokenizer.train / encode / decode / save / load`, `UNK = 3` | round trip on every sentence; vs Hugging Face `tokenizers` |
+# | dataset | `TranslationDataset(pairs, src_tok, tgt_tok, max_len)` | too-long pairs refused |
+# | dynamic padding | `collate_translations` → `(src, tgt_in, tgt_out, src_lengths)` | padded to the longest in the batch |
+# | batches by tokens | `TokenBatchSampler(lengths, max_tokens, bucket=True)`, `padding_fraction` | at most half the padding of random batches |
+# | AdamW groups | `param_groups(model, weight_decay)` | no decay on norms, biases, embeddings |
+# | schedule | `warmup_cosine(step, warmup, total, min_ratio)` | peak at the end of warmup, then monotone |
+# | accumulation | `sequence_loss(..., reduction="sum")` / tokens of all $k$ | equals one big batch |
+# | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | loss within 5 % of float32 |
+# | checkpointing | `set_gradient_checkpointing(model)` | same gradients, less memory |
+# | early stopping, checkpoints | `EarlyStopping`, `save_training_state`, `load_training_state` | resumed = uninterrupted, `torch.equal` |
+# | the loop | `train_translation(model, train, valid, TrainConfig(...))` | curves, gradient flow |
+# | evaluation | `translate`, `score_translations` | exact match and chrF on unseen numbers |
+#
+# ## Exercises
+#
+# 1. French counts in twenties: 97 is "quatre-vingt-dix-sept" (four-twenty-ten-seven). Train a
+#    French tokenizer on the training numbers and check its round trip. Which pieces does it
+#    learn for the numbers 70-99?
+# 2. The loop stops on the validation *loss*, but what we care about is exact match. Why not
+#    stop on exact match, and what would it cost?
+# 3. With `accumulation_steps=4` and the same `max_tokens`, what changes in a run: the number of
+#    optimizer steps, the schedule, the memory? Which setting gives exactly the same run as
+#    `accumulation_steps=1` with a 4 times larger token budget, and why only almost?
+#
+# **Solutions.**
+#
+# 1. The same code, with `tgt_lang="fr"`:
+
+# %%
+corpus_fr = load_corpus(DATA, num_numbers=20_000, seed=0, tgt_lang="fr")
+assert [n for n, _, _ in corpus_fr["test"]] == test_numbers  # the same split by number
+fr_tokenizer = BPETokenizer.train([fr for _, _, fr in corpus_fr["train"][:5000]], vocab_size=90)
+assert all(fr_tokenizer.decode(fr_tokenizer.encode(fr)) == fr for rows in corpus_fr.values() for _, _, fr in rows)
+for n in (70, 71, 80, 97):
+    print(n, number_to_words(n, "fr"), fr_tokenizer.tokens(number_to_words(n, "fr")))
+
+# %% [markdown]
+#    The frequent forms become pieces that follow the French arithmetic: 70 is
+#    "soixante-" + "dix" (sixty-ten) and 97 is "quatre-vingt-" + "dix-" + "sept"
+#    (four-twenty, ten, seven). The rare "soixante et onze" (71; the "et" form occurs only for
+#    21, 31, ..., 71) is cut into many small pieces: BPE spends its vocabulary on what is
+#    frequent. A French model has to learn the twenties; the word order, unlike German's,
+#    stays that of the digits.
+# 2. Exact match needs generation, one decoder pass per token, which costs several times
+#    a teacher-forced validation pass; and it moves in steps of 1/2000 on a validation set of
+#    2000 numbers, so it stays flat for epochs while the loss still falls. The loss is cheap and
+#    smooth; exact match is the final test, computed once.
+# 3. Four micro-batches make one step: a quarter as many optimizer steps per epoch, so
+#    `total_steps` and the whole schedule shrink by four, while the memory of one step stays
+#    that of one micro-batch. `max_tokens` four times larger with `accumulation_steps=1` is
+#    the same computation *if* the large batch splits into the same four micro-batches; the
+#    bucketing sampler cuts batches by its own budget, so the groups differ slightly, and
+#    the update equals the big batch's only up to float rounding (checked above).

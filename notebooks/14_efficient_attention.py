@@ -1,0 +1,1328 @@
+# %% [markdown]
+# # 14 · Efficient attention and a fast path
+#
+# **What you will build:** the `efficient` module. First you measure where attention's memory
+# goes (the $T \times T$ matrix of scores), then you write **tiled attention with the online
+# softmax**, the algorithm inside FlashAttention, in plain PyTorch: equal to the naive attention
+# in values and gradients, with a backward pass that recomputes the scores instead of storing
+# them. Then PyTorch's fused `F.scaled_dot_product_attention` and its backends, and the
+# **fast path** of the course's model: the same weights, the same outputs and gradients, and a
+# training step faster than `nn.Transformer`'s. Last, counting work: FLOPs per token, the
+# machine's matmul peak, model FLOPs utilisation, the KV cache's bytes, mixed precision and
+# gradient checkpointing, and the `bench.json` that `make bench` writes.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/14_efficient_attention.ipynb) · Assumes: [02 · Self-attention](02_self_attention.ipynb), [05 · Masking](05_masking.ipynb), [10 · The full model](10_full_model.ipynb), [12 · Generation](12_generation.ipynb).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
+    )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
+
+# %%
+import copy
+import math
+import time
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
+
+from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.decoding import KVCache
+from transformer_from_scratch.masks import causal_mask
+from transformer_from_scratch.masks import padding_mask
+from transformer_from_scratch.measure import count_flops
+from transformer_from_scratch.measure import fit_slope
+from transformer_from_scratch.measure import peak_memory
+from transformer_from_scratch.measure import time_call
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.reference import TorchTransformer
+from transformer_from_scratch.utils import COLORS
+from transformer_from_scratch.utils import get_device
+from transformer_from_scratch.utils import set_seed
+
+set_seed(0)
+device = get_device()
+
+# %% [markdown]
+# Everything this notebook exports goes into one module, `efficient`:
+
+# %%
+#| default_exp efficient
+
+# %%
+#| export
+"""Efficient attention: tiled attention with the online softmax and a recomputing backward (the
+FlashAttention algorithm in plain PyTorch), and the fast path of the course's model (packed
+projections, PyTorch's fused attention and layer norm, a faster dropout on the CPU)."""
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch import nn
+
+from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.attention import _check_attention_inputs
+from transformer_from_scratch.checks import check_bool
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
+from transformer_from_scratch.layers import DecoderBlock
+from transformer_from_scratch.layers import EncoderBlock
+from transformer_from_scratch.layers import LayerNorm
+from transformer_from_scratch.layers import _check_block_input
+
+
+# %% [markdown]
+# ## 1 · Where the memory goes
+#
+# Notebook 02 measured that attention's *time* grows as $T^2$. Its memory does too, and memory is
+# what stops long sequences first. The naive attention of notebook 02 builds
+#
+# $$S = \frac{QK^\top}{\sqrt{d_k}} \in \mathbb{R}^{T\times T},\qquad
+# P = \mathrm{softmax}(S),\qquad O = PV,$$
+#
+# and both $S$ and $P$ are $T \times T$: at $T = 8192$ one float32 copy is 256 MiB, per head and
+# per sequence, while $Q$, $K$, $V$ and $O$ together are 8 MiB. For training it is worse:
+# autograd keeps $P$ (and the masked scores) for the backward pass, so the $T\times T$ matrices
+# live until the gradients are computed.
+#
+# `peak_memory` (notebook 02) measures, not computes: it reads the allocator's record of what
+# was allocated and freed while a function ran. One head, $d_k = 64$:
+
+# %%
+def make_qkv(T, d_k=64, heads=1, batch=1, dtype=torch.float32, requires_grad=False, seed=0):
+    """Random (batch, heads, T, d_k) queries, keys and values, drawn on the CPU, then moved."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, heads, T, d_k)
+    return tuple(torch.randn(shape, generator=gen, dtype=dtype).to(device)
+                 .requires_grad_(requires_grad) for _ in range(3))
+
+
+def naive_forward(Q, K, V):
+    with torch.no_grad():
+        return scaled_dot_product_attention(Q, K, V)[0]
+
+
+def naive_training(Q, K, V):
+    out = scaled_dot_product_attention(Q, K, V)[0]
+    out.sum().backward()  # the weights are kept until here, then freed
+
+
+MiB = 2**20
+lengths = [512, 1024, 2048, 4096]
+naive_fwd_mem, naive_train_mem = [], []
+for T in lengths:
+    Q, K, V = make_qkv(T)
+    naive_fwd_mem.append(peak_memory(lambda Q=Q, K=K, V=V: naive_forward(Q, K, V), device))
+    Qg, Kg, Vg = make_qkv(T, requires_grad=True)
+    naive_train_mem.append(peak_memory(lambda Q=Qg, K=Kg, V=Vg: naive_training(Q, K, V), device))
+for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem, strict=True):
+    print(f"T={T:5d}: forward {fwd / MiB:7.1f} MiB, forward+backward {train / MiB:7.1f} MiB, "
+          f"one T x T matrix {T * T * 4 / MiB:6.1f} MiB")
+
+# %% [markdown]
+# The forward pass peaks at about two $T \times T$ matrices (the scores and the weights exist at
+# once while the softmax runs), the training step at about three. Both grow as $T^2$:
+
+# %%
+slope_fwd, slope_train = fit_slope(lengths, naive_fwd_mem), fit_slope(lengths, naive_train_mem)
+print(f"memory ~ T^k: forward k = {slope_fwd:.2f}, forward+backward k = {slope_train:.2f}")
+assert 1.9 < slope_fwd < 2.1 and 1.9 < slope_train < 2.1
+for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem, strict=True):
+    square = T * T * 4  # bytes of one (T, T) float32 matrix
+    assert 1.5 * square < fwd < 3 * square and 2 * square < train < 5 * square
+
+# %% [markdown]
+# **The cause is the $T \times T$ matrix: its bytes, not $Q$, $K$, $V$ or the output, are what
+# the peak counts.** To attend to long sequences, never hold it.
+#
+# ## 2 · The online softmax
+#
+# The softmax of one row needs the whole row: $p_j = e^{s_j - m} / \ell$ with the row's maximum
+# $m$ (subtracted so that nothing overflows) and the sum $\ell = \sum_j e^{s_j - m}$. But $m$ and
+# $\ell$ can be computed **while the row streams by**, one block of keys at a time
+# (Milakov and Gimelshein, 2018). After a block with scores $s^{(b)}$:
+#
+# $$m' = \max\bigl(m, \max_j s^{(b)}_j\bigr), \qquad
+# \ell' = e^{m - m'}\,\ell + \sum_j e^{s^{(b)}_j - m'}, \qquad
+# a' = e^{m - m'}\,a + \sum_j e^{s^{(b)}_j - m'}\, v_j .$$
+#
+# The factor $e^{m - m'}$ *rescales* what was summed under the old maximum to the new one. The
+# accumulator $a$ is the unnormalised output $\sum_j e^{s_j - m} v_j$, and at the end
+# $o = a / \ell$. Nothing of size $T$ is kept for a query: three running numbers ($m$, $\ell$
+# and a vector $a$ of size $d_v$). On one row, in plain Python-sized steps:
+
+# %%
+gen = torch.Generator().manual_seed(1)
+s_row, v_rows = torch.randn(10, generator=gen) * 3, torch.randn(10, 4, generator=gen)
+m, ell, acc = torch.tensor(-math.inf), torch.tensor(0.0), torch.zeros(4)
+for block in range(0, 10, 3):  # blocks of 3 keys: 3, 3, 3, 1
+    s_b, v_b = s_row[block : block + 3], v_rows[block : block + 3]
+    m_new = torch.maximum(m, s_b.max())
+    rescale = torch.exp(m - m_new)  # 0 at the first block: exp(-inf)
+    ell = rescale * ell + torch.exp(s_b - m_new).sum()
+    acc = rescale * acc + torch.exp(s_b - m_new) @ v_b
+    m = m_new
+streamed = acc / ell
+assert_close(streamed, torch.softmax(s_row, dim=0) @ v_rows)
+print("streamed:", [round(x, 4) for x in streamed.tolist()])
+
+
+# %% [markdown]
+# ## 3 · Tiled attention
+#
+# FlashAttention (Dao et al., 2022) applies this to whole tiles: a block of `block_q` queries
+# against a block of `block_k` keys is one small matmul; the running $m$, $\ell$ and $a$ of the
+# query block are updated after every key block. The largest temporary is one
+# `block_q × block_k` tile, whatever $T$ is. On a GPU the tile lives in fast on-chip memory and
+# the whole loop is one kernel; here it is a Python loop over PyTorch matmuls: the same
+# arithmetic and the same memory, without the speed of a fused kernel.
+#
+# Masks work tile by tile. Our masks are True where a query may attend (notebook 05); a
+# forbidden pair scores $-\infty$ and so contributes $e^{-\infty} = 0$. A **causal** mask needs no
+# tensor at all: a key tile that starts after the last query of the query tile is skipped, and
+# only tiles that cross the diagonal are masked. A query with no allowed key keeps $m = -\infty$
+# and $\ell = 0$; our policy since notebook 05 is zeros for such a row.
+
+# %%
+#| export
+def _tile_scores(
+    Q_i: Tensor, K_j: Tensor, mask: Tensor | None, causal: bool, i0: int, j0: int, scale: float
+) -> Tensor:
+    """Masked scores of one tile: (..., bq, d_k) @ (..., d_k, bk) -> (..., bq, bk)."""
+    S = (Q_i @ K_j.transpose(-2, -1)).mul_(scale)
+    bq, bk = Q_i.size(-2), K_j.size(-2)
+    if mask is not None:  # already expanded to (..., T_q, T_k): slicing is a view
+        m = mask[..., i0 : i0 + bq, j0 : j0 + bk]
+        if m.dtype == torch.bool:
+            S.masked_fill_(~m, float("-inf"))  # True = may attend
+        else:
+            S.add_(m)  # a float mask is added to the scores
+    if causal and j0 + bk - 1 > i0:  # the tile crosses the diagonal: key j > query i is hidden
+        rows = torch.arange(i0, i0 + bq, device=S.device).unsqueeze(-1)  # (bq, 1)
+        cols = torch.arange(j0, j0 + bk, device=S.device)  # (bk,)
+        S.masked_fill_(cols > rows, float("-inf"))
+    return S
+
+
+def _key_starts(T_k: int, block_k: int, causal: bool, i1: int) -> range:
+    """Where the key tiles start that queries i0 .. i1 - 1 may see (causal: keys j < i1 only)."""
+    return range(0, min(T_k, i1) if causal else T_k, block_k)
+
+
+# %% [markdown]
+# The forward pass. Besides the output it returns each row's **log-sum-exp**
+# $L = m + \log \ell$, one number per query: it is all the backward pass needs to rebuild any
+# tile of weights, since $p_{ij} = e^{s_{ij} - L_i}$. (A row with no allowed key gets
+# $L = +\infty$, so that the rebuilt weights are $e^{-\infty} = 0$.)
+
+# %%
+#| export
+def tiled_attention_forward(
+    Q: Tensor,  # (..., T_q, d_k)
+    K: Tensor,  # (..., T_k, d_k)
+    V: Tensor,  # (..., T_k, d_v)
+    mask: Tensor | None = None,  # (..., T_q, T_k) expanded; bool True = may attend, or float
+    causal: bool = False,
+    block_q: int = 256,
+    block_k: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """Attention one (block_q x block_k) tile at a time, online softmax: O (..., T_q, d_v), L."""
+    scale = 1.0 / math.sqrt(Q.size(-1))
+    T_q, T_k = Q.size(-2), K.size(-2)
+    O = Q.new_empty(*Q.shape[:-1], V.size(-1))  # (..., T_q, d_v)
+    L = Q.new_empty(*Q.shape[:-1], 1)  # (..., T_q, 1): log-sum-exp of each row
+    for i0 in range(0, T_q, block_q):
+        Q_i = Q[..., i0 : i0 + block_q, :]  # (..., bq, d_k)
+        m = Q_i.new_full((*Q_i.shape[:-1], 1), -math.inf)  # running max of each row
+        ell = Q_i.new_zeros((*Q_i.shape[:-1], 1))  # running sum of exp(s - m)
+        acc = Q_i.new_zeros((*Q_i.shape[:-1], V.size(-1)))  # running sum of exp(s - m) v
+        for j0 in _key_starts(T_k, block_k, causal, i0 + Q_i.size(-2)):
+            S = _tile_scores(Q_i, K[..., j0 : j0 + block_k, :], mask, causal, i0, j0, scale)
+            m_new = torch.maximum(m, S.amax(dim=-1, keepdim=True))
+            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: no shift
+            P = S.sub_(m_safe).exp_()  # in place: the tile's scores are not needed again
+            rescale = (m - m_safe).exp_()  # (..., bq, 1), 0 where m was -inf
+            ell.mul_(rescale).add_(P.sum(dim=-1, keepdim=True))
+            acc.mul_(rescale).add_(P @ V[..., j0 : j0 + block_k, :])  # (..., bq, d_v)
+            m = m_new
+        no_key = ell == 0  # rows that could attend to nothing: zeros, as in notebook 05
+        O[..., i0 : i0 + block_q, :] = acc.div_(ell.masked_fill(no_key, 1.0))
+        m_safe = m.masked_fill(torch.isneginf(m), 0.0)
+        L[..., i0 : i0 + block_q, :] = (m_safe + ell.log()).masked_fill(no_key, math.inf)
+    return O, L
+
+
+# %% [markdown]
+# ### The backward pass, recomputed
+#
+# Autograd through the loop above would keep every tile for the backward pass, all $T\times T$ of
+# them again. Instead, a custom `torch.autograd.Function` saves only $Q, K, V, O$ and $L$, and its
+# backward rebuilds each tile. With $dO$ the gradient of the output, for every tile:
+#
+# $$P = e^{S - L},\quad dV \mathrel{+}= P^\top dO,\quad dP = dO\,V^\top,\quad
+# dS = P \odot (dP - D),\quad dQ \mathrel{+}= \tfrac{1}{\sqrt{d_k}}\, dS\,K,\quad
+# dK \mathrel{+}= \tfrac{1}{\sqrt{d_k}}\, dS^\top Q,$$
+#
+# where $D_i = \sum_j P_{ij}\, dP_{ij} = \sum_c dO_{ic}\, O_{ic}$ is the softmax backward's row
+# term, computed once from $dO$ and $O$ without any $P$. The price: $QK^\top$ is computed twice
+# (once forward, once backward), about 25 % more arithmetic for attention. The gain: the
+# training memory of attention becomes linear in $T$.
+
+# %%
+#| export
+def tiled_attention_backward(
+    dO: Tensor,
+    Q: Tensor,
+    K: Tensor,
+    V: Tensor,
+    O: Tensor,
+    L: Tensor,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    block_q: int = 256,
+    block_k: int = 256,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of tiled attention, each tile's weights rebuilt from Q, K and L = logsumexp."""
+    scale = 1.0 / math.sqrt(Q.size(-1))
+    T_q, T_k = Q.size(-2), K.size(-2)
+    D = (dO * O).sum(dim=-1, keepdim=True)  # (..., T_q, 1) = rowsum(P * dP), without P
+    dQ, dK, dV = torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
+    for i0 in range(0, T_q, block_q):
+        i1 = min(i0 + block_q, T_q)
+        Q_i, dO_i, L_i, D_i = Q[..., i0:i1, :], dO[..., i0:i1, :], L[..., i0:i1, :], D[..., i0:i1, :]
+        for j0 in _key_starts(T_k, block_k, causal, i1):
+            j1 = min(j0 + block_k, T_k)
+            K_j, V_j = K[..., j0:j1, :], V[..., j0:j1, :]
+            P = _tile_scores(Q_i, K_j, mask, causal, i0, j0, scale).sub_(L_i).exp_()  # (.., bq, bk)
+            dV[..., j0:j1, :] += P.transpose(-2, -1) @ dO_i
+            dS = (dO_i @ V_j.transpose(-2, -1)).sub_(D_i).mul_(P)  # the softmax's backward
+            dQ[..., i0:i1, :] += (dS @ K_j).mul_(scale)
+            dK[..., j0:j1, :] += (dS.transpose(-2, -1) @ Q_i).mul_(scale)
+    return dQ, dK, dV
+
+
+class TiledAttention(torch.autograd.Function):
+    """Tiled attention whose backward recomputes the weights: saves O(T) memory, not O(T^2)."""
+
+    @staticmethod
+    def forward(ctx, Q, K, V, mask, causal, block_q, block_k):
+        O, L = tiled_attention_forward(Q, K, V, mask, causal, block_q, block_k)
+        ctx.save_for_backward(Q, K, V, O, L, mask)
+        ctx.causal, ctx.block_q, ctx.block_k = causal, block_q, block_k
+        return O
+
+    @staticmethod
+    def backward(ctx, dO):
+        Q, K, V, O, L, mask = ctx.saved_tensors
+        dQ, dK, dV = tiled_attention_backward(
+            dO.contiguous(), Q, K, V, O, L, mask, ctx.causal, ctx.block_q, ctx.block_k
+        )
+        return dQ, dK, dV, None, None, None, None  # no gradient for the mask and the settings
+
+
+# %% [markdown]
+# The public function checks its inputs as `scaled_dot_product_attention` does, broadcasts the
+# batch dimensions (views, no copies; autograd sums the gradients back over them) and returns the
+# context only: the whole point is never to form the weights.
+
+# %%
+#| export
+def tiled_attention(
+    Q: Tensor,  # (..., T_q, d_k)
+    K: Tensor,  # (..., T_k, d_k)
+    V: Tensor,  # (..., T_k, d_v)
+    mask: Tensor | None = None,  # broadcastable to (..., T_q, T_k); bool True = may attend, or float
+    causal: bool = False,
+    block_q: int = 256,
+    block_k: int = 256,
+) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k) + mask) V without a (T_q, T_k) matrix: context (..., T_q, d_v)."""
+    if checking():
+        _check_attention_inputs(Q, K, V, mask, 0.0)
+        check_bool("causal", causal)
+        check_int("block_q", block_q, minimum=1)
+        check_int("block_k", block_k, minimum=1)
+    batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
+    Q, K, V = (t.expand(*batch, *t.shape[-2:]) for t in (Q, K, V))
+    if mask is not None:
+        mask = mask.expand(*batch, Q.size(-2), K.size(-2))  # a view: tiles slice it
+    return TiledAttention.apply(Q, K, V, mask, causal, block_q, block_k)
+
+
+# %% [markdown]
+# ### Checks: values and gradients
+#
+# In float64, against notebook 02's `scaled_dot_product_attention` (the naive one), for no
+# mask, a causal mask, a padding mask with a fully padded sequence (all its rows fully masked)
+# and both together; tiles of 16 × 32 over $T = 70$ so that the last tiles are ragged:
+
+# %%
+set_seed(0)
+Q64, K64, V64 = (torch.randn(2, 3, 70, 16, dtype=torch.float64, device=device,
+                             requires_grad=True) for _ in range(3))
+padding = padding_mask(torch.tensor([70, 0], device=device), 70)  # (2, 1, 1, 70): one is empty
+causal = causal_mask(70, device=device)  # (1, 1, 70, 70)
+cases = {"none": (None, False), "causal": (causal, True), "padding": (padding, False),
+         "causal+padding": (causal & padding, False)}
+for name, (mask, is_causal) in cases.items():
+    reference, _ = scaled_dot_product_attention(Q64, K64, V64, mask=mask)
+    ours = tiled_attention(Q64, K64, V64, mask=None if is_causal else mask, causal=is_causal,
+                           block_q=16, block_k=32)
+    grad_out = torch.randn_like(reference)
+    grads_ref = torch.autograd.grad(reference, (Q64, K64, V64), grad_out)
+    grads_ours = torch.autograd.grad(ours, (Q64, K64, V64), grad_out)
+    assert_close(ours, reference, atol=1e-12, rtol=1e-10)
+    for g_ours, g_ref in zip(grads_ours, grads_ref, strict=True):
+        assert_close(g_ours, g_ref, atol=1e-12, rtol=1e-10)
+    if "padding" in name:
+        assert torch.equal(ours[1], torch.zeros_like(ours[1]))  # the empty sequence: zeros
+    print(f"{name:>15}: values and gradients equal the naive attention")
+
+# %% [markdown]
+# `torch.autograd.gradcheck` compares our backward with finite differences, and PyTorch's fused
+# `F.scaled_dot_product_attention` (whose boolean masks also mean "may attend") agrees in float32:
+
+# %%
+small = tuple(t.detach()[:1, :1, :9, :4].clone().requires_grad_() for t in (Q64, K64, V64))
+assert torch.autograd.gradcheck(lambda q, k, v: tiled_attention(q, k, v, causal=True, block_q=4,
+                                                                block_k=3), small)
+Q32, K32, V32 = make_qkv(300, d_k=32, heads=4, batch=2)
+for mask in (None, padding_mask(torch.tensor([300, 123], device=device), 300)):
+    assert_close(tiled_attention(Q32, K32, V32, mask=mask),
+                 F.scaled_dot_product_attention(Q32, K32, V32, attn_mask=mask),
+                 atol=1e-5, rtol=1e-5)
+assert_close(tiled_attention(Q32, K32, V32, causal=True),
+             F.scaled_dot_product_attention(Q32, K32, V32, is_causal=True), atol=1e-5, rtol=1e-5)
+print("gradcheck passed; equal to F.scaled_dot_product_attention with and without masks")
+
+
+# %% [markdown]
+# ### Memory against $T$
+#
+# Now the point of it all. The forward pass at growing $T$, naive against tiled, and a training
+# step (forward and backward) of each:
+
+# %%
+def tiled_forward(Q, K, V):
+    with torch.no_grad():
+        return tiled_attention(Q, K, V)
+
+
+def tiled_training(Q, K, V):
+    tiled_attention(Q, K, V).sum().backward()
+
+
+tiled_fwd_mem, tiled_train_mem = [], []
+for T in lengths:
+    Q, K, V = make_qkv(T)
+    tiled_fwd_mem.append(peak_memory(lambda Q=Q, K=K, V=V: tiled_forward(Q, K, V), device))
+    Qg, Kg, Vg = make_qkv(T, requires_grad=True)
+    tiled_train_mem.append(peak_memory(lambda Q=Qg, K=Kg, V=Vg: tiled_training(Q, K, V), device))
+T_long = 8192
+Q_long, K_long, V_long = make_qkv(T_long)
+naive_long = peak_memory(lambda: naive_forward(Q_long, K_long, V_long), device)
+tiled_long = peak_memory(lambda: tiled_forward(Q_long, K_long, V_long), device)
+for i, T in enumerate(lengths):
+    print(f"T={T:5d}: forward naive {naive_fwd_mem[i] / MiB:7.1f} MiB, tiled "
+          f"{tiled_fwd_mem[i] / MiB:5.2f} MiB; training naive {naive_train_mem[i] / MiB:7.1f} MiB, "
+          f"tiled {tiled_train_mem[i] / MiB:5.2f} MiB")
+print(f"T={T_long}: forward naive {naive_long / MiB:.1f} MiB, tiled {tiled_long / MiB:.2f} MiB, "
+      f"ratio {tiled_long / naive_long:.4f}")
+
+# %% [markdown]
+# The issue's target was at most 1/8 of the naive peak at $T = 8192$; the tiled forward needs
+# about 1/200: its peak is the output, the running statistics and one 256 × 256 tile. Its memory
+# grows at most linearly in $T$ (less, at these lengths, since the tiles are a fixed cost), in
+# training too, where from $T = 2048$ on it is under 1/8 of the naive step's:
+
+# %%
+assert tiled_long <= naive_long / 8
+slope_tiled_fwd, slope_tiled_train = fit_slope(lengths, tiled_fwd_mem), fit_slope(lengths,
+                                                                                  tiled_train_mem)
+print(f"tiled memory ~ T^k: forward k = {slope_tiled_fwd:.2f}, training k = {slope_tiled_train:.2f}")
+assert slope_tiled_fwd < 1.2 and slope_tiled_train < 1.2
+assert all(t < n / 8 for t, n in zip(tiled_train_mem[2:], naive_train_mem[2:], strict=True))
+
+# %% jupyter={"source_hidden": true}
+fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
+ax.loglog(lengths, [b / MiB for b in naive_fwd_mem], "o-", color=COLORS["accent"],
+          label="naive, forward")
+ax.loglog(lengths, [b / MiB for b in naive_train_mem], "s--", color=COLORS["accent"],
+          label="naive, forward + backward")
+ax.loglog(lengths, [b / MiB for b in tiled_fwd_mem], "o-", color=COLORS["ours"],
+          label="tiled, forward")
+ax.loglog(lengths, [b / MiB for b in tiled_train_mem], "s--", color=COLORS["ours"],
+          label="tiled (recomputing backward), forward + backward")
+ax.loglog(lengths, [T * T * 4 / MiB for T in lengths], ":", color="gray",
+          label="one T × T float32 matrix")
+ax.set_xticks(lengths, [str(T) for T in lengths])
+ax.minorticks_off()
+ax.set_xlabel("sequence length T (tokens)")
+ax.set_ylabel("peak memory (MiB)")
+ax.set_title("Attention's peak memory, one head, $d_k$ = 64 (measured)")
+ax.legend(fontsize=8)
+plt.show()
+
+# %% [markdown]
+# **Tiling with the online softmax turns attention's memory from $O(T^2)$ into $O(T)$, exactly,
+# with the same values and gradients.** Speed is another matter: our Python loop launches many
+# small matmuls. FlashAttention gets its speed from running this loop inside one GPU kernel,
+# where a tile never leaves on-chip memory.
+
+# %% [markdown]
+# ## 4 · PyTorch's fused kernels
+#
+# `F.scaled_dot_product_attention(Q, K, V, attn_mask, dropout_p, is_causal)` computes the same
+# function and picks a **backend** by device, dtype and arguments:
+#
+# | backend | where | what it is |
+# |---|---|---|
+# | `MATH` | everywhere | the naive formula in ATen ops, $T \times T$ in memory; the fallback |
+# | `FLASH_ATTENTION` | CPU (a tiled C++ kernel), CUDA (FlashAttention-2, fp16/bf16) | this notebook's algorithm, fused |
+# | `EFFICIENT_ATTENTION` | CUDA | the memory-efficient kernel (Rabe and Staats, 2021; xFormers): tiled, any mask |
+# | `CUDNN_ATTENTION` | recent NVIDIA GPUs | cuDNN's fused attention |
+#
+# `torch.nn.attention.sdpa_kernel` restricts the choice, which lets us ask which backends run on
+# this machine (a backend that cannot serve the call raises a `RuntimeError`; the warnings that
+# explain why are silenced here):
+
+# %%
+import warnings
+
+from torch.nn.attention import SDPBackend
+from torch.nn.attention import sdpa_kernel
+
+BACKENDS = {"math": SDPBackend.MATH, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+# fp16 where a GPU is there (the flash kernel of CUDA wants it), float32 on the CPU
+kernel_dtype = torch.float16 if device.type == "cuda" else torch.float32
+Qk, Kk, Vk = make_qkv(1024, heads=4, dtype=kernel_dtype)
+runs_here = {}
+for name, backend in BACKENDS.items():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(Qk, Kk, Vk, is_causal=True)
+            runs_here[name] = True
+        except RuntimeError:
+            runs_here[name] = False
+
+# %% tags=["nbval-ignore-output"]
+print(f"{device.type}, {kernel_dtype}: " + ", ".join(
+    f"{name} {'runs' if ok else 'not available'}" for name, ok in runs_here.items()))
+
+# %% [markdown]
+# On a CPU, `math` and `flash` run; on a CUDA GPU (Colab) `efficient` and `flash` too, and
+# `cudnn` on recent ones. What holds everywhere:
+
+# %%
+assert runs_here["math"]
+if device.type == "cpu":
+    assert runs_here["flash"] and not runs_here["efficient"]
+
+# %% [markdown]
+# Memory and time at $T = 2048$, four heads: the naive attention, ours tiled, and PyTorch's
+# fused call (which picks its backend by itself):
+
+# %%
+Qm, Km, Vm = make_qkv(2048, heads=4)
+candidates = {
+    "naive (notebook 02)": lambda: naive_forward(Qm, Km, Vm),
+    "tiled (ours)": lambda: tiled_forward(Qm, Km, Vm),
+    "F.scaled_dot_product_attention": lambda: F.scaled_dot_product_attention(Qm, Km, Vm),
+}
+with torch.no_grad():
+    kernel_mem = {name: peak_memory(fn, device) for name, fn in candidates.items()}
+    kernel_time = {name: time_call(fn, warmup=1, repeats=3) for name, fn in candidates.items()}
+
+# %% tags=["nbval-ignore-output"]
+for name in candidates:
+    print(f"{name:>31}: {kernel_mem[name] / MiB:6.1f} MiB, {1e3 * kernel_time[name]:7.1f} ms")
+
+# %% [markdown]
+# On this course's CPU the fused kernel was both lean (a few MiB, like ours) and the fastest of
+# the three, its tiles looped over in C++; ours came second, and the naive one last: writing and
+# reading two 64 MiB matrices costs more time than our loop's overhead. The memory part holds on
+# any machine:
+
+# %%
+assert kernel_mem["tiled (ours)"] < kernel_mem["naive (notebook 02)"] / 8
+assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (notebook 02)"] / 4
+
+
+# %% [markdown]
+# **Use `F.scaled_dot_product_attention` for speed; our `tiled_attention` is there to show what it
+# does, and to check it.**
+#
+# ## 5 · The fast path of the course's model
+#
+# The from-scratch modules were written to be read: three projections, a softmax you can see,
+# a `LayerNorm` in five lines. The **fast path** keeps every parameter where it is (`W_q`,
+# `W_k`, `W_v`, `W_o`, the norms' `weight` and `bias`, so the same `state_dict`) and changes
+# only how the forward pass computes:
+#
+# 1. **Packed projections.** Self-attention concatenates $W_q, W_k, W_v$ into one $(3d, d)$
+#    matrix and projects once; cross-attention projects $K, V$ of the encoder's output together.
+#    One large matmul is faster than three small ones, and the heads are views of its output.
+# 2. **Fused attention.** `F.scaled_dot_product_attention` with `is_causal=True` when the mask is
+#    the causal one (its kernel then skips the tiles above the diagonal). Our masks already mean
+#    what its boolean masks mean. A row with no allowed key gets zeros from PyTorch's CPU kernels
+#    (since torch 2.5), but some GPU kernels have returned NaN for it; the fast path opens such
+#    a row to every key and zeroes its output, so every backend follows notebook 05's policy.
+#    One exception: with dropout in training on the CPU, PyTorch's flash kernel has
+#    no dropout and falls back to the math backend, so there the fast path does the math itself,
+#    with the faster dropout below.
+# 3. **Fused layer norm.** `F.layer_norm`, one kernel instead of five operations.
+# 4. **A faster dropout on the CPU.** `F.dropout` draws its mask with `bernoulli_`, which on a
+#    CPU is slower (here 1.4–2.6×) than drawing uniforms and comparing: $u \ge p$ with
+#    $u \sim U[0, 1)$ keeps an element with probability $1 - p$, the same distribution. Dropout
+#    is not a small cost here: the attention weights of a batch of 16 sequences of 128 tokens
+#    hold a million numbers per layer.
+# 5. **Fewer Python calls.** The blocks call those functions directly, without the lambdas of
+#    `sublayer_connection` and without checking inputs again below the block.
+#
+# First the pieces:
+
+# %%
+#| export
+def fast_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    """Inverted dropout; on a CPU the mask is drawn as uniforms, faster than F.dropout's."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu":  # on a GPU, F.dropout's fused kernel is the fast one
+        return F.dropout(x, p, True)
+    keep = torch.rand_like(x).ge_(p).mul_(1.0 / (1.0 - p))  # 0 or 1 / (1 - p), like F.dropout
+    return x * keep
+
+
+class FastDropout(nn.Dropout):
+    """nn.Dropout with the faster mask of `fast_dropout` (the same parameters: p and inplace)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fast_dropout(x, self.p, self.training)
+
+
+def _causal_pattern(T: int, device: torch.device) -> Tensor:
+    """(T, T) bool, True on and below the diagonal: our causal_mask without its leading dims."""
+    if torch.compiler.is_compiling():  # torch.compile makes its own constant; no cache
+        return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return _cached_causal_pattern(T, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_causal_pattern(T: int, device: torch.device) -> Tensor:
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+def fused_attention_mask(mask: Tensor | None, T_q: int, T_k: int) -> tuple[Tensor | None, bool]:
+    """Our mask as F.scaled_dot_product_attention's (attn_mask, is_causal) arguments."""
+    if mask is None:
+        return None, False
+    if torch.compiler.is_compiling():  # no data-dependent test inside a compiled graph
+        return mask, False
+    if (
+        mask.dtype == torch.bool
+        and T_q == T_k
+        and mask.numel() == T_q * T_k  # one (T, T) pattern shared by all sequences and heads
+        and torch.equal(mask.reshape(T_q, T_k), _causal_pattern(T_q, mask.device))
+    ):
+        return None, True  # the causal mask: no tensor needed, and the kernel skips tiles
+    return mask, False  # bool True = may attend, as ours; a float mask is added, as ours
+
+
+# %% [markdown]
+# The attention of the fast path: fused when it can be, and on the CPU in training with dropout
+# the same arithmetic as notebook 02 with the faster dropout. Both give zeros for a row with no
+# allowed key.
+
+# %%
+#| export
+def _attention_with_dropout(
+    Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None, is_causal: bool, p: float
+) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k) + mask), `fast_dropout` on the weights, @ V: (B, h, T_q, d_k)."""
+    scores = (Q * (1.0 / math.sqrt(Q.size(-1)))) @ K.transpose(-2, -1)  # (B, h, T_q, T_k)
+    no_key = None
+    if is_causal:
+        T_q, T_k = scores.shape[-2:]
+        scores = scores.masked_fill(~_causal_pattern(T_k, scores.device)[:T_q], -math.inf)
+    elif attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+            blocked = ~attn_mask
+        else:
+            scores = scores + attn_mask
+            blocked = torch.isneginf(attn_mask)
+        no_key = blocked.all(dim=-1, keepdim=True)  # on the (small) mask, not on the scores
+        if torch.compiler.is_compiling() or no_key.any():  # rows with no allowed key: zeros
+            scores = scores.masked_fill(no_key, 0.0)
+        else:
+            no_key = None
+    attn = torch.softmax(scores, dim=-1)
+    if no_key is not None:
+        attn = attn.masked_fill(no_key, 0.0)
+    return fast_dropout(attn, p) @ V  # (B, h, T_q, T_k) @ (B, h, T_k, d_k)
+
+
+def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The mask with every row that allows no key opened to all keys, and those rows (..., 1)."""
+    blocked = ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
+    no_key = blocked.all(dim=-1, keepdim=True)  # (..., T_q or 1, 1), on the (small) mask
+    opened = mask | no_key if mask.dtype == torch.bool else mask.masked_fill(no_key, 0.0)
+    return opened, no_key
+
+
+def _layer_norm(norm: LayerNorm, x: Tensor) -> Tensor:
+    """Our LayerNorm's numbers in one fused call."""
+    return F.layer_norm(x, (norm.d_model,), norm.weight, norm.bias, norm.eps)
+
+
+class FastLayerNorm(LayerNorm):
+    """LayerNorm computed by F.layer_norm: the same parameters, the same numbers."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if checking():
+            check_tensor("x", x, kind="float")
+            if x.dim() == 0 or x.shape[-1] != self.d_model:
+                raise ValueError(
+                    f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
+                    f"got {tuple(x.shape)}"
+                )
+        return _layer_norm(self, x)
+
+
+# %% [markdown]
+# Multi-head attention's fast path is a subclass with the same constructor and parameters. When
+# the attention weights are asked for (`return_attn=True`), or a KV cache is passed (notebook 12),
+# or keys and values come from different tensors, it hands over to the from-scratch `forward`:
+# only that one has the weights to return.
+
+# %%
+#| export
+class FastMultiHeadAttention(MultiHeadAttention):
+    """MultiHeadAttention with packed projections and fused attention; the same parameters."""
+
+    def _attend(
+        self, x_q: Tensor, x_kv: Tensor | None, attn_mask: Tensor | None, is_causal: bool
+    ) -> Tensor:
+        """x_q (B, T_q, d) attends to x_kv (B, T_k, d), or to itself when x_kv is None."""
+        B, T_q, d = x_q.shape
+        W_q, W_k, W_v = self.W_q, self.W_k, self.W_v
+        has_bias = W_q.bias is not None
+        # 1) Project with one packed matmul: (3d, d) for self-attention, (2d, d) for K, V.
+        if x_kv is None:
+            w = torch.cat([W_q.weight, W_k.weight, W_v.weight])  # (3d, d)
+            b = torch.cat([W_q.bias, W_k.bias, W_v.bias]) if has_bias else None
+            Q, K, V = F.linear(x_q, w, b).split(d, dim=-1)  # (B, T, 3d) -> 3 x (B, T, d)
+        else:
+            Q = F.linear(x_q, W_q.weight, W_q.bias)  # (B, T_q, d)
+            w = torch.cat([W_k.weight, W_v.weight])  # (2d, d)
+            b = torch.cat([W_k.bias, W_v.bias]) if has_bias else None
+            K, V = F.linear(x_kv, w, b).split(d, dim=-1)  # 2 x (B, T_k, d)
+        # (B, T, d) -> (B, T, h, d_k) -> (B, h, T, d_k): views of the packed output
+        Q, K, V = (t.unflatten(-1, (self.num_heads, self.d_k)).transpose(1, 2) for t in (Q, K, V))
+        # 2) Attend: fused, except for dropout in training on a CPU.
+        p = self.dropout_p if self.training else 0.0
+        if p > 0.0 and Q.device.type == "cpu":
+            context = _attention_with_dropout(Q, K, V, attn_mask, is_causal, p)
+        else:
+            no_key = None
+            if attn_mask is not None:  # empty rows: zeros on every backend (some GPU kernels
+                attn_mask, no_key = _open_empty_rows(attn_mask)  # have returned NaN for them)
+            context = F.scaled_dot_product_attention(
+                Q, K, V, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal
+            )  # (B, h, T_q, d_k)
+            if no_key is not None:
+                context = context.masked_fill(no_key, 0.0)
+        # 3) Concatenate the heads and mix them with W_o.
+        context = context.transpose(1, 2).reshape(B, T_q, d)  # (B, h, T_q, d_k) -> (B, T_q, d)
+        return F.linear(context, self.W_o.weight, self.W_o.bias)
+
+    def forward(self, x_q, x_k=None, x_v=None, mask=None, return_attn=False, cache=None):
+        """The call of MultiHeadAttention.forward; the from-scratch path when it must be."""
+        if return_attn or cache is not None or (x_v is not None and x_v is not x_k):
+            return super().forward(x_q, x_k, x_v, mask, return_attn, cache)
+        x_kv = None if x_k is None or x_k is x_q else x_k
+        if checking():
+            x_k = x_q if x_kv is None else x_kv
+            self._check_inputs(x_q, x_k, x_k)
+            self._check_mask(mask, x_q.shape[0], x_q.shape[1], x_k.shape[1])
+        T_k = x_q.size(1) if x_kv is None else x_kv.size(1)
+        attn_mask, is_causal = fused_attention_mask(mask, x_q.size(1), T_k)
+        return self._attend(x_q, x_kv, attn_mask, is_causal)
+
+
+# %% [markdown]
+# The blocks: the same arithmetic as `sublayer_connection` (pre-norm $x + \mathrm{dropout}(f(\mathrm{norm}(x)))$,
+# or post-norm), written out, with the mask translated once per block. A decoder block given a
+# KV cache (generation, notebook 12) takes the from-scratch path.
+
+# %%
+#| export
+def _feed_forward(ffn: nn.Sequential, x: Tensor) -> Tensor:
+    """ffn = Sequential(Linear, activation, Linear[, Dropout]) without the module calls."""
+    first, activation, second = ffn[0], ffn[1], ffn[2]
+    hidden = F.linear(x, first.weight, first.bias)  # (..., d_model) -> (..., d_ff)
+    # in place: Linear's backward needs its input, not its output; ReLU's needs only the result
+    hidden = torch.relu_(hidden) if type(activation) is nn.ReLU else activation(hidden)
+    out = F.linear(hidden, second.weight, second.bias)  # (..., d_ff) -> (..., d_model)
+    return ffn[3](out) if len(ffn) > 3 else out
+
+
+class FastEncoderBlock(EncoderBlock):
+    """EncoderBlock on the fast path: the same parameters and the same function."""
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if checking():
+            _check_block_input("x", x, self.d_model)
+            self.self_attn._check_mask(mask, x.shape[0], x.shape[1], x.shape[1])
+        attn_mask, is_causal = fused_attention_mask(mask, x.size(1), x.size(1))
+        attend, train = self.self_attn._attend, self.training
+        p1, p2 = self.dropout1.p, self.dropout2.p
+        if self.norm_first:
+            h = attend(_layer_norm(self.norm1, x), None, attn_mask, is_causal)
+            x = x + fast_dropout(h, p1, train)
+            return x + fast_dropout(_feed_forward(self.ffn, _layer_norm(self.norm2, x)), p2, train)
+        x = _layer_norm(self.norm1, x + fast_dropout(attend(x, None, attn_mask, is_causal), p1, train))
+        return _layer_norm(self.norm2, x + fast_dropout(_feed_forward(self.ffn, x), p2, train))
+
+
+class FastDecoderBlock(DecoderBlock):
+    """DecoderBlock on the fast path (the from-scratch one when given a KV cache)."""
+
+    def forward(self, x, enc_out, self_mask=None, cross_mask=None, cache=None) -> Tensor:
+        if cache is not None:
+            return super().forward(x, enc_out, self_mask, cross_mask, cache)
+        B, T, S = x.shape[0], x.shape[1], enc_out.shape[1]
+        if checking():
+            _check_block_input("x", x, self.d_model)
+            _check_block_input("enc_out", enc_out, self.d_model)
+            if enc_out.shape[0] != B:
+                shapes = f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)}"
+                raise ValueError(f"{shapes} have different batch sizes")
+            self.self_attn._check_mask(self_mask, B, T, T)
+            self.cross_attn._check_mask(cross_mask, B, T, S)
+        self_m, self_causal = fused_attention_mask(self_mask, T, T)
+        cross_m, cross_causal = fused_attention_mask(cross_mask, T, S)
+        sa, ca, train = self.self_attn._attend, self.cross_attn._attend, self.training
+        p1, p2, p3 = self.dropout1.p, self.dropout2.p, self.dropout3.p
+        if self.norm_first:
+            x = x + fast_dropout(sa(_layer_norm(self.norm1, x), None, self_m, self_causal), p1, train)
+            h = ca(_layer_norm(self.norm2, x), enc_out, cross_m, cross_causal)
+            x = x + fast_dropout(h, p2, train)
+            return x + fast_dropout(_feed_forward(self.ffn, _layer_norm(self.norm3, x)), p3, train)
+        x = _layer_norm(self.norm1, x + fast_dropout(sa(x, None, self_m, self_causal), p1, train))
+        x = _layer_norm(self.norm2, x + fast_dropout(ca(x, enc_out, cross_m, cross_causal), p2, train))
+        return _layer_norm(self.norm3, x + fast_dropout(_feed_forward(self.ffn, x), p3, train))
+
+
+# %% [markdown]
+# The switch. A module's class is what decides its `forward`; its parameters and buffers live on
+# the object. `use_fast_path` sets the class of every from-scratch module that has a fast twin,
+# in place (`enabled=False` sets it back), so the model keeps its parameters, its optimizer's
+# references to them, its `state_dict` and its device. Only the exact classes are switched: a
+# subclass of yours keeps its own `forward`.
+
+# %%
+#| export
+_FAST_TWINS = {
+    MultiHeadAttention: FastMultiHeadAttention,
+    LayerNorm: FastLayerNorm,
+    EncoderBlock: FastEncoderBlock,
+    DecoderBlock: FastDecoderBlock,
+    nn.Dropout: FastDropout,
+}
+_SCRATCH_TWINS = {fast: scratch for scratch, fast in _FAST_TWINS.items()}
+
+
+def use_fast_path(model: nn.Module, enabled: bool = True) -> nn.Module:
+    """Switch model's modules to the fast path in place (enabled=False: back); returns model."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_bool("enabled", enabled)
+    twins = _FAST_TWINS if enabled else _SCRATCH_TWINS
+    for module in model.modules():
+        if type(module) in twins:
+            module.__class__ = twins[type(module)]
+    return model
+
+
+# %% [markdown]
+# ### Checks: the same model
+#
+# A model and a fast copy of it: the same `state_dict`, key for key and bit for bit; the same
+# logits and the same gradients, with a causal target mask and a source padding mask with a
+# fully padded sequence (compared in eval mode, where dropout is off: with dropout on, the two
+# paths draw different random masks).
+
+# %%
+set_seed(0)
+scratch_model = Transformer(12, 12).to(device)
+fast_model = use_fast_path(copy.deepcopy(scratch_model))
+print(type(fast_model.encoder.layers[0]).__name__, type(fast_model.decoder.layers[0].cross_attn).__name__)
+state_s, state_f = scratch_model.state_dict(), fast_model.state_dict()
+assert list(state_s) == list(state_f)
+assert all(torch.equal(state_s[k], state_f[k]) for k in state_s)
+
+gen = torch.Generator().manual_seed(0)
+src = torch.randint(3, 12, (8, 10), generator=gen).to(device)  # (B, S)
+tgt = torch.randint(3, 12, (8, 11), generator=gen).to(device)  # (B, T)
+src_lengths = torch.tensor([10, 7, 3, 10, 0, 5, 10, 9], device=device)  # one fully padded
+src_mask = padding_mask(src_lengths, 10)  # (B, 1, 1, S)
+tgt_mask = causal_mask(11, device=device)  # (1, 1, T, T)
+logits = {}
+for name, mdl in (("scratch", scratch_model), ("fast", fast_model)):
+    mdl.eval().zero_grad()
+    logits[name] = mdl(src, tgt, src_mask, tgt_mask)  # (B, T, V)
+    logits[name].square().mean().backward()
+assert_close(logits["fast"], logits["scratch"], atol=1e-5, rtol=1e-5)
+grads_fast = dict(fast_model.named_parameters())
+for name, p in scratch_model.named_parameters():
+    assert_close(grads_fast[name].grad, p.grad, atol=1e-5, rtol=1e-4)
+print(f"logits and all {len(grads_fast)} gradients equal (to float32 rounding)")
+
+# %% [markdown]
+# When the attention weights are requested, the fast module returns the from-scratch ones, and
+# greedy decoding with the KV cache (notebook 12) produces the same tokens:
+
+# %%
+from transformer_from_scratch.decoding import greedy_decode
+
+x_test = torch.randn(2, 5, 128, generator=gen).to(device)
+out_s, attn_s = scratch_model.decoder.layers[0].self_attn(x_test, return_attn=True)
+out_f, attn_f = fast_model.decoder.layers[0].self_attn(x_test, return_attn=True)
+assert torch.equal(out_f, out_s) and torch.equal(attn_f, attn_s)
+assert torch.equal(greedy_decode(fast_model, src, 12, src_mask, use_cache=True),
+                   greedy_decode(scratch_model, src, 12, src_mask, use_cache=True))
+assert type(use_fast_path(copy.deepcopy(fast_model), enabled=False).encoder.norm) is type(
+    scratch_model.encoder.norm)
+print("weights on request and cached greedy decoding: the same as the from-scratch model")
+
+# %% [markdown]
+# ### How much faster?
+#
+# The faster dropout first, on attention weights of 16 sequences × 4 heads × 128 × 128:
+
+# %%
+weights = torch.rand(16, 4, 128, 128, generator=gen).to(device)
+torch.manual_seed(0)  # fast_dropout draws from the global generator, as F.dropout does
+dropped = fast_dropout(weights, 0.1)
+kept = dropped != 0
+print(f"kept {kept.float().mean().item():.3f} of the weights (expected 0.9), "
+      f"survivors scaled by {(dropped[kept] / weights[kept]).mean().item():.4f} (1 / 0.9 = 1.1111)")
+assert abs(kept.float().mean().item() - 0.9) < 0.002
+assert_close(dropped[kept], weights[kept] / 0.9)
+assert torch.equal(fast_dropout(weights, 0.1, training=False), weights)
+
+# %% tags=["nbval-ignore-output"]
+t_bernoulli = time_call(lambda: F.dropout(weights, 0.1), warmup=1, repeats=5)
+t_uniform = time_call(lambda: fast_dropout(weights, 0.1), warmup=1, repeats=5)
+print(f"F.dropout {1e3 * t_bernoulli:.1f} ms, ours {1e3 * t_uniform:.1f} ms "
+      f"({t_bernoulli / t_uniform:.1f}x) for {weights.numel():,} weights on {device.type}")
+
+
+# %% [markdown]
+# Then one training step of the model: forward, loss, backward, gradient clipping and an Adam
+# step, on the reversal task of notebook 11 (a batch of 64 sources of 8 symbols), for the
+# from-scratch model, its fast path, and `nn.Transformer` holding the same weights
+# (`TorchTransformer` of notebook 10), in training mode with dropout 0.1, one thread:
+
+# %%
+def reversal_batch(batch, src_len, vocab_size=12, seed=0):
+    """Random sources (B, S) of symbols 3.., tgt_in = [BOS, reversed], tgt_out = [reversed, EOS]."""
+    g = torch.Generator().manual_seed(seed)
+    src_ids = torch.randint(3, vocab_size, (batch, src_len), generator=g)
+    reversed_ids = src_ids.flip(1)
+    tgt_in = torch.cat([torch.full((batch, 1), 1), reversed_ids], dim=1)  # BOS = 1
+    tgt_out = torch.cat([reversed_ids, torch.full((batch, 1), 2)], dim=1)  # EOS = 2
+    return src_ids.to(device), tgt_in.to(device), tgt_out.to(device)
+
+
+def make_train_step(model, src_ids, tgt_in, tgt_out):
+    """A closure: one training step (forward, loss, backward, clip, Adam); returns the loss."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    mask = causal_mask(tgt_in.size(1), device=tgt_in.device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        out = model(src_ids, tgt_in, tgt_mask=mask)  # (B, T, V)
+        loss = F.cross_entropy(out.flatten(0, 1), tgt_out.flatten())
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
+set_seed(0)
+bench_scratch = Transformer(12, 12).to(device).train()
+bench_torch = TorchTransformer(bench_scratch).train()  # nn.Transformer with our weights
+bench_fast = use_fast_path(copy.deepcopy(bench_scratch)).train()
+train_batch = reversal_batch(64, 8)
+steps = {name: make_train_step(m, *train_batch) for name, m in
+         (("from scratch", bench_scratch), ("fast path", bench_fast), ("nn.Transformer", bench_torch))}
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+try:
+    step_time = {name: time_call(step, warmup=2, repeats=5) for name, step in steps.items()}
+finally:
+    torch.set_num_threads(threads)
+
+# %% tags=["nbval-ignore-output"]
+for name, seconds in step_time.items():
+    print(f"{name:>15}: {1e3 * seconds:6.1f} ms per step, "
+          f"{seconds / step_time['nn.Transformer']:.2f} of nn.Transformer")
+
+# %% [markdown]
+# On this course's (shared, 2-core) machine the fast path took 0.7–0.9 of `nn.Transformer`'s time
+# and the from-scratch model 0.85–1.0; `make bench` measures it properly (section 8). A notebook
+# cannot assert a time; it asserts a generous bound on the ratio, and a finite loss from each step:
+
+# %%
+assert step_time["fast path"] < 1.5 * step_time["nn.Transformer"]
+assert all(math.isfinite(step()) for step in steps.values())
+
+# %% [markdown]
+# Where does the rest of the time go? Into the matmuls: projections, feed-forward and their
+# gradients are the same arithmetic in both models, and at 512 tokens of width 128 they are
+# small enough that each costs more in overhead than in FLOPs. The fast path wins on what is
+# around them: fewer and fused operations, no dropout inside the feed-forward (ours has none;
+# `nn.TransformerEncoderLayer` has one), and the cheaper dropout masks.
+#
+# ### `torch.compile`
+#
+# `torch.compile` traces the model into a graph and generates fused kernels for it (Triton on a GPU,
+# C++ on a CPU). The first call compiles, which takes tens of seconds or more; later calls run the
+# compiled code. Under compilation the fast path skips its data-dependent tests (the causal-mask
+# detection, the check for rows with no allowed key) and keeps the plain, always correct arithmetic,
+# so that each block traces into one graph (`torch._dynamo.explain` finds no break inside a block;
+# the whole model, with torch 2.13, still splits into 8 graphs, about one per block, embedding and
+# head). On this course's 2-core CPU, `python benchmarks/model.py --threads 1 --shapes 64x8
+# --compile` measured the compiled training step of the fast path at 0.95 of a compiled
+# `nn.Transformer`'s and 1.0 of an *eager* `nn.Transformer`'s: compiling bought nothing here, after
+# minutes of compilation (the machine was shared and busy, so take the compile times as rough). The
+# reason: at these sizes the time is in the matmuls, which compilation does not change, and the
+# element-wise kernels it fuses are a small part of a CPU step. On a GPU, where launching many small
+# kernels is the bottleneck, fusing them is what compilation is good at. The cell runs there only:
+
+# %% tags=["nbval-ignore-output"]
+RUN_COMPILE = device.type == "cuda"
+if RUN_COMPILE:
+    compiled_model = torch.compile(use_fast_path(copy.deepcopy(bench_scratch)).train())
+    compiled_step = make_train_step(compiled_model, *train_batch)
+    start = time.perf_counter()
+    compiled_step()  # the first call compiles
+    compile_s = time.perf_counter() - start
+    compiled_time = time_call(compiled_step, warmup=2, repeats=5)
+    eager_time = time_call(steps["fast path"], warmup=2, repeats=5)
+    print(f"compile {compile_s:.0f} s; compiled step {1e3 * compiled_time:.1f} ms, "
+          f"eager {1e3 * eager_time:.1f} ms")
+else:
+    print("torch.compile skipped on the CPU (slow to compile here); see the text above")
+
+
+# %% [markdown]
+# **The fast path is the same model (same parameters, outputs and gradients) computed with fewer,
+# fused operations; it falls back to the from-scratch code wherever that one is needed.**
+#
+# ## 6 · Counting work
+#
+# ### FLOPs per token
+#
+# A matmul of an $(n, k)$ by a $(k, m)$ matrix costs $2nkm$ floating-point operations (a multiply
+# and an add each). A linear layer with a weight of $N_\ell$ numbers therefore costs $2N_\ell$ per
+# token it reads in the forward pass, and twice that in the backward (one matmul for the input's
+# gradient, one for the weight's): **6 FLOPs per weight per token** for a training step (Kaplan
+# et al., 2020). Attention adds two matmuls whose size is set by the lengths, not by weights:
+# $QK^\top$ and $PV$, each $2\,T_q T_k d$ per sequence and layer, again ×3 for training.
+#
+# In an encoder–decoder not every weight reads the same tokens: the encoder's read the $S$
+# source positions, the decoder's the $T$ target positions, except the cross-attention's $W_k$
+# and $W_v$, which read the encoder's output ($S$ positions):
+
+# %%
+def training_flops(model, batch, S, T):
+    """6 x weights x tokens they read, plus the attention matmuls (x 3 for the backward)."""
+    linear = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            reads_source = name.startswith("encoder") or name.endswith(("cross_attn.W_k",
+                                                                       "cross_attn.W_v"))
+            linear += 6 * module.weight.numel() * batch * (S if reads_source else T)
+    d, layers = model.d_model, model.config.num_layers
+    attention = 3 * 2 * 2 * batch * d * layers * (S * S + T * T + T * S)  # enc, dec self, cross
+    return linear, attention
+
+
+S_len, T_len = 8, 9  # the reversal batch: tgt_in is [BOS] + 8 symbols
+flops_linear, flops_attention = training_flops(bench_fast, 64, S_len, T_len)
+weights_n = sum(m.weight.numel() for m in bench_fast.modules() if isinstance(m, nn.Linear))
+# in training mode, as benchmarked: on a CPU the attention then runs as matmuls, which the counter
+# sees (it has no formula for the CPU's fused flash kernel, which it would count as 0)
+counted = count_flops(lambda: make_train_step(bench_fast, *train_batch)())
+print(f"{weights_n:,} weights in matmuls; formula {(flops_linear + flops_attention) / 1e9:.4f} "
+      f"GFLOP a step ({flops_attention / (flops_linear + flops_attention):.1%} attention), "
+      f"FlopCounterMode {counted / 1e9:.4f} GFLOP")
+assert abs(counted - (flops_linear + flops_attention)) / counted < 0.01
+
+# %% [markdown]
+# The formula and PyTorch's `FlopCounterMode` (which counts every matmul as it runs) agree. At
+# these lengths attention is a few per cent of the work; at $T \approx 6d$ its share would be
+# about a half, which is where tiling starts to matter for time as well as for memory.
+#
+# ### The machine's peak and the model FLOPs utilisation
+#
+# **Model FLOPs utilisation** (MFU; Chowdhery et al., 2022) is the FLOPs a step needs divided
+# by its time, as a fraction of what the hardware could do. The peak here is measured, not taken
+# from a data sheet: a large float32 matmul, one thread.
+
+# %%
+torch.set_num_threads(1)
+try:
+    A = torch.randn(1024, 1024, generator=gen).to(device)
+    matmul_s = time_call(lambda: A @ A, warmup=1, repeats=5)
+    fast_step_s = time_call(steps["fast path"], warmup=1, repeats=5)
+finally:
+    torch.set_num_threads(threads)
+peak_flops = 2 * 1024**3 / matmul_s
+mfu = counted / fast_step_s / peak_flops
+
+# %% tags=["nbval-ignore-output"]
+print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s; fast training step {1e3 * fast_step_s:.1f} ms "
+      f"= {counted / fast_step_s / 1e9:.1f} GFLOP/s; MFU {mfu:.2f}")
+
+# %% [markdown]
+# On this course's CPU, between a half and two thirds of the peak (`make bench` reports it as
+# `mfu`). The rest goes to what is not a large matmul: small matmuls that run below the peak, the
+# element-wise work (dropout, layer norm, softmax, Adam) and Python. On a GPU the same step would
+# have a much lower MFU, since the model is far too small to fill it.
+
+# %%
+assert 0.0 < mfu < 1.0
+
+# %% [markdown]
+# ### The KV cache in bytes
+#
+# Notebook 12's cache holds, per decoder layer, keys and values of $h \cdot d_k = d$ numbers for
+# every generated position ($n$ at most) and every source position ($S$): $2 N B d (n + S)$
+# numbers. Formula against measurement:
+
+# %%
+with torch.no_grad():
+    scratch_model.eval()
+    enc_out = scratch_model.encode(src, src_mask)  # (8, 10, 128)
+    cache_peak = peak_memory(lambda: KVCache(scratch_model, enc_out, max_len=512), device)
+layers_n, (B_c, S_c, d_c) = scratch_model.config.num_layers, enc_out.shape
+cache_formula = 2 * layers_n * B_c * d_c * (512 + S_c) * 4  # float32: 4 bytes a number
+print(f"formula {cache_formula / MiB:.3f} MiB, measured {cache_peak / MiB:.3f} MiB")
+assert cache_formula <= cache_peak <= 1.05 * cache_formula
+
+# %% [markdown]
+# ## 7 · Mixed precision and checkpointing, in numbers
+#
+# **Mixed precision.** Under `torch.autocast`, matmuls run in a 16-bit type (bfloat16 on a CPU;
+# float16 or bfloat16 on a GPU) while the weights, the loss and the reductions that need it stay
+# float32. bfloat16 keeps float32's exponent range (no loss scaling needed) with 8 bits of
+# mantissa, so the loss differs a little; the speed depends on the hardware having bf16 units
+# (recent Intel Xeons, Apple silicon, all recent GPUs).
+
+# %%
+amp_dtype = torch.bfloat16
+amp_model = use_fast_path(copy.deepcopy(scratch_model)).eval()
+amp_batch = reversal_batch(16, 32)
+amp_mask = causal_mask(33, device=device)
+
+
+def amp_loss(autocast):
+    with torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
+        out = amp_model(amp_batch[0], amp_batch[1], tgt_mask=amp_mask)
+    return F.cross_entropy(out.float().flatten(0, 1), amp_batch[2].flatten())
+
+
+loss_fp32, loss_bf16 = amp_loss(False).item(), amp_loss(True).item()
+
+# %% tags=["nbval-ignore-output"]
+print(f"loss float32 {loss_fp32:.4f}, bfloat16 autocast {loss_bf16:.4f}")
+
+# %% [markdown]
+# The difference depends on the hardware's bf16 arithmetic; it stays a small fraction of the loss:
+
+# %%
+assert abs(loss_bf16 - loss_fp32) < 0.05 * loss_fp32
+
+# %% tags=["nbval-ignore-output"]
+amp_time = {on: time_call(lambda on=on: amp_loss(on).backward(), warmup=1, repeats=3)
+            for on in (False, True)}
+amp_mem = {on: peak_memory(lambda on=on: amp_loss(on).backward(), device) for on in (False, True)}
+print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False] / MiB:.1f} MiB; "
+      f"bf16 autocast {1e3 * amp_time[True]:.0f} ms, {amp_mem[True] / MiB:.1f} MiB")
+
+
+# %% [markdown]
+# On this course's CPU autocast was about as fast as float32 (every matmul's inputs are cast
+# first, and the CPU has no bf16 matrix units to pay that back), while the activations it keeps
+# are half the bytes, which is what the memory shows. On a GPU with tensor cores the speed-up is
+# the usual 2× or more.
+#
+# **Gradient checkpointing** keeps only each block's input in the forward pass and recomputes the
+# block's inside during the backward (Chen et al., 2016): one more forward pass of time for the
+# activations of all but one block. `torch.utils.checkpoint` does it per call; it restores the
+# random state, so dropout draws the same masks when the block is recomputed.
+
+# %%
+def with_checkpointing(model):
+    """A copy whose encoder and decoder blocks recompute their activations in the backward."""
+    model = copy.deepcopy(model)
+    for block in [*model.encoder.layers, *model.decoder.layers]:
+        block.forward = lambda *args, f=block.forward, **kw: checkpoint(f, *args, use_reentrant=False,
+                                                                         **kw)
+    return model
+
+
+ckpt_batch, ckpt_mask = reversal_batch(16, 128), causal_mask(129, device=device)
+plain_model = use_fast_path(copy.deepcopy(scratch_model)).train()
+ckpt_model = with_checkpointing(plain_model)
+
+
+def ckpt_backward(model):
+    out = model(ckpt_batch[0], ckpt_batch[1], tgt_mask=ckpt_mask)
+    F.cross_entropy(out.flatten(0, 1), ckpt_batch[2].flatten()).backward()
+
+
+for mdl in (plain_model, ckpt_model):
+    mdl.zero_grad()
+    torch.manual_seed(1)  # the same dropout masks in both
+    ckpt_backward(mdl)
+ckpt_grads = dict(ckpt_model.named_parameters())
+for name, p in plain_model.named_parameters():
+    assert_close(ckpt_grads[name].grad, p.grad, atol=1e-5, rtol=1e-4)
+mem_plain = peak_memory(lambda: ckpt_backward(plain_model), device)
+mem_ckpt = peak_memory(lambda: ckpt_backward(ckpt_model), device)
+print(f"the same gradients; peak memory of forward+backward: {mem_plain / MiB:.0f} MiB plain, "
+      f"{mem_ckpt / MiB:.0f} MiB checkpointed ({mem_ckpt / mem_plain:.2f})")
+assert mem_ckpt < 0.8 * mem_plain
+
+# %% tags=["nbval-ignore-output"]
+ckpt_time = {name: time_call(lambda m=m: ckpt_backward(m), warmup=1, repeats=3)
+             for name, m in (("plain", plain_model), ("checkpointed", ckpt_model))}
+print(f"time: plain {1e3 * ckpt_time['plain']:.0f} ms, checkpointed "
+      f"{1e3 * ckpt_time['checkpointed']:.0f} ms ({ckpt_time['checkpointed'] / ckpt_time['plain']:.2f}x)")
+
+# %% [markdown]
+# **Mixed precision trades a little accuracy for memory (and, with the right hardware, speed);
+# checkpointing trades a third to a half more time for a fraction of the activations' memory.**
+#
+# ## 8 · The benchmark: `make bench`
+#
+# A notebook shows a measurement; a claim about speed is made by `make bench`, which runs every
+# benchmark in `benchmarks/` in one process, side by side on the same inputs (warm-up, several
+# repeats, the median), prints a table and writes `bench.json`:
+#
+# | key | what it is | target |
+# |---|---|---|
+# | `train_step_ratio_fast` | fast path / `nn.Transformer`, one training step (same config, weights, batch, optimizer; both eager); the worst over batches 64×8 and 16×128 and 1 and 2 threads | ≤ 0.85 |
+# | `train_step_ratio_scratch` | from-scratch model / `nn.Transformer`, the same way | |
+# | `kv_cache_speedup_512` | greedy decoding of 512 tokens, without / with the KV cache | |
+# | `tiled_memory_ratio_8192` | tiled / naive attention, peak memory of the forward pass at $T = 8192$ | ≤ 0.125 |
+# | `mfu` | model FLOPs utilisation of the fast path's training step (FLOPs from `FlopCounterMode`, peak from a float32 matmul), one thread | |
+# | `device`, `torch`, `threads` | what it ran on | |
+#
+# `benchmarks/model.py` holds the code (outside the package: a benchmark is not a library
+# function); `python benchmarks/model.py --help` lists its options.
+#
+# ## Recap
+#
+# | idea | code | shapes |
+# |---|---|---|
+# | the $T\times T$ matrix is the memory | `peak_memory(fn)` against $T$ | slope 2 on log-log |
+# | online softmax | running $m$, $\ell$, $a$; rescale by $e^{m - m'}$ | per query: $O(d_v)$ |
+# | tiled attention | `tiled_attention(Q, K, V, mask, causal, block_q, block_k)` | `(..., T_q, d_k)` → `(..., T_q, d_v)` |
+# | recomputing backward | `TiledAttention` saves `Q, K, V, O, L` | memory $O(T)$ in training |
+# | fused kernels | `F.scaled_dot_product_attention`, `sdpa_kernel(SDPBackend.…)` | `(B, h, T, d_k)` |
+# | our mask for PyTorch's kernel | `fused_attention_mask(mask, T_q, T_k)` | → `(attn_mask, is_causal)` |
+# | faster CPU dropout | `fast_dropout(x, p)`, `FastDropout` | any |
+# | the fast path | `use_fast_path(model)`, `FastMultiHeadAttention`, `FastEncoderBlock`, `FastDecoderBlock`, `FastLayerNorm` | the same `state_dict` |
+# | FLOPs | $6 \times$ weights × tokens + $12\,T_q T_k d$ per attention | `FlopCounterMode` agrees |
+# | MFU | counted FLOPs / step time / matmul peak | a fraction |
+# | benchmark | `make bench` | `bench.json` |
+#
+# ## Exercises
+#
+# 1. **Tile sizes.** Time `tiled_attention` at $T = 2048$ with tiles of 64, 256 and 1024. Why is
+#    the smallest slowest, and what does the largest cost in memory?
+# 2. **A causal saving.** How many of the $(T/b)^2$ tiles does the causal forward pass compute?
+#    Check your count against the number of calls to `_tile_scores`.
+# 3. **Sharing weights.** In a self-attention call, the fast path concatenates $W_q, W_k, W_v$ at
+#    every step. Why does that not break training, and what would break if it kept the
+#    concatenated copy between steps?
+#
+# **Solutions.**
+#
+# 1. Each tile is a few small matmuls plus Python: with $b = 64$ there are 1024 tiles of work
+#    each far below the matmul peak. Memory grows with the tile, $b^2$ floats per temporary:
+
+# %% tags=["nbval-ignore-output"]
+Qx, Kx, Vx = make_qkv(2048)
+for b in (64, 256, 1024):
+    with torch.no_grad():
+        t = time_call(lambda b=b: tiled_attention(Qx, Kx, Vx, block_q=b, block_k=b), repeats=1)
+        mem = peak_memory(lambda b=b: tiled_attention(Qx, Kx, Vx, block_q=b, block_k=b), device)
+    print(f"tiles of {b:4d}: {1e3 * t:6.1f} ms, {mem / MiB:5.1f} MiB")
+
+# %% [markdown]
+# 2. Query tile $i$ sees key tiles $0..i$: $\sum_{i=1}^{n} i = n(n+1)/2$ of the $n^2$ tiles,
+#    $n = T/b$, about half:
+
+# %%
+calls = 0
+original_tile_scores = _tile_scores
+
+
+def counting_tile_scores(*args):
+    global calls
+    calls += 1
+    return original_tile_scores(*args)
+
+
+_tile_scores = counting_tile_scores
+try:
+    with torch.no_grad():
+        tiled_attention(Qx, Kx, Vx, causal=True, block_q=256, block_k=256)
+finally:
+    _tile_scores = original_tile_scores
+n_tiles = 2048 // 256
+print(f"{calls} tiles computed of {n_tiles**2}; n(n+1)/2 = {n_tiles * (n_tiles + 1) // 2}")
+assert calls == n_tiles * (n_tiles + 1) // 2
+
+# %% [markdown]
+# 3. `torch.cat` is an operation autograd records: the gradient of the packed matrix is split
+#    back into the gradients of $W_q$, $W_k$ and $W_v$, the optimizer updates those, and the
+#    next step concatenates the new values. A packed copy kept between steps would be a separate
+#    tensor: the optimizer would update $W_q, W_k, W_v$ and the copy would keep the old numbers.
+#    The cost of concatenating, $3d^2$ numbers a call, is small next to the matmul it feeds.
+#
+# Next: notebook 15, *Tuning and generalisation*.

@@ -1,0 +1,238 @@
+"""Unit tests of transformer_from_scratch.practice (notebook 13)."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+from torch.utils.data import DataLoader
+
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.practice import EarlyStopping
+from transformer_from_scratch.practice import TrainConfig
+from transformer_from_scratch.practice import amp_autocast
+from transformer_from_scratch.practice import evaluate_loss
+from transformer_from_scratch.practice import layer_grad_norms
+from transformer_from_scratch.practice import load_training_state
+from transformer_from_scratch.practice import param_groups
+from transformer_from_scratch.practice import rng_state
+from transformer_from_scratch.practice import save_training_state
+from transformer_from_scratch.practice import sequence_loss
+from transformer_from_scratch.practice import set_gradient_checkpointing
+from transformer_from_scratch.practice import set_rng_state
+from transformer_from_scratch.practice import train_translation
+from transformer_from_scratch.practice import warmup_cosine
+from transformer_from_scratch.tokens import BOS
+from transformer_from_scratch.tokens import EOS
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.translation import TokenBatchSampler
+from transformer_from_scratch.translation import collate_translations
+
+V = 12
+
+
+def tiny_model(seed=0, dropout_p=0.0):
+    torch.manual_seed(seed)
+    return Transformer(V, V, d_model=16, num_heads=2, d_ff=32, num_layers=1, dropout_p=dropout_p)
+
+
+def make_items(n=40, seed=0):
+    """Random (src, tgt) id pairs of varied lengths, BOS first and EOS last: a toy dataset."""
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(n):
+        length = int(torch.randint(2, 8, (), generator=g))
+        body = torch.randint(4, V, (length,), generator=g)
+        ids = torch.cat([torch.tensor([BOS]), body, torch.tensor([EOS])])
+        items.append((ids, torch.cat([ids[:1], body.flip(0), ids[-1:]])))
+    return items
+
+
+def loaders(items, max_tokens=40):
+    lengths = [max(len(s), len(t)) for s, t in items]
+    train = DataLoader(items, batch_sampler=TokenBatchSampler(lengths, max_tokens, seed=0),
+                       collate_fn=collate_translations)  # fmt: skip
+    valid = DataLoader(items[:10], batch_size=5, collate_fn=collate_translations)
+    return train, valid
+
+
+def test_param_groups_split_matrices_from_norms_biases_and_embeddings():
+    model = tiny_model()
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert not any("embed" in names[id(p)] or "norm" in names[id(p)] for p in decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert any("embed" in names[id(p)] for p in no_decay["params"])
+    with pytest.raises(ValueError):
+        param_groups(model, -1.0)
+
+
+def test_adamw_with_the_groups_leaves_norm_gains_undecayed():
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(param_groups(model, 0.5), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # no gradient: only weight decay could move a weight
+    optimizer.step()
+    for name, p in model.named_parameters():
+        moved = not torch.equal(before[name], p)
+        assert moved == (p.dim() == 2 and "embed" not in name), name
+
+
+def test_warmup_cosine_shape():
+    values = [warmup_cosine(s, 10, 100, 0.1) for s in range(100)]
+    assert values[0] == pytest.approx(0.1) and values[9] == 1.0
+    assert values[-1] == pytest.approx(0.1, abs=1e-3)
+    assert values[55] == pytest.approx(0.1 + 0.9 * 0.5)  # half-way down the cosine
+    assert warmup_cosine(500, 10, 100, 0.1) == pytest.approx(0.1)  # stays at the floor
+    assert warmup_cosine(0, 0, 10) == 1.0  # no warmup
+    with pytest.raises(ValueError):
+        warmup_cosine(0, 10, 10)
+    with pytest.raises(ValueError):
+        warmup_cosine(-1, 1, 10)
+    with pytest.raises(ValueError):
+        warmup_cosine(0, 1, 10, min_ratio=2.0)
+
+
+def test_sequence_loss_matches_cross_entropy_and_counts_tokens():
+    model = tiny_model()
+    batch = collate_translations(make_items(6))
+    loss, tokens = sequence_loss(model, batch, label_smoothing=0.1)
+    loss_sum, _ = sequence_loss(model, batch, label_smoothing=0.1, reduction="sum")
+    assert tokens == int((batch[2] != PAD).sum())
+    assert_close(loss_sum / tokens, loss)
+    with pytest.raises(ValueError, match="reduction"):
+        sequence_loss(model, batch, reduction="none")
+
+
+def test_accumulated_micro_batches_equal_one_big_batch():
+    model = tiny_model()
+    items = make_items(16)
+    model.zero_grad()
+    sequence_loss(model, collate_translations(items))[0].backward()
+    big = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    micro = [collate_translations(items[i : i + 4]) for i in range(0, 16, 4)]
+    total = sum(int((b[2] != PAD).sum()) for b in micro)
+    for b in micro:
+        (sequence_loss(model, b, reduction="sum")[0] / total).backward()
+    for p, g in zip(model.parameters(), big, strict=True):
+        assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_can_be_undone():
+    model = tiny_model()
+    batch = collate_translations(make_items(8))
+    sequence_loss(model, batch)[0].backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    set_gradient_checkpointing(model, True)
+    assert "forward" in vars(model.encoder.layers[0])
+    sequence_loss(model, batch)[0].backward()
+    for p, g in zip(model.parameters(), plain, strict=True):
+        assert_close(p.grad, g)
+    keys = set(model.state_dict())
+    set_gradient_checkpointing(model, False)
+    assert "forward" not in vars(model.encoder.layers[0])
+    assert set(model.state_dict()) == keys
+
+
+def test_amp_autocast_bfloat16_on_cpu_and_float32_noop():
+    x = torch.randn(4, 4)
+    with amp_autocast(torch.device("cpu"), "bfloat16"):
+        assert (x @ x).dtype == torch.bfloat16
+    with amp_autocast(torch.device("cpu"), None):
+        assert (x @ x).dtype == torch.float32
+
+
+def test_early_stopping_counts_epochs_without_improvement():
+    stopper = EarlyStopping(patience=2)
+    assert stopper.step(0, 1.0) and not stopper.step(1, 1.5) and not stopper.should_stop
+    assert not stopper.step(2, 1.2) and stopper.should_stop and stopper.best_epoch == 0
+    again = EarlyStopping(patience=2)
+    again.load_state_dict(stopper.state_dict())
+    assert again.should_stop and again.best == 1.0
+    with pytest.raises(ValueError):
+        EarlyStopping(patience=0)
+
+
+def test_checkpoints_round_trip_with_weights_only(tmp_path):
+    state = {"model": tiny_model().state_dict(), "rng": rng_state(), "epoch": 3}
+    path = save_training_state(tmp_path / "ck" / "last.pt", state)
+    loaded = load_training_state(path)
+    assert loaded["epoch"] == 3 and not (tmp_path / "ck" / "last.pt.tmp").exists()
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+    with pytest.raises(FileNotFoundError):
+        load_training_state(tmp_path / "missing.pt")
+    torch.save({"code": nn.Linear(2, 2)}, tmp_path / "module.pt")  # a pickled module, not weights
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        load_training_state(tmp_path / "module.pt")
+
+
+def test_rng_state_restores_every_generator():
+    state = rng_state()
+    first = torch.rand(3), math.floor(1e9 * __import__("random").random())
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), first[0])
+    assert math.floor(1e9 * __import__("random").random()) == first[1]
+
+
+def test_layer_grad_norms_groups_by_block():
+    model = tiny_model()
+    sequence_loss(model, collate_translations(make_items(4)))[0].backward()
+    norms = layer_grad_norms(model)
+    assert {"encoder.layers.0", "decoder.layers.0", "out_proj", "src_embed"} <= set(norms)
+    total = math.sqrt(sum(v**2 for v in norms.values()))
+    expected = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+    assert total == pytest.approx(float(expected), rel=1e-4)
+
+
+def test_train_config_validates():
+    with pytest.raises(ValueError):
+        TrainConfig(epochs=0)
+    with pytest.raises(ValueError):
+        TrainConfig(amp_dtype="float8")
+    with pytest.raises(ValueError):
+        TrainConfig(label_smoothing=1.0)
+
+
+def test_training_lowers_the_loss_and_resumes_exactly(tmp_path):
+    train, valid = loaders(make_items(24))
+    config = TrainConfig(epochs=2, lr=3e-3, warmup_steps=2, patience=5)
+    straight = tiny_model(dropout_p=0.1)
+    history = train_translation(straight, train, valid, config, tmp_path / "a", progress=False)
+    assert history["val_loss"][-1] < history["val_loss"][0]
+    assert len(history["grad_norms"]) == len(history["lr"]) == len(history["step_loss"])
+    interrupted = tiny_model(dropout_p=0.1)
+    train_translation(interrupted, train, valid, config, tmp_path / "b", stop_after_epoch=1,
+                      progress=False)  # fmt: skip
+    resumed = tiny_model(seed=5, dropout_p=0.1)
+    train_translation(resumed, train, valid, config, tmp_path / "b", resume=True, progress=False)
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_accumulation_in_the_loop_takes_fewer_steps():
+    train, valid = loaders(make_items(40))
+    config = TrainConfig(epochs=1, accumulation_steps=2)
+    history = train_translation(tiny_model(), train, valid, config, progress=False)
+    assert len(history["lr"]) == math.ceil(len(train) / 2)
+
+
+def test_evaluate_loss_reports_loss_and_accuracy():
+    _, valid = loaders(make_items(20))
+    loss, accuracy = evaluate_loss(tiny_model(), valid)
+    assert loss > 0 and 0 <= accuracy <= 1
+
+
+def test_train_translation_rejects_bad_arguments():
+    train, valid = loaders(make_items(10))
+    with pytest.raises(TypeError, match="TrainConfig"):
+        train_translation(tiny_model(), train, valid, {"epochs": 1})
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        train_translation(tiny_model(), train, valid, TrainConfig(), resume=True)
+    with pytest.raises(ValueError, match="bfloat16"):
+        train_translation(tiny_model(), train, valid, TrainConfig(amp_dtype="float16"))
