@@ -81,8 +81,8 @@ device = get_device()
 # every notebook opens in a fresh runtime, or if you skipped notebook 11), trains it again with
 # the same recipe and seed and saves it: about four minutes on one CPU thread, well under a
 # minute on a GPU (an estimate), with a progress bar. On a CPU that gives notebook 11's weights
-# bit for bit; on a GPU, or with another PyTorch, it is another run of the same recipe, so the
-# checks below assert bounds that hold over the six seeds of notebook 11's seed study, and the
+# bit for bit (with this PyTorch, on this kind of CPU); on a GPU, or with another PyTorch, it is another run of the same recipe, so the
+# checks below assert bounds that hold over the four seeds of notebook 11's seed study, and the
 # numbers quoted in the text are those of the stored run. Which of the two happened depends on
 # your machine, so the cell's output is not compared.
 
@@ -114,7 +114,6 @@ from torch import Tensor, nn
 from transformer_from_scratch.checks import check_float, check_int, validated
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.tokens import BOS, EOS, PAD
-
 
 # %% [markdown]
 # ## Greedy decoding
@@ -175,8 +174,8 @@ print(f"exact match: {int(correct.sum())}/{len(correct)}")
 # (The stored run decodes all 256 exactly; the output is not compared, because a model trained
 # on another machine or PyTorch is another run.)
 #
-# **Check.** Nearly every output is exact: «EM12_BOUND» or more of 256, the lowest that any seed
-# of notebook 11's study reached. The correct outputs are well formed: `EOS` once and after
+# **Check.** Nearly every output is exact: 250 or more of 256 (the four seeds of notebook 11's
+# study decoded 255 or 256 of these sources; the bound leaves room for another PyTorch or device). The correct outputs are well formed: `EOS` once and after
 # exactly $L$ symbols, `PAD` after it. And greedy decoding is a fixed point of teacher forcing: feeding its
 # own output back as `tgt_in` in *one* parallel forward pass, the argmax at every position must
 # reproduce the next decoded token. This is an identity between the step-by-step loop and the
@@ -219,9 +218,9 @@ for step in range(len(chosen)):
           f"{margin[step]:9.0f} times less")
 
 # %% [markdown]
-# **Check.** At every step greedy's choice is the top token by a wide margin: the runner-up is
-# at least «MARGIN_BOUND» times less likely, in every seed of the study (the stored run's exact
-# numbers are above, not compared).
+# **Check.** At every step greedy's choice is the top token, and by a margin: the runner-up is at
+# least 5 times less likely (the stored run's exact numbers are above, not compared; on this
+# source the study's four seeds had a closest call of 12, 4,123, 1,669 and 6,259 times).
 
 # %%
 assert torch.equal(top2.indices[:, 0], chosen)
@@ -350,8 +349,14 @@ for layer in range(num_layers):
 # In the stored run head 0 of layer 0 is exactly such a head: at 99.9 % of the steps its weights
 # peak at $L-t$, the symbol just read, and no other head does so at more than 21 %. Which head
 # does what is a finding of one run: another seed, or the same seed on another machine or PyTorch (whose dropout
-# masks differ), lands on another division of labour. In notebook 11's seed study «ALIGN_STUDY_TEXT»
-# So the check asserts only what held for every seed: «ALIGN_CLAIM»
+# masks differ), lands on another division of labour. In notebook 11's seed study, seeds 0 and
+# 3 grew a shifted head (head 0 of layer 0 in both, peaking at $L-t$ at 99.9 % and 99.1 % of the
+# steps), seed 1 none (no head above 22 % at $L-t$), and seed 2 a head that splits its steps
+# between the two (42 % aligned, 46 % shifted). Every seed aligned its last layer, though: the
+# head-averaged weights of layer 1 peak at $L-1-t$ at 99.9 % of the steps or more, and at least
+# one head at 95 % or more. So the check asserts only what held for every seed, with room to
+# spare: the last layer's head average aligns at 90 % of the steps or more, and so does at least
+# one head.
 
 # %%
 assert averaged[-1] >= 0.9 and fractions.max() >= 0.9
@@ -376,7 +381,6 @@ for layer in range(num_layers):
 fig.suptitle("Cross-attention of the trained reversal model: the anti-diagonal is the alignment")
 save_figure(fig, "generation_cross_attention")
 plt.show()
-
 
 # %% [markdown]
 # ### Where the model hesitates
@@ -422,10 +426,13 @@ for layer in range(num_layers):
 # strays, one position off.
 #
 # **Check.** The least sure step's runner-up is not a stray token but another symbol of the same
-# source: the model hesitates between source positions. (This held in every seed of the study.)
+# source: the model hesitates between source positions. (Over all steps, not only the least sure
+# one, the study found the runner-up to be the symbol just read at 6 % to 44 % of the steps,
+# depending on the seed, and `EOS` at 4 % or less.)
 
 # %%
 assert runner_pos, "the runner-up is a symbol of this source"
+
 
 # %% [markdown]
 # **The decoder learnt to look up source position $L-1-t$ at step $t$: cross-attention *is* the
@@ -569,6 +576,7 @@ except RuntimeError as err:
 grown.reorder(torch.tensor([1, 1, 0]))
 assert torch.equal(grown.keys, K_all[[1, 1, 0]]) and grown.length == 24
 
+
 # %% [markdown]
 # **The decoder's cache.** A decoder block has two attentions, so its part of the cache is a
 # pair; the whole cache is a list of pairs, one per block, made as the decoder asks for them.
@@ -705,7 +713,6 @@ assert slopes[False] > 1.7 and slopes[True] < 1.1  # ~ n^2 against ~ n
 for n, plain, cached in zip(flop_lengths[2:], flops[False][2:], flops[True][2:], strict=True):
     assert 0.4 * n < plain / cached < 0.55 * n, n  # "about n / 2", from n = 32 on
 
-
 # %% [markdown]
 # **Check 4: the time.** Less arithmetic need not mean less time, so we measure, with notebook
 # 02's `time_call`: one untimed warm-up run, then five timed runs, of which it keeps the median
@@ -734,8 +741,8 @@ for n, speedup, ratio in zip(timing_lengths, speedups, flop_ratio, strict=True):
 
 # %% [markdown]
 # **Check.** The times are this machine's and are not compared. What is asserted on a CPU has a
-# wide margin (the stored run measured 5.2× at 256 tokens): the cache wins at the longest output
-# by more than 1.5×, and by more than at the shortest. The timed work is checked too: each
+# wide margin (the stored run's speed-ups are in the table above): the cache wins at the longest
+# output by more than 1.5×, and by more than at the shortest. The timed work is checked too: each
 # call decoded exactly $n$ tokens. On a GPU nothing is asserted: there
 # both loops are bound by kernel launches rather than arithmetic, and the speed-up can be small.
 
@@ -770,16 +777,16 @@ ax2.set_title("The cache saves far more arithmetic than time")
 ax2.legend(fontsize=8)
 plt.show()
 
+
 # %% [markdown]
-# The two panels tell different stories. The arithmetic saved grows like $n/2$ (130× at 256
-# tokens), but in the stored run the time saved is 1.5× at 16 tokens and 5.2× at 256. A short
-# decode of this small model is not limited by arithmetic: each step launches the same few dozen
-# small operations whether they cover one position or sixteen, so the fixed cost per operation
-# dominates, and the cache cannot remove it. Only as the prefix grows does the uncached loop's
-# quadratic work show. (The uneven steps in between, such as 1.8× at both 32 and 64, are this
-# machine's timing; the median of five runs makes them repeatable here, not universal.) On a
-# large model, or a long output, the arithmetic is what dominates, and the cache's savings
-# approach the FLOP ratio.
+# The two panels tell different stories. The arithmetic saved grows like $n/2$ (131× at 256
+# tokens), but the time saved is far smaller: a factor of one to two at 16 tokens and of a few
+# at 256 (this machine's numbers are in the table above). A short decode of this small model is
+# not limited by arithmetic: each step launches the same few dozen small operations whether they
+# cover one position or sixteen, so the fixed cost per operation dominates, and the cache cannot
+# remove it. Only as the prefix grows does the uncached loop's quadratic work show. On a large
+# model, or a long output, the arithmetic is what dominates, and the cache's savings approach the
+# FLOP ratio.
 #
 # **The KV cache turns each step from a pass over the whole prefix into a pass over one
 # position: the same tokens, about $n/2$ times less arithmetic.**
@@ -1017,8 +1024,9 @@ for k in beam_sizes:
 # %% [markdown]
 # **Check.** Each beam's score is the log-probability of its output, recomputed independently;
 # beam 1 is greedy on this model too (facts). With $\alpha = 0$ (pure log-probability), every
-# wider beam finds a more likely output than greedy on «BEAM_BETTER_BOUND» or more sources and a
-# less likely one on at most «BEAM_WORSE_BOUND», and is better on average (bounds from the study).
+# wider beam finds a more likely output than greedy on 20 or more sources and a less likely one
+# on at most 5, and is better on average (the study's four seeds: 38 to 54 sources better, none
+# worse).
 # Worse is possible: beam search is not exhaustive, and the greedy path can fall out of a beam
 # when $k$ other prefixes look better at some step. (The early-stopping rule above at least never
 # gives up while a live beam could still win.)
@@ -1030,8 +1038,9 @@ for k in beam_sizes:
 assert torch.equal(beam_out[1], greedy_early)
 assert_close(beam_log_p[1], log_p_greedy, atol=1e-4, rtol=1e-4)
 for k in beam_sizes[1:]:
-    assert better[k] >= 5 and worse[k] <= 5, k
+    assert better[k] >= 20 and worse[k] <= 5, k
     assert beam_log_p[k].mean() > log_p_greedy.mean()
+
 
 # %% [markdown]
 # **A worked trace.** How `_advance_beams` decides is easiest to see on one source, with $k = 2$
@@ -1354,11 +1363,15 @@ plt.show()
 # hotter the distribution, the more often a wrong symbol is drawn somewhere in the output, and
 # one is enough to spoil it. Top-3 keeps the tail out of reach, so it degrades more slowly.
 #
-# **Check** (bounds from the study, which ran the same sweep for six seeds): «SWEEP_CLAIM»
+# **Check** (bounds from notebook 11's seed study, which ran the same sweep for four seeds): at
+# $\tau = 0.25$ the trained model samples 97 % exact reversals or more (the study: 99.6 % to
+# 100 %), and at $\tau = 3$ top-3 keeps more of them than sampling from all tokens (the study:
+# 65 % to 79 % against 35 % to 43 %).
 
 # %%
 trained_all, trained_top3 = sampled_rates["trained", None], sampled_rates["trained", 3]
 assert trained_all[0] >= 0.97 and trained_top3[-1] > trained_all[-1]
+
 
 # %% [markdown]
 # **Temperature and top-$k$ reshape the next-token distribution before each draw; $\tau \to 0$ and
@@ -1460,4 +1473,3 @@ assert torch.equal(with_mask, decoded) and changed.sum() > 128
 # %% [markdown]
 # Next: later notebooks take the same decoders to a real translation task, where the alignment
 # is not a clean anti-diagonal.
-

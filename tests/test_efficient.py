@@ -10,6 +10,7 @@ from torch.testing import assert_close
 
 from transformer_from_scratch.attention import MultiHeadAttention
 from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.efficient import FastDecoderBlock
 from transformer_from_scratch.efficient import FastDropout
@@ -444,10 +445,10 @@ def test_fast_model_decodes_the_same_tokens_and_trains():
     scratch = small_model()
     fast = use_fast_path(copy.deepcopy(scratch))
     src = torch.randint(3, 12, (3, 6), generator=torch.Generator().manual_seed(2))
-    for use_cache in (False, True):
+    for cached in (False, True):
         assert torch.equal(
-            greedy_decode(fast, src, 8, use_cache=use_cache),
-            greedy_decode(scratch, src, 8, use_cache=use_cache),
+            greedy_decode(fast, src, 8, cache=KVCache() if cached else None),
+            greedy_decode(scratch, src, 8, cache=KVCache() if cached else None),
         )
     optimizer = torch.optim.Adam(fast.parameters(), lr=1e-2)
     tgt = torch.randint(3, 12, (3, 5), generator=torch.Generator().manual_seed(3))

@@ -15,7 +15,7 @@ and measures for each seed everything the two notebooks assert about a trained m
 
 Seed 0 is the notebooks' own run, so its row is the notebooks' stored numbers.
 
-    python tools/seed_study.py --seeds 0-5 --steps 2500 --jobs 2 --out tools/seed_study
+    python tools/seed_study.py --seeds 0-3 --steps 2500 --jobs 2 --out tools/seed_study
 
 prints the tables (markdown) and writes tools/seed_study.md and tools/seed_study.json. Expect about
 8 minutes per seed on one free CPU core (`--jobs` runs seeds side by side, one process each).
