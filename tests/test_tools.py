@@ -299,7 +299,7 @@ def test_fork_points_every_link_at_the_fork(tmp_path):
     """`make fork REPO=...` rewrites pyproject, the Colab links, the setup cells and README."""
     for folder in ("tools", "notebooks"):
         (tmp_path / folder).mkdir()
-    for name in ("course.py", "notebooks.py", "kernel.env"):
+    for name in ("course.py", "notebooks.py", "deps.py", "export.py", "kernel.env"):
         shutil.copy(ROOT / "tools" / name, tmp_path / "tools")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, tmp_path)
