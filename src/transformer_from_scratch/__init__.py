@@ -11,6 +11,7 @@
 #   notebooks/10_full_model.py
 #   notebooks/11_training.py
 #   notebooks/12_generation.py
+#   notebooks/15_tuning.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """The Transformer from scratch: the library that the course's notebooks build."""
@@ -25,8 +26,10 @@ from . import layers
 from . import masks
 from . import model
 from . import positional
+from . import regularization
 from . import tokens
 from . import train
+from . import tuning
 from . import utils
 from . import viz
 from .attention import MultiHeadAttention
@@ -63,6 +66,10 @@ from .positional import LearnedPositionalEmbedding
 from .positional import PositionalEncoding
 from .positional import RotaryEmbedding
 from .positional import sinusoidal_table
+from .regularization import BranchDrop
+from .regularization import DropPath
+from .regularization import add_drop_path
+from .regularization import drop_path
 from .tokens import BOS
 from .tokens import EOS
 from .tokens import PAD
@@ -81,6 +88,27 @@ from .train import reversal_recipe
 from .train import save_checkpoint
 from .train import train_model
 from .train import train_reversal
+from .tuning import TUTORIAL_RECIPE
+from .tuning import Batch
+from .tuning import Recipe
+from .tuning import accumulate_gradients
+from .tuning import batches
+from .tuning import build_model
+from .tuning import count_parameters
+from .tuning import evaluate_loss
+from .tuning import fit
+from .tuning import lr_factor
+from .tuning import lr_range_test
+from .tuning import make_optimizer
+from .tuning import make_splits
+from .tuning import make_study
+from .tuning import num_tokens
+from .tuning import search_objective
+from .tuning import search_space
+from .tuning import split_batch
+from .tuning import suggest_lr
+from .tuning import train_until_solved
+from .tuning import width_for_budget
 from .utils import COLORS
 from .utils import OTHER_COLORS
 from .utils import add_to_class
@@ -108,4 +136,6 @@ __all__ = [
     *data.__all__,
     *train.__all__,
     *decoding.__all__,
+    *regularization.__all__,
+    *tuning.__all__,
 ]
