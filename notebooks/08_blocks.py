@@ -946,14 +946,21 @@ def in_tolerances(ours_out: torch.Tensor, their_out: torch.Tensor) -> float:
     return ((ours_out - their_out).abs() / allowed).max().item()
 
 
+# A decoder pair of its own (names that no later cell rebinds), copied as above, then nudged.
+nudge_ours = DecoderBlock(32, 4, 64, activation="relu").to(device)
+randomize_vectors(nudge_ours)
+nudge_theirs = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True).to(device)
+copy_block_to_torch(nudge_ours, nudge_theirs)
+nudge_x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(5)).to(device)  # (B, T, d)
+nudge_enc = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(6)).to(device)  # (B, S, d)
+nudge_causal = causal_mask(6, device=device)
 with torch.no_grad():
-    weight = ours.self_attn.W_v.weight  # (d, d), one of the block's 26 parameter tensors
-    original = weight[0, 0].item()
+    assert in_tolerances(nudge_ours(nudge_x, nudge_enc, self_mask=nudge_causal),
+                         nudge_theirs(nudge_x, nudge_enc, tgt_mask=~nudge_causal[0, 0])) < 1
+    weight = nudge_ours.self_attn.W_v.weight  # (d, d), one of the block's 26 parameter tensors
     weight[0, 0] += 0.02
-    nudged = in_tolerances(ours(x_tgt, x_src, self_mask=causal & tgt_pad, cross_mask=src_pad),
-                           theirs(x_tgt, x_src, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding,
-                                  memory_key_padding_mask=memory_key_padding))
-    weight[0, 0] = original  # put it back
+    nudged = in_tolerances(nudge_ours(nudge_x, nudge_enc, self_mask=nudge_causal),
+                           nudge_theirs(nudge_x, nudge_enc, tgt_mask=~nudge_causal[0, 0]))
 print(f"one weight off by 0.02: the outputs differ by {nudged:.0f} times the tolerance")
 assert nudged > 3  # assert_close fails above 1
 

@@ -939,9 +939,9 @@ assert max(gaps.values()) < 1e-4  # float32 roundings, whatever the machine
 # %%
 set_seed(0)
 noisy = Transformer(VOCAB, VOCAB, dropout_p=0.1).to(device).eval()
-theirs = TorchTransformer(noisy).eval()
+noisy_theirs = TorchTransformer(noisy).eval()
 with torch.no_grad():
-    assert_close(noisy(src, tgt_in, src_mask, tgt_mask), theirs(src, tgt_in, src_mask, tgt_mask), **PARITY)
+    assert_close(noisy(src, tgt_in, src_mask, tgt_mask), noisy_theirs(src, tgt_in, src_mask, tgt_mask), **PARITY)
 print("evaluation mode, dropout_p=0.1: equal to nn.Transformer")
 
 # %% [markdown]
