@@ -44,8 +44,9 @@ SRC = ROOT / "src" / PACKAGE
 DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Helper modules the top-level package does not re-export (import them by their full name):
-# input checks, measuring, PyTorch twins for parity checks, and the benchmark (until it moves).
-NOT_REEXPORTED = {"bench_model", "checks", "measure", "reference"}
+# input checks, measuring, PyTorch twins for parity checks, the benchmark (until it moves), and
+# the torchrun script (`python -m` warns when the package has imported the module beforehand).
+NOT_REEXPORTED = {"bench_model", "checks", "distributed", "measure", "reference"}
 
 
 class ExportError(ValueError):

@@ -88,6 +88,7 @@ from .train import reversal_recipe
 from .train import save_checkpoint
 from .train import train_model
 from .train import train_reversal
+from .tuning import TUNED_RECIPE
 from .tuning import TUTORIAL_RECIPE
 from .tuning import Batch
 from .tuning import Recipe
@@ -136,6 +137,6 @@ __all__ = [
     *data.__all__,
     *train.__all__,
     *decoding.__all__,
-    *regularization.__all__,
     *tuning.__all__,
+    *regularization.__all__,
 ]

@@ -292,6 +292,45 @@ def make_splits(recipe: Recipe, n_train: int, n_val: int, seed: int = 0) -> tupl
 
 
 # Taught in notebook 15 · Tuning and generalisation
+def count_parameters(recipe: Recipe) -> int:
+    """The parameters of the recipe's Transformer, counted on a model built without memory."""
+    with torch.device("meta"):  # real modules, no storage: any size counts in milliseconds
+        model = Transformer(
+            recipe.vocab_size,
+            recipe.vocab_size,
+            d_model=recipe.d_model,
+            num_heads=recipe.num_heads,
+            d_ff=recipe.d_ff,
+            num_layers=recipe.num_layers,
+        )
+    return sum(p.numel() for p in model.parameters())
+
+
+# Taught in notebook 15 · Tuning and generalisation
+def width_for_budget(recipe: Recipe, num_layers: int, budget: int, ff_ratio: int = 4) -> Recipe:
+    """The recipe with num_layers layers and the d_model (a multiple of num_heads, d_ff =
+    ff_ratio * d_model) whose parameter count is closest to `budget`."""
+    check_int("num_layers", num_layers, minimum=1)
+    check_int("budget", budget, minimum=1)
+    check_int("ff_ratio", ff_ratio, minimum=1)
+    h = recipe.num_heads
+
+    def sized(units: int) -> Recipe:
+        return recipe.replace(num_layers=num_layers, d_model=h * units, d_ff=ff_ratio * h * units)
+
+    low, high = 1, 2
+    while count_parameters(sized(high)) < budget:  # the count grows with the width
+        low, high = high, 2 * high
+    while high - low > 1:  # bisect: count(low) < budget <= count(high)
+        middle = (low + high) // 2
+        if count_parameters(sized(middle)) < budget:
+            low = middle
+        else:
+            high = middle
+    return min(sized(low), sized(high), key=lambda r: abs(count_parameters(r) - budget))
+
+
+# Taught in notebook 15 · Tuning and generalisation
 def lr_range_test(
     recipe: Recipe,
     lr_min: float = 1e-5,
@@ -349,42 +388,64 @@ def suggest_lr(result: dict[str, list[float]]) -> dict[str, float]:
 
 
 # Taught in notebook 15 · Tuning and generalisation
-def count_parameters(recipe: Recipe) -> int:
-    """The parameters of the recipe's Transformer, counted on a model built without memory."""
-    with torch.device("meta"):  # real modules, no storage: any size counts in milliseconds
-        model = Transformer(
-            recipe.vocab_size,
-            recipe.vocab_size,
-            d_model=recipe.d_model,
-            num_heads=recipe.num_heads,
-            d_ff=recipe.d_ff,
-            num_layers=recipe.num_layers,
-        )
-    return sum(p.numel() for p in model.parameters())
+def search_space(trial) -> dict:
+    """The knobs the notebook's search tunes, as Optuna suggestions (`trial` an optuna.Trial)."""
+    return {
+        "lr": trial.suggest_float("lr", 1e-4, 3e-2, log=True),
+        "warmup": trial.suggest_int("warmup", 0, 100),
+        "dropout_p": trial.suggest_float("dropout_p", 0.0, 0.3),
+        "weight_decay": trial.suggest_float("weight_decay", 1e-4, 1.0, log=True),
+    }
 
 
 # Taught in notebook 15 · Tuning and generalisation
-def width_for_budget(recipe: Recipe, num_layers: int, budget: int, ff_ratio: int = 4) -> Recipe:
-    """The recipe with num_layers layers and the d_model (a multiple of num_heads, d_ff =
-    ff_ratio * d_model) whose parameter count is closest to `budget`."""
-    check_int("num_layers", num_layers, minimum=1)
-    check_int("budget", budget, minimum=1)
-    check_int("ff_ratio", ff_ratio, minimum=1)
-    h = recipe.num_heads
+def search_objective(
+    base: Recipe, val_data: Batch, train_data: Batch | None = None, eval_every: int = 25
+) -> Callable:
+    """An Optuna objective: train base with the trial's knobs (on `train_data`, or on fresh
+    sequences), report the validation loss every eval_every steps so that a pruner can stop a
+    poor trial, and return the last one."""
 
-    def sized(units: int) -> Recipe:
-        return recipe.replace(num_layers=num_layers, d_model=h * units, d_ff=ff_ratio * h * units)
+    def objective(trial) -> float:
+        import optuna  # imported here: the package does not need it otherwise
 
-    low, high = 1, 2
-    while count_parameters(sized(high)) < budget:  # the count grows with the width
-        low, high = high, 2 * high
-    while high - low > 1:  # bisect: count(low) < budget <= count(high)
-        middle = (low + high) // 2
-        if count_parameters(sized(middle)) < budget:
-            low = middle
-        else:
-            high = middle
-    return min(sized(low), sized(high), key=lambda r: abs(count_parameters(r) - budget))
+        recipe = base.replace(**search_space(trial))
+        model = build_model(recipe)
+
+        def report(step: int, model: Transformer, history: dict) -> bool:
+            trial.report(history["val_loss"][-1], step)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+            return False
+
+        history = fit(model, recipe, train_data, val_data, eval_every=eval_every, callback=report)
+        return history["val_loss"][-1]
+
+    return objective
+
+
+# Taught in notebook 15 · Tuning and generalisation
+def make_study(sampler: str, seed: int = 0, pruner: bool = True, n_startup_trials: int = 5):
+    """An Optuna study that minimises, with a seeded TPE or random sampler and a median pruner."""
+    import optuna
+
+    sampler = check_choice("sampler", sampler, ("tpe", "random"))
+    if sampler == "tpe":
+        chosen = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials)
+    else:
+        chosen = optuna.samplers.RandomSampler(seed=seed)
+    median = optuna.pruners.MedianPruner(n_startup_trials=n_startup_trials, n_warmup_steps=0)
+    return optuna.create_study(
+        direction="minimize",
+        sampler=chosen,
+        pruner=median if pruner else optuna.pruners.NopPruner(),
+    )
+
+
+# Taught in notebook 15 · Tuning and generalisation
+TUNED_RECIPE = Recipe(
+    dropout_p=0.0, optimizer="adamw", lr=2e-3, schedule="cosine", warmup=50, steps=600
+)
 
 
 # Taught in notebook 15 · Tuning and generalisation
@@ -415,58 +476,6 @@ def train_until_solved(
     return model, history
 
 
-# Taught in notebook 15 · Tuning and generalisation
-def search_space(trial) -> dict:
-    """The knobs the notebook's search tunes, as Optuna suggestions (`trial` an optuna.Trial)."""
-    return {
-        "lr": trial.suggest_float("lr", 1e-4, 3e-2, log=True),
-        "warmup": trial.suggest_int("warmup", 0, 100),
-        "dropout_p": trial.suggest_float("dropout_p", 0.0, 0.3),
-        "weight_decay": trial.suggest_float("weight_decay", 1e-4, 1.0, log=True),
-    }
-
-
-# Taught in notebook 15 · Tuning and generalisation
-def search_objective(base: Recipe, val_data: Batch, eval_every: int = 25) -> Callable:
-    """An Optuna objective: train base with the trial's knobs, report the validation loss every
-    eval_every steps so that a pruner can stop a poor trial, return the last one."""
-
-    def objective(trial) -> float:
-        import optuna  # imported here: the package does not need it otherwise
-
-        recipe = base.replace(**search_space(trial))
-        model = build_model(recipe)
-
-        def report(step: int, model: Transformer, history: dict) -> bool:
-            trial.report(history["val_loss"][-1], step)
-            if trial.should_prune():
-                raise optuna.TrialPruned()
-            return False
-
-        history = fit(model, recipe, val_data=val_data, eval_every=eval_every, callback=report)
-        return history["val_loss"][-1]
-
-    return objective
-
-
-# Taught in notebook 15 · Tuning and generalisation
-def make_study(sampler: str, seed: int = 0, pruner: bool = True, n_startup_trials: int = 5):
-    """An Optuna study that minimises, with a seeded TPE or random sampler and a median pruner."""
-    import optuna
-
-    sampler = check_choice("sampler", sampler, ("tpe", "random"))
-    if sampler == "tpe":
-        chosen = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials)
-    else:
-        chosen = optuna.samplers.RandomSampler(seed=seed)
-    median = optuna.pruners.MedianPruner(n_startup_trials=n_startup_trials, n_warmup_steps=0)
-    return optuna.create_study(
-        direction="minimize",
-        sampler=chosen,
-        pruner=median if pruner else optuna.pruners.NopPruner(),
-    )
-
-
 __all__ = [
     "Batch",
     "Recipe",
@@ -481,12 +490,13 @@ __all__ = [
     "batches",
     "fit",
     "make_splits",
-    "lr_range_test",
-    "suggest_lr",
     "count_parameters",
     "width_for_budget",
-    "train_until_solved",
+    "lr_range_test",
+    "suggest_lr",
     "search_space",
     "search_objective",
     "make_study",
+    "TUNED_RECIPE",
+    "train_until_solved",
 ]
