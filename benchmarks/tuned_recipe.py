@@ -54,19 +54,20 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    jobs = [(name, seed, args.threads, args.eval_every) for name in args.recipes for seed in args.seeds]
-    if args.jobs > 1:
-        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-            rows = pool.map(run, jobs, chunksize=1)
-    else:
-        rows = [run(job) for job in jobs]
+    jobs = [
+        (name, seed, args.threads, args.eval_every) for name in args.recipes for seed in args.seeds
+    ]
     print(f"{'recipe':9s} {'seed':>4s} {'solved at step':>15s} {'seconds':>8s} {'CPU s':>7s}")
-    for row in rows:
-        step = row["solved_step"] if row["solved_step"] is not None else "not solved"
-        print(
-            f"{row['recipe']:9s} {row['seed']:4d} {step!s:>15s} {row['seconds']:8.1f} "
-            f"{row['cpu_seconds']:7.1f}"
-        )
+    rows = []
+    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+        for row in pool.imap(run, jobs, chunksize=1):  # printed as they finish, in order
+            rows.append(row)
+            step = row["solved_step"] if row["solved_step"] is not None else "not solved"
+            print(
+                f"{row['recipe']:9s} {row['seed']:4d} {step!s:>15s} {row['seconds']:8.1f} "
+                f"{row['cpu_seconds']:7.1f}",
+                flush=True,
+            )
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=2) + "\n")
 

@@ -29,8 +29,16 @@ RECIPE = Recipe(d_model=16, num_heads=2, d_ff=32, num_layers=1, lr=1e-3, batch_s
 
 
 def launch(nproc, *args, env=None):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", "-m", "transformer_from_scratch.distributed", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "transformer_from_scratch.distributed",
+        *args,
+    ]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
 
@@ -40,11 +48,13 @@ def one_process(recipe, data, world_size, steps):
     model = build_model(recipe)
     optimizer = make_optimizer(model, recipe)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-    streams = [rank_batches(data, recipe.batch_size, world_size, r, seed=recipe.seed + 1)
-               for r in range(world_size)]
+    streams = [
+        rank_batches(data, recipe.batch_size, world_size, r, seed=recipe.seed + 1)
+        for r in range(world_size)
+    ]
     model.train()
     for _ in range(steps):
-        batch = tuple(torch.cat(parts) for parts in zip(*(next(s) for s in streams)))
+        batch = tuple(torch.cat(parts) for parts in zip(*(next(s) for s in streams), strict=True))
         optimizer.zero_grad(set_to_none=True)
         accumulate_gradients(model, [batch])
         nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
@@ -55,9 +65,22 @@ def one_process(recipe, data, world_size, steps):
 
 def test_two_processes_equal_one_on_the_concatenated_batch(tmp_path):
     steps = 3
-    done = launch(2, *SIZES, "--batch-size", "16", "--lr", "1e-3", "--train-size", "64",
-                  "--steps", str(steps), "--accum-steps", "2",
-                  "--checkpoint", str(tmp_path / "ddp.pt"))
+    done = launch(
+        2,
+        *SIZES,
+        "--batch-size",
+        "16",
+        "--lr",
+        "1e-3",
+        "--train-size",
+        "64",
+        "--steps",
+        str(steps),
+        "--accum-steps",
+        "2",
+        "--checkpoint",
+        str(tmp_path / "ddp.pt"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["world_size"] == 2 and result["steps"] == steps
@@ -66,29 +89,51 @@ def test_two_processes_equal_one_on_the_concatenated_batch(tmp_path):
     data = make_batch(64, 8, 12, torch.Generator().manual_seed(0))
     recipe = RECIPE.replace(steps=steps, warmup=steps)  # main: warmup = min(50, steps)
     single = one_process(recipe, data, 2, steps)
+    for (name, p), q in zip(single.named_parameters(), ddp_model.parameters(), strict=True):
+        if name.endswith("W_k.bias"):
+            # The loss does not depend on the key bias (a softmax ignores a shift shared by all
+            # of a query's scores): its gradient is rounding noise, which Adam scales to steps
+            # of about lr. Bounded by that, not by float rounding.
+            torch.testing.assert_close(q, p, rtol=0, atol=2 * steps * recipe.lr, msg=name)
+        else:
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     start = build_model(recipe)
-    for (name, p), q, p0 in zip(single.named_parameters(), ddp_model.parameters(),
-                                start.parameters(), strict=True):
-        torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=name)
-    assert max((p - p0).abs().max().item()
-               for p, p0 in zip(single.parameters(), start.parameters())) > 1e-4
+    assert (
+        max(
+            (p - p0).abs().max().item()
+            for p, p0 in zip(single.parameters(), start.parameters(), strict=True)
+        )
+        > 1e-4
+    )
     wrong = one_process(recipe.replace(seed=1), data, 2, steps)  # the check can fail
-    assert not all(torch.allclose(p, q, atol=1e-6)
-                   for p, q in zip(wrong.parameters(), ddp_model.parameters()))
+    assert not all(
+        torch.allclose(p, q, atol=1e-6)
+        for p, q in zip(wrong.parameters(), ddp_model.parameters(), strict=True)
+    )
 
 
 def test_launched_without_torchrun_it_says_how_to_launch():
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    done = subprocess.run([sys.executable, "-m", "transformer_from_scratch.distributed"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "transformer_from_scratch.distributed"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "torchrun --standalone --nproc_per_node 2" in done.stderr
     assert "RANK" in done.stderr
 
 
 def test_torchrun_environment_reads_and_checks_the_variables(monkeypatch):
-    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
-           "MASTER_PORT": "29500"}
+    env = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": "29500",
+    }
     assert torchrun_environment(env) == {"rank": 1, "local_rank": 1, "world_size": 2}
     with pytest.raises(LaunchError, match="WORLD_SIZE"):
         torchrun_environment({k: v for k, v in env.items() if k != "WORLD_SIZE"})

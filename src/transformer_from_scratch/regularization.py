@@ -18,7 +18,7 @@ from transformer_from_scratch.layers import Encoder
 def drop_path(
     x: torch.Tensor, p: float, training: bool = True, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Zero each sample's x with probability p and scale the kept ones by 1/(1-p); identity in eval."""
+    """Zero each sample's x with probability p, scale the kept ones by 1/(1-p); eval: identity."""
     if checking():
         check_tensor("x", x, kind="float")
         check_probability("p", p)

@@ -22,7 +22,6 @@ from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.regularization import add_drop_path
-from transformer_from_scratch.regularization import drop_path
 from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import lr_lambda
@@ -46,7 +45,7 @@ class Recipe:
     d_ff: int = 512
     num_layers: int = 2
     dropout_p: float = 0.0
-    drop_path: float = 0.0  # the largest DropPath rate, reached by the last block of each stack
+    drop_path_p: float = 0.0  # the largest DropPath rate, reached by the last block of each stack
     optimizer: str = "adamw"  # or "adam"
     lr: float = 2e-3  # the peak rate; with schedule="paper", a factor on the paper's rate
     schedule: str = "cosine"  # linear warm-up, then "cosine" to 0, "constant", or "paper"
@@ -74,7 +73,7 @@ class Recipe:
                 f"batch_size={self.batch_size} is not a multiple of accum_steps={self.accum_steps}"
             )
         check_probability("dropout_p", self.dropout_p)
-        check_probability("drop_path", self.drop_path)
+        check_probability("drop_path_p", self.drop_path_p)
         check_probability("label_smoothing", self.label_smoothing)
         check_choice("optimizer", self.optimizer, ("adam", "adamw"))
         check_choice("schedule", self.schedule, ("cosine", "constant", "paper"))
@@ -112,8 +111,8 @@ def build_model(recipe: Recipe) -> Transformer:
         num_layers=recipe.num_layers,
         dropout_p=recipe.dropout_p,
     )
-    if recipe.drop_path > 0:
-        add_drop_path(model, recipe.drop_path)
+    if recipe.drop_path_p > 0:
+        add_drop_path(model, recipe.drop_path_p)
     return model
 
 
@@ -372,18 +371,20 @@ def lr_range_test(
 
 
 # Taught in notebook 15 · Tuning and generalisation
-def suggest_lr(result: dict[str, list[float]]) -> dict[str, float]:
+def suggest_lr(result: dict[str, list[float]], window: int = 5) -> dict[str, float]:
     """Read a range test: the rate at the lowest smoothed loss, the rate where the smoothed loss
-    falls fastest (per decade of rate), and the rule of thumb, a tenth of the first."""
+    falls fastest (per decade of rate, over `window` updates: one update's difference is mostly
+    noise), and the rule of thumb, a tenth of the first."""
+    check_int("window", window, minimum=1)
     lrs, smoothed = result["lr"], result["smoothed"]
     if len(lrs) < 3:
         raise ValueError("a range test of at least 3 steps is needed")
     best = min(range(len(lrs)), key=smoothed.__getitem__)
     slopes = [
-        (smoothed[i + 1] - smoothed[i]) / math.log10(lrs[i + 1] / lrs[i])
-        for i in range(best)  # only the part before the minimum
+        (smoothed[i + window] - smoothed[i]) / math.log10(lrs[i + window] / lrs[i])
+        for i in range(best - window + 1)  # only the part before the minimum
     ]
-    steepest = min(range(len(slopes)), key=slopes.__getitem__) if slopes else 0
+    steepest = min(range(len(slopes)), key=slopes.__getitem__) + window // 2 if slopes else 0
     return {"min_loss": lrs[best], "steepest": lrs[steepest], "suggested": lrs[best] / 10}
 
 
@@ -425,16 +426,27 @@ def search_objective(
 
 
 # Taught in notebook 15 · Tuning and generalisation
-def make_study(sampler: str, seed: int = 0, pruner: bool = True, n_startup_trials: int = 5):
-    """An Optuna study that minimises, with a seeded TPE or random sampler and a median pruner."""
+def make_study(
+    sampler: str,
+    seed: int = 0,
+    pruner: bool = True,
+    n_startup_trials: int = 5,
+    n_warmup_steps: int = 0,
+):
+    """An Optuna study that minimises, with a seeded TPE or random sampler and a median pruner
+    (which waits for n_startup_trials trials, and prunes no trial before n_warmup_steps)."""
     import optuna
 
+    check_int("n_startup_trials", n_startup_trials, minimum=0)
+    check_int("n_warmup_steps", n_warmup_steps, minimum=0)
     sampler = check_choice("sampler", sampler, ("tpe", "random"))
     if sampler == "tpe":
         chosen = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials)
     else:
         chosen = optuna.samplers.RandomSampler(seed=seed)
-    median = optuna.pruners.MedianPruner(n_startup_trials=n_startup_trials, n_warmup_steps=0)
+    median = optuna.pruners.MedianPruner(
+        n_startup_trials=n_startup_trials, n_warmup_steps=n_warmup_steps
+    )
     return optuna.create_study(
         direction="minimize",
         sampler=chosen,
