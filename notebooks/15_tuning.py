@@ -11,7 +11,7 @@
 # budget; a tuned recipe for the reversal model of notebook 11; and distributed data parallel
 # training with `torchrun`, checked equal to one process.
 #
-# [Open in Colab](x) · Assumes: [11 · Training](11_training.ipynb).
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/15_tuning.ipynb) · Assumes: [11 · Training](11_training.ipynb).
 
 # %%
 # Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
@@ -247,6 +247,7 @@ assert factors[-1] < 1e-4 and all(a >= b for a, b in zip(factors[49:], factors[5
 print(f"cosine: update 1 at {factors[0]:.2f}, update 50 at {factors[49]:.2f}, "
       f"update 600 at {factors[-1]:.1e} of the peak rate")
 
+
 # %% [markdown]
 # The loop. `fit` differs from notebook 11's in three ways: it can train on a fixed training set
 # (passes over it, reshuffled) instead of fresh sequences, so that overfitting is possible at
@@ -409,6 +410,7 @@ naive_error = (acc_grads["naive average"] - acc_grads["one batch"]).norm() / acc
 assert naive_error > 1e-4
 print(f"token-weighted accumulation: equal (float64); naive average: off by "
       f"{naive_error:.1%} of the gradient's norm")
+
 
 # %% [markdown]
 # ## 2. Over- and underfitting, on purpose
@@ -595,6 +597,7 @@ def add_drop_path(model: nn.Module, p: float) -> nn.Module:
                 branch.drop_path.p = p * l / L
     return model
 
+
 # %% [markdown]
 # **Check:** DropPath preserves the expectation (the mean over many draws is the input, to
 # sampling error), drops whole samples (each sample's output is either 0 or $x/(1-p)$, never a
@@ -680,6 +683,7 @@ axes[1].tick_params(axis="x", labelrotation=20)
 fig.suptitle("Regularising a model that memorises 64 sequences")
 save_figure(fig, "tuning_regularisation")
 plt.show()
+
 
 # %% [markdown]
 # Dropout, weight decay and label smoothing each cut the gap to about half or less, and end with
@@ -812,6 +816,7 @@ gamma_val = [r["val_loss"][-1] for r in gamma_runs.values()]
 assert 0.5 < gamma_val[1] / gamma_val[0] < 2.0
 print(f"final validation loss, small γ / default: {gamma_val[1] / gamma_val[0]:.2f}")
 
+
 # %% [markdown]
 # **The learning-rate range test** (Smith, 2017, *Cyclical Learning Rates*): one short run in
 # which the rate grows geometrically at every update, from far too small to far too large,
@@ -909,6 +914,7 @@ ax.set(xscale="log", xlabel="learning rate (AdamW, log scale)",
 ax.legend(fontsize=8)
 save_figure(fig, "tuning_lr_range_test")
 plt.show()
+
 
 # %% [markdown]
 # **Warm-up and batch size.** The range test also explains the warm-up: at the start, Adam's
