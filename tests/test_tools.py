@@ -453,3 +453,11 @@ def test_the_package_has_no_import_cycle_and_the_readme_shows_it():
     assert deps.table() in course.README.read_text(), (
         "README's library table is stale: tools/deps.py"
     )
+
+
+def test_a_local_name_is_not_imported_from_another_module():
+    """A function's local `batches` must not become an import of another module's `batches`."""
+    code = "def f(xs):\n    batches = []\n    batches.append(xs)\n    return batches, Circle\n"
+    providers = {"later": {"batches"}, "shapes": {"Circle"}}
+    imports = export.package_imports(code, "mine", providers)
+    assert imports == ["from transformer_from_scratch.shapes import Circle"]

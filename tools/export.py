@@ -44,8 +44,9 @@ SRC = ROOT / "src" / PACKAGE
 DIRECTIVE = re.compile(r"^#\|\s*(default_exp|export)\b\s*(\S*)\s*$")
 MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # Helper modules the top-level package does not re-export (import them by their full name):
-# input checks, measuring, PyTorch twins for parity checks, and the benchmark (until it moves).
-NOT_REEXPORTED = {"checks", "measure", "reference"}
+# input checks, measuring, PyTorch twins for parity checks, and the torchrun script (`python -m`
+# warns when the package has imported the module beforehand).
+NOT_REEXPORTED = {"checks", "distributed", "measure", "reference"}
 
 
 class ExportError(ValueError):
@@ -306,6 +307,21 @@ def defined_names(code: str) -> set[str]:
     return names
 
 
+def locally_bound(tree: ast.AST) -> set[str]:
+    """Names bound anywhere below the top level (arguments, assignments, loop targets, nested
+    definitions): a function's local `batches` is not another module's `batches`."""
+    names = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+    names |= {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
+    }
+    names |= {
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
+    return names
+
+
 def package_imports(code: str, module: str, providers: dict[str, set[str]]) -> list[str]:
     """Imports of the names `code` uses that another module of the package defines.
 
@@ -314,8 +330,9 @@ def package_imports(code: str, module: str, providers: dict[str, set[str]]) -> l
     it). Importing it in the cell would replace the notebook's own class by the package's, so
     the import is written here instead.
     """
-    bound = defined_names(code)
-    used = {n.id for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Name)} - bound
+    tree = ast.parse(code)
+    bound = defined_names(code) | locally_bound(tree)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - bound
     wanted: dict[str, list[str]] = {}
     for name in sorted(used):
         homes = [m for m, names in providers.items() if m != module and name in names]

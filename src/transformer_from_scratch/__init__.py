@@ -13,6 +13,7 @@
 #   notebooks/12_generation.py
 #   notebooks/13_translation.py
 #   notebooks/14_efficient_attention.py
+#   notebooks/15_tuning.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """The Transformer from scratch: the library that the course's notebooks build."""
@@ -30,9 +31,11 @@ from . import masks
 from . import model
 from . import positional
 from . import practice
+from . import regularization
 from . import tokens
 from . import train
 from . import translation
+from . import tuning
 from . import utils
 from . import viz
 from .attention import MultiHeadAttention
@@ -103,6 +106,10 @@ from .practice import set_gradient_checkpointing
 from .practice import set_rng_state
 from .practice import train_translation
 from .practice import warmup_cosine
+from .regularization import BranchDrop
+from .regularization import DropPath
+from .regularization import add_drop_path
+from .regularization import drop_path
 from .tokens import BOS
 from .tokens import EOS
 from .tokens import PAD
@@ -133,6 +140,28 @@ from .translation import padding_fraction
 from .translation import score_translations
 from .translation import split_numbers
 from .translation import translate
+from .tuning import TUNED_RECIPE
+from .tuning import TUTORIAL_RECIPE
+from .tuning import Batch
+from .tuning import Recipe
+from .tuning import accumulate_gradients
+from .tuning import batches
+from .tuning import build_model
+from .tuning import count_parameters
+from .tuning import dataset_loss
+from .tuning import fit
+from .tuning import lr_factor
+from .tuning import lr_range_test
+from .tuning import make_optimizer
+from .tuning import make_splits
+from .tuning import make_study
+from .tuning import num_tokens
+from .tuning import search_objective
+from .tuning import search_space
+from .tuning import split_batch
+from .tuning import suggest_lr
+from .tuning import train_until_solved
+from .tuning import width_for_budget
 from .utils import COLORS
 from .utils import OTHER_COLORS
 from .utils import PART_COLORS
@@ -165,4 +194,6 @@ __all__ = [
     *bpe.__all__,
     *practice.__all__,
     *efficient.__all__,
+    *tuning.__all__,
+    *regularization.__all__,
 ]

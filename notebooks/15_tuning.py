@@ -1,0 +1,1564 @@
+# %% [markdown]
+# # 15 · Tuning and generalisation
+#
+# **What you will build:** the tools to make a model better on purpose, and to train it on more
+# than one process. One configurable training run (`Recipe`, `fit`) that the rest of the notebook
+# turns knobs on; over- and underfitting produced on purpose, with the generalisation gap defined
+# the right way round; stochastic depth (`DropPath`) written from scratch and measured against
+# dropout, weight decay and label smoothing; depth against width at an equal parameter count,
+# gradient accumulation checked against one big batch, and a learning-rate range test; a
+# Bayesian search with Optuna's TPE sampler and a pruner, against random search on the same
+# budget; a tuned recipe for the reversal model of notebook 11; and distributed data parallel
+# training with `torchrun`, checked equal to one process.
+#
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/15_tuning.ipynb) · Assumes: [11 · Training](11_training.ipynb).
+
+# %%
+# Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
+import sys
+
+if "google.colab" in sys.modules:
+    import subprocess
+
+    PACKAGE = "transformer-from-scratch @ git+https://github.com/transformer-from-scratch/transformer-from-scratch@main"
+    pip = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", PACKAGE], capture_output=True, text=True
+    )
+    if pip.returncode != 0:
+        raise RuntimeError(
+            f"Could not install the course's package {PACKAGE!r}. pip said:\n"
+            f"{pip.stderr.strip()[-800:]}\n"
+            "Opened from a fork? Point the notebooks at it with `make fork REPO=owner/name`, "
+            "push, and open the notebook from the fork (README, 'Forks')."
+        )
+
+# %%
+import dataclasses
+import json
+import logging
+import math
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import optuna
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from transformer_from_scratch.data import make_batch
+from transformer_from_scratch.layers import Decoder, Encoder
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import (
+    exact_match,
+    load_checkpoint,
+    lr_lambda,
+    reversal_loss,
+    save_checkpoint,
+)
+from transformer_from_scratch.utils import COLORS, OTHER_COLORS, get_device, save_figure, set_seed
+
+set_seed(0)
+device = get_device()
+optuna.logging.set_verbosity(logging.WARNING)  # one line per trial is too much for a notebook
+print(f"torch {torch.__version__}, optuna {optuna.__version__}, device {device}")
+
+# %% [markdown]
+# The notebook writes three modules: `tuning` (one configurable run, the splits, the range test,
+# the search), `regularization` (stochastic depth) and `distributed` (the `torchrun` script).
+# Everything here trains on the CPU, on the reversal task of notebook 11, which is cheap enough to
+# train dozens of times in a few minutes; the ideas carry over to any task.
+
+# %%
+#| default_exp tuning
+
+# %% [markdown]
+# ## 1. One run, every knob in one place
+#
+# Notebook 11's `train_model` fixes its optimiser (Adam) and its schedule (the paper's). To tune,
+# every choice must be a parameter, and a run must be a value that can be copied with one change.
+# A frozen dataclass does both: `Recipe` holds the task, the model's sizes and the training
+# choices, checks them when it is made, and `recipe.replace(lr=1e-3)` is a new recipe. The
+# defaults are the course's reversal model (notebook 11) with the training this notebook ends up
+# recommending in section 6: AdamW at $2 \times 10^{-3}$, a 50-step linear warm-up, then a
+# cosine decay to zero.
+
+# %%
+#| export
+"""Tuning the reversal model: one configurable training run, the generalisation gap, a
+learning-rate range test, parameter budgets, a search space for Optuna, and the recipes."""
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from transformer_from_scratch.checks import check_choice
+from transformer_from_scratch.checks import check_float
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.data import make_batch
+from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import exact_match
+from transformer_from_scratch.train import lr_lambda
+from transformer_from_scratch.train import reversal_loss
+
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # src, tgt_in, tgt_out, lengths
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides a reversal run: the task, the model's sizes and the training."""
+
+    vocab_size: int = 12
+    max_len: int = 8
+    d_model: int = 128
+    num_heads: int = 4
+    d_ff: int = 512
+    num_layers: int = 2
+    dropout_p: float = 0.0
+    drop_path_p: float = 0.0  # the largest DropPath rate, reached by the last block of each stack
+    optimizer: str = "adamw"  # or "adam"
+    lr: float = 2e-3  # the peak rate; with schedule="paper", a factor on the paper's rate
+    schedule: str = "cosine"  # linear warm-up, then "cosine" to 0, "constant", or "paper"
+    warmup: int = 50
+    steps: int = 600
+    batch_size: int = 64
+    accum_steps: int = 1  # micro-batches per update; batch_size is their total
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.0
+    clip_norm: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-9
+    seed: int = 0  # the weights and dropout; seed + 1 draws the training batches
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_heads", "d_ff", "num_layers", "steps"):
+            check_int(name, getattr(self, name), minimum=1)
+        check_int("max_len", self.max_len, minimum=3)
+        check_int("batch_size", self.batch_size, minimum=1)
+        check_int("accum_steps", self.accum_steps, minimum=1)
+        check_int("warmup", self.warmup, minimum=0)
+        check_int("seed", self.seed, minimum=0)
+        if self.batch_size % self.accum_steps != 0:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not a multiple of accum_steps={self.accum_steps}"
+            )
+        check_probability("dropout_p", self.dropout_p)
+        check_probability("drop_path_p", self.drop_path_p)
+        check_probability("label_smoothing", self.label_smoothing)
+        check_choice("optimizer", self.optimizer, ("adam", "adamw"))
+        check_choice("schedule", self.schedule, ("cosine", "constant", "paper"))
+        check_float("lr", self.lr, 0.0, low_open=True)
+        check_float("weight_decay", self.weight_decay, 0.0)
+        check_float("clip_norm", self.clip_norm, 0.0, low_open=True)
+        check_float("eps", self.eps, 0.0, low_open=True)
+        if len(self.betas) != 2:
+            raise ValueError(f"betas must be a pair, got {self.betas!r}")
+        for beta in self.betas:
+            check_float("betas", beta, 0.0, 1.0, high_open=True)
+
+    def replace(self, **changes) -> "Recipe":
+        """A copy with `changes`; unknown names are a TypeError, bad values a ValueError."""
+        return dataclasses.replace(self, **changes)
+
+
+# The tutorial's run: Adam at base rate 1 times the paper's schedule, dropout 0.1, 6,000 steps.
+TUTORIAL_RECIPE = Recipe(
+    dropout_p=0.1, optimizer="adam", lr=1.0, schedule="paper", warmup=400, steps=6000
+)
+
+
+# %% [markdown]
+# The schedule is a multiplier on `recipe.lr`. The paper's schedule (`"paper"`) is kept so that
+# the tutorial's run can be written as a recipe too, and `"cosine"` is the tutorial's cosine
+# annealing $\eta_t = \eta_{\min} + \tfrac12(\eta_{\max} - \eta_{\min})(1 + \cos(\pi t / T))$
+# with $\eta_{\min} = 0$, after a linear warm-up. AdamW decays only the matrices: a decay on
+# biases and LayerNorm gains pulls them to zero for no benefit, the common practice since
+# BERT.
+
+# %%
+#| export
+def build_model(recipe: Recipe) -> Transformer:
+    """The recipe's Transformer on the CPU, its weights drawn after torch.manual_seed(seed)."""
+    torch.manual_seed(recipe.seed)
+    model = Transformer(
+        recipe.vocab_size,
+        recipe.vocab_size,
+        d_model=recipe.d_model,
+        num_heads=recipe.num_heads,
+        d_ff=recipe.d_ff,
+        num_layers=recipe.num_layers,
+        dropout_p=recipe.dropout_p,
+    )
+    if recipe.drop_path_p > 0:
+        add_drop_path(model, recipe.drop_path_p)
+    return model
+
+
+def lr_factor(step: int, recipe: Recipe) -> float:
+    """The multiplier on recipe.lr for update `step` (0-based): warm-up, then the schedule."""
+    step = check_int("step", step, minimum=0)
+    if recipe.schedule == "paper":  # notebook 11: the rate of update s is lr_lambda(s + 1)
+        return lr_lambda(step + 1, recipe.d_model, max(recipe.warmup, 1))
+    if step < recipe.warmup:
+        return (step + 1) / recipe.warmup  # linear, reaching 1 at the end of the warm-up
+    if recipe.schedule == "constant":
+        return 1.0
+    progress = (step - recipe.warmup) / max(recipe.steps - recipe.warmup, 1)  # 0 -> 1
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))  # 1 -> 0
+
+
+def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+    """Adam or AdamW at base rate recipe.lr; AdamW decays matrices only, not biases or norms."""
+    if recipe.optimizer == "adam":
+        return torch.optim.Adam(
+            model.parameters(), lr=recipe.lr, betas=recipe.betas, eps=recipe.eps
+        )
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # weights and embeddings
+    keep = [p for p in model.parameters() if p.dim() < 2]  # biases, LayerNorm gains and shifts
+    groups = [
+        {"params": decay, "weight_decay": recipe.weight_decay},
+        {"params": keep, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps)
+
+
+# %% [markdown]
+# **Check:** the `"paper"` schedule is notebook 11's `lr_lambda`, update for update; the cosine
+# one rises linearly to 1 at the end of the warm-up and falls to 0 at the last step.
+
+# %%
+paper = TUTORIAL_RECIPE.replace(steps=1000)
+assert all(lr_factor(s, paper) == lr_lambda(s + 1, 128, 400) for s in range(1000))
+cosine = Recipe(warmup=50, steps=600)
+factors = [lr_factor(s, cosine) for s in range(cosine.steps)]
+assert factors[0] == 1 / 50 and factors[49] == 1.0 and max(factors) == 1.0
+assert factors[-1] < 1e-4 and all(a >= b for a, b in zip(factors[49:], factors[50:], strict=False))
+print(f"cosine: update 1 at {factors[0]:.2f}, update 50 at {factors[49]:.2f}, "
+      f"update 600 at {factors[-1]:.1e} of the peak rate")
+
+
+# %% [markdown]
+# The loop. `fit` differs from notebook 11's in three ways: it can train on a fixed training set
+# (passes over it, reshuffled) instead of fresh sequences, so that overfitting is possible at
+# all; it splits every batch into `accum_steps` micro-batches and accumulates their gradients;
+# and it evaluates the loss on the training and validation sets in eval mode every `eval_every`
+# steps, handing them to a `callback` that may stop the run (the hook a pruner needs).
+#
+# The micro-batches are weighted by their share of the graded tokens, not by $1/N_{\text{accum}}$:
+# the sequences have different lengths, so two micro-batches of 32 sequences hold different
+# numbers of target tokens, and a plain average of their mean losses is not the mean loss of the
+# whole batch.
+
+# %%
+#| export
+def num_tokens(batch: Batch) -> int:
+    """How many target positions of a batch the loss grades (everything but PAD)."""
+    return int((batch[2] != PAD).sum())
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """Cut a batch into `parts` micro-batches of equal size along the batch dimension."""
+    B = batch[0].shape[0]
+    if B % parts != 0:
+        raise ValueError(f"a batch of {B} does not split into {parts} equal micro-batches")
+    size = B // parts
+    return [tuple(t[i * size : (i + 1) * size] for t in batch) for i in range(parts)]
+
+
+def accumulate_gradients(
+    model: Transformer,
+    micro_batches: list[Batch],
+    label_smoothing: float = 0.0,
+    total_tokens: int | None = None,
+    scale: float = 1.0,
+) -> float:
+    """Backward through every micro-batch, each loss weighted by its share of the graded tokens.
+
+    The gradients add up to those of one pass over the concatenated batch (mean over all its
+    tokens); `total_tokens` and `scale` let a distributed run count the tokens of every process.
+    Returns the loss of the whole batch."""
+    counts = [num_tokens(b) for b in micro_batches]
+    total = sum(counts) if total_tokens is None else total_tokens
+    loss_sum = 0.0
+    for batch, count in zip(micro_batches, counts, strict=True):
+        loss = reversal_loss(model, batch, label_smoothing) * (count * scale / total)
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum / scale
+
+
+@torch.no_grad()
+def dataset_loss(model: Transformer, data: Batch, batch_size: int = 512) -> float:
+    """Mean cross-entropy (no smoothing) over all graded tokens of `data`, in eval mode."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, data[0].shape[0], batch_size):
+        chunk = tuple(t[start : start + batch_size] for t in data)
+        n = num_tokens(chunk)
+        total += reversal_loss(model, chunk).item() * n
+        count += n
+    model.train(was_training)
+    return total / count
+
+
+def batches(
+    recipe: Recipe, data: Batch | None = None, generator: torch.Generator | None = None
+) -> Iterator[Batch]:
+    """Training batches: fresh sequences every step, or shuffled passes over a fixed `data` set."""
+    if generator is None:
+        generator = torch.Generator().manual_seed(recipe.seed + 1)
+    if data is None:
+        while True:
+            yield make_batch(recipe.batch_size, recipe.max_len, recipe.vocab_size, generator)
+    n = data[0].shape[0]
+    size = min(recipe.batch_size, n)
+    while True:
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n - size + 1, size):  # drop a last, smaller batch
+            index = order[start : start + size]
+            yield tuple(t[index] for t in data)
+
+
+def fit(
+    model: Transformer,
+    recipe: Recipe,
+    train_data: Batch | None = None,
+    val_data: Batch | None = None,
+    eval_every: int = 0,
+    callback: Callable[[int, Transformer, dict], bool | None] | None = None,
+    progress: bool = False,
+) -> dict:
+    """Train `model` as `recipe` says; return its history.
+
+    Without `train_data` every step draws fresh sequences; with it, the run makes passes over
+    that fixed set. Every `eval_every` steps (and at the end) the history records the loss on
+    `val_data` and on `train_data`, both in eval mode, then `callback(step, model, history)` runs;
+    a true result stops the run. Seconds count the training only, not the evaluations."""
+    check_int("eval_every", eval_every, minimum=0)
+    device = next(model.parameters()).device
+    optimizer = make_optimizer(model, recipe)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
+    stream = batches(recipe, train_data)
+    history: dict = {"loss": [], "lr": [], "eval_step": [], "train_loss": [], "val_loss": []}
+    seconds = cpu_seconds = 0.0
+    steps = range(1, recipe.steps + 1)
+    if progress:
+        from tqdm.auto import tqdm
+
+        steps = tqdm(steps, desc="training", leave=False)
+    for step in steps:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        micro = split_batch(next(stream), recipe.accum_steps)
+        loss = accumulate_gradients(model, micro, recipe.label_smoothing)
+        nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+        history["lr"].append(optimizer.param_groups[0]["lr"])  # the rate of this update
+        optimizer.step()
+        scheduler.step()
+        history["loss"].append(loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds += time.perf_counter() - start
+        cpu_seconds += time.process_time() - cpu_start
+        if eval_every and (step % eval_every == 0 or step == recipe.steps):
+            history["eval_step"].append(step)
+            if train_data is not None:
+                history["train_loss"].append(dataset_loss(model, train_data))
+            if val_data is not None:
+                history["val_loss"].append(dataset_loss(model, val_data))
+            history["seconds"], history["cpu_seconds"] = seconds, cpu_seconds
+            if callback is not None and callback(step, model, history):
+                break
+    history["seconds"], history["cpu_seconds"] = seconds, cpu_seconds
+    model.eval()
+    return history
+
+
+# %% [markdown]
+# **Check:** accumulation is exact. The gradient of one batch of 64 equals the gradients of four
+# micro-batches of 16, weighted by their tokens and accumulated, to float rounding; the naive
+# average of the four mean losses is not (the tutorial's $B_{\text{eff}} = B \cdot
+# N_{\text{accum}}$ is right about the batch size, but the average must be over tokens).
+
+# %%
+acc_recipe = Recipe(d_model=32, num_heads=2, d_ff=64, num_layers=1)
+acc_batch = make_batch(64, 8, 12, torch.Generator().manual_seed(0))
+acc_grads = {}
+for name, parts in (("one batch", 1), ("4 micro-batches", 4)):
+    acc_model = build_model(acc_recipe).double()
+    accumulate_gradients(acc_model, split_batch(acc_batch, parts))
+    acc_grads[name] = torch.cat([p.grad.flatten() for p in acc_model.parameters()])
+acc_model = build_model(acc_recipe).double()
+for part in split_batch(acc_batch, 4):  # the naive way: each micro-batch's mean loss / 4
+    (reversal_loss(acc_model, part) / 4).backward()
+acc_grads["naive average"] = torch.cat([p.grad.flatten() for p in acc_model.parameters()])
+assert_close(acc_grads["4 micro-batches"], acc_grads["one batch"], rtol=1e-10, atol=1e-12)
+naive_error = (acc_grads["naive average"] - acc_grads["one batch"]).norm() / acc_grads["one batch"].norm()
+assert naive_error > 1e-4
+print(f"token-weighted accumulation: equal (float64); naive average: off by "
+      f"{naive_error:.1%} of the gradient's norm")
+
+
+# %% [markdown]
+# ## 2. Over- and underfitting, on purpose
+#
+# The reversal task normally draws fresh sequences at every step, so the model never sees a
+# sequence twice and cannot memorise. To see overfitting we take that away: a fixed training
+# set of 64 sequences, and a validation set of 512 that shares none of them.
+
+# %%
+#| export
+def make_splits(recipe: Recipe, n_train: int, n_val: int, seed: int = 0) -> tuple[Batch, Batch]:
+    """A fixed training set of n_train sequences and a validation set that shares none of them."""
+    check_int("n_train", n_train, minimum=1)
+    check_int("n_val", n_val, minimum=1)
+    generator = torch.Generator().manual_seed(seed)
+    train = make_batch(n_train, recipe.max_len, recipe.vocab_size, generator)
+    val = make_batch(n_val, recipe.max_len, recipe.vocab_size, generator)
+    seen = {tuple(row) for row in train[0].tolist()}
+    fresh = torch.tensor([tuple(row) not in seen for row in val[0].tolist()])
+    return train, tuple(t[fresh] for t in val)
+
+
+# %% [markdown]
+# Three runs of a small model (two layers, $d_{\text{model}} = 64$, no dropout), 400 updates each at
+# a constant rate after a short warm-up, evaluated every 25 steps:
+#
+# - **memorise**: the model on the 64 training sequences (200 passes over them);
+# - **too small**: a model with $d_{\text{model}} = 8$ and one layer, on 4,096 sequences;
+# - **enough data**: the same small model on 4,096 sequences.
+
+# %%
+SMALL = Recipe(d_model=64, num_heads=4, d_ff=128, num_layers=2, batch_size=32, steps=400,
+               warmup=20, lr=3e-3, schedule="constant")
+TINY = SMALL.replace(d_model=8, num_heads=2, d_ff=16, num_layers=1)
+plenty_set, val_set = make_splits(SMALL, 4096, 512, seed=0)
+memo_set = tuple(t[:64] for t in plenty_set)  # the first 64: also never in the validation set
+print(f"training sets of {memo_set[0].shape[0]} and {plenty_set[0].shape[0]} sequences, "
+      f"{val_set[0].shape[0]} validation sequences (of 512 drawn; repeats removed)")
+
+# %%
+fit_runs = {}
+for name, recipe, data in (("memorise", SMALL, memo_set), ("too small", TINY, plenty_set),
+                           ("enough data", SMALL, plenty_set)):
+    fit_runs[name] = fit(build_model(recipe), recipe, train_data=data, val_data=val_set,
+                         eval_every=25)
+    print(f"{name:12s} train loss {fit_runs[name]['train_loss'][-1]:.2f}  "
+          f"validation loss {fit_runs[name]['val_loss'][-1]:.2f}  "
+          f"gap {fit_runs[name]['val_loss'][-1] - fit_runs[name]['train_loss'][-1]:+.2f}")
+
+# %% [markdown]
+# **Check** (bands, not exact values: a different torch may round differently): memorising drives
+# the training loss near zero while the validation loss climbs above where it started;
+# the small model's two losses stay high and together; with enough data both fall together.
+
+# %%
+memo, tiny, plenty = (fit_runs[k] for k in ("memorise", "too small", "enough data"))
+assert memo["train_loss"][-1] < 0.1 and memo["val_loss"][-1] > 2.0
+assert memo["val_loss"][-1] > min(memo["val_loss"]) + 0.5  # it rose: past its best, then worse
+assert tiny["train_loss"][-1] > 1.0 and abs(tiny["val_loss"][-1] - tiny["train_loss"][-1]) < 0.1
+assert plenty["val_loss"][-1] < 0.5 and abs(plenty["val_loss"][-1] - plenty["train_loss"][-1]) < 0.2
+print("best validation loss of the memorising run: "
+      f"{min(memo['val_loss']):.2f} at step {memo['eval_step'][int(np.argmin(memo['val_loss']))]}")
+
+# %% jupyter={"source_hidden": true}
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained", sharey=True)
+for ax, (name, run) in zip(axes, fit_runs.items(), strict=True):
+    ax.plot(run["eval_step"], run["train_loss"], "o-", ms=3, color=COLORS["ours"],
+            label="training set")
+    ax.plot(run["eval_step"], run["val_loss"], "s-", ms=3, color=COLORS["torch"],
+            label="validation set")
+    ax.fill_between(run["eval_step"], run["train_loss"], run["val_loss"], color="grey",
+                    alpha=0.15, label="gap = val − train")
+    ax.set(title=name, xlabel="training step")
+axes[0].set_ylabel("cross-entropy (nats per token)")
+axes[0].legend(fontsize=9)
+fig.suptitle("Overfitting (left), underfitting (middle) and neither (right), same validation set")
+save_figure(fig, "tuning_over_underfitting")
+plt.show()
+
+# %% [markdown]
+# This is what the two diagnoses look like. **Overfitting**: the training loss goes to zero and
+# the validation loss *rises*: from the first evaluation on, every further step fits the 64
+# sequences better and the rest worse. **Underfitting**: both losses stay high and together,
+# falling only slowly; the model is too small for the task, and more data would not help, more
+# capacity would.
+#
+# The **generalisation gap** is $\mathcal{L}_{\text{val}} - \mathcal{L}_{\text{train}}$.
+# The tutorial writes it the other way round, $\mathcal{L}_{\text{train}} -
+# \mathcal{L}_{\text{val}}$, and reads "a large positive gap" as overfitting; with its sign the
+# memorising run above has a large *negative* gap, printed above with our sign as a large positive
+# one. The measure that flags overfitting is the validation loss minus the training loss, and an
+# underfitting model has a gap near zero *and* a high training loss: the gap alone does not
+# diagnose underfitting.
+
+# %% [markdown]
+# ## 3. Regularisation, measured
+#
+# Four ways to make the memorising model generalise better, each one knob of the recipe:
+# dropout (notebook 06), weight decay (AdamW's decoupled decay), label smoothing (notebook 11)
+# and **stochastic depth**, which is new: during training, each residual branch of each block is
+# skipped, for a whole sequence at a time, with probability $p$; the kept ones are scaled by
+# $1/(1-p)$ so that the expected output is unchanged, as with dropout; in evaluation nothing is
+# dropped (Huang et al., 2016, *Deep Networks with Stochastic Depth*). Dropout zeroes single
+# entries of a branch's output; DropPath zeroes the whole branch for a sample, so for that sample
+# the block is, on that branch, the identity.
+
+# %%
+#| export regularization
+"""Stochastic depth (DropPath), written from scratch and put on the course's residual branches."""
+
+import torch
+from torch import nn
+
+from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.checks import check_tensor
+from transformer_from_scratch.checks import checking
+
+
+def drop_path(
+    x: torch.Tensor, p: float, training: bool = True, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Zero each sample's x with probability p, scale the kept ones by 1/(1-p); eval: identity."""
+    if checking():
+        check_tensor("x", x, kind="float")
+        check_probability("p", p)
+    if not training or p == 0.0:
+        return x
+    keep = 1.0 - p
+    shape = (x.shape[0],) + (1,) * (x.dim() - 1)  # (B, 1, 1): one draw per sample, not per entry
+    mask = torch.empty(shape, dtype=x.dtype, device=x.device).bernoulli_(keep, generator=generator)
+    return x * mask / keep  # E[mask / keep] = 1: the expectation of the branch is kept
+
+
+class DropPath(nn.Module):
+    """Stochastic depth (Huang et al., 2016) on a residual branch: drop_path in a module."""
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        self.p = check_probability("p", p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.p, self.training)
+
+
+class BranchDrop(nn.Module):
+    """What a residual branch passes through before the add: its dropout, then DropPath."""
+
+    def __init__(self, dropout: nn.Module, p: float = 0.0):
+        super().__init__()
+        self.dropout = dropout  # the block's own nn.Dropout, kept as it was
+        self.drop_path = DropPath(p)
+
+    @property
+    def p(self) -> float:
+        """The dropout's rate, as the nn.Dropout that this module replaces reports it."""
+        return self.dropout.p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop_path(self.dropout(x))
+
+
+def add_drop_path(model: nn.Module, p: float) -> nn.Module:
+    """Put DropPath on every residual branch of the model's encoder and decoder stacks, in place.
+
+    Block l of a stack of L gets the rate p * l / L (Huang et al., 2016: the deeper, the more
+    often skipped). Calling it again sets new rates; p = 0 switches it off."""
+    check_probability("p", p)
+    stacks = [m for m in model.modules() if isinstance(m, Encoder | Decoder)]
+    if not stacks:
+        raise ValueError(f"{type(model).__name__} holds no Encoder or Decoder stack")
+    for stack in stacks:
+        L = len(stack.layers)
+        for l, block in enumerate(stack.layers, start=1):
+            for name in ("dropout1", "dropout2", "dropout3"):  # one per residual branch
+                branch = getattr(block, name, None)
+                if branch is None:
+                    continue  # encoder blocks have two branches, decoder blocks three
+                if not isinstance(branch, BranchDrop):
+                    branch = BranchDrop(branch)
+                    setattr(block, name, branch)
+                branch.drop_path.p = p * l / L
+    return model
+
+
+# %% [markdown]
+# **Check:** DropPath preserves the expectation (the mean over many draws is the input, to
+# sampling error), drops whole samples (each sample's output is either 0 or $x/(1-p)$, never a
+# mix), drops about a fraction $p$ of them, and is the identity in eval mode and at $p = 0$.
+
+# %%
+dp_x = torch.randn(20000, 4, 8, generator=torch.Generator().manual_seed(0))
+dp = DropPath(0.3)
+dp_y = drop_path(dp_x, 0.3, generator=torch.Generator().manual_seed(1))
+kept = (dp_y != 0).flatten(1).any(1)  # (B,): was the sample kept?
+assert_close(dp_y[kept], dp_x[kept] / 0.7) and bool((dp_y[~kept] == 0).all())
+drop_rate = 1 - kept.float().mean().item()
+assert abs(drop_rate - 0.3) < 0.02
+mean_error = (dp_y.mean(0) - dp_x.mean(0)).abs().max().item()
+assert mean_error < 0.05  # the standard error of these means is about 0.005
+assert torch.equal(dp.eval()(dp_x), dp_x) and torch.equal(DropPath(0.0).train()(dp_x), dp_x)
+print(f"dropped {drop_rate:.3f} of the samples (p = 0.3); largest error of the mean over "
+      f"{dp_x.shape[0]} samples: {mean_error:.3f}")
+
+# %% [markdown]
+# `add_drop_path` puts DropPath on every residual branch of a built model, the rate growing
+# linearly with depth as in the paper (the last block gets the full rate). It wraps each block's
+# own residual dropout, so the model's forward pass is untouched. **Check:** in eval mode the
+# model's output is unchanged by the wrapping, in training mode it is not.
+
+# %%
+dp_model = build_model(SMALL)
+dp_batch = make_batch(8, 8, 12, torch.Generator().manual_seed(3))
+dp_before = reversal_loss(dp_model.eval(), dp_batch)
+add_drop_path(dp_model, 0.5)
+rates = [m.p for m in dp_model.modules() if isinstance(m, DropPath)]
+assert rates == [0.25] * 2 + [0.5] * 2 + [0.25] * 3 + [0.5] * 3  # encoder 2 x 2, decoder 2 x 3
+assert_close(reversal_loss(dp_model.eval(), dp_batch), dp_before)
+torch.manual_seed(0)
+assert reversal_loss(dp_model.train(), dp_batch).item() != dp_before.item()
+print("DropPath rates per branch:", rates)
+
+# %% [markdown]
+# The comparison: the memorising run of section 2, then the same with each regulariser at one
+# strength (dropout 0.3, weight decay 1.0, label smoothing 0.2, DropPath 0.5), on the same data
+# and the same validation set. Label smoothing changes the training objective, so all the
+# losses here are measured without it.
+
+# %%
+REGULARISERS = {"none": {}, "dropout 0.3": {"dropout_p": 0.3},
+                "weight decay 1.0": {"weight_decay": 1.0},
+                "label smoothing 0.2": {"label_smoothing": 0.2},
+                "DropPath 0.5": {"drop_path_p": 0.5}}
+reg_runs = {"none": memo}
+for name, change in list(REGULARISERS.items())[1:]:
+    reg_recipe = SMALL.replace(**change)
+    reg_runs[name] = fit(build_model(reg_recipe), reg_recipe, train_data=memo_set,
+                         val_data=val_set, eval_every=25)
+for name, run in reg_runs.items():
+    print(f"{name:20s} train {run['train_loss'][-1]:.2f}  validation {run['val_loss'][-1]:.2f}  "
+          f"gap {run['val_loss'][-1] - run['train_loss'][-1]:+.2f}")
+
+# %% [markdown]
+# **Check:** every regulariser ends with a smaller gap and a lower validation loss than no
+# regularisation.
+
+# %%
+gaps = {k: r["val_loss"][-1] - r["train_loss"][-1] for k, r in reg_runs.items()}
+for name in list(REGULARISERS)[1:]:
+    assert gaps[name] < gaps["none"] - 0.3, name
+    assert reg_runs[name]["val_loss"][-1] < reg_runs["none"]["val_loss"][-1] - 0.3, name
+print("smallest gap:", min(gaps, key=gaps.get))
+
+# %% jupyter={"source_hidden": true}
+reg_colors = [COLORS["ours"], *OTHER_COLORS[:4]]
+fig, axes = plt.subplots(1, 2, figsize=(13, 4), layout="constrained")
+for color, (name, run) in zip(reg_colors, reg_runs.items(), strict=True):
+    axes[0].plot(run["eval_step"], run["val_loss"], "-", color=color, label=name)
+    axes[0].plot(run["eval_step"], run["train_loss"], ":", color=color)
+axes[0].set(xlabel="training step", ylabel="cross-entropy (nats per token)",
+            title="Validation (solid) and training (dotted) loss")
+axes[0].legend(fontsize=9)
+names = list(reg_runs)
+axes[1].bar(names, [gaps[n] for n in names], color=reg_colors)
+axes[1].set(ylabel="gap: validation − training loss (nats)",
+            title="Generalisation gap after 400 steps")
+axes[1].tick_params(axis="x", labelrotation=20)
+fig.suptitle("Regularising a model that memorises 64 sequences")
+save_figure(fig, "tuning_regularisation")
+plt.show()
+
+
+# %% [markdown]
+# Dropout, weight decay and label smoothing each cut the gap to about half or less, and end with
+# a validation loss between 1.3 and 1.8 nats instead of 3.3; DropPath helps least. That fits what it was made for: it skips
+# whole residual branches, which regularises a deep stack (the network trains as an ensemble of
+# shallower ones), while this model has two blocks per stack, and a skipped branch at rate 0.25
+# or 0.5 leaves plenty to memorise 64 sequences with. None of them makes 64 sequences enough to
+# learn the task: their validation losses stay far above the 0.1 of the run with enough data. Regularisation narrows the gap; data closes it.
+
+# %% [markdown]
+# ## 4. Shape, batch, warm-up and the learning rate
+#
+# **Depth against width.** The tutorial proposes a "compute-optimal" shape, $L \propto
+# d_{\text{model}}^{0.7}$ and $d_{\text{model}} = k \cdot N_{\text{heads}}^{0.5}$, with no source,
+# and we know of none: the scaling-law studies (Kaplan et al., 2020) found instead that at a
+# fixed parameter count the loss depends only weakly on the shape over a wide range, and
+# $d_{\text{model}} \propto \sqrt{N_{\text{heads}}}$ would make the head size
+# $d_{\text{model}}/N_{\text{heads}}$ shrink as heads are added, the opposite of what models
+# do. What can be tested is the question behind it: at an equal number of parameters, is deeper
+# or wider better *here*? `width_for_budget` finds, for a given depth, the width whose model has
+# the parameter count closest to a budget (counted on the `meta` device: no memory, no time).
+
+# %%
+#| export
+def count_parameters(recipe: Recipe) -> int:
+    """The parameters of the recipe's Transformer, counted on a model built without memory."""
+    with torch.device("meta"):  # real modules, no storage: any size counts in milliseconds
+        model = Transformer(
+            recipe.vocab_size,
+            recipe.vocab_size,
+            d_model=recipe.d_model,
+            num_heads=recipe.num_heads,
+            d_ff=recipe.d_ff,
+            num_layers=recipe.num_layers,
+        )
+    return sum(p.numel() for p in model.parameters())
+
+
+def width_for_budget(recipe: Recipe, num_layers: int, budget: int, ff_ratio: int = 4) -> Recipe:
+    """The recipe with num_layers layers and the d_model (a multiple of num_heads, d_ff =
+    ff_ratio * d_model) whose parameter count is closest to `budget`."""
+    check_int("num_layers", num_layers, minimum=1)
+    check_int("budget", budget, minimum=1)
+    check_int("ff_ratio", ff_ratio, minimum=1)
+    h = recipe.num_heads
+
+    def sized(units: int) -> Recipe:
+        return recipe.replace(num_layers=num_layers, d_model=h * units, d_ff=ff_ratio * h * units)
+
+    low, high = 1, 2
+    while count_parameters(sized(high)) < budget:  # the count grows with the width
+        low, high = high, 2 * high
+    while high - low > 1:  # bisect: count(low) < budget <= count(high)
+        middle = (low + high) // 2
+        if count_parameters(sized(middle)) < budget:
+            low = middle
+        else:
+            high = middle
+    return min(sized(low), sized(high), key=lambda r: abs(count_parameters(r) - budget))
+
+
+# %%
+BUDGET = count_parameters(SMALL)
+shapes = {L: width_for_budget(SMALL, L, BUDGET, ff_ratio=2) for L in (1, 2, 4)}  # SMALL's d_ff / d_model
+for L, shape in shapes.items():
+    print(f"{L} layer(s): d_model {shape.d_model:3d}, d_ff {shape.d_ff:4d}, "
+          f"{count_parameters(shape):,} parameters (budget {BUDGET:,})")
+
+# %% [markdown]
+# **Check:** the three shapes are within 6 % of the budget (widths move in steps of the four
+# heads). Then each is trained for 300 steps on
+# fresh sequences (no overfitting possible) and scored on the validation set.
+
+# %%
+assert all(abs(count_parameters(s) / BUDGET - 1) < 0.06 for s in shapes.values())
+shape_runs = {}
+for L, shape in shapes.items():
+    shape = shape.replace(steps=300, schedule="cosine")
+    shape_runs[L] = fit(build_model(shape), shape, val_data=val_set, eval_every=300)
+    print(f"{L} layer(s), d_model {shape.d_model:3d}: validation loss "
+          f"{shape_runs[L]['val_loss'][-1]:.3f}")
+
+# %% [markdown]
+# **Check:** all three shapes learn the task (validation loss below 0.3, from 2.5), and they end
+# within a factor of five of each other (bands: the exact losses vary with the torch build).
+
+# %%
+shape_val = {L: r["val_loss"][-1] for L, r in shape_runs.items()}
+assert max(shape_val.values()) < 0.3 and max(shape_val.values()) < 5 * min(shape_val.values())
+print(f"validation loss 1 / 2 / 4 layers: {shape_val[1]:.3f} / {shape_val[2]:.3f} / "
+      f"{shape_val[4]:.3f}")
+
+# %% [markdown]
+# At an equal parameter count, one wide layer, two layers and four narrow ones all learn the
+# task in 300 steps, and their losses differ by a small factor, not by orders of magnitude: at
+# this size, shape matters less than the parameter count, as the scaling-law studies found. (Which
+# of the three is best at step 300 is within the noise of a single seed; try others.) A rule
+# with exponents would need many sizes and tasks to fit; one task at one size supports neither
+# the tutorial's formula nor any other.
+#
+# **LayerNorm's gain.** The tutorial also proposes initialising every LayerNorm's $\gamma$ to
+# $\alpha\sqrt{2/N_l}$ ($N_l$ the width, $\alpha$ between 0.02 and 1), again without a source. It
+# resembles He initialisation for weight matrices, which is about the variance of a *sum* over
+# $N_l$ inputs; a LayerNorm's output already has unit variance, so there is nothing to correct by
+# $\sqrt{2/N_l}$. The published depth-dependent schemes (e.g. DeepNet's residual scaling, or
+# zero-initialised last layers of each branch) scale the *residual branch*, not γ. We can test
+# this one: the small model with $\gamma = \sqrt{2/64} \approx 0.18$ ($\alpha = 1$) in every
+# LayerNorm against the default $\gamma = 1$, both 300 steps.
+
+# %%
+gamma_runs = {}
+for name, alpha in (("γ = 1 (default)", None), ("γ = α√(2/N), α = 1", 1.0)):
+    gamma_model = build_model(SMALL.replace(steps=300))
+    if alpha is not None:
+        with torch.no_grad():
+            for module in gamma_model.modules():
+                if type(module).__name__ == "LayerNorm":
+                    module.weight.fill_(alpha * math.sqrt(2 / module.weight.numel()))
+    gamma_runs[name] = fit(gamma_model, SMALL.replace(steps=300), val_data=val_set,
+                           eval_every=100)
+    print(f"{name:20s} validation loss at steps 100, 200, 300: "
+          + ", ".join(f"{v:.3f}" for v in gamma_runs[name]["val_loss"]))
+
+# %% [markdown]
+# **Check:** the two end within a factor of two of each other: at this depth the rule makes no
+# difference that one run can show.
+
+# %%
+gamma_val = [r["val_loss"][-1] for r in gamma_runs.values()]
+assert 0.5 < gamma_val[1] / gamma_val[0] < 2.0
+print(f"final validation loss, small γ / default: {gamma_val[1] / gamma_val[0]:.2f}")
+
+
+# %% [markdown]
+# **The learning-rate range test** (Smith, 2017, *Cyclical Learning Rates*): one short run in
+# which the rate grows geometrically at every update, from far too small to far too large,
+# recording the loss. The loss first stays flat (the rate is too small to move), then falls
+# fastest, then turns and blows up. A good peak rate lies below the bottom of that curve: the
+# common reading takes the rate of the minimum divided by ten, or the rate where the loss falls
+# fastest. It costs one run of a hundred updates instead of a grid of full runs.
+
+# %%
+#| export
+def lr_range_test(
+    recipe: Recipe,
+    lr_min: float = 1e-5,
+    lr_max: float = 1.0,
+    steps: int = 100,
+    smoothing: float = 0.9,
+    stop_factor: float = 4.0,
+) -> dict[str, list[float]]:
+    """Smith's range test: one update per rate, the rate growing geometrically from lr_min to
+    lr_max, on a fresh model and fresh batches; stops once the smoothed loss passes
+    stop_factor times its best. Returns the rates, the losses and the smoothed losses."""
+    check_float("lr_min", lr_min, 0.0, low_open=True)
+    check_float("lr_max", lr_max, lr_min, low_open=True)
+    check_int("steps", steps, minimum=2)
+    check_probability("smoothing", smoothing)
+    model = build_model(recipe)
+    optimizer = make_optimizer(model, recipe)
+    stream = batches(recipe)
+    result: dict[str, list[float]] = {"lr": [], "loss": [], "smoothed": []}
+    average, best = 0.0, math.inf
+    model.train()
+    for i in range(steps):
+        lr = lr_min * (lr_max / lr_min) ** (i / (steps - 1))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss = accumulate_gradients(model, split_batch(next(stream), recipe.accum_steps))
+        nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+        optimizer.step()
+        average = smoothing * average + (1 - smoothing) * loss
+        smoothed = average / (1 - smoothing ** (i + 1))  # bias-corrected running mean
+        result["lr"].append(lr)
+        result["loss"].append(loss)
+        result["smoothed"].append(smoothed)
+        best = min(best, smoothed)
+        if not math.isfinite(loss) or smoothed > stop_factor * best:
+            break
+    return result
+
+
+def suggest_lr(result: dict[str, list[float]], window: int = 5) -> dict[str, float]:
+    """Read a range test: the rate at the lowest smoothed loss, the rate where the smoothed loss
+    falls fastest (per decade of rate, over `window` updates: one update's difference is mostly
+    noise), and the rule of thumb, a tenth of the first."""
+    check_int("window", window, minimum=1)
+    lrs, smoothed = result["lr"], result["smoothed"]
+    if len(lrs) < 3:
+        raise ValueError("a range test of at least 3 steps is needed")
+    best = min(range(len(lrs)), key=smoothed.__getitem__)
+    slopes = [
+        (smoothed[i + window] - smoothed[i]) / math.log10(lrs[i + window] / lrs[i])
+        for i in range(best - window + 1)  # only the part before the minimum
+    ]
+    steepest = min(range(len(slopes)), key=slopes.__getitem__) + window // 2 if slopes else 0
+    return {"min_loss": lrs[best], "steepest": lrs[steepest], "suggested": lrs[best] / 10}
+
+
+# %%
+range_result = lr_range_test(SMALL, lr_min=1e-5, lr_max=1.0, steps=100)
+lr_reading = suggest_lr(range_result)
+print(f"{len(range_result['lr'])} updates; lowest smoothed loss at lr {lr_reading['min_loss']:.1e}, "
+      f"steepest fall at {lr_reading['steepest']:.1e}, suggested peak {lr_reading['suggested']:.1e}")
+
+# %% [markdown]
+# **Check:** the test stopped once the loss exploded (before its 100 updates or at the end), and
+# the suggested rate is in the range that trains (between $10^{-4}$ and $10^{-2}$).
+
+# %%
+assert range_result["smoothed"][-1] > min(range_result["smoothed"])
+assert 1e-4 < lr_reading["suggested"] < 1e-2 and lr_reading["steepest"] < lr_reading["min_loss"]
+
+# %% jupyter={"source_hidden": true}
+fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
+ax.plot(range_result["lr"], range_result["loss"], color=COLORS["ours"], alpha=0.3,
+        label="loss per update")
+ax.plot(range_result["lr"], range_result["smoothed"], color=COLORS["ours"], lw=2,
+        label="smoothed (bias-corrected running mean)")
+for key, color, label in (("steepest", OTHER_COLORS[0], "steepest fall"),
+                          ("min_loss", OTHER_COLORS[1], "minimum"),
+                          ("suggested", COLORS["torch"], "suggested peak (minimum / 10)")):
+    ax.axvline(lr_reading[key], color=color, ls="--", lw=1.2, label=f"{label}: {lr_reading[key]:.1e}")
+ax.set(xscale="log", xlabel="learning rate (AdamW, log scale)",
+       ylabel="cross-entropy (nats per token)", ylim=(0, 4),
+       title="Learning-rate range test: one update per rate, the small model")
+ax.legend(fontsize=8)
+save_figure(fig, "tuning_lr_range_test")
+plt.show()
+
+
+# %% [markdown]
+# **Warm-up and batch size.** The range test also explains the warm-up: at the start, Adam's
+# second-moment estimates rest on a few gradients and the first updates are erratic, so a rate
+# that is fine later can throw the model off at step one; a linear warm-up of a few dozen steps
+# is enough for this model (the search below tunes it). The batch size trades the noise of the
+# gradient against the number of updates: section 1 showed that accumulation makes any batch
+# size possible in bounded memory, at the cost of time; the search does not tune it here, so that
+# every trial costs the same.
+
+# %% [markdown]
+# With two layers there is no gradient explosion to prevent, so this tests only that the rule
+# does no harm at small depth; it cannot confirm the tutorial's claim about deep models, and
+# without a source we do not teach it as a rule.
+
+# %% [markdown]
+# ## 5. A Bayesian search
+#
+# Grid search spends most of its budget on values of the knobs that do not matter, and random
+# search (Bergstra and Bengio, 2012) fixes that by sampling every knob anew each trial, but it
+# learns nothing from the trials it has run. **Bayesian optimisation** does: it fits a model of
+# the loss $f(\mathbf{x})$ over the knobs $\mathbf{x}$ to the trials so far, and picks the next
+# trial where an *acquisition function* is largest. The tutorial's choice, **expected
+# improvement**,
+#
+# $$\mathrm{EI}(\mathbf{x}) = \mathbb{E}\left[\max(0,\ f_{\min} - f(\mathbf{x}))\right],$$
+#
+# is the amount by which a trial at $\mathbf{x}$ is expected to beat the best loss so far,
+# $f_{\min}$; the expectation is over the model's uncertainty about $f(\mathbf{x})$. With a
+# Gaussian-process model, $f(\mathbf{x}) \sim \mathcal{N}(\mu, \sigma^2)$ and EI has a closed form,
+# $(f_{\min} - \mu)\,\Phi(z) + \sigma\,\varphi(z)$ with $z = (f_{\min} - \mu)/\sigma$: it is large where
+# the predicted loss is low (exploitation) *or* the uncertainty is high (exploration). The
+# tutorial's formula is right, but it is only half of the method: EI needs the model of $f$.
+#
+# **TPE** (the Tree-structured Parzen Estimator, Bergstra et al., 2011), Optuna's default
+# sampler, models the other conditional. It splits the trials at a quantile of their losses into
+# good and bad, fits a density $\ell(\mathbf{x})$ to the good ones' knobs and $g(\mathbf{x})$ to
+# the bad ones', and proposes the candidate (drawn from $\ell$) with the largest ratio
+# $\ell(\mathbf{x})/g(\mathbf{x})$; Bergstra et al. show that under this model maximising EI is
+# maximising that ratio. It handles log-scaled, integer and conditional knobs easily, and costs
+# little per trial. A **pruner** saves more: every trial reports its validation loss as it trains,
+# and the median pruner stops a trial whose loss at a step is worse than the median of the earlier
+# trials at the same step.
+#
+# Here the search tunes the memorising model of section 2 (its validation loss after 150 steps on
+# the 64 sequences): the peak rate, the warm-up, dropout and weight decay.
+
+# %%
+#| export
+def search_space(trial) -> dict:
+    """The knobs the notebook's search tunes, as Optuna suggestions (`trial` an optuna.Trial)."""
+    return {
+        "lr": trial.suggest_float("lr", 1e-4, 3e-2, log=True),
+        "warmup": trial.suggest_int("warmup", 0, 100),
+        "dropout_p": trial.suggest_float("dropout_p", 0.0, 0.3),
+        "weight_decay": trial.suggest_float("weight_decay", 1e-4, 1.0, log=True),
+    }
+
+
+def search_objective(
+    base: Recipe, val_data: Batch, train_data: Batch | None = None, eval_every: int = 25
+) -> Callable:
+    """An Optuna objective: train base with the trial's knobs (on `train_data`, or on fresh
+    sequences), report the validation loss every eval_every steps so that a pruner can stop a
+    poor trial, and return the last one."""
+
+    def objective(trial) -> float:
+        import optuna  # imported here: the package does not need it otherwise
+
+        recipe = base.replace(**search_space(trial))
+        model = build_model(recipe)
+
+        def report(step: int, model: Transformer, history: dict) -> bool:
+            trial.report(history["val_loss"][-1], step)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+            return False
+
+        history = fit(
+            model, recipe, train_data, val_data, eval_every=eval_every, callback=report
+        )
+        return history["val_loss"][-1]
+
+    return objective
+
+
+def make_study(
+    sampler: str,
+    seed: int = 0,
+    pruner: bool = True,
+    n_startup_trials: int = 5,
+    n_warmup_steps: int = 0,
+):
+    """An Optuna study that minimises, with a seeded TPE or random sampler and a median pruner
+    (which waits for n_startup_trials trials, and prunes no trial before n_warmup_steps)."""
+    import optuna
+
+    check_int("n_startup_trials", n_startup_trials, minimum=0)
+    check_int("n_warmup_steps", n_warmup_steps, minimum=0)
+    sampler = check_choice("sampler", sampler, ("tpe", "random"))
+    if sampler == "tpe":
+        chosen = optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials)
+    else:
+        chosen = optuna.samplers.RandomSampler(seed=seed)
+    median = optuna.pruners.MedianPruner(
+        n_startup_trials=n_startup_trials, n_warmup_steps=n_warmup_steps
+    )
+    return optuna.create_study(
+        direction="minimize", sampler=chosen, pruner=median if pruner else optuna.pruners.NopPruner()
+    )
+
+
+# %% [markdown]
+# Two studies on the same budget of 12 trials: TPE (its first 3 trials random, as a start) and
+# random search, both with seed 0, so their first 3 trials are the same draws and the comparison
+# isolates what TPE does with them. Both use the same median pruner, which waits for 3 finished
+# trials and prunes no trial before step 50 (earlier, the validation loss of a memorising model
+# says little about where it ends). The cell takes about a minute.
+
+# %%
+SEARCH_BASE = SMALL.replace(steps=150)
+N_TRIALS = 12
+studies = {}
+for sampler in ("tpe", "random"):
+    studies[sampler] = make_study(sampler, seed=0, n_startup_trials=3, n_warmup_steps=50)
+    studies[sampler].optimize(
+        search_objective(SEARCH_BASE, val_set, train_data=memo_set, eval_every=25),
+        n_trials=N_TRIALS,
+    )
+for sampler, study in studies.items():
+    states = [t.state.name for t in study.trials]
+    best = study.best_trial
+    print(f"{sampler:6s} best validation loss {best.value:.3f} (trial {best.number}), "
+          f"{states.count('PRUNED')} of {N_TRIALS} pruned; best knobs: "
+          + ", ".join(f"{k} {v:.3g}" for k, v in best.params.items()))
+
+# %% [markdown]
+# **Check:** the samplers are seeded: a new study with the same seed proposes the same first
+# trial. Both searches find a recipe better than the untuned one (its validation loss after
+# 150 steps, measured here), and the pruner stopped some trials.
+
+# %%
+for sampler in ("tpe", "random"):
+    again = make_study(sampler, seed=0, n_startup_trials=3)
+    assert search_space(again.ask()) == studies[sampler].trials[0].params
+untuned = fit(build_model(SEARCH_BASE), SEARCH_BASE, train_data=memo_set, val_data=val_set,
+              eval_every=150)["val_loss"][-1]
+for sampler, study in studies.items():
+    assert study.best_value < untuned, sampler
+assert sum(t.state.name == "PRUNED" for s in studies.values() for t in s.trials) > 0
+print(f"untuned: {untuned:.3f}; best TPE {studies['tpe'].best_value:.3f}, "
+      f"best random {studies['random'].best_value:.3f}")
+
+# %% jupyter={"source_hidden": true}
+fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained")
+search_colors = {"tpe": COLORS["ours"], "random": OTHER_COLORS[0]}
+for sampler, study in studies.items():
+    values = [t.value if t.value is not None else np.nan for t in study.trials]
+    complete = [t.state.name == "COMPLETE" for t in study.trials]
+    best_so_far = np.fmin.accumulate([v if c else np.inf for v, c in zip(values, complete, strict=True)])
+    axes[0].step(range(1, N_TRIALS + 1), best_so_far, where="post", color=search_colors[sampler],
+                 lw=4 if sampler == "tpe" else 1.5, ls="-" if sampler == "tpe" else "--",
+                 label=f"{sampler}: best so far")
+    for t in study.trials:
+        last = list(t.intermediate_values.values())[-1]
+        pruned = t.state.name == "PRUNED"
+        axes[1].scatter(t.params["lr"], last, marker="x" if pruned else "o",
+                        color=search_colors[sampler], s=30)
+axes[0].axhline(untuned, color="grey", ls=":", label="untuned recipe")
+axes[0].set(xlabel="trial", ylabel="validation loss (nats per token)",
+            title="Best validation loss after each trial")
+axes[0].legend(fontsize=9)
+axes[1].scatter([], [], marker="o", color="grey", label="completed")
+axes[1].scatter([], [], marker="x", color="grey", label="pruned (its last report)")
+for sampler, color in search_colors.items():
+    axes[1].scatter([], [], marker="s", color=color, label=sampler)
+axes[1].set(xscale="log", xlabel="peak learning rate (log scale)",
+            ylabel="validation loss (nats per token)", title="Every trial, by its learning rate")
+axes[1].legend(fontsize=9)
+fig.suptitle(f"TPE against random search, {N_TRIALS} trials each, median pruner")
+save_figure(fig, "tuning_search")
+plt.show()
+
+# %% [markdown]
+# Twelve trials are a tiny budget: TPE has nine trials to use what its first three taught it, and
+# on such budgets which sampler ends ahead varies with the seed; the honest comparison is over
+# many seeds and larger budgets (an exercise). What holds on any seed is the structure: both
+# searches beat the untuned recipe, a pruned trial costs a fraction of a full
+# one, and Optuna's study keeps every trial, its knobs and its reports for a later look. (In this
+# run both studies keep the same best trial, one of the three random starts they share: TPE's
+# nine guided trials did not beat it.)
+
+# %% [markdown]
+# ## 6. A tuned recipe for the reversal model
+#
+# Notebook 11 trains the course's reversal model (two layers, $d_{\text{model}} = 128$) with the
+# paper's recipe for 2,500 steps, and the tutorial's own run takes 6,000. The lessons of this
+# notebook give a faster one:
+#
+# - every step draws fresh sequences, so there is nothing to overfit (section 2's "enough data"
+#   run has no gap): **no dropout**, which here only slows learning;
+# - **AdamW at a peak rate of $2 \times 10^{-3}$**, near the rate the range test suggests (a tenth
+#   of the rate at its minimum), held briefly: the paper's schedule climbs to $4.4 \times
+#   10^{-3}$ at step 400 for this width and then decays only as $1/\sqrt{t}$;
+# - a **short warm-up** (50 steps) instead of 400;
+# - a **cosine decay to zero** over 600 steps, so that the last updates are tiny and a
+#   perfect score, once reached, is not lost to an unlucky batch (notebook 11's run ends at a
+#   rate of $1.8 \times 10^{-3}$ and wobbles by a sequence or two).
+
+# %%
+#| export
+TUNED_RECIPE = Recipe(
+    dropout_p=0.0, optimizer="adamw", lr=2e-3, schedule="cosine", warmup=50, steps=600
+)
+
+def train_until_solved(
+    recipe: Recipe,
+    eval_every: int = 50,
+    n: int = 256,
+    stop_when_solved: bool = False,
+    progress: bool = False,
+    model: Transformer | None = None,
+) -> tuple[Transformer, dict]:
+    """Train a fresh model (or `model`) by the recipe, scoring exact match on n test sequences
+    every eval_every steps. The history gains "exact" [(step, correct)], "solved_step" and
+    "solved_seconds": the first evaluation with all n right (None if none)."""
+    model = build_model(recipe) if model is None else model
+    solved = {"solved_step": None, "solved_seconds": None, "exact": []}
+
+    def score(step: int, model: Transformer, history: dict) -> bool:
+        correct = exact_match(model, n=n, max_len=recipe.max_len)
+        solved["exact"].append((step, correct))
+        if correct == n and solved["solved_step"] is None:
+            solved["solved_step"], solved["solved_seconds"] = step, history["seconds"]
+            return stop_when_solved
+        return False
+
+    history = fit(model, recipe, eval_every=eval_every, callback=score, progress=progress)
+    history.update(solved)
+    return model, history
+
+
+# %% [markdown]
+# The notebook trains seed 0 with the tuned recipe, scoring exact match on notebook 11's 256
+# test sequences every 50 steps and stopping at the first perfect score; then the tutorial's
+# recipe for the same number of steps, for comparison. The two runs take about a minute and a
+# half at one thread; the cell prints times, so its output is not compared.
+
+# %% tags=["nbval-ignore-output"]
+tuned_model, tuned = train_until_solved(TUNED_RECIPE, eval_every=50, stop_when_solved=True)
+tuned_steps = tuned["solved_step"] or TUNED_RECIPE.steps
+tutorial_model, tutorial = train_until_solved(
+    TUTORIAL_RECIPE.replace(steps=tuned_steps), eval_every=tuned_steps
+)
+print(f"tuned recipe: 256/256 at step {tuned['solved_step']}, after {tuned['seconds']:.0f} s "
+      f"of training ({torch.get_num_threads()} thread(s))")
+print(f"tutorial recipe after the same {tuned_steps} steps: {tutorial['exact'][-1][1]}/256")
+
+# %% [markdown]
+# **Check:** the tuned recipe solves seed 0 within its 600 steps, and the tutorial's recipe has
+# not solved it after as many steps.
+
+# %%
+assert tuned["solved_step"] is not None and tuned["solved_step"] <= 600
+assert exact_match(tuned_model) == 256 and tutorial["exact"][-1][1] < 256
+print(f"tuned: 256/256 at step {tuned['solved_step']}; the tutorial's recipe at that step: "
+      "not yet 256/256")
+
+# %% [markdown]
+# The tutorial's recipe decodes most of the sequences after a few hundred steps too (notebook 11
+# printed 213/256 at step 500); what it lacks is the last few, which took it until step 2,500 in
+# notebook 11: its rate is at its highest just when the model is close, and it decays slowly
+# after that. The tuned recipe spends its high rate early and anneals to zero.
+
+# %% [markdown]
+# **Measured outside the notebook.** The full check of the target (256/256 for every seed 0–5
+# within 60 s of training, two threads) takes longer than CI allows, so it is a script:
+#
+# ```
+# python benchmarks/tuned_recipe.py --threads 2 --seeds 0 1 2 3 4 5 --out bench-recipe.json
+# ```
+#
+# The script prints, for every seed, the step of the first perfect score, the seconds of
+# training (wall clock, evaluations excluded) and the CPU seconds. When this notebook was
+# written, the machine it ran on was shared by several heavy jobs, so its wall-clock seconds
+# were not a fair measure of the 60-second target, and the six-seed run did not finish in the
+# time we had: the target is checked here for seed 0 only (above, at one thread). Run the
+# script on an idle machine to check the other seeds on yours.
+
+# %% [markdown]
+# ## 7. Training across processes: torchrun and DistributedDataParallel
+#
+# Data parallelism is the simplest way to train on more than one device: every process holds a
+# whole copy of the model, takes its own share of each batch, and computes gradients on it; the
+# gradients are averaged across processes (an *all-reduce*), and every process then takes the
+# same optimiser step, so the copies stay identical. PyTorch's `DistributedDataParallel` (DDP)
+# does the averaging during the backward pass, bucket by bucket, overlapping the communication
+# with the rest of the backward. The pieces:
+#
+# - **`torchrun`** starts the processes and sets in each the variables `RANK`, `LOCAL_RANK`,
+#   `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`; `init_process_group` reads them to connect the
+#   group. The backend is **gloo** on CPUs and **NCCL** on NVIDIA GPUs.
+# - **`DistributedSampler`** gives each rank a disjoint share of the data, shuffled the same way
+#   on every rank (same seed, `set_epoch` each epoch).
+# - **`no_sync`**: with gradient accumulation, averaging after every micro-batch would waste
+#   communication; inside `ddp.no_sync()` gradients only accumulate locally, and the last
+#   micro-batch's backward averages the sum once.
+# - **Rank 0 writes the checkpoint**: the copies are equal, so one writer suffices, and several
+#   writing the same file at once would corrupt it. The others wait at a barrier.
+#
+# The tutorial's other option, `nn.DataParallel`, runs one process with one thread per GPU: it
+# copies the model to every GPU on every forward pass, gathers the outputs on the first GPU
+# (which runs out of memory first), and is held back by Python's global interpreter lock;
+# PyTorch's documentation recommends DDP instead, even on one machine.
+#
+# The script. `rank_batches` is the data side; `train_distributed` is one process's loop; `main`
+# is the command line, run when torchrun starts the module.
+
+# %%
+#| export distributed
+"""Data-parallel training of the reversal model across processes, with torchrun and DDP.
+
+    torchrun --standalone --nproc_per_node 2 -m transformer_from_scratch.distributed --steps 100
+
+torchrun starts the processes and gives each its rank; every process holds a whole copy of the
+model, trains on its own share of each batch, and DistributedDataParallel averages the gradients
+across processes during the backward pass, so the copies stay equal."""
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
+
+from transformer_from_scratch.checks import check_int
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LaunchError(RuntimeError):
+    """The script was started without the environment that torchrun gives each process."""
+
+
+def torchrun_environment(environ: dict | None = None) -> dict[str, int]:
+    """The rank, local rank and world size that torchrun put in the environment; a LaunchError
+    that says how to start the script when they are missing."""
+    environ = os.environ if environ is None else environ
+    missing = [name for name in TORCHRUN_VARIABLES if name not in environ]
+    if missing:
+        raise LaunchError(
+            f"the environment lacks {', '.join(missing)}: this script runs one process of a "
+            "group that torchrun starts. Launch it as\n"
+            "  torchrun --standalone --nproc_per_node 2 -m transformer_from_scratch.distributed"
+        )
+    env = {key: int(environ[name]) for key, name in
+           (("rank", "RANK"), ("local_rank", "LOCAL_RANK"), ("world_size", "WORLD_SIZE"))}
+    if not 0 <= env["rank"] < env["world_size"]:
+        raise LaunchError(f"RANK={env['rank']} is outside a world of {env['world_size']}")
+    return env
+
+
+def rank_batches(
+    data: Batch, batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0
+) -> Iterator[Batch]:
+    """This rank's share of every global batch of `batch_size`, epoch after epoch.
+
+    A DistributedSampler shuffles the indices of `data` the same way on every rank (same seed,
+    same epoch) and hands rank r the positions r, r + W, r + 2W, ...; the ranks' shares never
+    overlap, and together they cover the epoch."""
+    check_int("batch_size", batch_size, minimum=1)
+    check_int("world_size", world_size, minimum=1)
+    check_int("rank", rank, minimum=0)
+    if rank >= world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    if batch_size % world_size != 0:
+        raise ValueError(f"batch_size={batch_size} does not split over {world_size} processes")
+    local = batch_size // world_size
+    n = data[0].shape[0]
+    if n < batch_size:
+        raise ValueError(f"{n} training sequences hold no batch of {batch_size}")
+    sampler = DistributedSampler(
+        range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+    )
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        index = torch.tensor(list(sampler))
+        for start in range(0, len(index) - local + 1, local):
+            yield tuple(t[index[start : start + local]] for t in data)
+        epoch += 1
+
+
+# %%
+#| export distributed
+def train_distributed(
+    recipe: Recipe, data: Batch, checkpoint: str | None = None, log_every: int = 0
+) -> dict:
+    """One process's part of a data-parallel run: gloo on CPUs, NCCL on GPUs.
+
+    Each update takes a global batch of recipe.batch_size sequences, this rank's share split
+    into recipe.accum_steps micro-batches; the gradients are synchronised once per update (the
+    other micro-batches run under no_sync) and weighted so that the update equals one process
+    on the concatenated batch. Rank 0 alone writes the checkpoint. Returns timings and the loss."""
+    env = torchrun_environment()
+    rank, world = env["rank"], env["world_size"]
+    if recipe.batch_size % (world * recipe.accum_steps) != 0:
+        raise ValueError(
+            f"batch_size={recipe.batch_size} does not split into {world} processes x "
+            f"{recipe.accum_steps} micro-batches"
+        )
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{env['local_rank']}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")  # reads MASTER_ADDR, MASTER_PORT, RANK
+    try:
+        model = build_model(recipe).to(device)  # the same seed: the same weights everywhere
+        torch.manual_seed(recipe.seed + 1000 * (rank + 1))  # but each rank its own dropout
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        optimizer = make_optimizer(model, recipe)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
+        stream = rank_batches(data, recipe.batch_size, world, rank, seed=recipe.seed + 1)
+        losses = []
+        dist.barrier()
+        start = time.perf_counter()
+        for step in range(1, recipe.steps + 1):
+            micro = split_batch(next(stream), recipe.accum_steps)
+            counts = [num_tokens(b) for b in micro]
+            total = torch.tensor(float(sum(counts)), device=device)
+            dist.all_reduce(total)  # the graded tokens of the whole global batch
+            ddp.train()
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=device)
+            for i, (batch, count) in enumerate(zip(micro, counts, strict=True)):
+                last = i == len(micro) - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():  # sync once per update
+                    # DDP averages over the W ranks: * W undoes it, / total makes a token mean
+                    loss = reversal_loss(ddp, batch, recipe.label_smoothing) * (
+                        count * world / total
+                    )
+                    loss.backward()
+                step_loss += loss.detach() / world
+            nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)  # equal on all ranks
+            optimizer.step()
+            scheduler.step()
+            dist.all_reduce(step_loss)  # the loss of the global batch, for the log
+            losses.append(step_loss.item())
+            if log_every and step % log_every == 0 and rank == 0:
+                print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        if checkpoint is not None and rank == 0:  # one writer; the others wait at the barrier
+            save_checkpoint(checkpoint, model, steps=recipe.steps, world_size=world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {
+        "rank": rank,
+        "world_size": world,
+        "steps": recipe.steps,
+        "seconds": seconds,
+        "sequences_per_second": recipe.steps * recipe.batch_size / seconds,
+        "loss": losses,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: a small recipe's knobs, the training set, the checkpoint."""
+    parser = argparse.ArgumentParser(description="Data-parallel reversal training (torchrun)")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=64, help="the global batch")
+    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per rank")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--d-ff", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-size", type=int, default=4096, help="fixed training sequences")
+    parser.add_argument("--data-seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    parser.add_argument("--checkpoint", default=None, help="file that rank 0 writes")
+    parser.add_argument("--log-every", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        torchrun_environment()
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    recipe = Recipe(
+        d_model=args.d_model, num_heads=args.num_heads, d_ff=args.d_ff,
+        num_layers=args.num_layers, dropout_p=args.dropout, lr=args.lr, steps=args.steps,
+        warmup=min(50, args.steps), batch_size=args.batch_size, accum_steps=args.accum_steps,
+        seed=args.seed,
+    )
+    generator = torch.Generator().manual_seed(args.data_seed)
+    data = make_batch(args.train_size, recipe.max_len, recipe.vocab_size, generator)
+    result = train_distributed(recipe, data, args.checkpoint, args.log_every)
+    if result["rank"] == 0:
+        print(json.dumps({**result, "loss": result["loss"][-1]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__" and "__file__" in globals():  # run by torchrun, not in a notebook
+    raise SystemExit(main())
+
+# %% [markdown]
+# **Check:** started without torchrun, the script says how to start it (a `LaunchError` here, an
+# error message and exit status 2 on the command line); the ranks' shares of a batch are
+# disjoint and together the right size.
+
+# %%
+try:
+    torchrun_environment({})
+    raise AssertionError("no LaunchError")
+except LaunchError as err:
+    assert "torchrun --standalone --nproc_per_node 2" in str(err)
+    print(str(err).splitlines()[0][:90] + " ...")
+ddp_data = make_batch(256, 8, 12, torch.Generator().manual_seed(0))
+shares = [next(rank_batches(ddp_data, 32, 2, rank, seed=1)) for rank in (0, 1)]
+rows = [{tuple(r) for r in share[0].tolist()} for share in shares]
+assert all(s[0].shape[0] == 16 for s in shares) and len(rows[0] & rows[1]) == 0
+
+# %% [markdown]
+# Now the real thing: two CPU processes (gloo), one update with two micro-batches each, on a
+# global batch of 32, and the checkpoint that rank 0 writes. The notebook starts `torchrun` as
+# `python -m torch.distributed.run` (the same program) with the notebook's own Python, and hides
+# any GPU from it: two processes need two GPUs for NCCL.
+
+# %%
+DDP_ARGS = ["--d-model", "32", "--num-heads", "2", "--d-ff", "64", "--num-layers", "2",
+            "--batch-size", "32", "--train-size", "256", "--seed", "0", "--lr", "1e-3"]
+
+
+def torchrun(nproc: int, *args: str) -> dict:
+    """Run the distributed module under torchrun on `nproc` CPU processes; rank 0's result."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", "-m", "transformer_from_scratch.distributed", *args]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+ddp_dir = Path(tempfile.mkdtemp())
+ddp_result = torchrun(2, *DDP_ARGS, "--steps", "1", "--accum-steps", "2",
+                      "--checkpoint", str(ddp_dir / "ddp.pt"))
+ddp_model, ddp_meta = load_checkpoint(ddp_dir / "ddp.pt")
+print(f"world size {ddp_result['world_size']}, loss of the global batch "
+      f"{ddp_result['loss']:.4f}, checkpoint meta {ddp_meta}")
+
+# %% [markdown]
+# The same update in this process: the same model, the same data and sampler, the two ranks'
+# shares concatenated into one batch of 32, one backward and one step. **Check:** the weights
+# agree with the DDP model's to float32 rounding, and the step did move them, with one
+# exception that is worth understanding. The loss does not depend on the biases of the key
+# projections: a bias adds $q \cdot b$ to all of a query's scores alike, and a softmax ignores a
+# shift shared by all its inputs. Their gradient is zero up to rounding, and the rounding differs
+# between two processes and one; Adam divides each gradient by its own running size, so it turns
+# that noise into a full step of about the learning rate, in a direction that rounding decides.
+# Those parameters (and any other weight whose gradient happens to be rounding noise) agree
+# to the size of one or two steps, not to float rounding; all the others agree to float32
+# rounding.
+
+# %%
+ddp_recipe = Recipe(d_model=32, num_heads=2, d_ff=64, num_layers=2, lr=1e-3, steps=1,
+                    warmup=1, batch_size=32)
+ddp_data = make_batch(256, 8, 12, torch.Generator().manual_seed(0))  # --train-size, --data-seed
+ddp_shares = [next(rank_batches(ddp_data, 32, 2, rank, seed=ddp_recipe.seed + 1)) for rank in (0, 1)]
+ddp_global = tuple(torch.cat(parts) for parts in zip(*ddp_shares, strict=True))
+single = build_model(ddp_recipe)
+start_weights = {k: v.clone() for k, v in single.state_dict().items()}
+single_optimizer = make_optimizer(single, ddp_recipe)
+single.train()
+single_loss = accumulate_gradients(single, [ddp_global])
+nn.utils.clip_grad_norm_(single.parameters(), ddp_recipe.clip_norm)
+single_optimizer.step()
+moved = max((single.state_dict()[k] - v).abs().max().item() for k, v in start_weights.items())
+ddp_delta = torch.cat([(single.state_dict()[k] - v).abs().flatten()
+                       for k, v in ddp_model.state_dict().items()])
+key_bias = torch.cat([(single.state_dict()[k] - v).abs().flatten()
+                      for k, v in ddp_model.state_dict().items() if k.endswith("W_k.bias")])
+agree = (ddp_delta < 1e-6).float().mean().item()
+assert abs(single_loss - ddp_result["loss"]) < 1e-5 and moved > 1e-4
+assert agree > 0.99 and ddp_delta.max().item() <= 2 * ddp_recipe.lr  # a flip costs 2 steps
+print(f"largest weight change of the step {moved:.1e}; {agree:.2%} of the weights agree to 1e-6; "
+      f"every weight to {ddp_delta.max().item():.0e} (key biases: up to {key_bias.max().item():.0e})")
+
+# %% [markdown]
+# Throughput: 40 steps on one process and on two, each process at one thread, the same global
+# batch of 64. The numbers depend on the machine (on a shared two-core machine two processes
+# cannot run twice as fast), so the output is not compared.
+
+# %% tags=["nbval-ignore-output"]
+speed = {n: torch.nan for n in (1, 2)}
+for nproc in (1, 2):
+    speed_result = torchrun(nproc, *DDP_ARGS, "--batch-size", "64", "--steps", "40")
+    speed[nproc] = speed_result["sequences_per_second"]
+    print(f"{nproc} process(es): {speed[nproc]:.0f} sequences per second, "
+          f"loss after 40 steps {speed_result['loss']:.3f}")
+
+# %%
+assert all(math.isfinite(s) and s > 0 for s in speed.values())
+
+# %% [markdown]
+# The two runs also end at the same loss: the second process changes the speed, not the
+# training.
+#
+# **More machines.** The same script runs unchanged on several machines; only the launch
+# differs. On each of, say, two machines with eight GPUs:
+#
+# ```
+# torchrun --nnodes 2 --nproc_per_node 8 --rdzv_id run42 --rdzv_backend c10d \
+#          --rdzv_endpoint node0.example:29400 -m transformer_from_scratch.distributed --steps 1000
+# ```
+#
+# The *rendezvous* (`c10d`, at a host and port that every machine reaches) is where the 16
+# processes meet and get their ranks; `RANK` runs over all 16, `LOCAL_RANK` over a machine's
+# eight (it picks the GPU), and `WORLD_SIZE` is 16. With `--nnodes 1:4` torchrun also accepts
+# machines joining and leaving (elastic training; the script then has to resume from its
+# checkpoint). What does not change is the algebra checked above: the update equals one process
+# on the concatenated batch, so a recipe tuned on one machine keeps its meaning on sixteen, at
+# the global batch size.
+
+# %% [markdown]
+# ## Exercises
+#
+# 1. Repeat the search comparison over five seeds and 30 trials. Does TPE beat random search on
+#    average, and from which trial on?
+# 2. Add the batch size to the search space. Why does the objective then need a fixed number of
+#    sequences seen rather than of steps?
+# 3. Find the smallest training set on which the small model of section 2 no longer overfits
+#    (gap below 0.1). How does it compare with the number of possible sequences?
+# 4. Run `train_distributed` with `--accum-steps 4` and check it against one process, as in
+#    section 7. Remove the `no_sync` context: does the result change? Does the time?

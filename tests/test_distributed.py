@@ -1,0 +1,174 @@
+"""Unit tests of transformer_from_scratch.distributed (notebook 15): two CPU processes under
+torchrun, checked against one process on the concatenated batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from transformer_from_scratch.data import make_batch
+from transformer_from_scratch.distributed import TORCHRUN_VARIABLES
+from transformer_from_scratch.distributed import LaunchError
+from transformer_from_scratch.distributed import main
+from transformer_from_scratch.distributed import rank_batches
+from transformer_from_scratch.distributed import torchrun_environment
+from transformer_from_scratch.distributed import train_distributed
+from transformer_from_scratch.train import load_checkpoint
+from transformer_from_scratch.tuning import Recipe
+from transformer_from_scratch.tuning import accumulate_gradients
+from transformer_from_scratch.tuning import build_model
+from transformer_from_scratch.tuning import lr_factor
+from transformer_from_scratch.tuning import make_optimizer
+
+SIZES = ["--d-model", "16", "--num-heads", "2", "--d-ff", "32", "--num-layers", "1"]
+RECIPE = Recipe(d_model=16, num_heads=2, d_ff=32, num_layers=1, lr=1e-3, batch_size=16)
+
+
+def launch(nproc, *args, env=None):
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "transformer_from_scratch.distributed",
+        *args,
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
+def one_process(recipe, data, world_size, steps):
+    """The same updates in this process: each step, the ranks' shares concatenated."""
+    model = build_model(recipe)
+    optimizer = make_optimizer(model, recipe)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
+    streams = [
+        rank_batches(data, recipe.batch_size, world_size, r, seed=recipe.seed + 1)
+        for r in range(world_size)
+    ]
+    model.train()
+    for _ in range(steps):
+        batch = tuple(torch.cat(parts) for parts in zip(*(next(s) for s in streams), strict=True))
+        optimizer.zero_grad(set_to_none=True)
+        accumulate_gradients(model, [batch])
+        nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
+        optimizer.step()
+        scheduler.step()
+    return model
+
+
+def test_two_processes_equal_one_on_the_concatenated_batch(tmp_path):
+    steps = 3
+    done = launch(
+        2,
+        *SIZES,
+        "--batch-size",
+        "16",
+        "--lr",
+        "1e-3",
+        "--train-size",
+        "64",
+        "--steps",
+        str(steps),
+        "--accum-steps",
+        "2",
+        "--checkpoint",
+        str(tmp_path / "ddp.pt"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["world_size"] == 2 and result["steps"] == steps
+    ddp_model, meta = load_checkpoint(tmp_path / "ddp.pt")
+    assert meta == {"steps": steps, "world_size": 2}
+    data = make_batch(64, 8, 12, torch.Generator().manual_seed(0))
+    recipe = RECIPE.replace(steps=steps, warmup=steps)  # main: warmup = min(50, steps)
+    single = one_process(recipe, data, 2, steps)
+    for (name, p), q in zip(single.named_parameters(), ddp_model.parameters(), strict=True):
+        if name.endswith("W_k.bias"):
+            # The loss does not depend on the key bias (a softmax ignores a shift shared by all
+            # of a query's scores): its gradient is rounding noise, which Adam scales to steps
+            # of about lr. Bounded by that, not by float rounding.
+            torch.testing.assert_close(q, p, rtol=0, atol=2 * steps * recipe.lr, msg=name)
+        else:
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    start = build_model(recipe)
+    assert (
+        max(
+            (p - p0).abs().max().item()
+            for p, p0 in zip(single.parameters(), start.parameters(), strict=True)
+        )
+        > 1e-4
+    )
+    wrong = one_process(recipe.replace(seed=1), data, 2, steps)  # the check can fail
+    assert not all(
+        torch.allclose(p, q, atol=1e-6)
+        for p, q in zip(wrong.parameters(), ddp_model.parameters(), strict=True)
+    )
+
+
+def test_launched_without_torchrun_it_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    done = subprocess.run(
+        [sys.executable, "-m", "transformer_from_scratch.distributed"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "torchrun --standalone --nproc_per_node 2" in done.stderr
+    assert "RANK" in done.stderr
+
+
+def test_torchrun_environment_reads_and_checks_the_variables(monkeypatch):
+    env = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": "29500",
+    }
+    assert torchrun_environment(env) == {"rank": 1, "local_rank": 1, "world_size": 2}
+    with pytest.raises(LaunchError, match="WORLD_SIZE"):
+        torchrun_environment({k: v for k, v in env.items() if k != "WORLD_SIZE"})
+    with pytest.raises(LaunchError, match="outside"):
+        torchrun_environment({**env, "RANK": "2"})
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LaunchError):
+        train_distributed(RECIPE, make_batch(32, 8, 12))
+    assert main([]) == 2
+
+
+def test_rank_batches_partition_each_epoch():
+    data = make_batch(40, 8, 12, torch.Generator().manual_seed(0))
+    ids = torch.arange(40)
+    tagged = (*data[:3], ids)  # the last field carries the row index through the sampler
+    world, per_epoch = 4, 40 // 8
+    shares = [rank_batches(tagged, 8, world, r, seed=3) for r in range(world)]
+    epoch = [[next(s)[3] for _ in range(per_epoch)] for s in shares]
+    rows = torch.cat([torch.cat(e) for e in epoch])
+    assert sorted(rows.tolist()) == list(range(40))  # disjoint and complete
+    assert all(b.shape[0] == 2 for e in epoch for b in e)
+    second = torch.cat([next(shares[0])[3] for _ in range(per_epoch)])
+    assert not torch.equal(second, torch.cat(epoch[0]))  # a new shuffle each epoch
+    again = rank_batches(tagged, 8, world, 0, seed=3)
+    assert torch.equal(next(again)[3], epoch[0][0])
+
+
+def test_rank_batches_reject_bad_input():
+    data = make_batch(16, 8, 12)
+    with pytest.raises(ValueError):
+        next(rank_batches(data, 10, 4))  # 10 does not split over 4
+    with pytest.raises(ValueError):
+        next(rank_batches(data, 8, 2, rank=2))
+    with pytest.raises(ValueError):
+        next(rank_batches(data, 32, 2))  # fewer sequences than one batch
+    with pytest.raises(TypeError):
+        next(rank_batches(data, 8.0, 2))
