@@ -7,9 +7,9 @@
 # in values and gradients, with a backward pass that recomputes the scores instead of storing
 # them. Then PyTorch's fused `F.scaled_dot_product_attention` and its backends, and the
 # **fast path** of the course's model: the same weights, the same outputs and gradients, and a
-# training step faster than `nn.Transformer`'s. Last, counting work: FLOPs per token, the
-# machine's matmul peak, model FLOPs utilisation, the KV cache's bytes, mixed precision and
-# gradient checkpointing, and the `bench.json` that `make bench` writes.
+# training step that `make bench` measures faster than `nn.Transformer`'s. Last, counting work:
+# FLOPs per token, the machine's matmul peak, model FLOPs utilisation, the KV cache's bytes,
+# mixed precision and gradient checkpointing, and the `bench.json` that `make bench` writes.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/14_efficient_attention.ipynb) · Assumes: [02 · Self-attention](02_self_attention.ipynb), [05 · Masking](05_masking.ipynb), [10 · The full model](10_full_model.ipynb) (and its `TorchTransformer`), [11 · Training](11_training.ipynb) (the reversal task), [12 · Generation](12_generation.ipynb) (greedy decoding, the KV cache).
 
@@ -512,7 +512,7 @@ plt.show()
 # | backend | where | what it is |
 # |---|---|---|
 # | `MATH` | everywhere | the naive formula in ATen ops, $T \times T$ in memory; the fallback |
-# | `FLASH_ATTENTION` | CPU (a tiled C++ kernel), CUDA (FlashAttention-2, fp16/bf16) | this notebook's algorithm, fused |
+# | `FLASH_ATTENTION` | CPU (a tiled C++ kernel), CUDA sm80+ (FlashAttention-2, fp16/bf16) | this notebook's algorithm, fused |
 # | `EFFICIENT_ATTENTION` | CUDA | the memory-efficient kernel (Rabe and Staats, 2021; xFormers): tiled, any mask |
 # | `CUDNN_ATTENTION` | recent NVIDIA GPUs | cuDNN's fused attention |
 #
@@ -611,7 +611,7 @@ assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (noteboo
 #    with the faster dropout below.
 # 3. **Fused layer norm.** `F.layer_norm`, one kernel instead of five operations.
 # 4. **A faster dropout on the CPU.** `F.dropout` draws its mask with `bernoulli_`, which on a
-#    CPU is slower (here 1.4–2.6×) than drawing uniforms and comparing: $u \ge p$ with
+#    CPU is slower (the timing below says by how much here) than drawing uniforms and comparing: $u \ge p$ with
 #    $u \sim U[0, 1)$ keeps an element with probability $1 - p$, the same distribution. Dropout
 #    is not a small cost here: the attention weights of a batch of 16 sequences of 128 tokens
 #    hold a million numbers per layer.
@@ -1043,9 +1043,10 @@ for name, seconds in step_time.items():
           f"{seconds / step_time['nn.Transformer']:.2f} of nn.Transformer")
 
 # %% [markdown]
-# On this course's (shared, 2-core) machine the fast path took 0.7–0.9 of `nn.Transformer`'s time
-# and the from-scratch model 0.85–1.0; `make bench` measures it properly (section 8). A notebook
-# cannot assert a time; it asserts a generous bound on the ratio, and a finite loss from each step:
+# The ratios above are one run on this course's shared 2-core machine, and they move from run to
+# run, so the notebook makes no claim about their order; `make bench` measures them properly
+# (section 8). A notebook cannot assert a time; it asserts a generous bound on the ratio,
+# and a finite loss from each step:
 
 # %%
 assert step_time["fast path"] < 1.5 * step_time["nn.Transformer"]
@@ -1054,8 +1055,8 @@ assert all(math.isfinite(step()) for step in steps.values())
 # %% [markdown]
 # Where does the rest of the time go? Into the matmuls: projections, feed-forward and their
 # gradients are the same arithmetic in both models, and at 512 tokens of width 128 they are
-# small enough that each costs more in overhead than in FLOPs. The fast path wins on what is
-# around them: fewer and fused operations, no dropout inside the feed-forward (ours has none;
+# small enough that each costs more in overhead than in FLOPs. Where the fast path wins
+# (`make bench`, section 8, run on a quiet machine), it wins on what is around them: fewer and fused operations, no dropout inside the feed-forward (ours has none;
 # `nn.TransformerEncoderLayer` has one), and the cheaper dropout masks.
 #
 # ### `torch.compile`
@@ -1266,9 +1267,10 @@ print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False
 # the activations autocast keeps for the backward are 16-bit, while the float32 weights, their
 # gradients, the logits cast back for the loss and the ops autocast leaves in float32 (layer
 # norm, softmax) are not. The time depends on whether the hardware has fast 16-bit matmuls: the
-# CPU of the stored run has bf16 instructions (`avx512_bf16` in `/proc/cpuinfo`), so autocast
-# can be faster there, although every matmul's inputs are cast first; a CPU without them can be
-# slower than float32. On a GPU with tensor cores (float16 on a T4, bfloat16 or float16 on an
+# CPU of the stored run has bf16 instructions (`avx512_bf16` in `/proc/cpuinfo`), which pay for
+# casting every matmul's inputs first: there autocast ran about as fast as float32 or faster,
+# varying from run to run on this shared machine (this toy model's matmuls are small). A CPU
+# without bf16 instructions can be slower under autocast than in float32. On a GPU with tensor cores (float16 on a T4, bfloat16 or float16 on an
 # A100) a model large enough to fill the GPU typically runs about 2× faster or more; this toy
 # model is too small to show it.
 #
@@ -1329,8 +1331,8 @@ assert ckpt_time["checkpointed"] < 3 * ckpt_time["plain"]
 
 # %% [markdown]
 # **Mixed precision trades a little accuracy for memory (and, with the right hardware, speed);
-# checkpointing trades time (a third more in arithmetic, more in practice on a small model, see
-# the ratio above) for a fraction of the activations' memory.**
+# checkpointing trades time (about a third more in arithmetic; the ratio above is what it cost
+# here) for a fraction of the activations' memory.**
 #
 # ## 8 · The benchmark: `make bench`
 #
