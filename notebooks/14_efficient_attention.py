@@ -463,10 +463,11 @@ print(f"T={T_long}: forward naive {naive_long / MiB:.1f} MiB, tiled {tiled_long 
       f"ratio {tiled_long / naive_long:.4f}")
 
 # %% [markdown]
-# The notebook's target (`tiled_memory_ratio_8192` in section 8's table) is at most 1/8 of the
-# naive peak at $T = 8192$; the tiled forward needs about 1/200: its peak is the output, the running statistics and one 256 × 256 tile. Its memory
-# grows at most linearly in $T$ (less, at these lengths, since the tiles are a fixed cost), in
-# training too, where from $T = 2048$ on it is under 1/8 of the naive step's:
+# The notebook's target (`tiled_memory_ratio_8192` in section 8's table) is at most 1/8 of the naive
+# peak at $T = 8192$; the tiled forward needs about 1/200: its peak is the output, the running
+# statistics and one 256 × 256 tile. Its memory grows at most linearly in $T$ (less, at these
+# lengths, since the tiles are a fixed cost), in training too, where from $T = 2048$ on it is under
+# 1/8 of the naive step's:
 
 # %%
 assert tiled_long <= naive_long / 8
@@ -611,10 +612,10 @@ assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (noteboo
 #    with the faster dropout below.
 # 3. **Fused layer norm.** `F.layer_norm`, one kernel instead of five operations.
 # 4. **A faster dropout on the CPU.** `F.dropout` draws its mask with `bernoulli_`, which on a
-#    CPU is slower (the timing below says by how much here) than drawing uniforms and comparing: $u \ge p$ with
-#    $u \sim U[0, 1)$ keeps an element with probability $1 - p$, the same distribution. Dropout
-#    is not a small cost here: the attention weights of a batch of 16 sequences of 128 tokens
-#    hold a million numbers per layer.
+#    CPU is slower (the timing below says by how much here) than drawing uniforms and
+#    comparing: $u \ge p$ with $u \sim U[0, 1)$ keeps an element with probability $1 - p$, the
+#    same distribution. Dropout is not a small cost here: the attention weights of a batch of 16
+#    sequences of 128 tokens hold a million numbers per layer.
 # 5. **Fewer Python calls.** The blocks call those functions directly, without the lambdas of
 #    `sublayer_connection` and without checking inputs again below the block.
 #
@@ -1054,10 +1055,11 @@ assert all(math.isfinite(step()) for step in steps.values())
 
 # %% [markdown]
 # Where does the rest of the time go? Into the matmuls: projections, feed-forward and their
-# gradients are the same arithmetic in both models, and at 512 tokens of width 128 they are
-# small enough that each costs more in overhead than in FLOPs. Where the fast path wins
-# (`make bench`, section 8, run on a quiet machine), it wins on what is around them: fewer and fused operations, no dropout inside the feed-forward (ours has none;
-# `nn.TransformerEncoderLayer` has one), and the cheaper dropout masks.
+# gradients are the same arithmetic in both models, and at 512 tokens of width 128 they are small
+# enough that each costs more in overhead than in FLOPs. Where the fast path wins (`make bench`,
+# section 8, run on a quiet machine), it wins on what is around them: fewer and fused operations, no
+# dropout inside the feed-forward (ours has none; `nn.TransformerEncoderLayer` has one), and the
+# cheaper dropout masks.
 #
 # ### `torch.compile`
 #
@@ -1263,16 +1265,16 @@ print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False
 
 
 # %% [markdown]
-# Read the two ratios above as this machine's, not as a law. The memory is less, but not half:
-# the activations autocast keeps for the backward are 16-bit, while the float32 weights, their
-# gradients, the logits cast back for the loss and the ops autocast leaves in float32 (layer
-# norm, softmax) are not. The time depends on whether the hardware has fast 16-bit matmuls: the
-# CPU of the stored run has bf16 instructions (`avx512_bf16` in `/proc/cpuinfo`), which pay for
-# casting every matmul's inputs first: there autocast ran about as fast as float32 or faster,
-# varying from run to run on this shared machine (this toy model's matmuls are small). A CPU
-# without bf16 instructions can be slower under autocast than in float32. On a GPU with tensor cores (float16 on a T4, bfloat16 or float16 on an
-# A100) a model large enough to fill the GPU typically runs about 2× faster or more; this toy
-# model is too small to show it.
+# Read the two ratios above as this machine's, not as a law. The memory is less, but not half: the
+# activations autocast keeps for the backward are 16-bit, while the float32 weights, their
+# gradients, the logits cast back for the loss and the ops autocast leaves in float32 (layer norm,
+# softmax) are not. The time depends on whether the hardware has fast 16-bit matmuls: the CPU of the
+# stored run has bf16 instructions (`avx512_bf16` in `/proc/cpuinfo`), which pay for casting every
+# matmul's inputs first: there autocast ran about as fast as float32 or faster, varying from run to
+# run on this shared machine (this toy model's matmuls are small). A CPU without bf16 instructions
+# can be slower under autocast than in float32. On a GPU with tensor cores (float16 on a T4,
+# bfloat16 or float16 on an A100) a model large enough to fill the GPU typically runs about 2×
+# faster or more; this toy model is too small to show it.
 #
 # **Gradient checkpointing** keeps only each block's input in the forward pass and recomputes the
 # block's inside during the backward (Chen et al., 2016), saving the activations of all but one
