@@ -39,6 +39,7 @@ from torch import Tensor
 from torch import nn
 
 from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.efficient import tiled_attention
 from transformer_from_scratch.efficient import use_fast_path
@@ -203,13 +204,13 @@ def kv_cache_speedup(
     torch.manual_seed(0)
     model = never_ending(Transformer(VOCAB, VOCAB, **(model_kwargs or {}))).to(device).eval()
     src, _, _ = reversal_batch(1, 8, device)
-    cached = greedy_decode(model, src, new_tokens, use_cache=True)
+    cached = greedy_decode(model, src, new_tokens, cache=KVCache())
     if not torch.equal(cached, greedy_decode(model, src, new_tokens)):
         raise RuntimeError(f"the cache changed the tokens at {new_tokens} new tokens")
     t = interleaved_medians(
         {
             "uncached": lambda: greedy_decode(model, src, new_tokens),
-            "cached": lambda: greedy_decode(model, src, new_tokens, use_cache=True),
+            "cached": lambda: greedy_decode(model, src, new_tokens, cache=KVCache()),
         },
         device,
         repeats,

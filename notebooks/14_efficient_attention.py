@@ -932,8 +932,8 @@ x_test = torch.randn(2, 5, 128, generator=gen).to(device)
 out_s, attn_s = scratch_model.decoder.layers[0].self_attn(x_test, return_attn=True)
 out_f, attn_f = fast_model.decoder.layers[0].self_attn(x_test, return_attn=True)
 assert torch.equal(out_f, out_s) and torch.equal(attn_f, attn_s)
-decoded_cached = greedy_decode(scratch_model, src, 12, src_mask, use_cache=True)
-assert torch.equal(greedy_decode(fast_model, src, 12, src_mask, use_cache=True), decoded_cached)
+decoded_cached = greedy_decode(scratch_model, src, 12, src_mask, cache=KVCache())
+assert torch.equal(greedy_decode(fast_model, src, 12, src_mask, cache=KVCache()), decoded_cached)
 assert type(use_fast_path(copy.deepcopy(fast_model), enabled=False).encoder.norm) is type(
     scratch_model.encoder.norm)
 print("weights on request and cached decoding: handed over to the from-scratch code")
@@ -958,10 +958,10 @@ def counted_attend(*args):
 
 fast_self_attn._attend = counted_attend  # an instance attribute: only this module is counted
 try:
-    decoded_fast = greedy_decode(fast_model, src, 12, src_mask, use_cache=False)
+    decoded_fast = greedy_decode(fast_model, src, 12, src_mask)
 finally:
     del fast_self_attn._attend
-decoded_scratch = greedy_decode(scratch_model, src, 12, src_mask, use_cache=False)
+decoded_scratch = greedy_decode(scratch_model, src, 12, src_mask)
 assert fast_calls >= 1 and decoded_fast.shape[1] > 1
 assert torch.equal(decoded_fast, decoded_scratch) and torch.equal(decoded_fast, decoded_cached)
 print(f"fast-path greedy decoding: {decoded_fast.shape[1] - 1} tokens per sequence, "
@@ -1178,17 +1178,28 @@ assert 0.0 < mfu < 1.0
 # Notebook 12's cache holds, per decoder layer, keys and values of $h \cdot d_k = d$ numbers for
 # every generated position ($n$ at most) and every source position ($S$), for each of the $B$
 # sequences of the batch. With $N$ decoder layers that is $2 N B d (n + S)$ numbers. Formula
-# against measurement:
+# against measurement, on a cache filled by 512 steps of greedy decoding (a copy of the model
+# that can never emit `EOS`, so that every row runs the full length). The growing buffers of the
+# self-attention caches hold some spare room on top (they double when full, notebook 12):
 
 # %%
+endless = copy.deepcopy(scratch_model).eval()
 with torch.no_grad():
-    scratch_model.eval()
-    enc_out = scratch_model.encode(src, src_mask)  # (8, 10, 128)
-    cache_peak = peak_memory(lambda: KVCache(scratch_model, enc_out, max_len=512), device)
-layers_n, (B_c, S_c, d_c) = scratch_model.config.num_layers, enc_out.shape
+    endless.out_proj.bias[EOS] = -math.inf  # EOS can never win: every row decodes 512 tokens
+filled = KVCache()
+greedy_decode(endless, src, 512, src_mask, cache=filled)
+layers_n, (B_c, S_c), d_c = scratch_model.config.num_layers, src.shape, scratch_model.d_model
 cache_formula = 2 * layers_n * B_c * d_c * (512 + S_c) * 4  # float32: 4 bytes a number
-print(f"formula {cache_formula / MiB:.3f} MiB, measured {cache_peak / MiB:.3f} MiB")
-assert cache_formula <= cache_peak <= 1.05 * cache_formula
+allocated = sum(  # the buffers themselves: kept positions plus the spare room of growing ones
+    buffer.numel() * buffer.element_size()
+    for layer in filled.layers
+    for cache in (layer.self_attn, layer.cross_attn)
+    for buffer in (cache._buffers or (cache.keys, cache.values))
+)
+print(f"formula {cache_formula / MiB:.3f} MiB, kept {filled.num_bytes() / MiB:.3f} MiB, "
+      f"allocated {allocated / MiB:.3f} MiB")
+assert filled.length == 512 and filled.num_bytes() == cache_formula
+assert cache_formula <= allocated <= 1.25 * cache_formula
 
 # %% [markdown]
 # ## 7 · Mixed precision and checkpointing, in numbers
