@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 13 · A real translation task
 #
-# **What you will build:** everything it takes to train the Transformer on a real task, end to end, each piece checked: English number words translated into German ("three hundred and forty-two thousand and seven" → "dreihundertzweiundvierzigtausendsieben"), a corpus made offline with disjoint splits by number; byte-pair encoding written from scratch (`bpe`) beside the Hugging Face `tokenizers` library; a `Dataset`, dynamic padding and batches by tokens with length bucketing (`translation`); and the practice of training (`practice`): AdamW without decay on norms, biases and embeddings, warmup and cosine decay, gradient clipping, label smoothing, gradient accumulation checked against a larger batch, mixed precision, gradient checkpointing, early stopping and checkpoints that resume bit for bit. Last, the trained model is scored on numbers it never saw, with greedy and beam search, sacrebleu's BLEU and chrF and exact match; its errors are sorted by kind, and its cross-attention shows German putting units before tens.
+# **What you will build:** everything it takes to train the Transformer on a real task, end to end, each piece checked: English number words translated into German ("three hundred and forty-two thousand and seven" → "dreihundertzweiundvierzigtausendsieben"), a corpus made offline with disjoint splits by number; byte-pair encoding written from scratch (`bpe`) beside the Hugging Face `tokenizers` library; a `Dataset`, dynamic padding and batches by tokens with length bucketing (`translation`); and the practice of training (`practice`): AdamW without decay on norms, biases and embeddings, warmup and cosine decay, gradient clipping, label smoothing, gradient accumulation checked against a larger batch, mixed precision, gradient checkpointing, early stopping and checkpoints that resume bit for bit (on the CPU). Last, the trained model is scored on numbers it never saw, with greedy and beam search, sacrebleu's BLEU and chrF and exact match; its errors are sorted by kind, and its cross-attention shows German putting units before tens.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/13_translation.ipynb) · Assumes: [10 · The full model](10_full_model.ipynb), [11 · Training](11_training.ipynb), [12 · Generation](12_generation.ipynb).
 
@@ -25,6 +25,7 @@ if "google.colab" in sys.modules:
         )
 
 # %%
+import inspect
 import math
 import tempfile
 import time
@@ -44,6 +45,7 @@ from tokenizers import trainers
 from torch.utils.data import DataLoader
 
 from transformer_from_scratch.decoding import cross_attention_weights
+from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.measure import peak_memory
 from transformer_from_scratch.measure import time_call
@@ -77,10 +79,13 @@ DATA = Path("data")  # the corpus is cached here (gitignored), made again when m
 #
 # The sentences come from `num2words`, a well-kept library of spelling rules for dozens of
 # languages, so nothing is downloaded and the corpus is the same on every machine. The
-# numbers are split **by number** into training, validation and test sets that share none, in
-# the proportions of a usual corpus (80 / 10 / 10 %). Every number below 1000 is in the corpus,
-# because those are the pieces every larger number is made of; the rest are drawn at random up
-# to 999,999. The test set is numbers the model never saw: it must *compose* what it learnt.
+# numbers are split **by number** into training, validation and test sets that share none.
+# All 1000 numbers below 1000 go into the *training* set: they are the pieces every larger
+# number is made of ("zweiundvierzig" is also the first half of "zweiundvierzigtausend…").
+# The other 19,000 are drawn at random from 1000 to 999,999; 2,000 of them validate, 2,000
+# test and 15,000 train. Of the 20,000 numbers that is 80 / 10 / 10 %, a usual corpus's
+# proportions, but the validation and test numbers are all 1000 or more: each is a
+# combination the model never saw, of blocks it did. It must *compose* what it learnt.
 
 # %%
 #| default_exp translation
@@ -124,22 +129,33 @@ MAX_NUMBER = 999_999
 def split_numbers(
     num_numbers: int, seed: int = 0, valid: float = 0.1, test: float = 0.1
 ) -> dict[str, list[int]]:
-    """Disjoint train/valid/test lists of distinct numbers up to MAX_NUMBER; 0..999 all in."""
+    """Disjoint train/valid/test lists of distinct numbers up to MAX_NUMBER.
+
+    Every number below 1000 (the building blocks) is in train; the others are distinct random
+    numbers from 1000 up, cut into valid (a share `valid` of num_numbers), test and the rest of
+    train. Validation and test numbers are therefore all >= 1000, made of seen blocks.
+    """
     num_numbers = check_int("num_numbers", num_numbers, minimum=1000)
     if num_numbers > MAX_NUMBER + 1:
         raise ValueError(f"num_numbers={num_numbers} is more than the {MAX_NUMBER + 1} numbers")
     valid, test = check_probability("valid", valid), check_probability("test", test)
     if valid <= 0 or test <= 0 or valid + test >= 1.0:
         raise ValueError(f"valid={valid} and test={test} must be > 0 and leave room for training")
-    rng = random.Random(seed)
-    # Every number below 1000 (the building blocks), then distinct random larger ones.
-    numbers = list(range(1000)) + rng.sample(range(1000, MAX_NUMBER + 1), num_numbers - 1000)
-    rng.shuffle(numbers)
     n_valid, n_test = round(valid * num_numbers), round(test * num_numbers)
+    if n_valid < 1 or n_test < 1 or n_valid + n_test > num_numbers - 1000:
+        raise ValueError(
+            f"num_numbers={num_numbers} leaves no room: the 1000 numbers below 1000 train, and "
+            f"{n_valid} validation and {n_test} test numbers must come from the other "
+            f"{num_numbers - 1000}"
+        )
+    rng = random.Random(seed)
+    larger = rng.sample(range(1000, MAX_NUMBER + 1), num_numbers - 1000)  # in random order
+    train = list(range(1000)) + larger[n_valid + n_test :]
+    rng.shuffle(train)  # the building blocks mixed with the rest
     return {
-        "train": numbers[n_valid + n_test :],
-        "valid": numbers[:n_valid],
-        "test": numbers[n_valid : n_valid + n_test],
+        "train": train,
+        "valid": larger[:n_valid],
+        "test": larger[n_valid : n_valid + n_test],
     }
 
 
@@ -157,7 +173,8 @@ def load_corpus(
 ) -> dict[str, list[tuple[int, str, str]]]:
     """(number, English, target) triples per split, made once and cached as JSON in directory."""
     tgt_lang = check_choice("tgt_lang", tgt_lang, LANGUAGES[1:])
-    path = Path(directory) / f"numbers_en_{tgt_lang}_{num_numbers}_seed{seed}.json"
+    # v2: 0..999 all in train (v1 files mixed them into every split); the name keeps them apart
+    path = Path(directory) / f"numbers_v2_en_{tgt_lang}_{num_numbers}_seed{seed}.json"
     if path.exists():
         cached = json.loads(path.read_text(encoding="utf-8"))
         return {split: [tuple(row) for row in rows] for split, rows in cached.items()}
@@ -173,13 +190,16 @@ def load_corpus(
 
 
 # %% [markdown]
-# 20,000 numbers: 16,000 to train on, 2,000 to validate and 2,000 to test. The first run writes
+# 20,000 numbers: 16,000 to train on (the 1000 below 1000 among them), 2,000 to validate and
+# 2,000 to test. The first run writes
 # the corpus to `data/` (a few seconds); later runs read it back.
 
 # %%
 corpus = load_corpus(DATA, num_numbers=20_000, seed=0, tgt_lang="de")
 for split, rows in corpus.items():
-    print(f"{split:5s} {len(rows):6,d} pairs   e.g. {rows[0][0]:>7,d}: {rows[0][1]!r} -> {rows[0][2]!r}")
+    print(
+        f"{split:5s} {len(rows):6,d} pairs   e.g. {rows[0][0]:>7,d}: {rows[0][1]!r} -> {rows[0][2]!r}"
+    )
 
 # %%
 numbers = {split: {n for n, _, _ in rows} for split, rows in corpus.items()}
@@ -188,6 +208,8 @@ assert not numbers["train"] & numbers["test"]
 assert not numbers["valid"] & numbers["test"]
 assert sum(map(len, numbers.values())) == 20_000  # and no number twice
 assert all(n <= 999_999 for rows in numbers.values() for n in rows)
+assert set(range(1000)) <= numbers["train"]  # every building block is trained on
+assert min(numbers["valid"] | numbers["test"]) >= 1000  # held-out numbers are compositions
 assert number_to_words(42, "de") == "zweiundvierzig"  # units before tens
 
 # %% [markdown]
@@ -437,9 +459,16 @@ class BPETokenizer:
 # One tokenizer per language, trained on the **training split only** (the validation and test
 # sentences must not shape anything the model uses). A sample of 5,000 training sentences is
 # plenty to find the frequent pieces and keeps training to a second or two. The vocabulary sizes
-# are chosen so that the pieces are the building blocks of numbers: mostly whole English words
-# (some compounds stay in two pieces, "▁twen" + "ty-five"), and in German the units with
-# "und", the tens, "hundert" and "tausend".
+# are chosen so that the pieces are the building blocks of numbers, though BPE's pieces follow
+# frequency, not grammar. In English most number words are whole tokens ("▁hundred",
+# "▁thousand", "▁fifty-seven"), but about half of the hyphenated tens-and-units are not: BPE
+# cut "forty-two" into "▁forty-t" + "wo" and "twenty-five" into "▁twen" + "ty-five". In German
+# the pieces are the units with "und" ("zweiund"), the hundreds ("dreihundert") and bare
+# digit stems: the tens are *not* tokens of their own but a stem and a suffix, "vier" +
+# "zig", or "vier" + "zigtausend" when "tausend" follows. And every German sentence starts
+# with a lone "▁" token: it is a single word, so the word marker is always followed by a
+# different first letter, and no pair "▁" + letter is frequent enough to be merged within
+# 90 tokens (in English, "▁" + "and", "▁" + "thousand" are).
 
 # %%
 train_en = [en for _, en, _ in corpus["train"]]
@@ -447,7 +476,11 @@ train_de = [de for _, _, de in corpus["train"]]
 src_tokenizer = BPETokenizer.train(train_en[:5000], vocab_size=160)
 tgt_tokenizer = BPETokenizer.train(train_de[:5000], vocab_size=90)
 print("English:", src_tokenizer.vocab_size, "tokens, German:", tgt_tokenizer.vocab_size, "tokens")
-example_n, example_en, example_de = 342_057, number_to_words(342_057, "en"), number_to_words(342_057, "de")
+example_n, example_en, example_de = (
+    342_057,
+    number_to_words(342_057, "en"),
+    number_to_words(342_057, "de"),
+)
 print(src_tokenizer.tokens(example_en))
 print(tgt_tokenizer.tokens(example_de))
 print(tgt_tokenizer.encode(example_de))
@@ -522,8 +555,13 @@ all_de = [de for rows in corpus.values() for _, _, de in rows]
 ours_lengths = [len(tgt_tokenizer.encode(s, add_special=False)) for s in all_de]
 hf_lengths = [len(e.ids) for e in hf_tokenizer.encode_batch(all_de)]
 assert [hf_tokenizer.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>", "<unk>")] == [0, 1, 2, 3]
-assert all(hf_tokenizer.decode(e.ids) == s for e, s in zip(hf_tokenizer.encode_batch(all_de), all_de, strict=False))
-print(f"tokens per German sentence: ours {np.mean(ours_lengths):.2f}, library {np.mean(hf_lengths):.2f}")
+assert all(
+    hf_tokenizer.decode(e.ids) == s
+    for e, s in zip(hf_tokenizer.encode_batch(all_de), all_de, strict=False)
+)
+print(
+    f"tokens per German sentence: ours {np.mean(ours_lengths):.2f}, library {np.mean(hf_lengths):.2f}"
+)
 print(f"longest:                    ours {max(ours_lengths)}, library {max(hf_lengths)}")
 shared = set(tgt_tokenizer.id_to_token) & set(hf_tokenizer.get_vocab())
 print(f"tokens in both vocabularies: {len(shared)} of {tgt_tokenizer.vocab_size}")
@@ -532,10 +570,12 @@ print(f"tokens in both vocabularies: {len(shared)} of {tgt_tokenizer.vocab_size}
 fresh = BPETokenizer(tgt_tokenizer.alphabet, tgt_tokenizer.merges)  # an empty word cache
 seconds_ours = time_call(lambda: [fresh.encode(s) for s in all_de[:2000]], warmup=0, repeats=1)
 seconds_hf = time_call(lambda: hf_tokenizer.encode_batch(all_de[:2000]), warmup=0, repeats=1)
-print(f"encoding 2,000 sentences: ours {1000 * seconds_ours:.0f} ms, library {1000 * seconds_hf:.0f} ms")
+print(
+    f"encoding 2,000 sentences: ours {1000 * seconds_ours:.0f} ms, library {1000 * seconds_hf:.0f} ms"
+)
 
 # %%
-assert seconds_ours > 0 and seconds_hf > 0
+assert [fresh.encode(s) for s in all_de[:2000]] == [tgt_tokenizer.encode(s) for s in all_de[:2000]]
 
 
 # %% [markdown]
@@ -582,8 +622,11 @@ class TranslationDataset(Dataset):
                 )
             self.src.append(torch.tensor(src_ids))
             self.tgt.append(torch.tensor(tgt_ids))
-        # A pair's cost in a batch: its longer side, which sets how far the batch is padded.
-        self.lengths = [max(len(s), len(t)) for s, t in zip(self.src, self.tgt, strict=True)]
+        self.src_lengths = [len(s) for s in self.src]
+        self.tgt_lengths = [len(t) for t in self.tgt]
+        # A pair's cost in a batch: its longer side (src and tgt are padded separately, each
+        # tensor to its own longest, so the longer side bounds both tensors' widths).
+        self.lengths = [max(s, t) for s, t in zip(self.src_lengths, self.tgt_lengths, strict=True)]
 
     def __len__(self) -> int:
         return len(self.src)
@@ -690,28 +733,40 @@ class TokenBatchSampler(Sampler):
 
 # %%
 #| export
-def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
-    """The share of a batch's positions that are padding, over all batches."""
+def padding_fraction(batches: Sequence[Sequence[int]], *lengths: Sequence[int]) -> float:
+    """The share of padded positions that are padding, over all batches and all tensors.
+
+    Pass one lengths list per tensor that is padded separately (e.g. the source and the
+    target lengths): each tensor of a batch is padded to its own longest sequence.
+    """
+    if not lengths:
+        raise ValueError("give at least one list of lengths, one per padded tensor")
     real = padded = 0
     for batch in batches:
         if len(batch) == 0:
             raise ValueError("a batch is empty")
-        longest = max(lengths[i] for i in batch)
-        real += sum(lengths[i] for i in batch)
-        padded += longest * len(batch)
+        for tensor_lengths in lengths:
+            real += sum(tensor_lengths[i] for i in batch)
+            padded += max(tensor_lengths[i] for i in batch) * len(batch)
     return 1.0 - real / padded
 
 
 # %%
 MAX_LEN = 32  # positions of the model; the longest pair has far fewer tokens
 datasets = {
-    split: TranslationDataset([(en, de) for _, en, de in rows], src_tokenizer, tgt_tokenizer, MAX_LEN)
+    split: TranslationDataset(
+        [(en, de) for _, en, de in rows], src_tokenizer, tgt_tokenizer, MAX_LEN
+    )
     for split, rows in corpus.items()
 }
 src_ids, tgt_ids = datasets["train"][0]
 print(src_ids.tolist(), tgt_ids.tolist(), sep="\n")
 print("longest pair:", max(max(ds.lengths) for ds in datasets.values()), "tokens")
-print(error_of(TranslationDataset, [(example_en, example_de)], src_tokenizer, tgt_tokenizer, max_len=8))
+print(
+    error_of(
+        TranslationDataset, [(example_en, example_de)], src_tokenizer, tgt_tokenizer, max_len=8
+    )
+)
 
 # %%
 batch = collate_translations([datasets["train"][i] for i in range(3)])
@@ -719,22 +774,36 @@ for name, t in zip(("src", "tgt_in", "tgt_out", "src_lengths"), batch, strict=Fa
     print(f"{name:12s} {tuple(t.shape)}")
 src, tgt_in, tgt_out, src_lengths = batch
 assert src.size(1) == int(src_lengths.max())  # padded to the longest in the batch, no further
-assert (tgt_in[:, 0] == BOS).all() and torch.equal(tgt_in[:, 1:], tgt_out[:, :-1])
+assert (tgt_in[:, 0] == BOS).all()
+for row, (_, tgt_row) in enumerate(datasets["train"][i] for i in range(3)):
+    n = len(tgt_row)  # BOS ... EOS
+    assert torch.equal(tgt_in[row, : n - 1], tgt_row[:-1]) and torch.equal(
+        tgt_out[row, : n - 1], tgt_row[1:]
+    )
+    assert (tgt_out[row, n - 1 :] == PAD).all()  # after EOS, only padding
 assert torch.equal(padding_mask(src_lengths, src.size(1))[:, 0, 0], src != PAD)  # mask = not PAD
 
 # %% [markdown]
 # How much padding does bucketing save? The same token budget, with and without sorting the
-# pools, over one epoch of the training set:
+# pools, over one epoch of the training set. The source and the target are padded separately,
+# each to its own longest in the batch, so the waste is counted over both tensors:
 
 # %%
 MAX_TOKENS = 2048
 lengths = datasets["train"].lengths
 bucketed = TokenBatchSampler(lengths, MAX_TOKENS, bucket=True, seed=0).batches()
 random_batches = TokenBatchSampler(lengths, MAX_TOKENS, bucket=False, seed=0).batches()
-waste_random = padding_fraction(random_batches, lengths)
-waste_bucketed = padding_fraction(bucketed, lengths)
-print(f"random batches:   {len(random_batches):4d} batches, {waste_random:.1%} of positions are padding")
-print(f"length-bucketed:  {len(bucketed):4d} batches, {waste_bucketed:.1%} of positions are padding")
+src_lengths_train, tgt_lengths_train = datasets["train"].src_lengths, datasets["train"].tgt_lengths
+waste_random = padding_fraction(random_batches, src_lengths_train, tgt_lengths_train)
+waste_bucketed = padding_fraction(bucketed, src_lengths_train, tgt_lengths_train)
+for name, batches_, waste_ in (
+    ("random batches", random_batches, waste_random),
+    ("length-bucketed", bucketed, waste_bucketed),
+):
+    print(
+        f"{name:16s} {len(batches_):4d} batches of {np.mean([len(b) for b in batches_]):.0f} pairs on average, "
+        f"{waste_:.1%} of src and tgt positions are padding"
+    )
 
 # %%
 assert waste_bucketed <= waste_random / 2  # at most half the waste
@@ -744,19 +813,34 @@ assert all(len(b) * max(lengths[i] for i in b) <= MAX_TOKENS for b in bucketed) 
 # %% jupyter={"source_hidden": true}
 fig, (ax_len, ax_waste) = plt.subplots(1, 2, figsize=(10, 3.4))
 ax_len.hist(lengths, bins=range(min(lengths), max(lengths) + 2), color=COLORS["ours"], align="left")
-ax_len.set(xlabel="tokens in the longer side of a pair", ylabel="pairs", title="Lengths in the training set")
-for batches, name, color in ((random_batches, "random", COLORS["torch"]), (bucketed, "bucketed", COLORS["ours"])):
-    waste = [1 - sum(lengths[i] for i in b) / (len(b) * max(lengths[i] for i in b)) for b in batches]
-    ax_waste.hist(np.array(waste) * 100, bins=np.linspace(0, 36, 37), alpha=0.7, color=color, label=name)
-ax_waste.set(xlabel="padding in a batch (%)", ylabel="batches", title="Padding per batch, same token budget")
+ax_len.set(
+    xlabel="tokens in the longer side of a pair",
+    ylabel="pairs",
+    title="Lengths in the training set",
+)
+for batches, name, color in (
+    (random_batches, "random", COLORS["torch"]),
+    (bucketed, "bucketed", COLORS["ours"]),
+):
+    waste = [padding_fraction([b], src_lengths_train, tgt_lengths_train) for b in batches]
+    ax_waste.hist(
+        np.array(waste) * 100, bins=np.linspace(0, 36, 37), alpha=0.7, color=color, label=name
+    )
+ax_waste.set(
+    xlabel="padding in a batch, src and tgt (%)",
+    ylabel="batches",
+    title="Padding per batch, same token budget",
+)
 ax_waste.legend()
 fig.tight_layout()
 save_figure(fig, "13_padding_waste")
 plt.show()
 
 # %% [markdown]
-# Random batches pad each sentence to the longest of a random handful; bucketed ones are
-# nearly all real tokens. The loader is then ordinary PyTorch: the sampler decides which
+# Random batches pad each sentence to the longest of some 145 random ones, and a fifth of their
+# positions are padding; bucketed batches are more than nine tenths real tokens. (The budget
+# counts a pair by its longer side, so bucketed batches, with fewer wasted positions, also fit
+# more pairs: about 180.) The loader is then ordinary PyTorch: the sampler decides which
 # indices go together, the collate function pads them.
 #
 # **Pad to the longest in the batch, batch by tokens, and bucket by length: the model's time
@@ -840,17 +924,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 # %%
-probe = Transformer(src_tokenizer.vocab_size, tgt_tokenizer.vocab_size, d_model=64, num_heads=4, d_ff=128, num_layers=2)
+probe = Transformer(
+    src_tokenizer.vocab_size,
+    tgt_tokenizer.vocab_size,
+    d_model=64,
+    num_heads=4,
+    d_ff=128,
+    num_layers=2,
+)
 decay_group, no_decay_group = param_groups(probe, weight_decay=0.01)
-print(f"decay:    {len(decay_group['params']):3d} tensors, {sum(p.numel() for p in decay_group['params']):7,d} weights")
-print(f"no decay: {len(no_decay_group['params']):3d} tensors, {sum(p.numel() for p in no_decay_group['params']):7,d} weights")
+print(
+    f"decay:    {len(decay_group['params']):3d} tensors, {sum(p.numel() for p in decay_group['params']):7,d} weights"
+)
+print(
+    f"no decay: {len(no_decay_group['params']):3d} tensors, {sum(p.numel() for p in no_decay_group['params']):7,d} weights"
+)
 
 # %%
 no_decay_ids = {id(p) for p in no_decay_group["params"]}
 for name, p in probe.named_parameters():
     is_norm_bias_or_embedding = "norm" in name or name.endswith("bias") or "embed" in name
     assert (id(p) in no_decay_ids) == is_norm_bias_or_embedding, name
-assert len(decay_group["params"]) + len(no_decay_group["params"]) == len(list(probe.parameters()))
 
 
 # %% [markdown]
@@ -882,18 +976,29 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 
 # %%
 total_demo, warmup_demo = 1000, 100
-cosine_curve = [warmup_cosine(s, warmup_demo, total_demo, min_ratio=0.05) for s in range(total_demo)]
-inverse_sqrt_curve = [min((s + 1) / warmup_demo, math.sqrt(warmup_demo / (s + 1))) for s in range(total_demo)]
+cosine_curve = [
+    warmup_cosine(s, warmup_demo, total_demo, min_ratio=0.05) for s in range(total_demo)
+]
+inverse_sqrt_curve = [
+    min((s + 1) / warmup_demo, math.sqrt(warmup_demo / (s + 1))) for s in range(total_demo)
+]
 assert cosine_curve[warmup_demo - 1] == max(cosine_curve) == 1.0  # the peak ends the warmup
 assert cosine_curve[0] == 1 / warmup_demo and abs(cosine_curve[-1] - 0.05) < 1e-4
-assert all(a >= b for a, b in zip(cosine_curve[warmup_demo:], cosine_curve[warmup_demo + 1:], strict=False))
+assert all(
+    a >= b
+    for a, b in zip(cosine_curve[warmup_demo:], cosine_curve[warmup_demo + 1 :], strict=False)
+)
 
 # %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(6.5, 3.2))
 ax.plot(cosine_curve, color=COLORS["ours"], label="warmup + cosine (used here)")
 ax.plot(inverse_sqrt_curve, color=COLORS["torch"], label=r"warmup + $1/\sqrt{t}$ (the tutorial's)")
 ax.axvline(warmup_demo, color="gray", lw=0.8, ls=":")
-ax.set(xlabel="optimizer step", ylabel=r"learning rate / $\eta_{max}$", title="Learning-rate schedules, 100 warmup steps of 1000")
+ax.set(
+    xlabel="optimizer step",
+    ylabel=r"learning rate / $\eta_{max}$",
+    title="Learning-rate schedules, 100 warmup steps of 1000",
+)
 ax.legend()
 fig.tight_layout()
 save_figure(fig, "13_lr_schedule")
@@ -942,7 +1047,7 @@ def sequence_loss(
 # big batch when the micro-batches hold different numbers of tokens (and with dynamic padding
 # they do). The exact version sums each micro-batch's loss and divides by the tokens of all $k$:
 #
-# $$\nabla \frac{1}{N} \sum_{i \in \text{batch}} \ell_i = \sum_{j=1}^{k} \nabla \frac{1}{N} \sum_{i \in \text{micro}_j} \ell_i, \qquad N = \text{real tokens in all } k}.$$
+# $$\nabla \frac{1}{N} \sum_{i \in \text{batch}} \ell_i = \sum_{j=1}^{k} \nabla \frac{1}{N} \sum_{i \in \text{micro}_j} \ell_i, \qquad N = \text{real tokens in all } k.$$
 #
 # The check: one batch of 48 pairs against 4 micro-batches of 12 (each padded to its own
 # longest), dropout off so that both see the same network.
@@ -953,7 +1058,15 @@ def gradients(model: nn.Module) -> list[torch.Tensor]:
 
 
 set_seed(0)
-accum_model = Transformer(src_tokenizer.vocab_size, tgt_tokenizer.vocab_size, d_model=64, num_heads=4, d_ff=128, num_layers=2, dropout_p=0.0).to(device)
+accum_model = Transformer(
+    src_tokenizer.vocab_size,
+    tgt_tokenizer.vocab_size,
+    d_model=64,
+    num_heads=4,
+    d_ff=128,
+    num_layers=2,
+    dropout_p=0.0,
+).to(device)
 pairs = [datasets["train"][i] for i in range(48)]
 big_batch = collate_translations(pairs)
 micro = [collate_translations(pairs[j : j + 12]) for j in range(0, 48, 12)]
@@ -1016,43 +1129,71 @@ def amp_autocast(device: torch.device, amp_dtype: str | None):
 
 # %% tags=["nbval-ignore-output"]
 set_seed(0)
-amp_model = Transformer(src_tokenizer.vocab_size, tgt_tokenizer.vocab_size, d_model=128, num_heads=4, d_ff=512, num_layers=2, dropout_p=0.0).to(device)
+amp_model = Transformer(
+    src_tokenizer.vocab_size,
+    tgt_tokenizer.vocab_size,
+    d_model=128,
+    num_heads=4,
+    d_ff=512,
+    num_layers=2,
+    dropout_p=0.0,
+).to(device)
 amp_batch = collate_translations([datasets["train"][i] for i in range(128)])
 amp_dtypes = [None, "bfloat16"] + (["float16"] if device.type == "cuda" else [])
-amp_losses = {}
-for amp_dtype in amp_dtypes:
-    with amp_autocast(device, amp_dtype):
-        amp_losses[amp_dtype or "float32"] = sequence_loss(amp_model, amp_batch)[0].item()
-print({name: round(loss, 3) for name, loss in amp_losses.items()})
-
-# %%
-assert abs(amp_losses["bfloat16"] - amp_losses["float32"]) < 0.05 * amp_losses["float32"]
 
 
-# %% tags=["nbval-ignore-output"]
 def train_step(amp_dtype):
     amp_model.zero_grad()
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == "float16")
     with amp_autocast(device, amp_dtype):
         loss = sequence_loss(amp_model, amp_batch)[0]
     scaler.scale(loss).backward()
+    return loss
 
 
-amp_seconds = {name or "float32": time_call(lambda name=name: train_step(name), repeats=3) for name in amp_dtypes}
+amp_seconds = {
+    name or "float32": time_call(lambda name=name: train_step(name), repeats=3)
+    for name in amp_dtypes
+}
 for name, seconds in amp_seconds.items():
-    print(f"{name:9s} forward + backward: {1000 * seconds:6.1f} ms  ({amp_seconds['float32'] / seconds:.2f}x)")
+    print(
+        f"{name:9s} forward + backward: {1000 * seconds:6.1f} ms  ({amp_seconds['float32'] / seconds:.2f}x)"
+    )
+
 
 # %%
-assert all(seconds > 0 for seconds in amp_seconds.values())
+def step_gradient(amp_dtype) -> torch.Tensor:
+    """The whole gradient of one step, flattened (its direction: float16's scaling cancels)."""
+    loss = train_step(amp_dtype)
+    assert loss.dtype == torch.float32  # the loss is computed in float32 under autocast too
+    return torch.cat([p.grad.float().flatten() for p in amp_model.parameters()])
+
+
+grad_fp32 = step_gradient(None)
+for name in amp_dtypes[1:]:
+    with amp_autocast(device, name):  # proof that autocast really runs the products in 16 bits
+        assert amp_model.out_proj(torch.ones(2, 128, device=device)).dtype == getattr(torch, name)
+    grad_16 = step_gradient(name)
+    cosine = float(torch.nn.functional.cosine_similarity(grad_16, grad_fp32, dim=0))
+    assert cosine > 0.99 and not torch.equal(grad_16, grad_fp32), (
+        name,
+        cosine,
+    )  # same direction, other bits
 
 
 # %% [markdown]
-# bfloat16 changes the loss only in its second or third digit (the assert allows 5 %). Its
-# speed depends on the processor: CPUs with bfloat16 instructions (recent Intel Xeons with
-# AMX or AVX-512 BF16, AMD Zen 4) run the products faster, older ones lose time to the casts;
-# the cell above prints what yours does. On a recent GPU the products run on tensor cores
-# and a step is typically several times faster. The training below stays in float32 on the
-# CPU, so that its numbers are the same on every machine, and uses bfloat16 autocast on a GPU.
+# The 16-bit step's gradient points the same way as float32's (cosine above 0.99) without being
+# identical: the products really ran in 16 bits. The real test of the accuracy comes after
+# training, on the trained model. The speed depends on the processor: CPUs with bfloat16
+# instructions (recent Intel Xeons with AMX or AVX-512 BF16, AMD Zen 4) run the products
+# faster, older ones lose time to the casts; the cell above prints what yours does. On a recent
+# GPU the products run on tensor cores and a step is typically several times faster. The
+# training below stays in float32 on the CPU, where bfloat16 is often no faster. (float32 does
+# not make the numbers the same on every machine: the order in which a matrix product adds
+# its terms differs between BLAS libraries and thread counts, and so do the last bits. That
+# is why the trained model's scores below are printed and bounded, not asserted exactly.) On
+# a GPU the training uses bfloat16 autocast where the hardware has it (compute capability 8.0
+# and up), float16 with the gradient scaler otherwise.
 
 # %% [markdown]
 # ### Gradient checkpointing
@@ -1102,25 +1243,29 @@ grads_plain = gradients(amp_model)
 set_gradient_checkpointing(amp_model, True)
 memory_checkpointed = measured_peak()
 grads_checkpointed = gradients(amp_model)
-print(f"peak memory of forward + backward: {memory_plain / 2**20:.1f} MiB plain, "
-      f"{memory_checkpointed / 2**20:.1f} MiB with checkpointing")
+print(
+    f"peak memory of forward + backward: {memory_plain / 2**20:.1f} MiB plain, "
+    f"{memory_checkpointed / 2**20:.1f} MiB with checkpointing"
+)
 
 # %%
 for g_ckpt, g_plain in zip(grads_checkpointed, grads_plain, strict=False):
     assert_close(g_ckpt, g_plain, rtol=1e-4, atol=1e-6)  # the same gradients
-assert memory_checkpointed < 0.8 * memory_plain  # and less memory
+if device.type in ("cpu", "cuda"):  # on MPS the profiler sees the CPU, not the GPU's memory
+    assert memory_checkpointed < 0.8 * memory_plain  # and less memory
 
 # %% tags=["nbval-ignore-output"]
 set_gradient_checkpointing(amp_model, True)
 seconds_checkpointed = time_call(forward_backward, repeats=3)
 set_gradient_checkpointing(amp_model, False)
 seconds_plain = time_call(forward_backward, repeats=3)
-print(f"time: {1000 * seconds_plain:.0f} ms plain, {1000 * seconds_checkpointed:.0f} ms with checkpointing "
-      f"({seconds_checkpointed / seconds_plain:.2f}x)")
+print(
+    f"time: {1000 * seconds_plain:.0f} ms plain, {1000 * seconds_checkpointed:.0f} ms with checkpointing "
+    f"({seconds_checkpointed / seconds_plain:.2f}x)"
+)
 
 # %%
 assert "forward" not in vars(amp_model.encoder.layers[0])  # switched off again
-assert seconds_checkpointed > 0 and seconds_plain > 0
 
 
 # %% [markdown]
@@ -1167,7 +1312,9 @@ class EarlyStopping:
 stopper = EarlyStopping(patience=2)
 for epoch, val_loss in enumerate([2.0, 1.2, 0.9, 0.95, 0.91, 0.8]):
     improved = stopper.step(epoch, val_loss)
-    print(f"epoch {epoch}: val loss {val_loss:.2f}  {'best so far' if improved else f'no better ({stopper.bad_epochs})'}")
+    print(
+        f"epoch {epoch}: val loss {val_loss:.2f}  {'best so far' if improved else f'no better ({stopper.bad_epochs})'}"
+    )
     if stopper.should_stop:
         print("stop; best epoch", stopper.best_epoch)
         break
@@ -1248,8 +1395,9 @@ def layer_grad_norms(model: nn.Module) -> dict[str, float]:
 # is made; one `update` takes $k$ micro-batches, scales, unscales, records and clips the
 # gradients, and steps the optimizer, the scaler and the scheduler. Each epoch ends with a
 # validation pass (mean loss per token and token accuracy), early stopping and the two
-# checkpoints. A `tqdm.auto` progress bar shows the steps of each epoch in JupyterLab and Colab,
-# redrawn at most every 2 seconds, and disappears when the epoch is done (`leave=False`).
+# checkpoints. One `tqdm.auto` progress bar over the whole run shows the steps in JupyterLab
+# and Colab, redrawn at most every 2 seconds, and disappears when training ends
+# (`leave=False`); the cell that trains prints a line per epoch afterwards.
 
 # %%
 #| export practice
@@ -1346,6 +1494,9 @@ def train_translation(
     optimizer = torch.optim.AdamW(
         param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
     )
+    sampler = getattr(train_loader, "batch_sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(0)  # count epoch 0's batches: a resumed run gets the same schedule
     steps_per_epoch = math.ceil(len(train_loader) / config.accumulation_steps)
     total_steps = max(config.epochs * steps_per_epoch, config.warmup_steps + 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -1393,18 +1544,19 @@ def train_translation(
         return loss_sum / tokens
 
     model.train()
+    # One bar for the whole run (its total counts epoch 0's steps per epoch, an estimate), gone
+    # when training ends. One redraw every 2 s at most: a bar that redraws every step floods
+    # the notebook's message channel (and nbval, which reads it after the cell).
+    bar = tqdm(
+        total=(config.epochs - start_epoch) * steps_per_epoch,
+        desc="training",
+        leave=False,
+        mininterval=2.0,
+        disable=not progress,
+    )
     for epoch in range(start_epoch, config.epochs):
-        if hasattr(train_loader.batch_sampler, "set_epoch"):
-            train_loader.batch_sampler.set_epoch(epoch)  # a new order, the same on every run
-        # One redraw every 2 s at most: a bar that redraws every step floods the notebook's
-        # message channel (and nbval, which reads it after the cell) with thousands of updates.
-        bar = tqdm(
-            total=steps_per_epoch,
-            desc=f"epoch {epoch + 1}",
-            leave=False,  # the bar disappears when its epoch is done
-            mininterval=2.0,
-            disable=not progress,
-        )
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)  # a new order, the same on every run
         micro_batches, epoch_losses = [], []
         num_batches = len(train_loader)  # this epoch's, after set_epoch
         for i, batch in enumerate(train_loader):
@@ -1414,8 +1566,7 @@ def train_translation(
                 history["step_loss"].append(epoch_losses[-1])
                 micro_batches = []
                 bar.update()
-                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}", refresh=False)
-        bar.close()
+                bar.set_postfix(epoch=epoch + 1, loss=f"{epoch_losses[-1]:.3f}", refresh=False)
         val_loss, val_acc = evaluate_loss(
             model, valid_loader, config.amp_dtype, config.label_smoothing
         )
@@ -1425,7 +1576,9 @@ def train_translation(
         improved = stopper.step(epoch, val_loss)
         if directory is not None:
             if improved:
-                save_training_state(directory / "best.pt", {"model": model.state_dict(), "epoch": epoch})
+                save_training_state(
+                    directory / "best.pt", {"model": model.state_dict(), "epoch": epoch}
+                )
             save_training_state(
                 directory / "last.pt",
                 {
@@ -1442,8 +1595,11 @@ def train_translation(
             )
         if stopper.should_stop or (stop_after_epoch is not None and epoch + 1 >= stop_after_epoch):
             break
+    bar.close()
     if directory is not None and (directory / "best.pt").exists() and stop_after_epoch is None:
-        model.load_state_dict(load_training_state(directory / "best.pt", map_location=device)["model"])
+        model.load_state_dict(
+            load_training_state(directory / "best.pt", map_location=device)["model"]
+        )
     set_gradient_checkpointing(model, False)
     return history
 
@@ -1451,45 +1607,98 @@ def train_translation(
 # %% [markdown]
 # **The check that matters for checkpoints:** train a small model for 3 epochs in one go; train
 # the same model for 2 epochs, "crash", build a *new* model with other weights, resume it from
-# the checkpoint and finish. Both must end with exactly the same weights: `torch.equal`, not
-# a tolerance. Dropout is on, so the random generators must really be restored.
+# the checkpoint and finish. Both must end with exactly the same weights: on the CPU
+# `torch.equal`, not a tolerance. Dropout is on, so the random generators must really be
+# restored. (On a GPU some kernels, such as the atomic additions of an embedding's backward,
+# add in a varying order unless `torch.use_deterministic_algorithms(True)` is set, so there
+# the check allows float rounding.)
 
 # %%
 small_pairs = torch.utils.data.Subset(datasets["train"], range(600))
 small_lengths = [datasets["train"].lengths[i] for i in range(600)]
-small_loader = DataLoader(small_pairs, batch_sampler=TokenBatchSampler(small_lengths, 1024, seed=1), collate_fn=collate_translations)
-small_valid = DataLoader(datasets["valid"], batch_sampler=TokenBatchSampler(datasets["valid"].lengths[:200], 4096, shuffle=False), collate_fn=collate_translations)
+small_loader = DataLoader(
+    small_pairs,
+    batch_sampler=TokenBatchSampler(small_lengths, 1024, seed=1),
+    collate_fn=collate_translations,
+)
+small_valid = DataLoader(
+    datasets["valid"],
+    batch_sampler=TokenBatchSampler(datasets["valid"].lengths[:200], 4096, shuffle=False),
+    collate_fn=collate_translations,
+)
 small_config = TrainConfig(epochs=3, lr=1e-3, warmup_steps=5, seed=1)
 
 
 def small_model(seed: int) -> Transformer:
     set_seed(seed)
-    return Transformer(src_tokenizer.vocab_size, tgt_tokenizer.vocab_size, d_model=32, num_heads=2, d_ff=64, num_layers=1, dropout_p=0.1, max_len=MAX_LEN).to(device)
+    return Transformer(
+        src_tokenizer.vocab_size,
+        tgt_tokenizer.vocab_size,
+        d_model=32,
+        num_heads=2,
+        d_ff=64,
+        num_layers=1,
+        dropout_p=0.1,
+        max_len=MAX_LEN,
+    ).to(device)
 
 
 with tempfile.TemporaryDirectory() as tmp:
     straight = small_model(seed=1)
-    history_straight = train_translation(straight, small_loader, small_valid, small_config, checkpoint_dir=Path(tmp) / "a", progress=False)
+    history_straight = train_translation(
+        straight,
+        small_loader,
+        small_valid,
+        small_config,
+        checkpoint_dir=Path(tmp) / "a",
+        progress=False,
+    )
     interrupted = small_model(seed=1)
-    train_translation(interrupted, small_loader, small_valid, small_config, checkpoint_dir=Path(tmp) / "b", stop_after_epoch=2, progress=False)
+    train_translation(
+        interrupted,
+        small_loader,
+        small_valid,
+        small_config,
+        checkpoint_dir=Path(tmp) / "b",
+        stop_after_epoch=2,
+        progress=False,
+    )
     resumed = small_model(seed=2)  # other weights: all must come from the checkpoint
-    history_resumed = train_translation(resumed, small_loader, small_valid, small_config, checkpoint_dir=Path(tmp) / "b", resume=True, progress=False)
+    history_resumed = train_translation(
+        resumed,
+        small_loader,
+        small_valid,
+        small_config,
+        checkpoint_dir=Path(tmp) / "b",
+        resume=True,
+        progress=False,
+    )
     checkpoint_keys = sorted(load_training_state(Path(tmp) / "b" / "last.pt"))
 print("a checkpoint holds:", checkpoint_keys)
 print("validation loss per epoch:", [round(x, 3) for x in history_resumed["val_loss"]])
 
 # %%
-assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=False))
-assert history_straight["val_loss"] == history_resumed["val_loss"]
-assert history_straight["step_loss"] == history_resumed["step_loss"]
+if device.type == "cpu":  # CPU kernels are deterministic: the same bits
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True)
+    )
+    assert history_straight["val_loss"] == history_resumed["val_loss"]
+    assert history_straight["step_loss"] == history_resumed["step_loss"]
+else:  # some GPU kernels (atomic adds in backward) vary in the last bits from run to run
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True):
+        assert_close(a, b, rtol=1e-3, atol=1e-4)
+    assert_close(history_straight["val_loss"], history_resumed["val_loss"], rtol=1e-3, atol=1e-4)
 
 # %% [markdown]
 # ## Training the model
 #
 # The model is notebook 10's `Transformer`, smaller than the tutorial's default so that it
-# trains in about two minutes on one CPU thread: $d_\text{model} = 64$, 4 heads, 2 encoder and
-# 2 decoder blocks. On a GPU the same cell runs as it is, in bfloat16 autocast if the GPU
-# supports it. The checkpoints go to `checkpoints/13_translation/` (gitignored).
+# trains in two to three minutes on one CPU thread (96 s and 176 s on two runs here): $d_\text{model} = 64$, 4 heads, 2 encoder and
+# 2 decoder blocks. On a GPU the same cell runs as it is, in bfloat16 autocast if the GPU has
+# bfloat16 units (compute capability 8.0 and up: A100, RTX 30xx and later), in float16 with
+# the gradient scaler otherwise (a T4, where `torch.cuda.is_bf16_supported()` says True
+# because bfloat16 is *emulated*, slowly). The checkpoints go to `checkpoints/13_translation/` (gitignored).
 
 # %%
 CHECKPOINTS = Path("checkpoints") / "13_translation"
@@ -1498,10 +1707,21 @@ model = Transformer(
     src_tokenizer.vocab_size, tgt_tokenizer.vocab_size,
     d_model=64, num_heads=4, d_ff=256, num_layers=2, dropout_p=0.0, max_len=MAX_LEN,
 ).to(device)  # fmt: skip
-use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+
+
+def cuda_has_bf16() -> bool:
+    """bfloat16 in hardware, not emulated (torch < 2.6 has no including_emulation argument)."""
+    if device.type != "cuda":
+        return False
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+train_amp = ("bfloat16" if cuda_has_bf16() else "float16") if device.type == "cuda" else None
 config = TrainConfig(
     epochs=8, lr=3e-3, warmup_steps=60, min_lr_ratio=0.02, label_smoothing=0.1,
-    patience=3, amp_dtype="bfloat16" if use_bf16 else None, seed=0,
+    patience=3, amp_dtype=train_amp, seed=0,
 )  # fmt: skip
 print(f"{sum(p.numel() for p in model.parameters()):,d} parameters; {config}")
 
@@ -1509,8 +1729,12 @@ print(f"{sum(p.numel() for p in model.parameters()):,d} parameters; {config}")
 start = time.perf_counter()
 history = train_translation(model, train_loader, valid_loader, config, checkpoint_dir=CHECKPOINTS)
 train_seconds = time.perf_counter() - start
-for epoch, (train_loss, val_loss, val_acc) in enumerate(zip(history["train_loss"], history["val_loss"], history["val_acc"], strict=False), 1):
-    print(f"epoch {epoch:2d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  val token accuracy {val_acc:.2%}")
+for epoch, (train_loss, val_loss, val_acc) in enumerate(
+    zip(history["train_loss"], history["val_loss"], history["val_acc"], strict=False), 1
+):
+    print(
+        f"epoch {epoch:2d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  val token accuracy {val_acc:.2%}"
+    )
 print(f"{len(history['step_loss'])} steps in {train_seconds:.0f} s")
 
 # %%
@@ -1533,18 +1757,78 @@ print(f"floor H(q) = {smoothing_floor:.4f} nats per token")
 # %%
 assert smoothing_floor <= min(history["val_loss"]) < smoothing_floor + 0.03  # at the floor
 
+# %% [markdown]
+# ### Mixed precision, checked on the trained model
+#
+# An untrained model predicts nearly uniform probabilities, and its loss is close to
+# $\ln 90$ whatever the arithmetic; the trained model is where 16-bit errors would show. The
+# same validation set through the same weights, in float32 and under autocast. Here bfloat16
+# moved the validation loss by about $10^{-5}$ (its fifth or sixth significant figure), the
+# logits by a few hundredths, and no predicted token; the asserts fail if the loss moves by
+# 0.01, the accuracy by half a point, or a top token in a hundred changes.
+
+# %% tags=["nbval-ignore-output"]
+check_amp = "bfloat16" if device.type != "cuda" or cuda_has_bf16() else "float16"
+loss_fp32, acc_fp32 = evaluate_loss(model, valid_loader, None, config.label_smoothing)
+loss_16, acc_16 = evaluate_loss(model, valid_loader, check_amp, config.label_smoothing)
+src_v, tgt_in_v, tgt_out_v, lengths_v = (t.to(device) for t in next(iter(valid_loader)))
+model.eval()
+with torch.no_grad():
+    masks_v = {
+        "src_mask": padding_mask(lengths_v, src_v.size(1)),
+        "tgt_mask": causal_mask(tgt_in_v.size(1), device=device),
+    }
+    logits_fp32 = model(src_v, tgt_in_v, **masks_v)
+    with amp_autocast(device, check_amp):
+        logits_16 = model(src_v, tgt_in_v, **masks_v)
+real_v = tgt_out_v != PAD
+same_argmax = float((logits_16.argmax(-1) == logits_fp32.argmax(-1))[real_v].float().mean())
+print(
+    f"validation loss: float32 {loss_fp32:.6f}, {check_amp} {loss_16:.6f} (difference {loss_16 - loss_fp32:+.1e})"
+)
+print(f"token accuracy:  float32 {acc_fp32:.4%}, {check_amp} {acc_16:.4%}")
+print(
+    f"largest logit difference {float((logits_16.float() - logits_fp32).abs().max()):.3f} "
+    f"(logits span {float(logits_fp32.min()):.1f} to {float(logits_fp32.max()):.1f}); same top token: {same_argmax:.2%}"
+)
+
+# %%
+assert logits_16.dtype == getattr(torch, check_amp)  # autocast really ran in 16 bits
+assert not torch.equal(logits_16.float(), logits_fp32)  # and it changed the numbers
+assert abs(loss_16 - loss_fp32) < 0.01 and abs(acc_16 - acc_fp32) < 0.005
+assert same_argmax > 0.99
+
 # %% jupyter={"source_hidden": true}
 fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(13, 3.4))
 epochs_axis = np.arange(1, len(history["val_loss"]) + 1)
 steps_per_epoch_run = len(history["step_loss"]) / len(epochs_axis)
-ax_loss.plot(np.arange(1, len(history["step_loss"]) + 1) / steps_per_epoch_run, history["step_loss"], color=COLORS["ours"], alpha=0.35, lw=0.8, label="train (per step)")
-ax_loss.plot(epochs_axis, history["train_loss"], "o-", color=COLORS["ours"], label="train (epoch mean)")
+ax_loss.plot(
+    np.arange(1, len(history["step_loss"]) + 1) / steps_per_epoch_run,
+    history["step_loss"],
+    color=COLORS["ours"],
+    alpha=0.35,
+    lw=0.8,
+    label="train (per step)",
+)
+ax_loss.plot(
+    epochs_axis, history["train_loss"], "o-", color=COLORS["ours"], label="train (epoch mean)"
+)
 ax_loss.plot(epochs_axis, history["val_loss"], "o-", color=COLORS["accent"], label="validation")
-ax_loss.set(xlabel="epoch", ylabel="cross-entropy per token (nats)", title="Loss, both with label smoothing 0.1", ylim=(0.5, 3))
+ax_loss.set(
+    xlabel="epoch",
+    ylabel="cross-entropy per token (nats)",
+    title="Loss, both with label smoothing 0.1",
+    ylim=(0.5, 3),
+)
 ax_loss.axhline(smoothing_floor, color="gray", lw=0.8, ls=":", label="floor: entropy of the target")
 ax_loss.legend()
 ax_acc.plot(epochs_axis, 100 * np.array(history["val_acc"]), "o-", color=COLORS["accent"])
-ax_acc.set(xlabel="epoch", ylabel="next-token accuracy (%)", title="Validation token accuracy", ylim=(80, 100.5))
+ax_acc.set(
+    xlabel="epoch",
+    ylabel="next-token accuracy (%)",
+    title="Validation token accuracy",
+    ylim=(80, 100.5),
+)
 ax_lr.plot(history["lr"], color=COLORS["ours"])
 ax_lr.set(xlabel="optimizer step", ylabel="learning rate", title="Warmup, then cosine")
 fig.tight_layout()
@@ -1553,17 +1837,34 @@ plt.show()
 
 # %% [markdown]
 # The gradient-flow plot: the norm of each block's gradient at every step (before clipping),
-# on a log scale. Every block receives a gradient of the same order: none is starved (a
-# vanishing gradient would sit decades lower) and none explodes.
+# on a log scale. Every block receives a gradient of the same order: the largest mean norm (the
+# output head's) is about 7 times the smallest (the encoder's final norm's) here, printed after
+# the figure and bounded at 50 by the assert. None is starved (a vanishing
+# gradient would sit decades lower) and none explodes.
 
 # %% jupyter={"source_hidden": true}
 grad_names = list(history["grad_norms"][0])
 grad_table = np.array([[step[name] for name in grad_names] for step in history["grad_norms"]])
-fig, (ax_lines, ax_bars) = plt.subplots(1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1.4, 1]})
-palette = [COLORS["query"], COLORS["key"], COLORS["value"], COLORS["accent"], *OTHER_COLORS, "black", "gray"]
+fig, (ax_lines, ax_bars) = plt.subplots(
+    1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1.4, 1]}
+)
+palette = [
+    COLORS["query"],
+    COLORS["key"],
+    COLORS["value"],
+    COLORS["accent"],
+    *OTHER_COLORS,
+    "black",
+    "gray",
+]
 for k, name in enumerate(grad_names):
     ax_lines.plot(grad_table[:, k], lw=0.8, color=palette[k % len(palette)], label=name)
-ax_lines.set(yscale="log", xlabel="optimizer step", ylabel="gradient L2 norm", title="Gradient norm per part of the model")
+ax_lines.set(
+    yscale="log",
+    xlabel="optimizer step",
+    ylabel="gradient L2 norm",
+    title="Gradient norm per part of the model",
+)
 ax_lines.legend(fontsize=7, ncol=2)
 ax_bars.barh(grad_names[::-1], grad_table.mean(axis=0)[::-1], color=COLORS["ours"])
 ax_bars.set(xlabel="mean gradient L2 norm", title="Gradient flow, averaged over training")
@@ -1571,9 +1872,17 @@ fig.tight_layout()
 save_figure(fig, "13_gradient_flow")
 plt.show()
 
+# %% tags=["nbval-ignore-output"]
+grad_means = grad_table.mean(axis=0)
+grad_spread = grad_means.max() / grad_means.min()
+print(
+    f"largest mean norm {grad_names[grad_means.argmax()]} {grad_means.max():.3f}, smallest "
+    f"{grad_names[grad_means.argmin()]} {grad_means.min():.3f}: ratio {grad_spread:.1f}"
+)
+
 # %%
 assert np.isfinite(grad_table).all() and (grad_table > 0).all()  # every part learns
-assert grad_table.mean(axis=0).max() / grad_table.mean(axis=0).min() < 1e3
+assert grad_spread < 50  # the same order of magnitude, give or take
 
 
 # %% [markdown]
@@ -1589,8 +1898,10 @@ assert grad_table.mean(axis=0).max() / grad_table.mean(axis=0).min() < 1e3
 # - **chrF** (Popović, 2015): an F-score over character $n$-grams, 0-100. Partial credit for a
 #   nearly right compound.
 # - **BLEU** (Papineni et al., 2002): the machine-translation standard, a geometric mean of
-#   word $n$-gram precisions, 0-100. Every German number here is *one* word, so word BLEU
-#   has no 2-, 3- or 4-grams to count; it is reported on characters too (`tokenize="char"`).
+#   word $n$-gram precisions, 0-100. Every German number here is *one* word, so there are no
+#   2-, 3- or 4-grams to count, their precisions are zero, and the word BLEU below is
+#   therefore **0**, right or wrong: the measure does not fit this task. It is reported on
+#   characters too (`tokenize="char"`), where it does.
 #
 # The scores come from `sacrebleu`, the reference implementation, so they are comparable with
 # published numbers and not another home-made variant.
@@ -1614,7 +1925,9 @@ def translate(
     device = next(model.parameters()).device
     translations = []
     for start in range(0, len(texts), batch_size):
-        ids = [torch.tensor(src_tokenizer.encode(text)) for text in texts[start : start + batch_size]]
+        ids = [
+            torch.tensor(src_tokenizer.encode(text)) for text in texts[start : start + batch_size]
+        ]
         lengths = torch.tensor([len(i) for i in ids], device=device)
         src = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=PAD).to(device)
         src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src)
@@ -1652,10 +1965,15 @@ test_en = [en for _, en, _ in corpus["test"]]
 test_de = [de for _, _, de in corpus["test"]]
 greedy_de = translate(model, src_tokenizer, tgt_tokenizer, test_en, beam_size=1)
 beam_de = translate(model, src_tokenizer, tgt_tokenizer, test_en, beam_size=4)
-scores = {"greedy": score_translations(greedy_de, test_de), "beam 4": score_translations(beam_de, test_de)}
+scores = {
+    "greedy": score_translations(greedy_de, test_de),
+    "beam 4": score_translations(beam_de, test_de),
+}
 for name, s in scores.items():
-    print(f"{name:7s} exact match {s['exact_match']:6.2f} %   chrF {s['chrf']:6.2f}   "
-          f"BLEU {s['bleu']:5.1f} (words)  {s['bleu_char']:5.1f} (characters)")
+    print(
+        f"{name:7s} exact match {s['exact_match']:6.2f} %   chrF {s['chrf']:6.2f}   "
+        f"BLEU {s['bleu']:5.1f} (words)  {s['bleu_char']:5.1f} (characters)"
+    )
 print(f"{len(test_en):,d} test numbers")
 
 # %%
@@ -1670,6 +1988,14 @@ for s in scores.values():
 # digit away from the right one, and every number with two neighbouring digits swapped, and
 # looks the translation up among them. A swapped units and tens digit would be the signature
 # of German's reordering going wrong.
+#
+# Here there is nothing to sort: the greedy decoder writes all 2,000 test numbers right (the
+# count is printed by the cell; a run on other hardware may differ by an error or two). An
+# earlier version of this notebook spread the numbers below 1000 over all three splits, and
+# its one test error was 4, "vier", a building block it had never seen on its own; with every
+# block in training, what is left to test is composition, and the model composes without a
+# mistake. The checks below the cell still make sure the analysis would name a swapped unit
+# and tens digit if one came up.
 
 # %% tags=["nbval-ignore-output"]
 DIGIT_NAMES = ("units", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands")
@@ -1682,7 +2008,9 @@ def explain_error(n: int, hypothesis: str) -> str:
     for i in range(6):
         for d in "0123456789":
             if d != digits[i]:
-                candidates[int(digits[:i] + d + digits[i + 1 :])] = f"{DIGIT_NAMES[5 - i]} digit wrong"
+                candidates[int(digits[:i] + d + digits[i + 1 :])] = (
+                    f"{DIGIT_NAMES[5 - i]} digit wrong"
+                )
         if i < 5 and digits[i] != digits[i + 1]:
             swapped = digits[:i] + digits[i + 1] + digits[i] + digits[i + 2 :]
             candidates[int(swapped)] = f"{DIGIT_NAMES[5 - i - 1]} and {DIGIT_NAMES[5 - i]} swapped"
@@ -1692,7 +2020,11 @@ def explain_error(n: int, hypothesis: str) -> str:
     return "not a number one digit away"
 
 
-greedy_errors = [(n, hyp, ref) for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False) if hyp != ref]
+greedy_errors = [
+    (n, hyp, ref)
+    for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False)
+    if hyp != ref
+]
 error_kinds = Counter(explain_error(n, hyp) for n, hyp, _ in greedy_errors)
 print(f"{len(greedy_errors)} of {len(test_numbers)} greedy translations are wrong")
 for kind, count in error_kinds.most_common():
@@ -1701,7 +2033,12 @@ for n, hyp, ref in greedy_errors[:8]:
     print(f"{n:>7,d}  {explain_error(n, hyp):28s}  model: {hyp}\n{'':38s}  truth: {ref}")
 
 # %%
-assert sum(error_kinds.values()) == len(greedy_errors) <= 0.03 * len(test_numbers)
+assert len(greedy_errors) <= 0.03 * len(test_numbers)
+assert (
+    explain_error(42, number_to_words(24, "de")) == "units and tens swapped"
+)  # the analysis works
+assert explain_error(342_057, number_to_words(342_058, "de")) == "units digit wrong"
+assert explain_error(42, "dreihundert") == "not a number one digit away"
 
 
 # %% [markdown]
@@ -1716,28 +2053,53 @@ assert sum(error_kinds.values()) == len(greedy_errors) <= 0.03 * len(test_number
 # %% tags=["nbval-ignore-output"]
 def is_reordered(n: int) -> bool:
     """Both halves end in tens and units that German reorders (42, not 40), and the English of
-    the last two digits is in two pieces ("▁twen" + "ty-five"), so the crossing can show."""
-    both = all(part % 100 > 20 and part % 10 != 0 for part in (n // 1000, n % 1000))
-    return both and len(src_tokenizer.tokens(number_to_words(n % 100, "en"))) > 1
+    both is in two pieces ("▁twen" + "ty-five"), so that the crossing can show."""
+    halves = (n // 1000, n % 1000)
+    return all(
+        part % 100 > 20
+        and part % 10 != 0
+        and len(src_tokenizer.tokens(number_to_words(part % 100, "en"))) > 1
+        for part in halves
+    )
 
 
-shown_n = next(n for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False) if is_reordered(n) and hyp == ref)
+shown_n = next(
+    n
+    for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False)
+    if is_reordered(n) and hyp == ref
+)
 shown_en, shown_de = number_to_words(shown_n, "en"), number_to_words(shown_n, "de")
 shown_src = torch.tensor([src_tokenizer.encode(shown_en)], device=device)
 shown_tgt = torch.tensor([tgt_tokenizer.encode(shown_de)], device=device)
-layer_weights = cross_attention_weights(model, shown_src, shown_tgt[:, :-1])  # per layer (1, h, T_tgt, T_src)
+layer_weights = cross_attention_weights(
+    model, shown_src, shown_tgt[:, :-1]
+)  # per layer (1, h, T_tgt, T_src)
 src_labels = [src_tokenizer.id_to_token[i] for i in shown_src[0].tolist()]
-tgt_labels = [tgt_tokenizer.id_to_token[i] for i in shown_tgt[0, 1:].tolist()]  # what each step writes
+tgt_labels = [
+    tgt_tokenizer.id_to_token[i] for i in shown_tgt[0, 1:].tolist()
+]  # what each step writes
 print(shown_n, "|", shown_en, "|", shown_de)
 print(len(layer_weights), "layers of", tuple(layer_weights[0].shape))
+# German writes a unit ("zweiund"), then its tens ("vier" + "zig"): those pairs of rows.
+unit_rows = [i for i in range(len(tgt_labels) - 1) if tgt_labels[i].endswith("und")]
+for layer, w in enumerate(layer_weights, 1):
+    peaks = w[0].mean(0).argmax(-1).tolist()  # the English piece each row looks at most
+    print(
+        f"layer {layer}:",
+        ", ".join(f"{tgt_labels[r]}->{src_labels[peaks[r]]}" for r in range(len(tgt_labels))),
+    )
 
 # %%
 for w in layer_weights:
-    assert_close(w.sum(-1), torch.ones_like(w.sum(-1)))  # each row is a distribution over the source
-# The alignment crosses: in the last layer, some German piece looks further right in the
-# English than the piece after it (the unit, then the tens).
-looked_at = layer_weights[-1][0].mean(0).argmax(-1)[1:-1].tolist()  # without "▁" and <eos>
-assert any(a > b for a, b in zip(looked_at, looked_at[1:], strict=False)), looked_at
+    assert_close(
+        w.sum(-1), torch.ones_like(w.sum(-1))
+    )  # each row is a distribution over the source
+# The alignment crosses: for each unit row ("zweiund"), some layer looks further right in the
+# English at it than at the row after it, which writes the tens ("vier").
+assert len(unit_rows) == 2, tgt_labels  # one unit and tens in each half of the number
+peaks = [w[0].mean(0).argmax(-1) for w in layer_weights]  # per layer, (T_tgt,)
+for r in unit_rows:
+    assert any(p[r] > p[r + 1] for p in peaks), (tgt_labels[r], [p.tolist() for p in peaks])
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, len(layer_weights), figsize=(6 * len(layer_weights), 5.2))
@@ -1745,7 +2107,11 @@ for layer, (ax, w) in enumerate(zip(np.atleast_1d(axes), layer_weights, strict=F
     image = ax.imshow(w[0].mean(0).float().cpu().numpy(), cmap="Blues", vmin=0, vmax=1)
     ax.set_xticks(range(len(src_labels)), src_labels, rotation=70, fontsize=8)
     ax.set_yticks(range(len(tgt_labels)), tgt_labels, fontsize=8)
-    ax.set(xlabel="English piece (key)", ylabel="German piece being written (query)", title=f"Cross-attention, decoder layer {layer + 1}, mean of heads")
+    ax.set(
+        xlabel="English piece (key)",
+        ylabel="German piece being written (query)",
+        title=f"Cross-attention, decoder layer {layer + 1}, mean of heads",
+    )
     fig.colorbar(image, ax=ax, fraction=0.046, label="attention weight")
 fig.suptitle(f"{shown_n:,d}: {shown_en} -> {shown_de}", fontsize=9)
 fig.tight_layout()
@@ -1753,10 +2119,16 @@ save_figure(fig, "13_cross_attention")
 plt.show()
 
 # %% [markdown]
-# In the last layer, each German piece looks at the English piece it translates. The rows
-# that write a unit ("…und") look at the English unit, which sits to the *right* of the tens
-# that the next row looks at: the alignment crosses, once in each half of the number. The
-# first layer is more diffuse; the second does the looking up.
+# In layer 2, the rows that write a hundreds or a units piece look almost only at the English
+# piece they translate: "siebenhundert" at "▁seven", "einund" at "ty-one", "achtund" at
+# "ty-eight". The unit comes from the *right* of the English tens, and the row after it,
+# which writes the tens, looks further left: "sieb" mostly at "▁seven" (of seventy-eight),
+# while "acht" spreads its weight over "▁hundred", "▁eigh" and "ty-one"; in layer 1 "acht"
+# peaks on "▁eigh". So the alignment crosses once in each half of the number, the first half
+# in layer 1, the second in layer 2 (the assert above checks each unit/tens pair in any
+# layer). The rows that write pieces which follow from what is already written, the leading
+# "▁", "zigtausend" and the final "zig", have nothing to look up: they spread their weight
+# and park much of it on `<bos>` and `<eos>`. Layer 1 is blurrier throughout.
 
 # %% [markdown]
 # **A real task needs the whole pipeline: disjoint splits, a tokenizer that round-trips, batches
@@ -1775,9 +2147,9 @@ plt.show()
 # | AdamW groups | `param_groups(model, weight_decay)` | no decay on norms, biases, embeddings |
 # | schedule | `warmup_cosine(step, warmup, total, min_ratio)` | peak at the end of warmup, then monotone |
 # | accumulation | `sequence_loss(..., reduction="sum")` / tokens of all $k$ | equals one big batch |
-# | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | loss within 5 % of float32 |
+# | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | same gradient direction; trained model's loss and accuracy as float32's |
 # | checkpointing | `set_gradient_checkpointing(model)` | same gradients, less memory |
-# | early stopping, checkpoints | `EarlyStopping`, `save_training_state`, `load_training_state` | resumed = uninterrupted, `torch.equal` |
+# | early stopping, checkpoints | `EarlyStopping`, `save_training_state`, `load_training_state` | resumed = uninterrupted, `torch.equal` on the CPU |
 # | the loop | `train_translation(model, train, valid, TrainConfig(...))` | curves, gradient flow |
 # | evaluation | `translate`, `score_translations` | exact match and chrF on unseen numbers |
 #
@@ -1788,9 +2160,11 @@ plt.show()
 #    learn for the numbers 70-99?
 # 2. The loop stops on the validation *loss*, but what we care about is exact match. Why not
 #    stop on exact match, and what would it cost?
-# 3. With `accumulation_steps=4` and the same `max_tokens`, what changes in a run: the number of
-#    optimizer steps, the schedule, the memory? Which setting gives exactly the same run as
-#    `accumulation_steps=1` with a 4 times larger token budget, and why only almost?
+# 3. You want steps over 4 times more tokens without 4 times the memory. (a) Train with
+#    `accumulation_steps=4` and the same `max_tokens=2048`: what happens to the number of
+#    optimizer steps, to the learning-rate schedule (warmup and cosine) and to the memory a
+#    step needs? (b) Compare it with `accumulation_steps=1` and `max_tokens=8192`: is it the
+#    same run? If not, what differs?
 #
 # **Solutions.**
 #
@@ -1800,7 +2174,11 @@ plt.show()
 corpus_fr = load_corpus(DATA, num_numbers=20_000, seed=0, tgt_lang="fr")
 assert [n for n, _, _ in corpus_fr["test"]] == test_numbers  # the same split by number
 fr_tokenizer = BPETokenizer.train([fr for _, _, fr in corpus_fr["train"][:5000]], vocab_size=90)
-assert all(fr_tokenizer.decode(fr_tokenizer.encode(fr)) == fr for rows in corpus_fr.values() for _, _, fr in rows)
+assert all(
+    fr_tokenizer.decode(fr_tokenizer.encode(fr)) == fr
+    for rows in corpus_fr.values()
+    for _, _, fr in rows
+)
 for n in (70, 71, 80, 97):
     print(n, number_to_words(n, "fr"), fr_tokenizer.tokens(number_to_words(n, "fr")))
 
@@ -1815,9 +2193,16 @@ for n in (70, 71, 80, 97):
 #    a teacher-forced validation pass; and it moves in steps of 1/2000 on a validation set of
 #    2000 numbers, so it stays flat for epochs while the loss still falls. The loss is cheap and
 #    smooth; exact match is the final test, computed once.
-# 3. Four micro-batches make one step: a quarter as many optimizer steps per epoch, so
-#    `total_steps` and the whole schedule shrink by four, while the memory of one step stays
-#    that of one micro-batch. `max_tokens` four times larger with `accumulation_steps=1` is
-#    the same computation *if* the large batch splits into the same four micro-batches; the
-#    bucketing sampler cuts batches by its own budget, so the groups differ slightly, and
-#    the update equals the big batch's only up to float rounding (checked above).
+# 3. (a) Four micro-batches make one optimizer step: about a quarter as many steps per epoch
+#    (23 instead of 90), so `total_steps` shrinks about four times. `warmup_steps=60` is a
+#    number of *steps* and does not shrink: the warmup now lasts over 2.5 epochs instead of
+#    two thirds of one, and only the cosine part gets shorter (divide `warmup_steps` by four
+#    to keep the schedule's shape). The activation memory is that of one 2048-token
+#    micro-batch, as before; only the gradients are kept across the four. (b) Not the same
+#    run. Each step's gradient is the exact token mean over its four micro-batches (checked
+#    above against one big batch), but *which* pairs share a step differs: with accumulation,
+#    a step takes four consecutive batches of the shuffled batch list, drawn from anywhere in
+#    the epoch and of different lengths; with `max_tokens=8192` the sampler cuts its sorted
+#    pools into batches of about four times as many pairs of similar length. The padding,
+#    the number of steps per epoch and the order of the data differ, so the runs end close,
+#    not equal.

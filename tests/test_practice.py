@@ -236,3 +236,34 @@ def test_train_translation_rejects_bad_arguments():
         train_translation(tiny_model(), train, valid, TrainConfig(), resume=True)
     with pytest.raises(ValueError, match="bfloat16"):
         train_translation(tiny_model(), train, valid, TrainConfig(amp_dtype="float16"))
+
+
+class EpochDependentSampler:
+    """A batch sampler whose epoch 0 has 4 batches and every later epoch 2."""
+
+    def __init__(self, n):
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        k = 4 if self.epoch == 0 else 2
+        return iter([list(range(i, self.n, k)) for i in range(k)])
+
+    def __len__(self):
+        return 4 if self.epoch == 0 else 2
+
+
+def test_schedule_does_not_depend_on_where_the_sampler_was_left():
+    items = make_items(24)
+    _, valid = loaders(items)
+    config = TrainConfig(epochs=2, lr=1e-3, warmup_steps=0, min_lr_ratio=0.0)
+    rates = []
+    for left_at_epoch in (0, 3):  # a sampler reused after an earlier run was left at epoch 3
+        sampler = EpochDependentSampler(len(items))
+        sampler.set_epoch(left_at_epoch)
+        train = DataLoader(items, batch_sampler=sampler, collate_fn=collate_translations)
+        rates.append(train_translation(tiny_model(), train, valid, config, progress=False)["lr"])
+    assert len(rates[0]) == 4 + 2
+    assert rates[0] == rates[1]  # the schedule's length is counted on epoch 0 both times

@@ -37,7 +37,8 @@ def test_split_numbers_is_disjoint_complete_and_deterministic():
     assert [len(splits[k]) for k in ("train", "valid", "test")] == [4000, 500, 500]
     assert not (sets["train"] & sets["valid"] or sets["train"] & sets["test"])
     assert not sets["valid"] & sets["test"]
-    assert set(range(1000)) <= sets["train"] | sets["valid"] | sets["test"]
+    assert set(range(1000)) <= sets["train"]  # the building blocks are all trained on
+    assert min(sets["valid"] | sets["test"]) >= 1000  # held-out numbers are compositions
     assert max(max(v) for v in splits.values()) <= MAX_NUMBER
     assert split_numbers(5000, seed=3) == splits
     assert split_numbers(5000, seed=4) != splits
@@ -50,6 +51,8 @@ def test_split_numbers_rejects_bad_sizes():
         split_numbers(MAX_NUMBER + 2)
     with pytest.raises(ValueError, match="leave room"):
         split_numbers(2000, valid=0.5, test=0.5)
+    with pytest.raises(ValueError, match="no room"):
+        split_numbers(1100)  # 110 + 110 held out, but only 100 numbers are 1000 or more
     with pytest.raises(TypeError):
         split_numbers(2000.0)
 
@@ -67,10 +70,10 @@ def test_number_to_words_spells_out_german_and_french():
 
 
 def test_load_corpus_caches_and_reads_back(tmp_path):
-    corpus = load_corpus(tmp_path, num_numbers=1200, seed=0, tgt_lang="de")
+    corpus = load_corpus(tmp_path, num_numbers=1500, seed=0, tgt_lang="de")
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and files[0].suffix == ".json"
-    again = load_corpus(tmp_path, num_numbers=1200, seed=0, tgt_lang="de")
+    again = load_corpus(tmp_path, num_numbers=1500, seed=0, tgt_lang="de")
     assert again == corpus
     n, en, de = corpus["test"][0]
     assert (en, de) == (number_to_words(n, "en"), number_to_words(n, "de"))
@@ -85,6 +88,7 @@ def test_dataset_items_have_bos_and_eos(tokenizers):
     assert src[0] == BOS and src[-1] == EOS and tgt[0] == BOS and tgt[-1] == EOS
     assert tokenizers[1].decode(tgt.tolist()) == PAIRS[3][1]
     assert dataset.lengths[3] == max(len(src), len(tgt))
+    assert (dataset.src_lengths[3], dataset.tgt_lengths[3]) == (len(src), len(tgt))
 
 
 def test_dataset_rejects_long_pairs_unknown_characters_and_emptiness(tokenizers):
@@ -134,6 +138,15 @@ def test_padding_fraction_counts_padded_positions():
     assert padding_fraction([[0], [1]], [2, 4]) == 0.0
     with pytest.raises(ValueError, match="empty"):
         padding_fraction([[]], [1])
+    with pytest.raises(ValueError, match="at least one"):
+        padding_fraction([[0]])
+
+
+def test_padding_fraction_pads_each_tensor_separately():
+    # src lengths 2, 4 and tgt lengths 5, 1: each tensor padded to its own longest.
+    # src: 6 real of 8, tgt: 6 real of 10; together 12 of 18, not max-side 9 of 10.
+    assert padding_fraction([[0, 1]], [2, 4], [5, 1]) == pytest.approx(1 - 12 / 18)
+    assert padding_fraction([[0, 1]], [2, 4], [5, 1]) > padding_fraction([[0, 1]], [5, 4])
 
 
 def test_sampler_rejects_bad_settings():

@@ -288,6 +288,9 @@ def train_translation(
     optimizer = torch.optim.AdamW(
         param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
     )
+    sampler = getattr(train_loader, "batch_sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(0)  # count epoch 0's batches: a resumed run gets the same schedule
     steps_per_epoch = math.ceil(len(train_loader) / config.accumulation_steps)
     total_steps = max(config.epochs * steps_per_epoch, config.warmup_steps + 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -335,18 +338,19 @@ def train_translation(
         return loss_sum / tokens
 
     model.train()
+    # One bar for the whole run (its total counts epoch 0's steps per epoch, an estimate), gone
+    # when training ends. One redraw every 2 s at most: a bar that redraws every step floods
+    # the notebook's message channel (and nbval, which reads it after the cell).
+    bar = tqdm(
+        total=(config.epochs - start_epoch) * steps_per_epoch,
+        desc="training",
+        leave=False,
+        mininterval=2.0,
+        disable=not progress,
+    )
     for epoch in range(start_epoch, config.epochs):
-        if hasattr(train_loader.batch_sampler, "set_epoch"):
-            train_loader.batch_sampler.set_epoch(epoch)  # a new order, the same on every run
-        # One redraw every 2 s at most: a bar that redraws every step floods the notebook's
-        # message channel (and nbval, which reads it after the cell) with thousands of updates.
-        bar = tqdm(
-            total=steps_per_epoch,
-            desc=f"epoch {epoch + 1}",
-            leave=False,  # the bar disappears when its epoch is done
-            mininterval=2.0,
-            disable=not progress,
-        )
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)  # a new order, the same on every run
         micro_batches, epoch_losses = [], []
         num_batches = len(train_loader)  # this epoch's, after set_epoch
         for i, batch in enumerate(train_loader):
@@ -356,8 +360,7 @@ def train_translation(
                 history["step_loss"].append(epoch_losses[-1])
                 micro_batches = []
                 bar.update()
-                bar.set_postfix(loss=f"{epoch_losses[-1]:.3f}", refresh=False)
-        bar.close()
+                bar.set_postfix(epoch=epoch + 1, loss=f"{epoch_losses[-1]:.3f}", refresh=False)
         val_loss, val_acc = evaluate_loss(
             model, valid_loader, config.amp_dtype, config.label_smoothing
         )
@@ -386,6 +389,7 @@ def train_translation(
             )
         if stopper.should_stop or (stop_after_epoch is not None and epoch + 1 >= stop_after_epoch):
             break
+    bar.close()
     if directory is not None and (directory / "best.pt").exists() and stop_after_epoch is None:
         model.load_state_dict(
             load_training_state(directory / "best.pt", map_location=device)["model"]

@@ -37,22 +37,33 @@ MAX_NUMBER = 999_999
 def split_numbers(
     num_numbers: int, seed: int = 0, valid: float = 0.1, test: float = 0.1
 ) -> dict[str, list[int]]:
-    """Disjoint train/valid/test lists of distinct numbers up to MAX_NUMBER; 0..999 all in."""
+    """Disjoint train/valid/test lists of distinct numbers up to MAX_NUMBER.
+
+    Every number below 1000 (the building blocks) is in train; the others are distinct random
+    numbers from 1000 up, cut into valid (a share `valid` of num_numbers), test and the rest of
+    train. Validation and test numbers are therefore all >= 1000, made of seen blocks.
+    """
     num_numbers = check_int("num_numbers", num_numbers, minimum=1000)
     if num_numbers > MAX_NUMBER + 1:
         raise ValueError(f"num_numbers={num_numbers} is more than the {MAX_NUMBER + 1} numbers")
     valid, test = check_probability("valid", valid), check_probability("test", test)
     if valid <= 0 or test <= 0 or valid + test >= 1.0:
         raise ValueError(f"valid={valid} and test={test} must be > 0 and leave room for training")
-    rng = random.Random(seed)
-    # Every number below 1000 (the building blocks), then distinct random larger ones.
-    numbers = list(range(1000)) + rng.sample(range(1000, MAX_NUMBER + 1), num_numbers - 1000)
-    rng.shuffle(numbers)
     n_valid, n_test = round(valid * num_numbers), round(test * num_numbers)
+    if n_valid < 1 or n_test < 1 or n_valid + n_test > num_numbers - 1000:
+        raise ValueError(
+            f"num_numbers={num_numbers} leaves no room: the 1000 numbers below 1000 train, and "
+            f"{n_valid} validation and {n_test} test numbers must come from the other "
+            f"{num_numbers - 1000}"
+        )
+    rng = random.Random(seed)
+    larger = rng.sample(range(1000, MAX_NUMBER + 1), num_numbers - 1000)  # in random order
+    train = list(range(1000)) + larger[n_valid + n_test :]
+    rng.shuffle(train)  # the building blocks mixed with the rest
     return {
-        "train": numbers[n_valid + n_test :],
-        "valid": numbers[:n_valid],
-        "test": numbers[n_valid : n_valid + n_test],
+        "train": train,
+        "valid": larger[:n_valid],
+        "test": larger[n_valid : n_valid + n_test],
     }
 
 
@@ -72,7 +83,8 @@ def load_corpus(
 ) -> dict[str, list[tuple[int, str, str]]]:
     """(number, English, target) triples per split, made once and cached as JSON in directory."""
     tgt_lang = check_choice("tgt_lang", tgt_lang, LANGUAGES[1:])
-    path = Path(directory) / f"numbers_en_{tgt_lang}_{num_numbers}_seed{seed}.json"
+    # v2: 0..999 all in train (v1 files mixed them into every split); the name keeps them apart
+    path = Path(directory) / f"numbers_v2_en_{tgt_lang}_{num_numbers}_seed{seed}.json"
     if path.exists():
         cached = json.loads(path.read_text(encoding="utf-8"))
         return {split: [tuple(row) for row in rows] for split, rows in cached.items()}
@@ -112,8 +124,11 @@ class TranslationDataset(Dataset):
                 )
             self.src.append(torch.tensor(src_ids))
             self.tgt.append(torch.tensor(tgt_ids))
-        # A pair's cost in a batch: its longer side, which sets how far the batch is padded.
-        self.lengths = [max(len(s), len(t)) for s, t in zip(self.src, self.tgt, strict=True)]
+        self.src_lengths = [len(s) for s in self.src]
+        self.tgt_lengths = [len(t) for t in self.tgt]
+        # A pair's cost in a batch: its longer side (src and tgt are padded separately, each
+        # tensor to its own longest, so the longer side bounds both tensors' widths).
+        self.lengths = [max(s, t) for s, t in zip(self.src_lengths, self.tgt_lengths, strict=True)]
 
     def __len__(self) -> int:
         return len(self.src)
@@ -200,15 +215,21 @@ class TokenBatchSampler(Sampler):
 
 
 # Taught in notebook 13 · A real translation task
-def padding_fraction(batches: Sequence[Sequence[int]], lengths: Sequence[int]) -> float:
-    """The share of a batch's positions that are padding, over all batches."""
+def padding_fraction(batches: Sequence[Sequence[int]], *lengths: Sequence[int]) -> float:
+    """The share of padded positions that are padding, over all batches and all tensors.
+
+    Pass one lengths list per tensor that is padded separately (e.g. the source and the
+    target lengths): each tensor of a batch is padded to its own longest sequence.
+    """
+    if not lengths:
+        raise ValueError("give at least one list of lengths, one per padded tensor")
     real = padded = 0
     for batch in batches:
         if len(batch) == 0:
             raise ValueError("a batch is empty")
-        longest = max(lengths[i] for i in batch)
-        real += sum(lengths[i] for i in batch)
-        padded += longest * len(batch)
+        for tensor_lengths in lengths:
+            real += sum(tensor_lengths[i] for i in batch)
+            padded += max(tensor_lengths[i] for i in batch) * len(batch)
     return 1.0 - real / padded
 
 
