@@ -218,13 +218,13 @@ for step in range(len(chosen)):
           f"{margin[step]:9.0f} times less")
 
 # %% [markdown]
-# **Check.** At every step greedy's choice is the top token, and by a margin: the runner-up is at
-# least 5 times less likely (the stored run's exact numbers are above, not compared; on this
-# source the study's four seeds had a closest call of 12, 4,123, 1,669 and 6,259 times).
+# **Check.** Greedy's choice wins every step by a margin: the runner-up is at least 5 times less
+# likely (the stored run's exact numbers are above, not compared; on this source the study's four
+# seeds had a closest call of 12, 4,123, 1,669 and 6,259 times). On a GPU, which trains another
+# run, only a margin of 1.5 is asserted: the study's closest call over *all* sources was 1.3.
 
 # %%
-assert torch.equal(top2.indices[:, 0], chosen)
-assert margin.min() >= 5
+assert margin.min() >= (5 if device.type == "cpu" else 1.5)  # another device: another run
 
 # %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(6.4, 3.8))
@@ -348,8 +348,9 @@ for layer in range(num_layers):
 # %% [markdown]
 # In the stored run head 0 of layer 0 is exactly such a head: at 99.9 % of the steps its weights
 # peak at $L-t$, the symbol just read, and no other head does so at more than 21 %. Which head
-# does what is a finding of one run: another seed, or the same seed on another machine or PyTorch (whose dropout
-# masks differ), lands on another division of labour. In notebook 11's seed study, seeds 0 and
+# does what is a finding of one run: another seed, the same seed on a GPU (another random
+# generator) or with another PyTorch (the CPU's dropout stream changed in 2.7), lands on another
+# division of labour. In notebook 11's seed study, seeds 0 and
 # 3 grew a shifted head (head 0 of layer 0 in both, peaking at $L-t$ at 99.9 % and 99.1 % of the
 # steps), seed 1 none (no head above 22 % at $L-t$), and seed 2 a head that splits its steps
 # between the two (42 % aligned, 46 % shifted). Every seed aligned its last layer, though: the
@@ -425,13 +426,15 @@ for layer in range(num_layers):
 # the 6, head 1 still 0.87 on the 4s. The output's runner-up is the symbol where the attention
 # strays, one position off.
 #
-# **Check.** The least sure step's runner-up is not a stray token but another symbol of the same
-# source: the model hesitates between source positions. (Over all steps, not only the least sure
-# one, the study found the runner-up to be the symbol just read at 6 % to 44 % of the steps,
-# depending on the seed, and `EOS` at 4 % or less.)
+# **Check.** The least sure step's runner-up sits one source position from the right one: the
+# model hesitates between neighbouring source positions, not between a symbol and a stray token.
+# (Over all steps, not only the least sure one, the study found the runner-up to be the symbol just
+# read at 6 % to 44 % of the steps, depending on the seed, and `EOS` at 4 % or less; so this check
+# is of the stored run's least sure step, and another run may hesitate elsewhere.)
 
 # %%
-assert runner_pos, "the runner-up is a symbol of this source"
+if device.type == "cpu":  # a finding of this run (another device trains another run)
+    assert any(abs(pos - right_pos) == 1 for pos in runner_pos), (right_pos, runner_pos)
 
 
 # %% [markdown]
@@ -482,8 +485,9 @@ assert runner_pos, "the runner-up is a symbol of this source"
 # **One attention's keys and values.** Self-attention's cache grows by one position per step.
 # Concatenating the new keys to the old ones would copy all $t$ kept positions at step $t$, a
 # quadratic amount of copying over a long output. Instead the cache keeps a buffer with room to
-# spare, writes each call's positions into it, and doubles it when it is full (as a Python list
-# does), so that a position is copied a constant number of times on average. `keys` and `values`
+# spare, writes each call's positions into it, and when it is full makes a new one with room for
+# twice the positions needed (Python's lists over-allocate in the same spirit, by about an eighth),
+# so that a position is copied a constant number of times on average. `keys` and `values`
 # are views of the filled part. Cross-attention's cache is filled once, from `enc_out`, and is
 # frozen from then on.
 
@@ -555,7 +559,7 @@ def update(self, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
 
 # %% [markdown]
 # **Check.** Filled in chunks of 3, 1 and 20 positions, the cache holds exactly what one
-# concatenation would (the buffer grew twice on the way, from 16 to 48 positions); a
+# concatenation would (the buffer, made with room for 16 positions, grew once, to 48); a
 # cross-attention cache keeps its first keys and refuses a second fill; `reorder` picks rows.
 
 # %%
@@ -658,7 +662,9 @@ assert cache_gap < tolerance
 # **Check 2: the same tokens, exactly.** On the trained model and on random models, batch
 # sizes from 1 to 64, padded sources of mixed lengths, and outputs far longer than the sources.
 # A random model never says `EOS` on purpose, so it also exercises rows that finish at different
-# steps.
+# steps. (Exactly on a CPU. A GPU multiplies the one-token steps and the full prefixes with
+# different kernels, which differ in the last bits, and a random model has near-ties between
+# tokens, so there a row may flip; the trained model, whose choices are clear, must still match.)
 
 # %%
 assert torch.equal(greedy_decode(model, src, MAX_LEN + 1, src_mask, cache=KVCache()), decoded)
@@ -674,7 +680,12 @@ for B, T_src, new_tokens, seed in [(1, 5, 40, 1), (3, 7, 64, 2), (16, 12, 100, 3
     mask = padding_mask(lens, T_src).to(device)
     plain = greedy_decode(random_model, ids, new_tokens, mask)
     cached = greedy_decode(random_model, ids, new_tokens, mask, cache=KVCache())
-    assert torch.equal(plain, cached), (B, T_src, new_tokens)
+    if device.type == "cpu":
+        assert torch.equal(plain, cached), (B, T_src, new_tokens)
+    else:  # other kernels for the two shapes of matmul: a near-tie may flip a token on a GPU
+        T_max = max(plain.size(1), cached.size(1))
+        rows_same = (pad_right(plain, T_max) == pad_right(cached, T_max)).all(dim=1)
+        assert rows_same.float().mean() >= 0.9, (B, T_src, new_tokens)
     print(f"B={B:2d} T_src={T_src:2d}: {tuple(cached.shape)} tokens identical, "
           f"{int((cached == EOS).any(1).sum())} of {B} rows ended with EOS")
 
@@ -742,7 +753,8 @@ for n, speedup, ratio in zip(timing_lengths, speedups, flop_ratio, strict=True):
 # %% [markdown]
 # **Check.** The times are this machine's and are not compared. What is asserted on a CPU has a
 # wide margin (the stored run's speed-ups are in the table above): the cache wins at the longest
-# output by more than 1.5×, and by more than at the shortest. The timed work is checked too: each
+# output by more than 1.5× (a comparison between lengths is not asserted: on a busy machine the
+# short timings are the noisiest). The timed work is checked too: each
 # call decoded exactly $n$ tokens. On a GPU nothing is asserted: there
 # both loops are bound by kernel launches rather than arithmetic, and the speed-up can be small.
 
@@ -751,7 +763,7 @@ for n in timing_lengths:  # the timed work: exactly n new tokens each time, both
     for c in (False, True):
         assert greedy_decode(timing_model, one_src, n, cache=KVCache() if c else None).shape == (1, n + 1)
 if device.type == "cpu":
-    assert speedups[-1] > 1.5 and speedups[-1] > speedups[0]
+    assert speedups[-1] > 1.5
 
 # %% jupyter={"source_hidden": true}
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 3.8), layout="constrained")
@@ -780,8 +792,8 @@ plt.show()
 
 # %% [markdown]
 # The two panels tell different stories. The arithmetic saved grows like $n/2$ (131× at 256
-# tokens), but the time saved is far smaller: a factor of one to two at 16 tokens and of a few
-# at 256 (this machine's numbers are in the table above). A short decode of this small model is
+# tokens), but the time saved is far smaller, a few times at most (this machine's numbers are in
+# the table above). A short decode of this small model is
 # not limited by arithmetic: each step launches the same few dozen small operations whether they
 # cover one position or sixteen, so the fixed cost per operation dominates, and the cache cannot
 # remove it. Only as the prefix grows does the uncached loop's quadratic work show. On a large
@@ -1179,8 +1191,13 @@ for alpha in (0.0, 0.6, 1.0, 2.0):
 
 # %% [markdown]
 # With $\alpha = 0.6$, and even with $\alpha = 1$, the penalty grows too slowly to pay for 2.5
-# nats a token, and the beam still stops after one or two tokens; with $\alpha = 2$ it pays for
-# most of that cost, and the outputs run to a dozen tokens. On a trained model the per-token
+# nats a token, and the beam still stops after one or two tokens. With $\alpha = 2$ the penalty
+# grows faster than the cost for a while: with a flat 2.5 nats a token the score $s/\mathrm{lp}$
+# would fall to $-4.5$ at 5 tokens and climb back to $-2.9$ at 20, still below the $-2.5$ of
+# stopping at once. The untrained model's costs are not flat, though (some tokens are cheaper than
+# others), and for $\alpha > 0$ the early stopping is a heuristic, so here the outputs run to a
+# dozen tokens: $\alpha$ changes which lengths can win, in ways a flat-cost argument only
+# roughly predicts. On a trained model the per-token
 # cost of a good continuation is close to 0 and the choice matters far less (here, not at all:
 # the reversal model's beams agree with greedy decoding). Wu et al. tuned $\alpha$ on a
 # development set; so should you.
