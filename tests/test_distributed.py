@@ -14,6 +14,7 @@ from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.distributed import TORCHRUN_VARIABLES
 from transformer_from_scratch.distributed import LaunchError
 from transformer_from_scratch.distributed import main
+from transformer_from_scratch.distributed import parse_arguments
 from transformer_from_scratch.distributed import rank_batches
 from transformer_from_scratch.distributed import torchrun_environment
 from transformer_from_scratch.distributed import train_distributed
@@ -44,7 +45,8 @@ def launch(nproc, *args, env=None):
 
 
 def one_process(recipe, data, world_size, steps):
-    """The same updates in this process: each step, the ranks' shares concatenated."""
+    """The same updates in this process: each step, the ranks' shares concatenated. Returns
+    the model and the gradients of the last update (before clipping), by parameter name."""
     model = build_model(recipe)
     optimizer = make_optimizer(model, recipe)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
@@ -57,10 +59,11 @@ def one_process(recipe, data, world_size, steps):
         batch = tuple(torch.cat(parts) for parts in zip(*(next(s) for s in streams), strict=True))
         optimizer.zero_grad(set_to_none=True)
         accumulate_gradients(model, [batch])
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
         nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
         optimizer.step()
         scheduler.step()
-    return model
+    return model, grads
 
 
 def test_two_processes_equal_one_on_the_concatenated_batch(tmp_path):
@@ -80,6 +83,8 @@ def test_two_processes_equal_one_on_the_concatenated_batch(tmp_path):
         "2",
         "--checkpoint",
         str(tmp_path / "ddp.pt"),
+        "--gradients",
+        str(tmp_path / "grads.pt"),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -88,7 +93,16 @@ def test_two_processes_equal_one_on_the_concatenated_batch(tmp_path):
     assert meta == {"steps": steps, "world_size": 2}
     data = make_batch(64, 8, 12, torch.Generator().manual_seed(0))
     recipe = RECIPE.replace(steps=steps, warmup=steps)  # main: warmup = min(50, steps)
-    single = one_process(recipe, data, 2, steps)
+    single, single_grads = one_process(recipe, data, 2, steps)
+    # The gradients first: Adam's steps barely depend on the gradient's scale, so equal weights
+    # alone would not catch a wrongly weighted gradient (x2, or 1/N per micro-batch).
+    ddp_grads = torch.load(tmp_path / "grads.pt")
+    assert set(ddp_grads) == set(single_grads)
+    for name, grad in single_grads.items():
+        torch.testing.assert_close(ddp_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert not all(
+        torch.allclose(2 * ddp_grads[k], g, rtol=1e-4, atol=1e-6) for k, g in single_grads.items()
+    )
     for (name, p), q in zip(single.named_parameters(), ddp_model.parameters(), strict=True):
         if name.endswith("W_k.bias"):
             # The loss does not depend on the key bias (a softmax ignores a shift shared by all
@@ -105,11 +119,20 @@ def test_two_processes_equal_one_on_the_concatenated_batch(tmp_path):
         )
         > 1e-4
     )
-    wrong = one_process(recipe.replace(seed=1), data, 2, steps)  # the check can fail
+    wrong, _ = one_process(recipe.replace(seed=1), data, 2, steps)  # the check can fail
     assert not all(
         torch.allclose(p, q, atol=1e-6)
         for p, q in zip(wrong.parameters(), ddp_model.parameters(), strict=True)
     )
+
+
+def test_parse_arguments_builds_the_recipe_main_trains():
+    recipe, args = parse_arguments([*SIZES, "--steps", "1", "--batch-size", "16", "--lr", "1e-3"])
+    assert recipe == RECIPE.replace(steps=1, warmup=1)  # warm-up: min(50, steps)
+    assert parse_arguments(["--steps", "200"])[0].warmup == 50
+    assert args.train_size == 4096 and args.data_seed == 0 and args.gradients is None
+    with pytest.raises(ValueError):
+        parse_arguments(["--batch-size", "10", "--accum-steps", "3"])
 
 
 def test_launched_without_torchrun_it_says_how_to_launch():

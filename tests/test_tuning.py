@@ -56,6 +56,10 @@ def test_recipe_replace_and_checks():
         Recipe(betas=(0.9, 1.0))
     with pytest.raises(ValueError):
         Recipe(lr=0.0)
+    with pytest.raises(ValueError, match="adamw"):
+        Recipe(optimizer="adam", weight_decay=1.0)  # Adam would silently ignore the decay
+    assert Recipe(optimizer="adam", weight_decay=0.0).weight_decay == 0.0
+    assert Recipe(optimizer="adamw", weight_decay=1.0).weight_decay == 1.0
 
 
 def test_the_named_recipes():

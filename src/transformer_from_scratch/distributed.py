@@ -104,14 +104,20 @@ def rank_batches(
 
 # Taught in notebook 15 · Tuning and generalisation
 def train_distributed(
-    recipe: Recipe, data: Batch, checkpoint: str | None = None, log_every: int = 0
+    recipe: Recipe,
+    data: Batch,
+    checkpoint: str | None = None,
+    log_every: int = 0,
+    gradients: str | None = None,
 ) -> dict:
     """One process's part of a data-parallel run: gloo on CPUs, NCCL on GPUs.
 
     Each update takes a global batch of recipe.batch_size sequences, this rank's share split
     into recipe.accum_steps micro-batches; the gradients are synchronised once per update (the
     other micro-batches run under no_sync) and weighted so that the update equals one process
-    on the concatenated batch. Rank 0 alone writes the checkpoint. Returns timings and the loss."""
+    on the concatenated batch. Rank 0 alone writes the checkpoint, and, if `gradients` names a
+    file, the gradients of the last update (synchronised, before clipping), by parameter name.
+    Returns timings and the loss."""
     env = torchrun_environment()
     rank, world = env["rank"], env["world_size"]
     if recipe.batch_size % (world * recipe.accum_steps) != 0:
@@ -151,6 +157,8 @@ def train_distributed(
                     )
                     loss.backward()
                 step_loss += loss.detach() / world
+            if gradients is not None and rank == 0 and step == recipe.steps:
+                torch.save({k: p.grad.cpu() for k, p in model.named_parameters()}, gradients)
             nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)  # equal on all ranks
             optimizer.step()
             scheduler.step()
@@ -177,8 +185,9 @@ def train_distributed(
 
 
 # Taught in notebook 15 · Tuning and generalisation
-def main(argv: list[str] | None = None) -> int:
-    """The command line: a small recipe's knobs, the training set, the checkpoint."""
+def parse_arguments(argv: list[str] | None = None) -> tuple[Recipe, argparse.Namespace]:
+    """The command line's recipe (warm-up: 50 steps, or all of them if fewer) and all its
+    arguments; the training set is make_batch(train_size, ...) drawn with data_seed."""
     parser = argparse.ArgumentParser(description="Data-parallel reversal training (torchrun)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=64, help="the global batch")
@@ -195,13 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     parser.add_argument("--checkpoint", default=None, help="file that rank 0 writes")
     parser.add_argument("--log-every", type=int, default=0)
+    parser.add_argument("--gradients", default=None, help="file for rank 0's last gradients")
     args = parser.parse_args(argv)
-    try:
-        torchrun_environment()
-    except LaunchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    torch.set_num_threads(args.threads)
     recipe = Recipe(
         d_model=args.d_model,
         num_heads=args.num_heads,
@@ -215,9 +219,22 @@ def main(argv: list[str] | None = None) -> int:
         accum_steps=args.accum_steps,
         seed=args.seed,
     )
+    return recipe, args
+
+
+# Taught in notebook 15 · Tuning and generalisation
+def main(argv: list[str] | None = None) -> int:
+    """The command line: a small recipe's knobs, the training set, the checkpoint."""
+    recipe, args = parse_arguments(argv)
+    try:
+        torchrun_environment()
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(args.data_seed)
     data = make_batch(args.train_size, recipe.max_len, recipe.vocab_size, generator)
-    result = train_distributed(recipe, data, args.checkpoint, args.log_every)
+    result = train_distributed(recipe, data, args.checkpoint, args.log_every, args.gradients)
     if result["rank"] == 0:
         print(json.dumps({**result, "loss": result["loss"][-1]}), flush=True)
     return 0
@@ -232,5 +249,6 @@ __all__ = [
     "torchrun_environment",
     "rank_batches",
     "train_distributed",
+    "parse_arguments",
     "main",
 ]

@@ -79,6 +79,10 @@ class Recipe:
         check_choice("schedule", self.schedule, ("cosine", "constant", "paper"))
         check_float("lr", self.lr, 0.0, low_open=True)
         check_float("weight_decay", self.weight_decay, 0.0)
+        if self.optimizer == "adam" and self.weight_decay > 0:
+            raise ValueError(
+                f"weight_decay={self.weight_decay} needs optimizer='adamw': Adam here has no decay"
+            )
         check_float("clip_norm", self.clip_norm, 0.0, low_open=True)
         check_float("eps", self.eps, 0.0, low_open=True)
         if len(self.betas) != 2:
