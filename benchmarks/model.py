@@ -39,6 +39,7 @@ from torch import Tensor
 from torch import nn
 
 from transformer_from_scratch.attention import scaled_dot_product_attention
+from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.efficient import tiled_attention
@@ -58,12 +59,6 @@ DEFAULT_SHAPES = ((64, 8), (16, 128))
 DEFAULT_THREADS = (1, 2)
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -73,7 +68,7 @@ def interleaved_medians(
     fns: dict[str, Callable[[], object]], device: torch.device, repeats: int, warmup: int = 2
 ) -> dict[str, float]:
     """Median seconds of each fn, timed in turns (a, b, c, a, b, c, ...) so drift hits all alike."""
-    _positive_int("repeats", repeats)
+    check_int("repeats", repeats, 1)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -92,8 +87,8 @@ def reversal_batch(
     batch: int, src_len: int, device: torch.device | str = "cpu", seed: int = 0
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Random sources (B, S) and their reversals as tgt_in [BOS, ...] and tgt_out [..., EOS]."""
-    _positive_int("batch", batch)
-    _positive_int("src_len", src_len)
+    check_int("batch", batch, 1)
+    check_int("src_len", src_len, 1)
     gen = torch.Generator().manual_seed(seed)
     src = torch.randint(EOS + 1, VOCAB, (batch, src_len), generator=gen)
     rev = src.flip(1)
@@ -199,7 +194,7 @@ def kv_cache_speedup(
     model_kwargs: dict | None = None,
 ) -> dict:
     """Greedy decoding of one source: median time without and with the KV cache (same tokens)."""
-    _positive_int("new_tokens", new_tokens)
+    check_int("new_tokens", new_tokens, 1)
     device = torch.device(device) if device is not None else get_device()
     torch.manual_seed(0)
     model = never_ending(Transformer(VOCAB, VOCAB, **(model_kwargs or {}))).to(device).eval()
@@ -226,7 +221,7 @@ def kv_cache_speedup(
 
 def tiled_memory(T: int = 8192, d_k: int = 64, device: torch.device | str | None = None) -> dict:
     """Peak memory of one forward pass, naive (notebook 02) against tiled (notebook 14)."""
-    _positive_int("T", T)
+    check_int("T", T, 1)
     device = torch.device(device) if device is not None else get_device()
     gen = torch.Generator().manual_seed(0)
     Q, K, V = (torch.randn(1, 1, T, d_k, generator=gen).to(device) for _ in range(3))
@@ -238,7 +233,7 @@ def tiled_memory(T: int = 8192, d_k: int = 64, device: torch.device | str | None
 
 def matmul_peak(size: int = 1024, repeats: int = 7, device: torch.device | str = "cpu") -> float:
     """FLOP/s of a float32 (size x size) @ (size x size) matmul: the median of `repeats`."""
-    _positive_int("size", size)
+    check_int("size", size, 1)
     device = torch.device(device)
     A = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(device)
     t = interleaved_medians({"mm": lambda: A @ A}, device, repeats)["mm"]
@@ -276,7 +271,7 @@ def _with_threads(threads: int | None, fn: Callable[[], object]):
     """fn() with torch's CPU thread count set to `threads` (None: unchanged)."""
     previous = torch.get_num_threads()
     if threads is not None:
-        torch.set_num_threads(_positive_int("threads", threads))
+        torch.set_num_threads(check_int("threads", threads, 1))
     try:
         return fn()
     finally:
