@@ -10,8 +10,9 @@ median), it measures:
 - train_step_ratio_scratch: the same for the from-scratch model;
 - kv_cache_speedup_512: greedy decoding of 512 new tokens, without / with the KV cache;
 - tiled_memory_ratio_8192: peak memory of tiled / naive attention at T = 8192 (one head, d_k 64);
-- mfu: model FLOPs utilisation of the fast path's training step (batch 64x8, one thread): FLOPs
-  counted by FlopCounterMode / median step time / the measured float32 matmul peak;
+- mfu: model FLOPs utilisation of the fast path's training step, with fused Adam (batch 64x8,
+  one thread): FLOPs counted by FlopCounterMode / median step time / the float32 matmul peak
+  timed in turns with it (the same with plain Adam is in mfu_detail);
 - attention: notebook 02's attention benchmark (benchmarks/attention.py);
 - device, torch, threads: what it ran on.
 
@@ -98,10 +99,15 @@ def reversal_batch(
 
 
 def make_train_step(
-    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor
+    model: nn.Module, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, fused: bool = False
 ) -> Callable[[], Tensor]:
-    """A closure: one training step (forward, loss, backward, clip, Adam); returns the loss."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
+    """A closure: one training step (forward, loss, backward, clip, Adam); returns the loss.
+
+    fused=True uses Adam's fused implementation (one kernel per tensor group; CPU: torch >= 2.4).
+    """
+    optimizer = torch.optim.Adam(
+        model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=fused
+    )
     tgt_mask = causal_mask(tgt_in.size(1), device=tgt_in.device)  # (1, 1, T, T)
 
     def step() -> Tensor:
@@ -231,15 +237,6 @@ def tiled_memory(T: int = 8192, d_k: int = 64, device: torch.device | str | None
     return {"T": T, "naive_bytes": naive, "tiled_bytes": tiled, "ratio": tiled / naive}
 
 
-def matmul_peak(size: int = 1024, repeats: int = 7, device: torch.device | str = "cpu") -> float:
-    """FLOP/s of a float32 (size x size) @ (size x size) matmul: the median of `repeats`."""
-    check_int("size", size, 1)
-    device = torch.device(device)
-    A = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(device)
-    t = interleaved_medians({"mm": lambda: A @ A}, device, repeats)["mm"]
-    return 2 * size**3 / t
-
-
 def model_flops_utilisation(
     batch: int = 64,
     src_len: int = 8,
@@ -248,22 +245,38 @@ def model_flops_utilisation(
     model_kwargs: dict | None = None,
     peak_size: int = 1024,
 ) -> dict:
-    """MFU of the fast path's training step: counted FLOPs / median step time / matmul peak."""
+    """MFU of the fast path's training step: counted FLOPs / median step time / matmul peak.
+
+    The fast path's step uses fused Adam; the step with plain Adam is timed as well. The steps
+    and the (peak_size x peak_size) float32 matmul that defines the peak are timed in turns,
+    so that a slower or faster spell of the machine moves both sides alike."""
+    check_int("peak_size", peak_size, 1)
     device = torch.device(device) if device is not None else get_device()
     fast = three_models(device, model_kwargs=model_kwargs)["fast"]
     data = reversal_batch(batch, src_len, device)
     flops = count_flops(make_train_step(copy.deepcopy(fast), *data))
-    step_s = interleaved_medians({"fast": make_train_step(fast, *data)}, device, repeats)["fast"]
-    peak = matmul_peak(peak_size, repeats, device)
+    A = torch.randn(peak_size, peak_size, generator=torch.Generator().manual_seed(0)).to(device)
+    t = interleaved_medians(
+        {
+            "fused": make_train_step(copy.deepcopy(fast), *data, fused=True),
+            "plain": make_train_step(fast, *data),
+            "matmul": lambda: A @ A,
+        },
+        device,
+        repeats,
+    )
+    peak = 2 * peak_size**3 / t["matmul"]
     return {
         "batch": batch,
         "src_len": src_len,
         "threads": torch.get_num_threads(),
         "flops_per_step": flops,
-        "step_s": step_s,
-        "achieved_flops": flops / step_s,
+        "step_s": t["fused"],
+        "step_s_plain_adam": t["plain"],
+        "achieved_flops": flops / t["fused"],
         "peak_flops": peak,
-        "mfu": flops / step_s / peak,
+        "mfu": flops / t["fused"] / peak,
+        "mfu_plain_adam": flops / t["plain"] / peak,
     }
 
 
@@ -290,7 +303,7 @@ def _attention_benchmark():
 def run_all(
     shapes=DEFAULT_SHAPES,
     threads=DEFAULT_THREADS,
-    repeats: int = 7,
+    repeats: int = 11,
     decode_tokens: int = 512,
     decode_repeats: int = 3,
     tiled_T: int = 8192,
@@ -380,10 +393,11 @@ def format_results(result: dict) -> str:
         f"KV cache, {1e3 * d['cached_s']:.0f} ms with: {d['speedup']:.1f}x",
         f"attention forward at T={m['T']}: naive {m['naive_bytes'] / 2**20:.1f} MiB, tiled "
         f"{m['tiled_bytes'] / 2**20:.2f} MiB: ratio {m['ratio']:.4f}",
-        f"MFU at {u['batch']}x{u['src_len']}, {u['threads']} thread(s): "
+        f"MFU at {u['batch']}x{u['src_len']}, {u['threads']} thread(s), fast path + fused Adam: "
         f"{u['flops_per_step'] / 1e9:.3f} GFLOP a step in {1e3 * u['step_s']:.1f} ms = "
         f"{u['achieved_flops'] / 1e9:.1f} GFLOP/s of a {u['peak_flops'] / 1e9:.1f} GFLOP/s "
-        f"matmul peak: {u['mfu']:.3f}",
+        f"matmul peak: {u['mfu']:.3f} (plain Adam: {1e3 * u['step_s_plain_adam']:.1f} ms, "
+        f"{u['mfu_plain_adam']:.3f})",
         "",
         "bench.json:",
     ]
@@ -418,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="training batches as BATCHxLENGTH (default: 64x8 16x128)")  # fmt: skip
     parser.add_argument("--threads", type=int, nargs="+", default=list(DEFAULT_THREADS),
                         help="CPU thread counts (default: 1 2)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs (the median is kept)")
+    parser.add_argument("--repeats", type=int, default=11, help="timed runs (the median is kept)")
     parser.add_argument("--decode-tokens", type=int, default=512, help="tokens to decode")
     parser.add_argument("--tiled-T", type=int, default=8192, help="length of the memory test")
     parser.add_argument("--no-attention", action="store_true", help="skip notebook 02's suite")

@@ -52,7 +52,10 @@ def test_run_all_has_the_contract_keys():
         assert math.isclose(r["fast_over_torch"], r["fast_s"] / r["torch_s"])
         assert r["threads"] == 1
     assert result["tiled_memory"]["tiled_bytes"] < result["tiled_memory"]["naive_bytes"]
-    assert result["mfu_detail"]["flops_per_step"] > 0
+    u = result["mfu_detail"]
+    assert u["flops_per_step"] > 0 and positive_finite(u["mfu_plain_adam"])
+    assert math.isclose(u["mfu"], u["flops_per_step"] / u["step_s"] / u["peak_flops"])
+    assert math.isclose(u["mfu"] / u["mfu_plain_adam"], u["step_s_plain_adam"] / u["step_s"])
     assert [r["T"] for r in result["attention"]["rows"]] == [8, 16]
     text = bench.format_results(result)
     assert "train_step_ratio_fast" in text and "bench.json" in text
@@ -82,6 +85,21 @@ def test_train_step_models_share_weights():
         torch.testing.assert_close(out, outs[0], atol=1e-5, rtol=1e-5)
     loss = bench.make_train_step(models["fast"].train(), src, tgt_in, tgt_out)()
     assert loss.dim() == 0 and math.isfinite(loss.item())
+
+
+def test_fused_adam_step_is_the_plain_step():
+    """The MFU's step uses fused Adam: the same update as the plain one, to rounding."""
+    src, tgt_in, tgt_out = bench.reversal_batch(2, 5)
+    before, after = [], []
+    for fused in (False, True):
+        model = bench.three_models(torch.device("cpu"), model_kwargs=TINY)["fast"]
+        before.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        torch.manual_seed(3)  # the same dropout masks
+        bench.make_train_step(model, src, tgt_in, tgt_out, fused=fused)()
+        after.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(before[0], before[1])
+    assert (after[0] - before[0]).abs().max() > 1e-5  # the step moved the weights
+    torch.testing.assert_close(after[1], after[0], atol=1e-7, rtol=1e-6)
 
 
 def test_compiled_row_structure(monkeypatch):

@@ -336,8 +336,9 @@ def _feed_forward(ffn: nn.Sequential, x: Tensor) -> Tensor:
     """ffn = Sequential(Linear, activation, Linear[, Dropout]) without the module calls."""
     first, activation, second = ffn[0], ffn[1], ffn[2]
     hidden = F.linear(x, first.weight, first.bias)  # (..., d_model) -> (..., d_ff)
-    # in place: Linear's backward needs its input, not its output; ReLU's needs only the result
-    hidden = torch.relu_(hidden) if type(activation) is nn.ReLU else activation(hidden)
+    # out of place: relu_ on the linear's output (a view) would make autograd copy the whole
+    # (..., d_ff) tensor in the backward, and it saves no memory (ReLU keeps its result either way)
+    hidden = torch.relu(hidden) if type(activation) is nn.ReLU else activation(hidden)
     out = F.linear(hidden, second.weight, second.bias)  # (..., d_ff) -> (..., d_model)
     return ffn[3](out) if len(ffn) > 3 else out
 
