@@ -1236,7 +1236,7 @@ def next_token_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None
 # the same ratios as before; a tiny temperature gives the one-hot of the argmax, a huge one the
 # uniform distribution.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 with torch.no_grad():
     z = early_model(src[:1], decoded[:1, :3], src_mask=src_mask[:1],
                     tgt_mask=causal_mask(3, device=device))[0, -1].float()  # (V,), one position
@@ -1476,7 +1476,7 @@ print(f"reversal model, B=64, n=512: {cache_bytes(2, 64, 512, 8, 128) / 2**20:.1
 #    embedding plus a positional vector) become part of the source, something the model never saw
 #    in training:
 
-# %%
+# %% tags=["nbval-ignore-output"]
 wider = F.pad(src, (0, 8), value=PAD)  # (256, 8) -> (256, 16)
 wider_mask = padding_mask(lengths, wider.size(1)).to(device)
 with_mask = greedy_decode(model, wider, MAX_LEN + 1, wider_mask, cache=KVCache())
