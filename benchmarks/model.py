@@ -361,6 +361,24 @@ def run_all(
     return result
 
 
+# The course's goals for these keys on its 2-core CPU (issue 11), printed beside the results:
+# (comparison, value). Goals, not asserts: on another machine the ratios move.
+TARGETS = {
+    "train_step_ratio_fast": ("<=", 0.85),
+    "tiled_memory_ratio_8192": ("<=", 0.125),
+    "mfu": (">=", 0.55),
+}
+
+
+def target_status(key: str, value: float) -> str:
+    """'target <= 0.85: met' (or 'MISSED'), or '' for a key without a target."""
+    if key not in TARGETS:
+        return ""
+    op, goal = TARGETS[key]
+    met = value <= goal if op == "<=" else value >= goal
+    return f"target {op} {goal}: {'met' if met else 'MISSED'}"
+
+
 def format_results(result: dict) -> str:
     """The results as plain-text tables: the contract's keys first."""
     lines = [
@@ -407,7 +425,7 @@ def format_results(result: dict) -> str:
         *(k for k in result if k.startswith(("kv_cache_speedup_", "tiled_memory_ratio_"))),
         "mfu",
     ):
-        lines.append(f"  {key:>26}: {result[key]:.4f}")
+        lines.append(f"  {key:>26}: {result[key]:.4f}  {target_status(key, result[key])}".rstrip())
     return "\n".join(lines)
 
 

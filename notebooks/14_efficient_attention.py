@@ -36,6 +36,7 @@ if "google.colab" in sys.modules:
 import copy
 import math
 import time
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -615,7 +616,7 @@ assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (noteboo
 #    CPU is slower (the timing below says by how much here) than drawing uniforms and
 #    comparing: $u \ge p$ with $u \sim U[0, 1)$ keeps an element with probability $1 - p$, the
 #    same distribution. Dropout is not a small cost here: the attention weights of a batch of 16
-#    sequences of 128 tokens hold a million numbers per layer.
+#    sequences of 128 tokens with 4 heads hold a million numbers per layer ($16 \cdot 4 \cdot 128^2$).
 # 5. **Fewer Python calls.** The blocks call those functions directly, without the lambdas of
 #    `sublayer_connection` and without checking inputs again below the block.
 #
@@ -944,16 +945,18 @@ print("weights on request and cached decoding: handed over to the from-scratch c
 # through `FastDecoderBlock` at every step, with a causal mask that grows by one position each
 # time (which `fused_attention_mask` turns into `is_causal=True`). It must produce the tokens of
 # the from-scratch model, with or without its cache. A counter on the fast attention of the
-# first decoder layer proves that the fast path is what ran:
+# first decoder layer proves that the fast path is what ran, and records the `is_causal` it was
+# handed (its fourth argument): every call must have taken the causal kernel, no mask tensor:
 
 # %%
-fast_calls = 0
+fast_calls, causal_flags = 0, []
 fast_self_attn = fast_model.decoder.layers[0].self_attn
 
 
-def counted_attend(*args):
+def counted_attend(*args):  # args: x_q, x_kv, attn_mask, is_causal
     global fast_calls
     fast_calls += 1
+    causal_flags.append((args[2] is None, args[3]))
     return type(fast_self_attn)._attend(fast_self_attn, *args)
 
 
@@ -964,6 +967,7 @@ finally:
     del fast_self_attn._attend
 decoded_scratch = greedy_decode(scratch_model, src, 12, src_mask)
 assert fast_calls >= 1 and decoded_fast.shape[1] > 1
+assert all(no_mask and is_causal for no_mask, is_causal in causal_flags), causal_flags
 assert torch.equal(decoded_fast, decoded_scratch) and torch.equal(decoded_fast, decoded_cached)
 print(f"fast-path greedy decoding: {decoded_fast.shape[1] - 1} tokens per sequence, "
       f"{fast_calls} fast self-attention calls in layer 0, the same tokens as the from-scratch model")
@@ -1067,15 +1071,16 @@ assert all(math.isfinite(step()) for step in steps.values())
 # ### `torch.compile`
 #
 # `torch.compile` traces the model into a graph and generates fused kernels for it (Triton on a GPU,
-# C++ on a CPU). The first call compiles, which takes tens of seconds or more; later calls run the
+# C++ on a CPU). The first call compiles, which takes tens of seconds to minutes; later calls run the
 # compiled code. Under compilation the fast path skips its data-dependent tests (the causal-mask
 # detection, the check for rows with no allowed key) and keeps the plain, always correct arithmetic,
 # so that each block traces into one graph (`torch._dynamo.explain` finds no break inside a block;
 # the whole model, with torch 2.13, still splits into 8 graphs, about one per block, embedding and
-# head). On this course's 2-core CPU, `python benchmarks/model.py --threads 1 --shapes 64x8
-# --compile` measured the compiled training step of the fast path at 0.95 of a compiled
-# `nn.Transformer`'s and 1.0 of an *eager* `nn.Transformer`'s: compiling bought nothing here, after
-# minutes of compilation (the machine was shared and busy, so take the compile times as rough). The
+# head). In one run on this course's 2-core CPU (not reproduced in this notebook),
+# `python benchmarks/model.py --threads 1 --shapes 64x8 --compile` measured the compiled training
+# step of the fast path at 0.95 of a compiled `nn.Transformer`'s and 1.0 of an *eager*
+# `nn.Transformer`'s: slower than the eager fast path, after minutes of compilation (the machine
+# was shared and busy, so take the compile times as rough). The
 # reason: at these sizes the time is in the matmuls, which compilation does not change, and the
 # element-wise kernels it fuses are a small part of a CPU step. On a GPU, where launching many small
 # kernels is the bottleneck, fusing them is what compilation is good at. The cell runs there only:
@@ -1134,7 +1139,7 @@ flops_linear, flops_attention = training_flops(bench_fast, 64, S_len, T_len)
 weights_n = sum(m.weight.numel() for m in bench_fast.modules() if isinstance(m, nn.Linear))
 # in training mode, as benchmarked: on a CPU the attention then runs as matmuls, which the counter
 # sees (it has no formula for the CPU's fused flash kernel, which it would count as 0)
-counted = count_flops(lambda: make_train_step(bench_fast, *train_batch)())
+counted = count_flops(lambda: make_train_step(copy.deepcopy(bench_fast), *train_batch)())
 print(f"{weights_n:,} weights in matmuls; formula {(flops_linear + flops_attention) / 1e9:.4f} "
       f"GFLOP a step ({flops_attention / (flops_linear + flops_attention):.1%} attention), "
       f"FlopCounterMode {counted / 1e9:.4f} GFLOP")
@@ -1199,19 +1204,23 @@ for name, seconds in (("Adam", fast_step_s), ("fused Adam", fused_step_s)):
           f"{counted / seconds / 1e9:4.1f} GFLOP/s; MFU {mfu[name]:.2f}")
 
 # %% [markdown]
-# On this course's CPU the fused optimizer takes a few milliseconds off a step of about 65, and
-# the step reaches about half of the peak (`make bench` reports it, timed in turns with the
-# matmul, as `mfu`: 0.52–0.54 there). A profile of the step (`torch.profiler`, which
-# notebook 02 used for memory) says where the rest goes. The matmuls take about two thirds of
-# the step and run at about 0.8 of the peak themselves: with 512 rows of width 128 they are too
+# On this course's CPUs the fused optimizer takes a few milliseconds off the step, and the step
+# reaches a little over half of the peak. `make bench` reports it, timed in turns with the
+# matmul, as `mfu`: 0.50–0.54 in our runs on an AVX2 server CPU, short of section 8's goal of
+# 0.55, and 0.56–0.60 on the AVX-512 one that stored these outputs. Where does the rest go? In
+# our profile of the step (`torch.profiler`, which notebook 02 used for memory; not shown here,
+# and worth running yourself on `make_train_step`), the matmuls took about two thirds of the
+# step and ran at about 0.8 of the peak themselves: with 512 rows of width 128 they are too
 # small to reach the speed of a 1024 × 1024 one, so even a step with no other work would stop
 # near 0.8. The other third is element-wise work on activations of a megabyte or so (dropout
 # masks, about 3 ms; the feed-forward's ReLU and its gradient; layer norm; softmax), the
 # optimizer and Python. On a GPU the same step would have a much lower MFU, since the model is
-# far too small to fill it.
+# far too small to fill it. (Two thirds at 0.8 of the peak would alone give about 0.53; the
+# other third adds FLOPs too, at a far lower rate, and the two measurements come from different
+# runs, so they agree only roughly with the MFU printed above.)
 
 # %%
-assert all(0.0 < value < 1.0 for value in mfu.values())
+assert all(0.0 < value < 1.0 for value in mfu.values())  # a sanity check of the two measurements
 
 # %% [markdown]
 # ### The KV cache in bytes
@@ -1308,8 +1317,19 @@ def amp_backward(autocast):
     (amp_scaler.scale(loss) if autocast else loss).backward()
 
 
-amp_time = {on: time_call(lambda on=on: amp_backward(on), warmup=1, repeats=3) for on in (False, True)}
+def cpu_bf16_instructions() -> bool | None:
+    """Whether /proc/cpuinfo lists bfloat16 instructions (avx512_bf16, amx_bf16); None if unknown."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+amp_time = {on: time_call(lambda on=on: amp_backward(on), warmup=2, repeats=5) for on in (False, True)}
 amp_mem = {on: peak_memory(lambda on=on: amp_backward(on), device) for on in (False, True)}
+if device.type == "cpu":
+    print(f"bfloat16 instructions on this CPU: {cpu_bf16_instructions()}")
 print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False] / MiB:.1f} MiB; "
       f"{amp_name} autocast {1e3 * amp_time[True]:.0f} ms, {amp_mem[True] / MiB:.1f} MiB "
       f"({amp_time[True] / amp_time[False]:.2f} of the time, "
@@ -1320,11 +1340,14 @@ print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False
 # Read the two ratios above as this machine's, not as a law. The memory is less, but not half: the
 # activations autocast keeps for the backward are 16-bit, while the float32 weights, their
 # gradients, the logits cast back for the loss and the ops autocast leaves in float32 (layer norm,
-# softmax) are not. The time depends on whether the hardware has fast 16-bit matmuls: the CPU of the
-# stored run has bf16 instructions (`avx512_bf16` in `/proc/cpuinfo`), which pay for casting every
-# matmul's inputs first: there autocast ran about as fast as float32 or faster, varying from run to
-# run on this shared machine (this toy model's matmuls are small). A CPU without bf16 instructions
-# can be slower under autocast than in float32. On a GPU with tensor cores (float16 on a T4,
+# softmax) are not. The time depends on whether the hardware has fast 16-bit matmuls. A CPU with
+# bfloat16 instructions (`avx512_bf16` or `amx_bf16` in `/proc/cpuinfo`, printed above) runs
+# them fast enough to pay back much of the cost of casting each matmul's inputs first: on such a
+# CPU autocast took between about 0.8 and 1.3 times float32's time in our runs, varying from run
+# to run (this toy model's matmuls are small). A CPU without them computes in bfloat16 by
+# converting back and forth, and autocast can then be several times *slower* than float32 (twelve
+# times, in one of our runs on an AVX2 CPU). Mixed precision
+# on a CPU is a memory saving first, and a speed-up only on the right hardware. On a GPU with tensor cores (float16 on a T4,
 # bfloat16 or float16 on an A100) a model large enough to fill the GPU typically runs about 2×
 # faster or more; this toy model is too small to show it.
 #
@@ -1375,8 +1398,8 @@ print(f"time: plain {1e3 * ckpt_time['plain']:.0f} ms, checkpointed "
       f"{1e3 * ckpt_time['checkpointed']:.0f} ms ({ckpt_time['checkpointed'] / ckpt_time['plain']:.2f}x)")
 
 # %% [markdown]
-# The measured ratio is what it cost on this machine, and it can exceed the third that the
-# arithmetic predicts: besides the recomputed forward pass, `checkpoint` saves and restores the
+# The measured ratio is what it cost on this machine, and it can land on either side of the third
+# that the arithmetic predicts (timings of a few repeats on a CPU vary from run to run): besides the recomputed forward pass, `checkpoint` saves and restores the
 # random state at every block and runs each block's forward a second time in Python, overheads
 # that weigh more in a small model on a CPU. The bound the notebook asserts is generous:
 
@@ -1404,7 +1427,9 @@ assert ckpt_time["checkpointed"] < 3 * ckpt_time["plain"]
 # | `device`, `torch`, `threads` | what it ran on | |
 #
 # `benchmarks/model.py` holds the code (outside the package: a benchmark is not a library
-# function); `python benchmarks/model.py --help` lists its options.
+# function); `python benchmarks/model.py --help` lists its options. The targets are the course's
+# goals for this 2-core CPU, not asserts: the script prints each ratio beside its target and
+# marks a miss, so that a slower or faster machine, where the ratios move, never fails a test.
 #
 # ## Recap
 #
@@ -1446,8 +1471,11 @@ for b in (64, 256, 1024):
     print(f"tiles of {b:4d}: {1e3 * t:6.1f} ms, {mem / MiB:5.1f} MiB")
 
 # %% [markdown]
-# 2. Query tile $i$ sees key tiles $0..i$: $\sum_{i=1}^{n} i = n(n+1)/2$ of the $n^2$ tiles,
-#    $n = T/b$, about half:
+# 2. Query tile $i$ (counting from 0) sees key tiles $0, \dots, i$, that is $i + 1$ of them:
+#    $\sum_{i=0}^{n-1} (i + 1) = n(n+1)/2$ of the $n^2$ tiles, $n = T/b$, about half. (The
+#    counter below works because `tiled_attention_forward` was defined in this notebook and looks
+#    `_tile_scores` up among the notebook's names; the package's copy looks it up in the package,
+#    so swapping the notebook's name would count nothing there.)
 
 # %%
 calls = 0

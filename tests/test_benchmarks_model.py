@@ -146,3 +146,12 @@ def test_main_writes_json(tmp_path, capsys):
                 "tiled_memory_ratio_64", "mfu", "device", "torch", "threads"):  # fmt: skip
         assert key in data
     assert "wrote" in capsys.readouterr().out
+
+
+def test_target_status_marks_met_and_missed():
+    assert bench.target_status("train_step_ratio_fast", 0.80) == "target <= 0.85: met"
+    assert bench.target_status("train_step_ratio_fast", 0.90) == "target <= 0.85: MISSED"
+    assert bench.target_status("mfu", 0.60) == "target >= 0.55: met"
+    assert bench.target_status("mfu", 0.50) == "target >= 0.55: MISSED"
+    assert bench.target_status("tiled_memory_ratio_8192", 0.005) == "target <= 0.125: met"
+    assert bench.target_status("kv_cache_speedup_512", 7.0) == ""
