@@ -1209,7 +1209,9 @@ for name, seconds in (("Adam", fast_step_s), ("fused Adam", fused_step_s)):
 # On this course's CPUs the fused optimizer takes a few milliseconds off the step, and the step
 # reaches a little over half of the peak. `make bench` reports it, timed in turns with the
 # matmul, as `mfu`: 0.50–0.54 in our runs on an AVX2 server CPU, short of section 8's goal of
-# 0.55, and 0.56–0.60 on the AVX-512 one that stored these outputs. Where does the rest go? In
+# 0.55, and 0.56–0.60 on the AVX-512 one that stored these outputs (the cell above times the
+# matmul and the step one after the other, five times each, so its MFU moves more from run to
+# run than `make bench`'s, whose peak and step are timed in turns). Where does the rest go? In
 # our profile of the step (`torch.profiler`, which notebook 02 used for memory; not shown here,
 # and worth running yourself on `make_train_step`), the matmuls took about two thirds of the
 # step and ran at about 0.8 of the peak themselves: with 512 rows of width 128 they are too
