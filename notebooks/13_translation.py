@@ -469,7 +469,9 @@ class BPETokenizer:
 # with a lone "▁" token: a German number is one word, so each sentence holds a single pair
 # "▁" + first letter, while the pairs inside the word repeat many times in every sentence;
 # no "▁" + letter pair becomes frequent enough to be merged within 90 tokens (in English, where
-# every sentence has many words, "▁" + "and" and "▁" + "hundred" are).
+# every sentence has many words, "▁" + "and" and "▁" + "hundred" are). The example below is
+# 342,057 rather than the introduction's 342,007, so that a hyphenated tens-and-units word
+# ("fifty-seven") is among its pieces.
 
 # %%
 train_en = [en for _, en, _ in corpus["train"]]
