@@ -1704,7 +1704,8 @@ else:  # some GPU kernels (atomic adds in backward) vary in the last bits from r
 #
 # The model is notebook 10's `Transformer`, smaller than the tutorial's default so that it
 # trains in one and a half to three minutes on one CPU thread (96 s and 176 s on two runs here;
-# longer on a busy machine): $d_\text{model} = 64$, 4 heads, $d_\text{ff} = 4 d_\text{model} = 256$
+# longer on a busy machine; the course's checks run every kernel at one thread, set in
+# `tools/kernel.env`, while a Jupyter of your own uses all cores, so your times will differ): $d_\text{model} = 64$, 4 heads, $d_\text{ff} = 4 d_\text{model} = 256$
 # as in the paper, 2 encoder and 2 decoder blocks, and no dropout: the validation loss reaches
 # the floor that label smoothing sets (below), so there is no overfitting for dropout to
 # prevent, and it would only slow the training down. On a GPU the same cell runs as it is, in bfloat16 autocast if the GPU has
