@@ -1555,8 +1555,9 @@ except LaunchError as err:
     assert "torchrun --standalone --nproc_per_node 2" in str(err)
     print(str(err).splitlines()[0][:90] + " ...")
 row_ids = (torch.arange(256),)  # a "dataset" whose rows are their own indices
+streams = {rank: rank_batches(row_ids, 32, 2, rank, seed=1) for rank in (0, 1)}
 epoch = {rank: [next(stream)[0] for _ in range(8)]  # one epoch: 8 global batches of 32
-         for rank, stream in ((r, rank_batches(row_ids, 32, 2, r, seed=1)) for r in (0, 1))}
+         for rank, stream in streams.items()}
 assert all(b.shape == (16,) for shares_ in epoch.values() for b in shares_)
 seen = {rank: set(torch.cat(shares_).tolist()) for rank, shares_ in epoch.items()}
 assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(256))  # disjoint, and all
@@ -1634,19 +1635,18 @@ print(f"loss {single_loss:.4f} in one process; largest gradient difference from 
 # cannot run twice as fast), so the output is not compared.
 
 # %% tags=["nbval-ignore-output"]
-speed, speed_loss = {n: torch.nan for n in (1, 2)}, {n: torch.nan for n in (1, 2)}
+speed_runs = {}
 for nproc in (1, 2):
-    speed_result = torchrun(nproc, *DDP_ARGS, "--batch-size", "64", "--steps", "40")
-    speed[nproc], speed_loss[nproc] = speed_result["sequences_per_second"], speed_result["loss"]
-    print(f"{nproc} process(es): {speed[nproc]:.0f} sequences per second, "
-          f"loss after 40 steps {speed_result['loss']:.3f}")
+    speed_runs[nproc] = torchrun(nproc, *DDP_ARGS, "--batch-size", "64", "--steps", "40")
+    print(f"{nproc} process(es): {speed_runs[nproc]['sequences_per_second']:.0f} sequences per "
+          f"second, loss after 40 steps {speed_runs[nproc]['loss']:.3f}")
 
 # %% [markdown]
 # **Check:** the two runs end at the same loss (to float rounding, after 40 updates): the second
 # process changes the speed, not the training.
 
 # %%
-assert abs(speed_loss[1] - speed_loss[2]) < 1e-3 * speed_loss[1]
+assert abs(speed_runs[1]["loss"] - speed_runs[2]["loss"]) < 1e-3 * speed_runs[1]["loss"]
 print("same loss after 40 steps with 1 and 2 processes")
 
 # %% [markdown]
