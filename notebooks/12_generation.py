@@ -29,6 +29,7 @@ if "google.colab" in sys.modules:
         )
 
 # %%
+import hashlib
 import math
 
 import matplotlib.pyplot as plt
@@ -84,10 +85,26 @@ device = get_device()
 # bit for bit (with this PyTorch, on this kind of CPU); on a GPU, or with another PyTorch, it is another run of the same recipe, so the
 # checks below assert bounds that hold over the four seeds of notebook 11's seed study, and the
 # numbers quoted in the text are those of the stored run. Which of the two happened depends on
-# your machine, so the cell's output is not compared.
+# your machine, so the cell's output is not compared. Even another CPU model may round one
+# operation differently and so train another run; so instead of guessing from the device, the
+# notebook asks the weights: `STORED_RUN` is true only when a hash of every weight's bits
+# equals the stored run's, and the few findings of that one run (not bounds) are asserted only
+# then.
 
 # %% tags=["nbval-ignore-output"]
 model = get_reversal_model(device=device, progress=True)
+
+# %%
+def weights_fingerprint(m: torch.nn.Module) -> str:
+    """A short hash of every weight's bits: equal only for the very same trained run."""
+    digest = hashlib.sha256()
+    for name, tensor in m.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+STORED_RUN = weights_fingerprint(model) == "STORED_FINGERPRINT"  # the run stored below
 
 # %%
 VOCAB, MAX_LEN = model.out_proj.out_features, 8  # 12 token ids; sources of 3..8 symbols
@@ -220,11 +237,12 @@ for step in range(len(chosen)):
 # %% [markdown]
 # **Check.** Greedy's choice wins every step by a margin: the runner-up is at least 5 times less
 # likely (the stored run's exact numbers are above, not compared; on this source the study's four
-# seeds had a closest call of 12, 4,123, 1,669 and 6,259 times). On a GPU, which trains another
-# run, only a margin of 1.5 is asserted: the study's closest call over *all* sources was 1.3.
+# seeds had a closest call of 12, 4,123, 1,669 and 6,259 times). That bound is asserted for the
+# stored run only (`STORED_RUN`); for any other run, only a margin of 1.5: the study's closest
+# call over *all* sources was 1.3.
 
 # %%
-assert margin.min() >= (5 if device.type == "cpu" else 1.5)  # another device: another run
+assert margin.min() >= (5 if STORED_RUN else 1.5)  # another run: a bound of the seed study
 
 # %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(6.4, 3.8))
@@ -433,7 +451,7 @@ for layer in range(num_layers):
 # is of the stored run's least sure step, and another run may hesitate elsewhere.)
 
 # %%
-if device.type == "cpu":  # a finding of this run (another device trains another run)
+if STORED_RUN:  # a finding of the stored run (another run may hesitate elsewhere)
     assert any(abs(pos - right_pos) == 1 for pos in runner_pos), (right_pos, runner_pos)
 
 

@@ -1097,7 +1097,7 @@ grads_naive = gradients(accum_model)
 print("tokens per micro-batch:", [int((b[2] != PAD).sum()) for b in micro], "total", tokens_big)
 print("padded widths:", [tuple(b[0].shape) for b in micro], "vs", tuple(big_batch[0].shape))
 naive_error = max(float((a - b).abs().max()) for a, b in zip(grads_naive, grads_big, strict=False))
-print(f"largest gradient difference, mean of means: {naive_error:.1e}")
+print(f"largest gradient difference, mean of means: {naive_error:.0e}")
 
 # %%
 for g_acc, g_big in zip(grads_accumulated, grads_big, strict=False):
@@ -1235,7 +1235,7 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
     )
 
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def forward_backward():
     sequence_loss(amp_model, amp_batch)[0].backward()
 
@@ -1622,7 +1622,7 @@ def train_translation(
 # add in a varying order unless `torch.use_deterministic_algorithms(True)` is set, so there
 # the check allows float rounding.)
 
-# %%
+# %% tags=["nbval-ignore-output"]
 small_pairs = torch.utils.data.Subset(datasets["train"], range(600))
 small_lengths = [datasets["train"].lengths[i] for i in range(600)]
 small_loader = DataLoader(
@@ -1892,7 +1892,7 @@ save_figure(fig, "13_gradient_flow")
 plt.show()
 
 # %% tags=["nbval-ignore-output"]
-grad_means = grad_table.mean(axis=0)
+grad_means = grad_table[np.isfinite(grad_table).all(axis=1)].mean(axis=0)  # steps taken
 grad_spread = grad_means.max() / grad_means.min()
 print(
     f"largest mean norm {grad_names[grad_means.argmax()]} {grad_means.max():.3f}, smallest "
@@ -1900,7 +1900,11 @@ print(
 )
 
 # %%
-assert np.isfinite(grad_table).all() and (grad_table > 0).all()  # every part learns
+# With float16 on a GPU, GradScaler skips a step whose gradient overflowed: its norms are inf.
+# Those steps are left out; the others must all be finite, and nearly every step is taken.
+taken = np.isfinite(grad_table).all(axis=1)
+assert taken.mean() > 0.95
+assert np.isfinite(grad_means).all()
 assert grad_spread < 50  # the same order of magnitude, give or take
 
 
@@ -2132,7 +2136,9 @@ save_figure(fig, "13_cross_attention")
 plt.show()
 
 # %% [markdown]
-# In layer 2, the rows that write a hundreds or a units piece look almost only at the English
+# What follows describes our run's weights (another machine's run, or another seed, learns
+# other ones; the assert above checks only the crossing). In layer 2, the rows that write a
+# hundreds or a units piece look almost only at the English
 # piece they translate: "siebenhundert" at "▁seven", "einund" at "ty-one", "achtund" at
 # "ty-eight". The unit comes from the *right* of the English tens, and the row after it,
 # which writes the tens, looks further left: "sieb" mostly at "▁seven" (of seventy-eight),

@@ -65,6 +65,10 @@ from transformer_from_scratch.utils import set_seed
 
 set_seed(0)
 device = get_device()
+if device.type == "mps":  # PyTorch keeps no record of peak memory on MPS, and this notebook
+    print("Apple GPU found: this notebook measures memory, which PyTorch cannot do on MPS, "
+          "so it runs on the CPU.")  # measures memory throughout
+    device = torch.device("cpu")
 
 # %% [markdown]
 # Everything this notebook exports goes into one module, `efficient`:
@@ -115,7 +119,7 @@ from transformer_from_scratch.layers import _check_block_input
 # `peak_memory` (notebook 02) measures, not computes: it reads the allocator's record of what
 # was allocated and freed while a function ran. One head, $d_k = 64$:
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def make_qkv(T, d_k=64, heads=1, batch=1, dtype=torch.float32, requires_grad=False, seed=0):
     """Random (batch, heads, T, d_k) queries, keys and values, drawn on the CPU, then moved."""
     gen = torch.Generator().manual_seed(seed)
@@ -135,6 +139,9 @@ def naive_training(Q, K, V):
 
 
 MiB = 2**20
+if device.type == "cuda":  # the first matmul allocates cuBLAS's workspace (8-32 MiB), once:
+    naive_training(*make_qkv(64, requires_grad=True))  # let that happen before measuring
+    torch.cuda.synchronize()
 lengths = [512, 1024, 2048, 4096]
 naive_fwd_mem, naive_train_mem = [], []
 for T in lengths:
@@ -437,7 +444,7 @@ print("gradcheck passed; equal to F.scaled_dot_product_attention with and withou
 # Now the point of it all. The forward pass at growing $T$, naive against tiled, and a training
 # step (forward and backward) of each:
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def tiled_forward(Q, K, V):
     with torch.no_grad():
         return tiled_attention(Q, K, V)
@@ -551,15 +558,14 @@ print(f"{device.type}, {kernel_dtype}: " + ", ".join(
     f"{name} {'runs' if ok else 'not available'}" for name, ok in runs_here.items()))
 
 # %% [markdown]
-# On a CPU, `math` and `flash` run. On a CUDA GPU `efficient` runs too; `flash` (FlashAttention-2)
+# On a CPU, with torch 2.13, `math` and `flash` run (which backends a CPU build has is a
+# property of the release, so only `math` is asserted). On a CUDA GPU `efficient` runs too; `flash` (FlashAttention-2)
 # needs an Ampere or newer GPU (compute capability sm80+: A100, L4, RTX 30xx and later), so on
 # Colab's free T4 (sm75) it is not available; `cudnn` needs a recent GPU and cuDNN as well. What
 # holds everywhere:
 
 # %%
-assert runs_here["math"]
-if device.type == "cpu":
-    assert runs_here["flash"] and not runs_here["efficient"]
+assert runs_here["math"]  # the reference implementation runs everywhere
 
 # %% [markdown]
 # Memory and time at $T = 2048$, four heads: the naive attention, ours tiled, and PyTorch's
@@ -1120,7 +1126,7 @@ else:
 # source positions, the decoder's the $T$ target positions, except the cross-attention's $W_k$
 # and $W_v$, which read the encoder's output ($S$ positions):
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def training_flops(model, batch, S, T):
     """6 x weights x tokens they read, plus the attention matmuls (x 3 for the backward)."""
     linear = 0
@@ -1251,7 +1257,8 @@ allocated = sum(  # the buffers themselves: kept positions plus the spare room o
 print(f"formula {cache_formula / MiB:.3f} MiB, kept {filled.num_bytes() / MiB:.3f} MiB, "
       f"allocated {allocated / MiB:.3f} MiB")
 assert filled.length == 512 and filled.num_bytes() == cache_formula
-assert cache_formula <= allocated <= 1.25 * cache_formula
+# A growing buffer doubles when it is full, so it is never more than twice what it keeps.
+assert cache_formula <= allocated <= 2 * cache_formula
 
 # %% [markdown]
 # ## 7 · Mixed precision and checkpointing, in numbers
@@ -1360,7 +1367,7 @@ print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False
 # third more. `torch.utils.checkpoint` does it per call; it restores the random state, so
 # dropout draws the same masks when the block is recomputed.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def with_checkpointing(model):
     """A copy whose encoder and decoder blocks recompute their activations in the backward."""
     model = copy.deepcopy(model)

@@ -461,3 +461,84 @@ def test_a_local_name_is_not_imported_from_another_module():
     providers = {"later": {"batches"}, "shapes": {"Circle"}}
     imports = export.package_imports(code, "mine", providers)
     assert imports == ["from transformer_from_scratch.shapes import Circle"]
+
+
+# ---------------------------------------------------------------- the robustness run
+def test_the_seed_hook_shifts_every_seed_the_kernel_sets(tmp_path):
+    """tools/robust.py's start-up file: each seeding call draws what seed + offset would."""
+    import robust
+
+    probe = (
+        "import random, numpy as np, torch\n"
+        "print(torch.manual_seed(3).initial_seed(), torch.Generator().manual_seed(4).initial_seed(),"
+        " torch.randn(1, generator=torch.Generator().manual_seed(5)).item())\n"
+        "random.seed(6); print(random.random(), random.Random(7).random())\n"
+        "np.random.seed(8); print(np.random.rand(), np.random.default_rng(9).random())\n"
+    )
+    hook = tmp_path / "hook.py"
+    hook.write_text(robust.SEED_HOOK)
+
+    def run(offset: int) -> list[str]:
+        env = {**os.environ, "COURSE_SEED_OFFSET": str(offset)}
+        code = f"exec(open({str(hook)!r}).read())\n" + probe
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    import random
+
+    import numpy as np
+    import torch
+
+    shifted = run(1000)
+    assert shifted[:2] == ["1003", "1004"]
+    assert float(shifted[2]) == torch.randn(1, generator=torch.Generator().manual_seed(1005)).item()
+    random.seed(1006)
+    assert float(shifted[3]) == random.random()
+    assert float(shifted[4]) == random.Random(1007).random()
+    np.random.seed(1008)  # noqa: NPY002 (the legacy global stream is what the hook wraps)
+    assert float(shifted[5]) == np.random.rand()  # noqa: NPY002
+    assert float(shifted[6]) == np.random.default_rng(1009).random()
+    assert run(0)[:2] == ["3", "4"]  # offset 0: the seeds as written
+
+
+def test_robust_reports_each_failing_cell_with_the_line_that_raised():
+    import robust
+
+    output = nbformat.from_dict(
+        {
+            "output_type": "error",
+            "ename": "AssertionError",
+            "evalue": "",
+            "traceback": ["\x1b[0;32m----> 3\x1b[0m \x1b[38;5;28;01massert\x1b[39;00m x > 1\n"],
+        }
+    )
+    assert robust.error_text(output) == "AssertionError:  at `3 assert x > 1`"
+    record = {
+        "perturbation": "seed+1000",
+        "torch": "2.13.0",
+        "seconds": 60.0,
+        "notebooks": {"01_a": {"seconds": 5.0, "failures": [{"cell": 7, "error": "E"}]}},
+    }
+    table = robust.report([record], ["01_a", "02_b"])
+    assert "| 01_a | **1 failed** / 5 s |" in table and "| 02_b | not run |" in table
+    assert "- seed+1000: 01_a [7] E" in table
+
+
+def test_nbval_runs_a_copy_so_the_repository_stays_as_it_was(tmp_path):
+    """Figures and checkpoints of a notebook under test land in a scratch folder, not in figures/."""
+    code = (
+        "from transformer_from_scratch.utils import find_figures_dir\n"
+        "folder = find_figures_dir()\n"
+        "(folder / 'nbval_probe.txt').write_text('written under test')\n"
+        f"print(str(folder).startswith({str(ROOT)!r}))"
+    )
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell(code, execution_count=1)
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="False\n")]
+    nb.cells = [cell]
+    nb.metadata["kernelspec"] = notebooks.KERNELSPEC
+    path = tmp_path / "99_probe.ipynb"
+    nbformat.write(nb, path)
+    assert notebooks.nbval_in_scratch([path], jobs=1, quiet=True) == 0
+    assert not (ROOT / "figures" / "nbval_probe.txt").exists()

@@ -6,6 +6,9 @@
                                                  figures/ only)
     python tools/notebooks.py run [NN ...]       execute copies in a scratch folder: nothing in
                                                  the repository changes (compatibility runs)
+    python tools/notebooks.py nbval [NN ...] [--jobs J]
+                                                 nbval strict on copies in a scratch folder
+                                                 (the repository stays as it was)
     python tools/notebooks.py twice [NN ...]     "Run All" twice in one kernel, then each cell
                                                  again from the last to the first, as a JupyterLab
                                                  reader might: every cell must survive a re-run
@@ -26,6 +29,7 @@ import contextlib
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +41,7 @@ from course import KERNELSPEC
 from course import NOTEBOOKS
 from course import PYPROJECT
 from course import README
+from course import ROOT
 from course import colab_url
 from course import jupytext_metadata
 from course import kernel_env
@@ -120,6 +125,33 @@ def scratch_copy(prefix: str) -> Iterator[Path]:
         (scratch / "figures").mkdir()
         shutil.copy(PYPROJECT, scratch / "pyproject.toml")
         yield scratch / "notebooks"
+
+
+def nbval_in_scratch(
+    notebooks: list[Path], jobs: int = 2, junit: Path | None = None, quiet: bool = False
+) -> int:
+    """nbval strict on copies of `notebooks` (.ipynb) in a scratch folder; pytest's exit code.
+
+    The copies run where their figures, checkpoints and data land in the scratch folder, so a
+    test run leaves the repository as it was (another machine draws other pixels), and no
+    checkpoint left by an earlier run is loaded.
+    """
+    with scratch_copy("course-nbval-") as folder:
+        for notebook in notebooks:
+            shutil.copy(notebook, folder / notebook.name)
+        command = [
+            sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--nbval",
+            "--nbval-current-env", "--nbval-sanitize-with",
+            str(ROOT / "tests" / "nbval_sanitize.cfg"), "--rootdir", str(folder.parent),
+        ]  # fmt: skip
+        if jobs > 1:
+            command += ["-n", str(jobs), "--dist", "loadfile"]
+        if junit is not None:
+            command += ["--junitxml", str(junit)]
+        if quiet:
+            command += ["-q", "--no-header"]
+        command += [str(folder / notebook.name) for notebook in notebooks]
+        return subprocess.run(command, cwd=folder.parent).returncode
 
 
 def report_failure(what: str, err: Exception, lines: int = 20) -> None:
@@ -383,8 +415,10 @@ def check(paths: list[Path]) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "command", choices=["execute", "figures", "run", "twice", "links", "fork", "check"]
+        "command",
+        choices=["execute", "figures", "run", "nbval", "twice", "links", "fork", "check"],
     )
+    parser.add_argument("--jobs", type=int, default=2, help="for nbval: pytest-xdist workers")
     parser.add_argument("args", nargs="*", help="number prefixes (e.g. 01 02), or OWNER/NAME")
     parser.add_argument("--branch", default="main", help="for fork: the branch to link to")
     ns = parser.parse_args()
@@ -394,6 +428,8 @@ def main() -> int:
         execute(sources(ns.args), store=False)
     elif ns.command == "run":
         return run_elsewhere(sources(ns.args))
+    elif ns.command == "nbval":
+        return nbval_in_scratch([p.with_suffix(".ipynb") for p in sources(ns.args)], ns.jobs)
     elif ns.command == "twice":
         return run_twice(sources(ns.args))
     elif ns.command == "links":
