@@ -292,12 +292,15 @@ def check_bool(name: str, value: bool) -> bool:
 
 
 def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
-    """`value` lower-cased, if it is one of `choices`."""
+    """`value`, if it is exactly one of `choices` (a value is stored as given, so it must match
+    as given: "Adam" is not "adam")."""
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value)}")
-    if value.lower() not in choices:
-        raise ValueError(f"unknown {name} {value!r}; expected one of {list(choices)}")
-    return value.lower()
+    if value not in choices:
+        hint = [c for c in choices if c.lower() == value.lower()]
+        near = f" (choices are case-sensitive: did you mean {hint[0]!r}?)" if hint else ""
+        raise ValueError(f"unknown {name} {value!r}; expected one of {list(choices)}{near}")
+    return value
 
 
 def check_tensor(

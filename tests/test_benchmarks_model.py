@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "model.py"
 spec = importlib.util.spec_from_file_location("benchmarks_model", PATH)
@@ -15,12 +16,16 @@ bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
 TINY = {"d_model": 16, "num_heads": 2, "d_ff": 32, "num_layers": 1}
+TWO_LAYERS = {**TINY, "num_layers": 2}
 CONTRACT = [
     "train_step_ratio_fast",
+    "train_step_ratio_fast_vs_shipped",
     "train_step_ratio_scratch",
+    "train_step_ratio_scratch_vs_shipped",
     "kv_cache_speedup_4",
     "tiled_memory_ratio_1024",
     "mfu",
+    "mfu_measured_peak",
 ]
 
 
@@ -48,17 +53,42 @@ def test_run_all_has_the_contract_keys():
     rows = result["train_step"]
     assert [(r["batch"], r["src_len"]) for r in rows] == [(2, 4), (3, 5)]
     assert result["train_step_ratio_fast"] == max(r["fast_over_torch"] for r in rows)
+    assert result["train_step_ratio_fast_vs_shipped"] == max(
+        r["fast_over_torch_shipped"] for r in rows
+    )
     for r in rows:
         assert math.isclose(r["fast_over_torch"], r["fast_s"] / r["torch_s"])
+        assert math.isclose(r["fast_over_torch_shipped"], r["fast_s"] / r["torch_shipped_s"])
+        assert math.isclose(r["scratch_over_torch"], r["scratch_s"] / r["torch_s"])
         assert r["threads"] == 1
+        sites = r["dropout_sites"]
+        assert sites["fast"] == sites["scratch"] == sites["torch"] == sites["torch_shipped"] - 2
     assert result["tiled_memory"]["tiled_bytes"] < result["tiled_memory"]["naive_bytes"]
     u = result["mfu_detail"]
     assert u["flops_per_step"] > 0 and positive_finite(u["mfu_plain_adam"])
-    assert math.isclose(u["mfu"], u["flops_per_step"] / u["step_s"] / u["peak_flops"])
+    measured = u["flops_per_step"] / u["step_s"] / u["peak_flops_measured"]
+    assert math.isclose(u["mfu_measured_peak"], measured)
+    assert u["mfu"] == u["mfu_measured_peak"] == result["mfu"] == result["mfu_measured_peak"]
+    assert u["peak_flops"] == u["peak_flops_measured"]
     assert math.isclose(u["mfu"] / u["mfu_plain_adam"], u["step_s_plain_adam"] / u["step_s"])
+    cpu = result["cpu"]
+    assert set(cpu["flags"]) == {"avx2", "avx512f", "amx", "fma"}
+    if cpu["peak_flops_per_thread"] is None:  # no /proc/cpuinfo here
+        assert result["mfu_theoretical_peak"] is None
+    else:
+        assert u["peak_flops_theoretical"] == cpu["peak_flops_per_thread"] * u["threads"]
+        theoretical = u["flops_per_step"] / u["step_s"] / u["peak_flops_theoretical"]
+        assert math.isclose(result["mfu_theoretical_peak"], theoretical)
+    targets = result["targets"]
+    assert targets["train_step_ratio_fast"]["goal"] == 0.85
+    assert targets["train_step_ratio_fast"]["met"] == all(
+        r["fast_over_torch"] <= 0.85 for r in rows
+    )  # the goal holds at every shape and thread count, against the equal-work reference
+    assert "train_step_ratio_fast_vs_shipped" not in targets
     assert [r["T"] for r in result["attention"]["rows"]] == [8, 16]
     text = bench.format_results(result)
     assert "train_step_ratio_fast" in text and "bench.json" in text
+    assert "train_step_ratio_fast_vs_shipped" in text and "mfu_theoretical_peak" in text
     json.dumps(result)  # everything is JSON
 
 
@@ -74,7 +104,8 @@ def test_worst_ratio_is_over_threads_as_well():
 
 
 def test_train_step_models_share_weights():
-    models = bench.three_models(torch.device("cpu"), model_kwargs=TINY)
+    models = bench.train_step_models(torch.device("cpu"), model_kwargs=TINY)
+    assert set(models) == {"scratch", "fast", "torch", "torch_shipped"}
     src, tgt_in, tgt_out = bench.reversal_batch(2, 5)
     assert src.shape == (2, 5) and tgt_in.shape == tgt_out.shape == (2, 6)
     assert torch.equal(tgt_in[:, 1:], src.flip(1)) and torch.equal(tgt_out[:, :-1], src.flip(1))
@@ -92,7 +123,7 @@ def test_fused_adam_step_is_the_plain_step():
     src, tgt_in, tgt_out = bench.reversal_batch(2, 5)
     before, after = [], []
     for fused in (False, True):
-        model = bench.three_models(torch.device("cpu"), model_kwargs=TINY)["fast"]
+        model = bench.train_step_models(torch.device("cpu"), model_kwargs=TINY)["fast"]
         before.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         torch.manual_seed(3)  # the same dropout masks
         bench.make_train_step(model, src, tgt_in, tgt_out, fused=fused)()
@@ -142,8 +173,11 @@ def test_main_writes_json(tmp_path, capsys):
     )  # fmt: skip
     assert code == 0
     data = json.loads(out.read_text())
-    for key in ("train_step_ratio_fast", "train_step_ratio_scratch", "kv_cache_speedup_2",
-                "tiled_memory_ratio_64", "mfu", "device", "torch", "threads"):  # fmt: skip
+    for key in ("train_step_ratio_fast", "train_step_ratio_fast_vs_shipped",
+                "train_step_ratio_scratch", "train_step_ratio_scratch_vs_shipped",
+                "kv_cache_speedup_2", "tiled_memory_ratio_64", "mfu", "mfu_measured_peak",
+                "mfu_theoretical_peak", "device", "torch", "threads", "cpu",
+                "targets"):  # fmt: skip
         assert key in data
     assert "wrote" in capsys.readouterr().out
 
@@ -153,5 +187,147 @@ def test_target_status_marks_met_and_missed():
     assert bench.target_status("train_step_ratio_fast", 0.90) == "target <= 0.85: MISSED"
     assert bench.target_status("mfu", 0.60) == "target >= 0.55: met"
     assert bench.target_status("mfu", 0.50) == "target >= 0.55: MISSED"
+    assert bench.target_status("mfu_measured_peak", 0.60) == "target >= 0.55: met"
+    assert bench.target_status("train_step_ratio_fast_vs_shipped", 0.80) == ""
+    assert bench.target_status("mfu_theoretical_peak", 0.30) == ""
     assert bench.target_status("tiled_memory_ratio_8192", 0.005) == "target <= 0.125: met"
     assert bench.target_status("kv_cache_speedup_512", 7.0) == ""
+
+
+def _models(kwargs=TWO_LAYERS):
+    return bench.train_step_models(torch.device("cpu"), model_kwargs=kwargs)
+
+
+def test_equal_work_reference_drops_only_the_inner_ffn_dropout():
+    models = _models()
+    shipped, equal = models["torch_shipped"], models["torch"]
+    for layer in bench._reference_layers(equal):
+        assert isinstance(layer.dropout, nn.Identity)  # between linear1 and linear2
+        for name in ("dropout1", "dropout2") + (
+            ("dropout3",) if hasattr(layer, "dropout3") else ()
+        ):
+            assert isinstance(getattr(layer, name), nn.Dropout) and getattr(layer, name).p > 0
+    for layer in bench._reference_layers(shipped):  # a copy was changed, not the shipped one
+        assert isinstance(layer.dropout, nn.Dropout) and layer.dropout.p > 0
+    for (name, a), b in zip(shipped.named_parameters(), equal.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert a.data_ptr() != b.data_ptr()  # its own parameters: separate optimizers
+
+
+def test_equal_work_reference_computes_our_function():
+    models = _models()
+    src, tgt_in, _ = bench.reversal_batch(3, 5)
+    mask = bench.causal_mask(tgt_in.size(1))
+    with torch.no_grad():
+        outs = {name: m.eval()(src, tgt_in, tgt_mask=mask) for name, m in models.items()}
+    for name in ("scratch", "fast", "torch_shipped"):
+        torch.testing.assert_close(outs[name], outs["torch"], atol=1e-5, rtol=1e-5)
+    assert outs["torch"].abs().max() > 0.1  # not a trivial output
+
+
+def test_dropout_sites_equal_ours_and_shipped_has_one_more_per_layer():
+    for kwargs in (TINY, TWO_LAYERS):
+        models = _models(kwargs)
+        sites = {name: bench.dropout_sites(m) for name, m in models.items()}
+        layers = 2 * kwargs["num_layers"]  # encoder and decoder layers
+        # positional encoding 1; per encoder layer: attention weights, dropout1, dropout2;
+        # per decoder layer: self- and cross-attention weights, dropout1, dropout2, dropout3
+        assert sites["scratch"] == 1 + 3 * kwargs["num_layers"] + 5 * kwargs["num_layers"]
+        assert sites["fast"] == sites["scratch"] == sites["torch"]
+        assert sites["torch_shipped"] == sites["torch"] + layers
+        assert bench.check_same_work(models, *bench.reversal_batch(2, 4)[:2]) == sites
+    no_dropout = _models({**TINY, "dropout_p": 0.0})
+    assert {bench.dropout_sites(m) for m in no_dropout.values()} == {0}
+
+
+def test_dropout_calls_in_training_match_the_sites():
+    """What runs: count the calls of dropout modules (p > 0) and of attention with dropout in a
+    training forward; ours (from scratch) and the equal-work reference make as many."""
+    models = _models()
+    src, tgt_in, _ = bench.reversal_batch(2, 4)
+    mask = bench.causal_mask(tgt_in.size(1))
+
+    def calls(model: nn.Module) -> int:
+        count = []
+        handles = [
+            m.register_forward_hook(lambda *_: count.append(1))
+            for m in model.modules()
+            if (isinstance(m, nn.Dropout) and m.p > 0)
+            or (isinstance(m, bench.MultiHeadAttention) and m.dropout_p > 0)
+            or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
+        ]
+        try:
+            model.train()(src, tgt_in, tgt_mask=mask)
+        finally:
+            for h in handles:
+                h.remove()
+        return len(count)
+
+    ours, equal, shipped = (calls(models[k]) for k in ("scratch", "torch", "torch_shipped"))
+    assert ours == equal == bench.dropout_sites(models["scratch"]) + 1  # pos runs on src and tgt
+    assert shipped == equal + 4  # 2 encoder + 2 decoder layers
+
+
+def test_check_same_work_fails_on_other_work_or_another_function():
+    src, tgt_in, _ = bench.reversal_batch(2, 4)
+    models = _models()
+    models["torch"] = models["torch_shipped"]  # the shipped one has more dropout than ours
+    with pytest.raises(RuntimeError, match="dropout sites differ"):
+        bench.check_same_work(models, src, tgt_in)
+    models = _models()
+    with torch.no_grad():
+        # one weight (a bias added to every feature alike would vanish in the post-norm)
+        models["torch"].transformer.encoder.layers[0].linear2.weight[0, 0] += 0.5
+    with pytest.raises(RuntimeError, match="different functions"):
+        bench.check_same_work(models, src, tgt_in)
+    models = _models()
+    models["torch"].transformer.encoder.layers[0].dropout2 = nn.Identity()  # one site too few
+    with pytest.raises(RuntimeError, match="dropout sites differ"):
+        bench.check_same_work(models, src, tgt_in)
+    models = _models()
+    for m in models.values():
+        m.train()
+    bench.check_same_work(models, src, tgt_in)
+    assert all(m.training for m in models.values())  # training mode restored
+
+
+CPUINFO = """processor\t: 0
+model name\t: Some CPU 9000
+cpu MHz\t\t: 2400.000
+flags\t\t: fpu sse2 fma avx2 {extra}
+
+processor\t: 1
+model name\t: Some CPU 9000
+cpu MHz\t\t: 2600.500
+flags\t\t: fpu sse2 fma avx2 {extra}
+"""
+
+
+def test_cpu_info_peak_per_thread():
+    avx512 = bench.cpu_info(CPUINFO.format(extra="avx512f amx_tile amx_bf16"), lscpu="")
+    assert avx512["model_name"] == "Some CPU 9000"
+    assert avx512["flags"] == {"avx2": True, "avx512f": True, "amx": True, "fma": True}
+    assert avx512["amx_flags"] == ["amx_bf16", "amx_tile"]
+    assert avx512["mhz"] == 2600.5  # the highest cpu MHz
+    assert avx512["fp32_lanes"] == 16 and avx512["fma_units_assumed"] == 2
+    assert avx512["peak_flops_per_thread"] == pytest.approx(16 * 2 * 2 * 2600.5e6)
+    avx2 = bench.cpu_info(CPUINFO.format(extra=""), lscpu="CPU max MHz:  3500.0000\n")
+    assert avx2["flags"]["avx512f"] is False and avx2["flags"]["amx"] is False
+    assert avx2["mhz"] == 3500.0 and "lscpu" in avx2["mhz_source"]  # lscpu's max comes first
+    assert avx2["peak_flops_per_thread"] == pytest.approx(8 * 2 * 2 * 3500e6)
+    unknown = bench.cpu_info("", lscpu="")
+    assert unknown["model_name"] is None and unknown["peak_flops_per_thread"] is None
+    json.dumps([avx512, avx2, unknown])
+
+
+def test_mfu_theoretical_peak_uses_the_threads():
+    u = bench.model_flops_utilisation(
+        2, 3, repeats=1, device="cpu", model_kwargs=TINY, peak_size=32, peak_flops_per_thread=1e11
+    )
+    assert u["peak_flops_theoretical"] == 1e11 * u["threads"]
+    assert math.isclose(
+        u["mfu_theoretical_peak"], u["achieved_flops"] / u["peak_flops_theoretical"]
+    )
+    none = bench.model_flops_utilisation(2, 3, repeats=1, device="cpu", model_kwargs=TINY,
+                                         peak_size=32)  # fmt: skip
+    assert none["peak_flops_theoretical"] is None and none["mfu_theoretical_peak"] is None

@@ -482,3 +482,36 @@ def test_fast_attention_zeroes_empty_rows_even_if_the_kernel_returns_nan(monkeyp
     assert_close(out, scratch(x, mask=mask))
     out.sum().backward()
     assert torch.isfinite(x.grad).all()
+
+
+def test_fast_dropout_with_p_one_drops_everything_like_f_dropout():
+    x = torch.randn(4, 5, requires_grad=True)
+    out = fast_dropout(x, 1.0)  # once a ZeroDivisionError (the scale 1 / (1 - p))
+    assert torch.equal(out, F.dropout(x, 1.0, True)) and torch.equal(out, torch.zeros(4, 5))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.zeros(4, 5))
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_the_fast_path_keeps_drop_path_in_training(norm_first):
+    # Once, the fast blocks read dropout1.p and applied their own dropout, so DropPath (which
+    # replaces the block's dropout modules by BranchDrop) was silently skipped: in training
+    # mode the fast model then gave exactly the eval-mode output.
+    from transformer_from_scratch.regularization import add_drop_path
+
+    torch.manual_seed(0)
+    model = Transformer(11, 11, d_model=16, num_heads=2, d_ff=32, dropout_p=0.0)
+    for block in [*model.encoder.layers, *model.decoder.layers]:
+        block.norm_first = norm_first
+    add_drop_path(model, 0.9)
+    src, tgt = torch.randint(3, 11, (8, 5)), torch.randint(3, 11, (8, 6))
+    mask = causal_mask(6)
+    fast = use_fast_path(copy.deepcopy(model))
+    with torch.no_grad():
+        eval_out = fast.eval()(src, tgt, tgt_mask=mask)
+        torch.manual_seed(1)
+        scratch_train = model.train()(src, tgt, tgt_mask=mask)
+        torch.manual_seed(1)
+        fast_train = fast.train()(src, tgt, tgt_mask=mask)
+    assert not torch.allclose(fast_train, eval_out, atol=1e-3)  # some branches were dropped
+    assert_close(fast_train, scratch_train)  # DropPath draws the same way on both paths

@@ -12,11 +12,16 @@ from transformer_from_scratch.layers import get_activation
 
 
 # ---------------------------------------------------------------- get_activation
-@pytest.mark.parametrize(
-    "name, cls", [("relu", nn.ReLU), ("gelu", nn.GELU), ("silu", nn.SiLU), ("GELU", nn.GELU)]
-)
+@pytest.mark.parametrize("name, cls", [("relu", nn.ReLU), ("gelu", nn.GELU), ("silu", nn.SiLU)])
 def test_get_activation_types(name, cls):
     assert type(get_activation(name)) is cls
+
+
+def test_get_activation_names_are_exact():
+    with pytest.raises(ValueError, match="did you mean 'gelu'"):
+        get_activation("GELU")
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        get_activation("tanh")
 
 
 def test_get_activation_returns_new_modules():

@@ -1,6 +1,7 @@
 """Unit tests of transformer_from_scratch.measure (notebook 02). No wall-clock assertions."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ import torch
 from transformer_from_scratch import measure
 from transformer_from_scratch.measure import count_flops
 from transformer_from_scratch.measure import fit_slope
+from transformer_from_scratch.measure import operator_times
 from transformer_from_scratch.measure import peak_memory
+from transformer_from_scratch.measure import stderr_silenced
 from transformer_from_scratch.measure import time_call
 
 
@@ -112,3 +115,34 @@ def test_fit_slope_recovers_exponents():
 def test_fit_slope_bad_input(xs, ys, message):
     with pytest.raises(ValueError, match=message):
         fit_slope(xs, ys)
+
+
+def test_operator_times_finds_the_matmul_and_counts_per_call():
+    a = torch.randn(256, 256)
+    calls = []
+    times = operator_times(lambda: calls.append(a @ a), repeats=3, warmup=1)
+    assert len(calls) == 4  # one warm-up and three profiled calls
+    assert times["aten::mm"] > 0
+    assert max(times, key=times.get) == "aten::mm"  # the matmul is what this function does
+    assert all(ms >= 0 for ms in times.values())
+
+
+def test_operator_times_prints_nothing_to_stderr(capfd):
+    operator_times(lambda: torch.randn(8) @ torch.randn(8), repeats=1)
+    assert capfd.readouterr().err == ""
+
+
+def test_operator_times_rejects_bad_counts():
+    with pytest.raises(ValueError, match="repeats"):
+        operator_times(lambda: None, repeats=0)
+    with pytest.raises(ValueError, match="warmup"):
+        operator_times(lambda: None, warmup=-1)
+    with pytest.raises(TypeError, match="repeats"):
+        operator_times(lambda: None, repeats=2.0)
+
+
+def test_stderr_silenced_drops_what_the_process_writes_to_descriptor_2(capfd):
+    with stderr_silenced():
+        os.write(2, b"from C++ code\n")
+    os.write(2, b"after\n")
+    assert capfd.readouterr().err == "after\n"

@@ -195,6 +195,8 @@ def test_train_config_validates():
         TrainConfig(epochs=0)
     with pytest.raises(ValueError):
         TrainConfig(amp_dtype="float8")
+    with pytest.raises(ValueError, match="did you mean 'bfloat16'"):
+        TrainConfig(amp_dtype="BFloat16")  # once accepted here, then an AttributeError in the loop
     with pytest.raises(ValueError):
         TrainConfig(label_smoothing=1.0)
 

@@ -470,7 +470,8 @@ def test_the_seed_hook_shifts_every_seed_the_kernel_sets(tmp_path):
 
     probe = (
         "import random, numpy as np, torch\n"
-        "print(torch.manual_seed(3).initial_seed(), torch.Generator().manual_seed(4).initial_seed(),"
+        "print(torch.manual_seed(3).initial_seed(),"
+        " torch.Generator().manual_seed(4).initial_seed(),"
         " torch.randn(1, generator=torch.Generator().manual_seed(5)).item())\n"
         "random.seed(6); print(random.random(), random.Random(7).random())\n"
         "np.random.seed(8); print(np.random.rand(), np.random.default_rng(9).random())\n"
@@ -513,7 +514,10 @@ def test_robust_reports_each_failing_cell_with_the_line_that_raised():
             "traceback": ["\x1b[0;32m----> 3\x1b[0m \x1b[38;5;28;01massert\x1b[39;00m x > 1\n"],
         }
     )
-    assert robust.error_text(output) == "AssertionError:  at `3 assert x > 1`"
+    assert robust.error_text(output) == "AssertionError:  at `line 3 assert x > 1`"
+    # Past line 9 the arrow is one dash shorter, so that the numbers line up.
+    output.traceback = ["Cell In[4], line 40\n     39 y = 2\n---> 40 assert y > 3\n     41 z\n"]
+    assert robust.error_text(output) == "AssertionError:  at `line 40 assert y > 3`"
     record = {
         "perturbation": "seed+1000",
         "torch": "2.13.0",
@@ -526,7 +530,7 @@ def test_robust_reports_each_failing_cell_with_the_line_that_raised():
 
 
 def test_nbval_runs_a_copy_so_the_repository_stays_as_it_was(tmp_path):
-    """Figures and checkpoints of a notebook under test land in a scratch folder, not in figures/."""
+    """Figures and checkpoints of a notebook under test land in a scratch folder."""
     code = (
         "from transformer_from_scratch.utils import find_figures_dir\n"
         "folder = find_figures_dir()\n"
@@ -542,3 +546,15 @@ def test_nbval_runs_a_copy_so_the_repository_stays_as_it_was(tmp_path):
     nbformat.write(nb, path)
     assert notebooks.nbval_in_scratch([path], jobs=1, quiet=True) == 0
     assert not (ROOT / "figures" / "nbval_probe.txt").exists()
+
+
+def test_notebook_numbers_may_follow_an_option():
+    # `make nbval NB=12` runs `notebooks.py nbval --jobs 2 12`: argparse's plain parse_args
+    # refused the number after the option ("unrecognized arguments: 12").
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "notebooks.py"), "nbval", "--jobs", "1", "99"],
+        capture_output=True,
+        text=True,
+    )
+    assert "unrecognized arguments" not in done.stderr
+    assert "no notebook matches ['99']" in done.stderr + done.stdout

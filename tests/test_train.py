@@ -279,7 +279,7 @@ def test_reversal_recipe_replaces_fields_and_leaves_the_default_alone():
     [
         ({"stpes": 7}, ValueError, r"unknown recipe keys \['stpes'\]; known: \['vocab_size'"),
         ({"embedding_init": "xavier"}, ValueError, "embedding_init"),
-        ({"embedding_init": "Paper"}, ValueError, "embedding_init must be 'paper' or 'default'"),
+        ({"embedding_init": "Paper"}, ValueError, "did you mean .paper."),
         ({"embedding_init": 1}, TypeError, "embedding_init must be a str"),
         ({"steps": 0}, ValueError, "steps must be at least 1"),
         ({"steps": 2.0}, TypeError, "steps must be an int"),

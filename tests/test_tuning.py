@@ -62,6 +62,14 @@ def test_recipe_replace_and_checks():
     assert Recipe(optimizer="adamw", weight_decay=1.0).weight_decay == 1.0
 
 
+@pytest.mark.parametrize(("field", "value"), [("optimizer", "Adam"), ("schedule", "Paper")])
+def test_recipe_choices_match_exactly(field, value):
+    # Once, check_choice accepted "Adam" and the recipe kept it: make_optimizer, which compares
+    # exactly, then built AdamW, and "Paper" ran the cosine schedule.
+    with pytest.raises(ValueError, match=f"did you mean {value.lower()!r}"):
+        Recipe(**{field: value})
+
+
 def test_the_named_recipes():
     assert TUNED_RECIPE.optimizer == "adamw" and TUNED_RECIPE.steps == 600
     assert TUNED_RECIPE.dropout_p == 0.0 and TUNED_RECIPE.d_model == 128

@@ -85,22 +85,30 @@ def test_label_length_mismatch_raises():
         plot_attention(_weights(3, 3), x_labels=list("abc"), y_labels=list("ab"))
 
 
-def _luminance(rgb):
+def _contrast(color_a, color_b) -> float:
+    """WCAG 2 contrast ratio (1 to 21) of two colours, from their linearised luminance."""
     from matplotlib.colors import to_rgb
 
-    red, green, blue = to_rgb(rgb)
-    return 0.2126 * red + 0.7152 * green + 0.0722 * blue
+    lums = []
+    for color in (color_a, color_b):
+        c = np.asarray(to_rgb(color))
+        c = np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
+        lums.append(float(c @ [0.2126, 0.7152, 0.0722]))
+    return (max(lums) + 0.05) / (min(lums) + 0.05)
 
 
-@pytest.mark.parametrize("cmap, vmin", [("Blues", 0.0), ("RdBu_r", -1.0), ("viridis", 0.0)])
-def test_annotations_contrast_with_their_cell_in_any_colour_map(cmap, vmin):
-    values = torch.linspace(vmin, 1.0, 12).reshape(3, 4)  # dark and light cells at both ends
+@pytest.mark.parametrize(
+    "cmap, vmin", [("Blues", 0.0), ("RdBu_r", -1.0), ("viridis", 0.0), ("magma", 0.0)]
+)
+def test_annotations_reach_wcag_aa_contrast_on_every_colour_of_the_map(cmap, vmin):
+    values = torch.linspace(vmin, 1.0, 256).reshape(16, 16)  # every colour the map has
     ax = plot_attention(values, cmap=cmap, vmin=vmin, vmax=1.0, annotate=True)
     image = ax.images[0]
     colours = set()
     for text in ax.texts:
         column, row = (round(c) for c in text.get_position())
         cell = image.cmap(image.norm(values[row, column].item()))[:3]
-        assert abs(_luminance(text.get_color()) - _luminance(cell)) >= 0.45
+        assert _contrast(text.get_color(), cell) >= 4.5, (cmap, values[row, column].item())
         colours.add(text.get_color())
     assert colours == {"white", "black"}
+    plt.close(ax.figure)

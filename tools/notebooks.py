@@ -421,7 +421,7 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2, help="for nbval: pytest-xdist workers")
     parser.add_argument("args", nargs="*", help="number prefixes (e.g. 01 02), or OWNER/NAME")
     parser.add_argument("--branch", default="main", help="for fork: the branch to link to")
-    ns = parser.parse_args()
+    ns = parser.parse_intermixed_args()  # "nbval --jobs 2 12": numbers after an option too
     if ns.command == "execute":
         execute(sources(ns.args))
     elif ns.command == "figures":

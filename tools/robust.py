@@ -126,8 +126,9 @@ def cell_index(notebook: Path, code_cell: int) -> int:
 def error_text(output) -> str:
     """'Name: message', and the line that raised (an assert's message is often empty)."""
     plain = [re.sub(r"\x1b\[[0-9;]*m", "", frame) for frame in output.get("traceback", [])]
-    lines = [line.strip() for frame in plain for line in frame.splitlines() if "---->" in line]
-    where = f" at `{lines[-1].split('---->', 1)[1].strip()}`" if lines else ""
+    # The arrow's width depends on the line number: "----> 2", "---> 40", "--> 100".
+    lines = [m for frame in plain for m in re.findall(r"^\s*-+> ?(\d+.*)$", frame, re.M)]
+    where = f" at `line {lines[-1].strip()}`" if lines else ""
     return f"{output.ename}: {output.evalue}{where}"[:300]
 
 

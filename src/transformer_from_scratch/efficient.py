@@ -174,8 +174,8 @@ def fast_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
     """Inverted dropout; on a CPU the mask is drawn as uniforms, faster than F.dropout's."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu":  # on a GPU, F.dropout's fused kernel is the fast one
-        return F.dropout(x, p, True)
+    if x.device.type != "cpu" or p == 1.0:  # on a GPU, F.dropout's fused kernel is the fast
+        return F.dropout(x, p, True)  # one; p = 1 drops everything (no 1 / (1 - p) to scale by)
     keep = torch.rand_like(x).ge_(p).mul_(1.0 / (1.0 - p))  # 0 or 1 / (1 - p), like F.dropout
     return x * keep
 
@@ -352,16 +352,15 @@ class FastEncoderBlock(EncoderBlock):
             _check_block_input("x", x, self.d_model)
             self.self_attn._check_mask(mask, x.shape[0], x.shape[1], x.shape[1])
         attn_mask, is_causal = fused_attention_mask(mask, x.size(1), x.size(1))
-        attend, train = self.self_attn._attend, self.training
-        p1, p2 = self.dropout1.p, self.dropout2.p
+        attend = self.self_attn._attend
+        # Each branch goes through the block's own dropout module (a FastDropout on this path),
+        # so whatever replaced it, such as DropPath's BranchDrop (notebook 15), still applies.
+        drop1, drop2 = self.dropout1, self.dropout2
         if self.norm_first:
-            h = attend(_layer_norm(self.norm1, x), None, attn_mask, is_causal)
-            x = x + fast_dropout(h, p1, train)
-            return x + fast_dropout(_feed_forward(self.ffn, _layer_norm(self.norm2, x)), p2, train)
-        x = _layer_norm(
-            self.norm1, x + fast_dropout(attend(x, None, attn_mask, is_causal), p1, train)
-        )
-        return _layer_norm(self.norm2, x + fast_dropout(_feed_forward(self.ffn, x), p2, train))
+            x = x + drop1(attend(_layer_norm(self.norm1, x), None, attn_mask, is_causal))
+            return x + drop2(_feed_forward(self.ffn, _layer_norm(self.norm2, x)))
+        x = _layer_norm(self.norm1, x + drop1(attend(x, None, attn_mask, is_causal)))
+        return _layer_norm(self.norm2, x + drop2(_feed_forward(self.ffn, x)))
 
 
 # Taught in notebook 14 · Efficient attention and a fast path
@@ -382,20 +381,15 @@ class FastDecoderBlock(DecoderBlock):
             self.cross_attn._check_mask(cross_mask, B, T, S)
         self_m, self_causal = fused_attention_mask(self_mask, T, T)
         cross_m, cross_causal = fused_attention_mask(cross_mask, T, S)
-        sa, ca, train = self.self_attn._attend, self.cross_attn._attend, self.training
-        p1, p2, p3 = self.dropout1.p, self.dropout2.p, self.dropout3.p
+        sa, ca = self.self_attn._attend, self.cross_attn._attend
+        drop1, drop2, drop3 = self.dropout1, self.dropout2, self.dropout3  # the block's modules
         if self.norm_first:
-            x = x + fast_dropout(
-                sa(_layer_norm(self.norm1, x), None, self_m, self_causal), p1, train
-            )
-            h = ca(_layer_norm(self.norm2, x), enc_out, cross_m, cross_causal)
-            x = x + fast_dropout(h, p2, train)
-            return x + fast_dropout(_feed_forward(self.ffn, _layer_norm(self.norm3, x)), p3, train)
-        x = _layer_norm(self.norm1, x + fast_dropout(sa(x, None, self_m, self_causal), p1, train))
-        x = _layer_norm(
-            self.norm2, x + fast_dropout(ca(x, enc_out, cross_m, cross_causal), p2, train)
-        )
-        return _layer_norm(self.norm3, x + fast_dropout(_feed_forward(self.ffn, x), p3, train))
+            x = x + drop1(sa(_layer_norm(self.norm1, x), None, self_m, self_causal))
+            x = x + drop2(ca(_layer_norm(self.norm2, x), enc_out, cross_m, cross_causal))
+            return x + drop3(_feed_forward(self.ffn, _layer_norm(self.norm3, x)))
+        x = _layer_norm(self.norm1, x + drop1(sa(x, None, self_m, self_causal)))
+        x = _layer_norm(self.norm2, x + drop2(ca(x, enc_out, cross_m, cross_causal)))
+        return _layer_norm(self.norm3, x + drop3(_feed_forward(self.ffn, x)))
 
 
 # Taught in notebook 14 · Efficient attention and a fast path

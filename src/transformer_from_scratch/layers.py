@@ -66,7 +66,7 @@ _FFN_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
 
 # Taught in notebook 07 · The feed-forward network
 def get_activation(name: str) -> nn.Module:
-    """A new activation module by name: "relu", "gelu" or "silu" (case-insensitive)."""
+    """A new activation module by name: "relu", "gelu" or "silu"."""
     return _FFN_ACTIVATIONS[check_choice("activation", name, list(_FFN_ACTIVATIONS))]()
 
 

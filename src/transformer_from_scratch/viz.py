@@ -73,8 +73,10 @@ def plot_attention(
             for j in range(T_k):
                 value = data[i, j]
                 if np.isfinite(value):
-                    red, green, blue, _ = image.cmap(image.norm(value))  # the cell's colour
-                    dark = 0.2126 * red + 0.7152 * green + 0.0722 * blue < 0.5  # its luminance
+                    rgb = np.asarray(image.cmap(image.norm(value))[:3])  # the cell's colour
+                    linear = np.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+                    # WCAG's relative luminance; below 0.179 white contrasts more than black
+                    dark = float(linear @ [0.2126, 0.7152, 0.0722]) < 0.179
                     ax.text(
                         j,
                         i,
