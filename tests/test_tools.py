@@ -558,3 +558,15 @@ def test_notebook_numbers_may_follow_an_option():
     )
     assert "unrecognized arguments" not in done.stderr
     assert "no notebook matches ['99']" in done.stderr + done.stdout
+
+
+def test_the_seed_offset_reaches_the_processes_a_notebook_starts(tmp_path):
+    # Notebook 15's DDP ranks are processes of their own: a hook in the kernel alone left
+    # their seeds as written, so their model differed from the kernel's replica.
+    import robust
+
+    env = {**os.environ, **robust.environment("seed+1000", tmp_path)}
+    code = "import torch; print(torch.manual_seed(3).initial_seed())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["1003"]

@@ -4,7 +4,7 @@ A notebook is right when its asserts hold on runs other than the one that stored
 This script executes every notebook under perturbations and reports each cell that fails:
 
     seed+1000, seed+2000, seed+3000   every seed the kernel sets is shifted by the offset (a
-                                      start-up file of the kernel wraps torch.manual_seed,
+                                      start-up file of every Python process wraps torch.manual_seed,
                                       torch.Generator.manual_seed, random.seed, random.Random and
                                       NumPy's seeding), so each training is another run, while
                                       the notebooks and their stored outputs stay as they are;
@@ -57,8 +57,7 @@ PERTURBATIONS = (
 OLDEST_PYTHON = ROOT / ".venv-compat" / "oldest" / "bin" / "python"
 MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
 
-# The kernel's start-up file for a seed offset: IPython runs every file in
-# $IPYTHONDIR/profile_default/startup/ before the first cell.
+# The start-up file for a seed offset (written as sitecustomize.py, see environment()).
 SEED_HOOK = '''\
 """Shift every seed this kernel sets by COURSE_SEED_OFFSET (tools/robust.py)."""
 import os as _os
@@ -108,10 +107,14 @@ _np.random.default_rng = lambda seed=None: _np_default_rng(
 def environment(perturbation: str, folder: Path) -> dict[str, str]:
     """The environment variables that make `perturbation` (on top of tools/kernel.env)."""
     if perturbation.startswith("seed+"):
-        startup = folder / "ipython" / "profile_default" / "startup"
-        startup.mkdir(parents=True)
-        (startup / "00-seed-offset.py").write_text(SEED_HOOK)
-        return {"COURSE_SEED_OFFSET": perturbation[5:], "IPYTHONDIR": str(folder / "ipython")}
+        # As sitecustomize.py on PYTHONPATH, the hook runs at the start of every Python process
+        # the run starts: the kernel, and the worker processes a notebook launches itself
+        # (notebook 15's DDP ranks, which must draw what the kernel's own replica draws).
+        site = folder / "site"
+        site.mkdir(parents=True)
+        (site / "sitecustomize.py").write_text(SEED_HOOK)
+        path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+        return {"COURSE_SEED_OFFSET": perturbation[5:], "PYTHONPATH": path}
     if perturbation.startswith("cpu="):
         return {"ATEN_CPU_CAPABILITY": perturbation[4:]}
     return {}
