@@ -95,14 +95,12 @@ ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = PART_COLORS["attention"], PART_CO
 # The builder takes the activation by name, so a block can say `activation="gelu"`. It also knows
 # SiLU, $x\,\sigma(x)$ (Swish with $\beta = 1$), which the gated variant at the end uses.
 #
-# Which one is the default depends on what is being built, and the blog tutorial this course
-# follows, "Deep Learning: Transformers" (README, "Where it comes from"), is not consistent about
-# it: its encoder and decoder *blocks* default to GELU, while its `Encoder` and `Decoder`
-# *stacks* default to ReLU and pass that to every block they build. The
-# course keeps the same defaults. `feed_forward` and notebook 10's `Encoder` and `Decoder` default
-# to `"relu"`, the paper's choice (and PyTorch's `nn.TransformerEncoderLayer`'s); the blocks of
-# notebook 08, used on their own, default to `"gelu"` and pass it on to `feed_forward`. So the
-# model that notebooks 10–12 build and train uses ReLU.
+# The default is ReLU, the paper's choice and PyTorch's (`nn.TransformerEncoderLayer`), everywhere
+# in the course: here, in notebook 08's blocks, in notebook 10's stacks and in the model's
+# configuration, so a block built on its own is the block the model builds. The blog tutorial this
+# course follows, "Deep Learning: Transformers" (README, "Where it comes from"), is not consistent
+# about it: its *blocks* default to GELU, its `Encoder` and `Decoder` *stacks* to ReLU, which they
+# pass to every block, so the model it trains uses ReLU, and so does the course's.
 
 # %%
 #| export
@@ -111,12 +109,12 @@ from torch import nn
 
 from transformer_from_scratch.checks import check_bool, check_choice, check_int, check_probability
 
-_FFN_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}  # the names a block accepts
 
 
 def get_activation(name: str) -> nn.Module:
     """A new activation module by name: "relu", "gelu" or "silu"."""
-    return _FFN_ACTIVATIONS[check_choice("activation", name, list(_FFN_ACTIVATIONS))]()
+    return ACTIVATIONS[check_choice("activation", name, list(ACTIVATIONS))]()
 
 
 # %% [markdown]

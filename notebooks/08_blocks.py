@@ -257,15 +257,16 @@ plt.show()
 # (`dropout1`, `dropout2`). The FFN is `feed_forward(d_model, d_ff, activation)` with no dropout
 # inside, so `ffn` is exactly `Sequential(Linear, activation, Linear)`.
 #
-# **Which activation.** The blog tutorial this course follows, "Deep Learning: Transformers"
-# (README, "Where it comes from"), is not consistent here, and the course keeps both of
-# its defaults. Its blocks are declared with `activation: str = "gelu"` (GELU, as in BERT and
-# GPT), but its stacks `Encoder` and `Decoder` are declared with `activation: str = "relu"` and
-# pass that to every block, and its `Transformer` passes none: the model it trains runs ReLU, the
-# paper's choice. So here: a block built on its own, `EncoderBlock(d_model, num_heads, d_ff)`,
-# has GELU; notebook 10's `Encoder`, `Decoder` and `Transformer` build ReLU blocks. Notebook 07's
-# `feed_forward` and PyTorch's layers default to ReLU too, so the parity checks below build both
-# sides with `activation="relu"`.
+# **Which activation.** ReLU, the paper's choice, by default; `activation="gelu"` (BERT, GPT) or
+# `"silu"` otherwise. The blog tutorial this course follows, "Deep Learning: Transformers"
+# (README, "Where it comes from"), is not consistent here: its blocks are declared with
+# `activation: str = "gelu"`, its stacks `Encoder` and `Decoder` with `activation: str = "relu"`,
+# which they pass to every block, so the model it trains runs ReLU while a block built on its own
+# runs GELU. The course gives the block, the stacks of notebook 10 and the model's configuration
+# the same defaults (ReLU, bias, pre-norm), so that `EncoderBlock(d_model, num_heads, d_ff)` is
+# one block of `Encoder(num_layers, d_model, num_heads, d_ff)`; notebook 07's `feed_forward` and
+# PyTorch's layers default to ReLU too. A block on its own has no dropout (`dropout_p=0.0`), so the
+# checks below compare deterministic functions; the model's configuration sets the paper's 0.1.
 
 # %%
 #| export
@@ -289,7 +290,7 @@ class _Block(nn.Module):
         num_heads: int,
         d_ff: int,
         dropout_p: float = 0.0,
-        activation: str = "gelu",
+        activation: str = "relu",
         bias: bool = True,
         norm_first: bool = True,
     ):
@@ -345,9 +346,8 @@ def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Te
 
 
 # %% [markdown]
-# One block of notebook 10's model: $d_\text{model} = 128$, $h = 4$, $d_{ff} = 512$, and ReLU,
-# which notebook 10's `Encoder` passes to its blocks (built with the block's own default, `ffn[1]`
-# would be `GELU`).
+# One block of notebook 10's model: $d_\text{model} = 128$, $h = 4$, $d_{ff} = 512$, and the
+# defaults that notebook 10's `Encoder` passes to its blocks too (ReLU, biases, pre-norm).
 
 # %%
 print(EncoderBlock(d_model=128, num_heads=4, d_ff=512, activation="relu"))
@@ -742,7 +742,8 @@ def _check_block_pair(
 
 
 # %% [markdown]
-# **The copy.** With the checks passed, it is the table above, row by row.
+# **The copy.** With the checks passed, it is the table above, row by row. A norm on its own (the
+# final norm of notebook 10's stacks) gets the same check and copy, public for that use.
 
 # %%
 #| export reference
@@ -763,6 +764,13 @@ def copy_block_to_torch(
             theirs.linear2.bias.copy_(ours.ffn[2].bias)
         for name in norms:
             _copy_norm(getattr(ours, name), getattr(theirs, name))
+
+
+def copy_norm_to_torch(ours: LayerNorm, theirs: nn.LayerNorm, name: str = "norm") -> None:
+    """Copy our LayerNorm into nn.LayerNorm in place if it can hold its numbers, else ValueError."""
+    _check_norm_pair(ours, theirs, name)
+    with torch.no_grad():
+        _copy_norm(ours, theirs)
 
 
 # %% [markdown]

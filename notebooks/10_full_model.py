@@ -45,13 +45,13 @@ from torch import nn
 from torch.testing import assert_close
 
 from transformer_from_scratch.checks import (
-    check_broadcast, check_int, check_probability, check_tensor, checking, validated,
+    check_bool, check_broadcast, check_choice, check_int, check_probability, check_tensor, checking, validated,
 )
-from transformer_from_scratch.layers import DecoderBlock, EncoderBlock, LayerNorm
+from transformer_from_scratch.layers import ACTIVATIONS, DecoderBlock, EncoderBlock, LayerNorm
 from transformer_from_scratch.masks import causal_mask, padding_mask
 from transformer_from_scratch.model import embed_tokens, init_token_embedding
 from transformer_from_scratch.positional import PositionalEncoding
-from transformer_from_scratch.reference import copy_block_to_torch, torch_parameter
+from transformer_from_scratch.reference import copy_block_to_torch, copy_norm_to_torch, torch_parameter
 from transformer_from_scratch.tokens import BOS, EOS, PAD, check_token_ids
 from transformer_from_scratch.utils import COLORS, PART_COLORS, add_to_class, get_device, save_figure, set_seed
 
@@ -84,15 +84,13 @@ device = get_device()
 #   residual stream itself (notebook 08). The stream that leaves the last block is an
 #   unnormalised sum of every update before it, so the stack ends with one more `LayerNorm`:
 #   the decoder's output head and the decoder's cross-attention (which reads the encoder's output
-#   as it is) then see vectors of a controlled scale. A post-norm stack ends in a norm already.
+#   as it is) then see vectors of a controlled scale. A post-norm stack (`norm_first=False`, the
+#   paper's arrangement) ends in a norm already; it keeps the final one too, as `nn.Transformer`
+#   does in both arrangements, so that the two compare weight for weight.
 #
-# The defaults are those of the stacks in the blog tutorial this course follows, "Deep Learning:
-# Transformers" (README, "Where it comes from"): dropout 0.1, and ReLU in the feed-forward network,
-# the paper's choice. The blocks themselves default to GELU (notebook 08), and so do the
-# tutorial's: its `EncoderBlock` and `DecoderBlock` are declared with `activation: str = "gelu"`,
-# its `Encoder` and `Decoder` with `activation: str = "relu"`, which they pass to every block.
-# The stacks' default is the one that counts: `Transformer` passes no activation, so the model
-# the tutorial trains, and the course's, runs ReLU.
+# A stack takes every setting of its blocks, with the blocks' defaults (notebook 08: ReLU, biases,
+# pre-norm, no dropout), and passes them to each block: `Encoder(2, 32, 4, 64).layers[0]` is
+# `EncoderBlock(32, 4, 64)`. The model's configuration below sets the paper's dropout, 0.1.
 #
 # The two stacks differ only in the block they repeat and in their `forward`, so, as the blocks
 # of notebook 08 do, they share one constructor, in a base class `_Stack`; each stack names its
@@ -111,21 +109,23 @@ class _Stack(nn.Module):
         d_model: int,
         num_heads: int,
         d_ff: int,
-        dropout_p: float = 0.1,
+        dropout_p: float = 0.0,
         activation: str = "relu",
+        bias: bool = True,
+        norm_first: bool = True,
     ):
         super().__init__()
         check_int("num_layers", num_layers, minimum=1)
+        settings = dict(dropout_p=dropout_p, activation=activation, bias=bias, norm_first=norm_first)
         self.layers = nn.ModuleList(
-            self.block(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
-            for _ in range(num_layers)
+            self.block(d_model, num_heads, d_ff, **settings) for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
         self.norm = LayerNorm(d_model)  # pre-norm blocks leave the last residual sum unnormalised
         self.num_layers, self.d_model = num_layers, d_model
 
 
 class Encoder(_Stack):
-    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+    """A stack of num_layers encoder blocks (pre-norm by default), then a final LayerNorm."""
 
     block = EncoderBlock
 
@@ -145,7 +145,7 @@ class Encoder(_Stack):
 # %%
 #| export layers
 class Decoder(_Stack):
-    """A stack of num_layers pre-norm decoder blocks reading one enc_out, then a final LayerNorm."""
+    """A stack of num_layers decoder blocks reading one enc_out, then a final LayerNorm."""
 
     block = DecoderBlock
 
@@ -318,21 +318,23 @@ else:
 # notebook 11).
 
 # %% [markdown]
-# The sizes live in one place, a dataclass, as nanoGPT's `GPTConfig` does: `model.config` is a
-# `TransformerConfig`, `Transformer.from_config(config)` rebuilds the same architecture, and a
-# checkpoint stores it as a plain dictionary (`dataclasses.asdict`) that
-# `torch.load(..., weights_only=True)` can read back (notebook 11). Building the config checks
-# every size with notebook 00's `checks`, so a bad size fails before a single layer is made.
+# The architecture lives in one place, a dataclass, as nanoGPT's `GPTConfig` does: the sizes, the
+# dropout, and the block settings of notebook 08 (activation, biases, pre- or post-norm).
+# `model.config` is a `TransformerConfig`; the constructor takes either a config or its fields
+# as arguments, and builds the config first, so every part of the model reads its settings from
+# the same object and a new field is declared once. A checkpoint stores the config as a plain
+# dictionary (`dataclasses.asdict`) that `torch.load(..., weights_only=True)` can read back
+# (notebook 11). Building the config checks every value with notebook 00's `checks`, so a bad one
+# fails before a single layer is made.
 
 # %%
 #| export
-import dataclasses
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """The sizes of a Transformer; Transformer.from_config(config) builds one."""
+    """The architecture of a Transformer: Transformer(config) builds one."""
 
     src_vocab_size: int
     tgt_vocab_size: int
@@ -340,8 +342,11 @@ class TransformerConfig:
     num_heads: int = 4
     d_ff: int = 512
     num_layers: int = 2
-    dropout_p: float = 0.1
+    dropout_p: float = 0.1  # embeddings + PE, every sub-layer's output, the attention weights
     max_len: int = 512
+    activation: str = "relu"  # of the feed-forward networks: "relu", "gelu" or "silu"
+    bias: bool = True  # in the attention projections and the feed-forward networks
+    norm_first: bool = True  # pre-norm blocks; False: the paper's post-norm
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size"):  # room for PAD, BOS, EOS and a symbol
@@ -349,6 +354,9 @@ class TransformerConfig:
         for name in ("d_model", "num_heads", "d_ff", "num_layers", "max_len"):
             check_int(name, getattr(self, name), minimum=1)
         check_probability("dropout_p", self.dropout_p)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_bool("bias", self.bias)
+        check_bool("norm_first", self.norm_first)
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
@@ -384,41 +392,51 @@ def _check_tokens(name: str, tokens: torch.Tensor, vocab_size: int, max_len: int
 # %%
 #| export
 class Transformer(nn.Module):
-    """The encoder-decoder Transformer (Vaswani et al., 2017), pre-norm: token ids to logits."""
+    """The encoder-decoder Transformer (Vaswani et al., 2017): token ids to logits.
+
+    Transformer(config) or Transformer(src_vocab_size, tgt_vocab_size, **fields), where the
+    fields are those of TransformerConfig (d_model, num_heads, ..., norm_first).
+    """
 
     def __init__(
         self,
-        src_vocab_size: int,
-        tgt_vocab_size: int,
-        d_model: int = 128,
-        num_heads: int = 4,
-        d_ff: int = 512,
-        num_layers: int = 2,
-        dropout_p: float = 0.1,
-        max_len: int = 512,
+        src_vocab_size: "int | TransformerConfig",
+        tgt_vocab_size: int | None = None,
+        **fields,
     ):
         super().__init__()
-        self.config = TransformerConfig(
-            src_vocab_size, tgt_vocab_size, d_model, num_heads, d_ff, num_layers, dropout_p, max_len
-        )  # checks every size; Transformer.from_config(model.config) builds the same architecture
-        self.d_model, self.num_heads, self.max_len = d_model, num_heads, max_len
+        if isinstance(src_vocab_size, TransformerConfig):
+            if tgt_vocab_size is not None or fields:
+                raise TypeError("pass a TransformerConfig alone, or its fields, not both")
+            config = src_vocab_size
+        else:  # an unknown field is a TypeError, a bad value a ValueError, from the dataclass
+            config = TransformerConfig(src_vocab_size, tgt_vocab_size, **fields)
+        self.config = c = config  # the one record of the architecture; the properties read it
 
-        self.src_embed = nn.Embedding(src_vocab_size, d_model, padding_idx=PAD)
-        self.tgt_embed = nn.Embedding(tgt_vocab_size, d_model, padding_idx=PAD)
-        self.pos = PositionalEncoding(d_model, max_len=max_len, dropout_p=dropout_p)
-        self.encoder = Encoder(num_layers, d_model, num_heads, d_ff, dropout_p)
-        self.decoder = Decoder(num_layers, d_model, num_heads, d_ff, dropout_p)
-        self.out_proj = nn.Linear(d_model, tgt_vocab_size)  # logits; the softmax is the loss's
+        self.src_embed = nn.Embedding(c.src_vocab_size, c.d_model, padding_idx=PAD)
+        self.tgt_embed = nn.Embedding(c.tgt_vocab_size, c.d_model, padding_idx=PAD)
+        self.pos = PositionalEncoding(c.d_model, max_len=c.max_len, dropout_p=c.dropout_p)
+        blocks = dict(
+            dropout_p=c.dropout_p, activation=c.activation, bias=c.bias, norm_first=c.norm_first
+        )  # what every block of both stacks is built with
+        self.encoder = Encoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
+        self.decoder = Decoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
+        self.out_proj = nn.Linear(c.d_model, c.tgt_vocab_size)  # logits; the loss has the softmax
         # The scale that the sqrt(d_model) multiply in encode/decode assumes (notebook 09).
         init_token_embedding(self.src_embed)
         init_token_embedding(self.tgt_embed)
 
     @classmethod
     def from_config(cls, config: TransformerConfig) -> "Transformer":
-        """A new model with the sizes of `config`."""
+        """A new model of the architecture `config` (the same as Transformer(config))."""
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"expected a TransformerConfig, got {type(config).__name__}")
-        return cls(**dataclasses.asdict(config))
+        return cls(config)
+
+    # Read from the config, not stored a second time.
+    d_model = property(lambda self: self.config.d_model, doc="the width of every vector")
+    num_heads = property(lambda self: self.config.num_heads, doc="heads per attention layer")
+    max_len = property(lambda self: self.config.max_len, doc="rows of the positional table")
 
 
 # %% [markdown]
@@ -818,14 +836,13 @@ import warnings
 
 def torch_transformer_like(model: Transformer) -> nn.Transformer:
     """An nn.Transformer with our sizes, arrangement and dropout, holding our stacks' weights."""
-    c, first = model.config, model.encoder.layers[0]
-    activation = {nn.ReLU: "relu", nn.GELU: "gelu"}[type(first.ffn[1])]
+    c = model.config  # nn.Transformer takes "relu" and "gelu"; copy_block_to_torch checks the rest
     with warnings.catch_warnings():  # the nested-tensor fast path serves post-norm stacks only
         warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
         theirs = nn.Transformer(
             d_model=c.d_model, nhead=c.num_heads, num_encoder_layers=c.num_layers,
             num_decoder_layers=c.num_layers, dim_feedforward=c.d_ff, dropout=c.dropout_p,
-            activation=activation, batch_first=True, norm_first=first.norm_first,
+            activation=c.activation, batch_first=True, norm_first=c.norm_first, bias=c.bias,
         )  # fmt: skip
     weight = next(model.parameters())
     theirs = theirs.to(device=weight.device, dtype=weight.dtype)
@@ -835,7 +852,7 @@ def torch_transformer_like(model: Transformer) -> nn.Transformer:
         ):
             for ours_block, their_block in zip(ours_stack.layers, their_stack.layers, strict=True):
                 copy_block_to_torch(ours_block, their_block)
-            their_stack.norm.load_state_dict(ours_stack.norm.state_dict())  # weight and bias
+            copy_norm_to_torch(ours_stack.norm, their_stack.norm, "final norm")
     return theirs
 
 
@@ -945,6 +962,34 @@ noisy_theirs = TorchTransformer(noisy).eval()
 with torch.no_grad():
     assert_close(noisy(src, tgt_in, src_mask, tgt_mask), noisy_theirs(src, tgt_in, src_mask, tgt_mask), **PARITY)
 print("evaluation mode, dropout_p=0.1: equal to nn.Transformer")
+
+# %% [markdown]
+# **Check:** the paper's own arrangement. `Transformer(..., norm_first=False)` builds post-norm
+# blocks in both stacks (the configuration reaches every block), and it equals
+# `nn.Transformer(norm_first=False)`, PyTorch's default, in logits and in every gradient.
+
+# %%
+g = set_seed(0)
+post = Transformer(VOCAB, VOCAB, dropout_p=0.0, norm_first=False).to(device)
+assert not any(block.norm_first for block in [*post.encoder.layers, *post.decoder.layers])
+with torch.no_grad():
+    for p in post.parameters():
+        if p.dim() == 1:
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+post_theirs = TorchTransformer(post)
+assert not post_theirs.transformer.encoder.layers[0].norm_first
+logits_post = post(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
+logits_post_theirs = post_theirs(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)
+assert_close(logits_post, logits_post_theirs, **PARITY)
+(logits_post * upstream).sum().backward()
+(logits_post_theirs * upstream).sum().backward()
+for name, p in post.named_parameters():
+    if name.startswith(("encoder", "decoder")):
+        param, rows = torch_parameter(post_theirs.transformer, name)
+        assert_close(p.grad, param.grad[rows], msg=name, **PARITY)
+    else:
+        assert_close(p.grad, post_theirs.get_parameter(name).grad, msg=name, **PARITY)
+print("post-norm (norm_first=False): the same logits and gradients as nn.Transformer(norm_first=False)")
 
 # %% [markdown]
 # **Our `Transformer` is embeddings + `nn.Transformer` + a linear head, weight for weight: the

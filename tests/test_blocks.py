@@ -13,6 +13,7 @@ from transformer_from_scratch.layers import sublayer_connection
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.reference import copy_block_to_torch
+from transformer_from_scratch.reference import copy_norm_to_torch
 from transformer_from_scratch.reference import torch_parameter
 
 B, T, T_SRC, D, H, D_FF = 2, 5, 7, 16, 4, 32
@@ -69,7 +70,7 @@ def test_encoder_block_layout():
     assert isinstance(block.self_attn, MultiHeadAttention) and block.self_attn.num_heads == H
     assert isinstance(block.norm1, LayerNorm) and isinstance(block.norm2, LayerNorm)
     assert isinstance(block.ffn, nn.Sequential)
-    assert [type(m) for m in block.ffn] == [nn.Linear, nn.GELU, nn.Linear]  # GELU by default
+    assert [type(m) for m in block.ffn] == [nn.Linear, nn.ReLU, nn.Linear]  # ReLU by default
     assert (block.ffn[0].in_features, block.ffn[0].out_features) == (D, D_FF)
     assert block.norm_first is True
     assert "norm_first=True" in repr(block)
@@ -309,7 +310,7 @@ def test_copy_rejects_approximate_gelu_against_exact():
 
 def test_copy_rejects_nonzero_norm_bias_into_biasless_norm():
     ours = EncoderBlock(D, H, D_FF, bias=False)
-    theirs = nn.TransformerEncoderLayer(D, H, D_FF, activation="gelu", norm_first=True, bias=False)
+    theirs = nn.TransformerEncoderLayer(D, H, D_FF, norm_first=True, bias=False)
     copy_block_to_torch(ours, theirs)  # zero norm biases: fine
     with torch.no_grad():
         ours.norm1.bias.fill_(0.5)
@@ -318,6 +319,21 @@ def test_copy_rejects_nonzero_norm_bias_into_biasless_norm():
     with pytest.raises(ValueError, match="norm1: theirs has no bias"):
         copy_block_to_torch(ours, theirs)
     assert (theirs.self_attn.out_proj.weight == 7.0).all()  # nothing was copied
+
+
+def test_copy_norm_to_torch_values_and_refusals():
+    ours = LayerNorm(D)
+    with torch.no_grad():
+        ours.weight.normal_()
+        ours.bias.normal_()
+    theirs = nn.LayerNorm(D)
+    copy_norm_to_torch(ours, theirs)
+    x = torch.randn(3, D)
+    assert_close(ours(x), theirs(x))
+    with pytest.raises(ValueError, match="final norm: theirs has no bias"):
+        copy_norm_to_torch(ours, nn.LayerNorm(D, bias=False), "final norm")
+    with pytest.raises(ValueError, match="eps differs"):
+        copy_norm_to_torch(ours, nn.LayerNorm(D, eps=1e-6))
 
 
 # ---------------------------------------------------------------- bad input

@@ -200,6 +200,55 @@ def test_attributes_defaults_and_config(num_params):
     assert num_params(rebuilt) == num_params(model)
 
 
+def test_the_config_reaches_every_block():
+    model = small_model(norm_first=False, activation="gelu", bias=False, dropout_p=0.2)
+    blocks = [*model.encoder.layers, *model.decoder.layers]
+    assert all(not b.norm_first and type(b.ffn[1]) is nn.GELU for b in blocks)
+    assert all(b.ffn[0].bias is None and b.self_attn.W_o.bias is None for b in blocks)
+    assert all(b.dropout1.p == 0.2 and b.self_attn.dropout_p == 0.2 for b in blocks)
+    assert model.pos.dropout.p == 0.2
+    assert TorchTransformer(model).transformer.encoder.layers[0].norm_first is False
+
+
+def test_one_constructor_path_config_or_fields():
+    config = TransformerConfig(V, V + 3, d_model=32, num_heads=4, d_ff=64, norm_first=False)
+    torch.manual_seed(0)
+    a = Transformer(config)
+    torch.manual_seed(0)
+    b = Transformer(V, V + 3, d_model=32, num_heads=4, d_ff=64, norm_first=False)
+    torch.manual_seed(0)
+    c = Transformer.from_config(config)
+    assert a.config == b.config == c.config == config
+    for (name, x), y, z in zip(a.state_dict().items(), b.state_dict().values(),
+                               c.state_dict().values(), strict=True):  # fmt: skip
+        assert torch.equal(x, y) and torch.equal(x, z), name
+    # the sizes are read from the config, not kept a second time
+    assert (a.d_model, a.num_heads, a.max_len) == (32, 4, 512)
+    assert "d_model" not in vars(a) and "max_len" not in vars(a)
+    with pytest.raises(TypeError, match="not both"):
+        Transformer(config, V)
+    with pytest.raises(TypeError, match="not both"):
+        Transformer(config, d_model=64)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'd_modle'"):
+        Transformer(V, V, d_modle=64)
+    with pytest.raises(TypeError, match="expected a TransformerConfig"):
+        Transformer.from_config(dataclasses.asdict(config))
+
+
+@pytest.mark.parametrize(
+    "field, value, error, match",
+    [
+        ("activation", "tanh", ValueError, "unknown activation 'tanh'"),
+        ("activation", "ReLU", ValueError, "did you mean 'relu'"),
+        ("norm_first", 1, TypeError, "norm_first must be a bool"),
+        ("bias", "yes", TypeError, "bias must be a bool"),
+    ],
+)
+def test_config_rejects_bad_block_settings(field, value, error, match):
+    with pytest.raises(error, match=match):
+        TransformerConfig(V, V, **{field: value})
+
+
 def test_pe_is_a_buffer_not_a_parameter():
     model = Transformer(V, V)
     assert "pos.pe" in model.state_dict()
@@ -296,12 +345,22 @@ def test_meta_device_construction(num_params):
 
 
 # ---------------------------------------------------------------- parity with nn.Transformer
-@pytest.mark.parametrize("make", [small_model, lambda: Transformer(V, V, dropout_p=0.0)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        small_model,
+        lambda: Transformer(V, V, dropout_p=0.0),
+        lambda: small_model(norm_first=False),  # the paper's post-norm, built by the constructor
+        lambda: small_model(norm_first=False, activation="gelu", bias=False),
+    ],
+    ids=["small", "course", "post-norm", "post-norm-gelu-no-bias"],
+)
 def test_parity_with_nn_transformer_values_and_gradients(make):
     ours = make().double()  # float64: the comparison is about the function, not rounding orders
     with torch.no_grad():
-        for p in ours.parameters():
-            if p.dim() == 1:
+        for name, p in ours.named_parameters():
+            # nn.Transformer(bias=False) has no LayerNorm shifts either: ours stay at 0 there
+            if p.dim() == 1 and (ours.config.bias or "norm" not in name):
                 p.normal_(std=0.3)
     theirs = TorchTransformer(ours)
     src, tgt_in, _, _, _, src_mask, tgt_mask = reversal_batch()
@@ -313,6 +372,8 @@ def test_parity_with_nn_transformer_values_and_gradients(make):
     (logits * upstream).sum().backward()
     (expected * upstream).sum().backward()
     for name, p in ours.named_parameters():
+        if not ours.config.bias and "norm" in name and name.endswith(".bias"):
+            continue  # nn.Transformer(bias=False) has no LayerNorm shift to compare with
         if name.startswith(("encoder", "decoder")):
             param, rows = torch_parameter(theirs.transformer, name)
             assert_close(p.grad, param.grad[rows], msg=name)

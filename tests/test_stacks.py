@@ -1,5 +1,7 @@
 """Tests for the Encoder and Decoder stacks of notebook 10 (transformer_from_scratch.layers)."""
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -30,14 +32,34 @@ def test_layers_are_a_module_list_of_blocks_with_a_final_norm(cls, block, num_pa
 
 
 @pytest.mark.parametrize("cls", [Encoder, Decoder])
-def test_defaults_relu_and_dropout(cls):
+def test_defaults_relu_and_no_dropout(cls):
     stack = cls(2, D, H, D_FF)
     for layer in stack.layers:
         assert type(layer.ffn[1]) is nn.ReLU
-        assert layer.dropout1.p == 0.1 and layer.self_attn.dropout_p == 0.1
-        assert layer.norm_first
-    gelu = cls(2, D, H, D_FF, dropout_p=0.0, activation="gelu")
-    assert all(type(layer.ffn[1]) is nn.GELU and layer.dropout1.p == 0.0 for layer in gelu.layers)
+        assert layer.dropout1.p == 0.0 and layer.self_attn.dropout_p == 0.0
+        assert layer.norm_first and layer.ffn[0].bias is not None
+    gelu = cls(2, D, H, D_FF, dropout_p=0.1, activation="gelu")
+    assert all(type(layer.ffn[1]) is nn.GELU and layer.dropout1.p == 0.1 for layer in gelu.layers)
+
+
+@pytest.mark.parametrize("cls", [Encoder, Decoder])
+def test_a_stack_and_its_block_agree_on_defaults(cls):
+    """Encoder(N, d, h, d_ff).layers[0] is EncoderBlock(d, h, d_ff): same settings, same repr."""
+    block_params = inspect.signature(cls.block.__init__).parameters
+    stack_params = inspect.signature(cls.__init__).parameters
+    settings = ("dropout_p", "activation", "bias", "norm_first")
+    for name in settings:
+        assert stack_params[name].default == block_params[name].default, name
+    assert repr(cls(1, D, H, D_FF).layers[0]) == repr(cls.block(D, H, D_FF))
+
+
+@pytest.mark.parametrize("cls", [Encoder, Decoder])
+def test_a_stack_passes_every_setting_to_its_blocks(cls):
+    stack = cls(2, D, H, D_FF, dropout_p=0.2, activation="silu", bias=False, norm_first=False)
+    for layer in stack.layers:
+        assert layer.dropout1.p == 0.2 and layer.self_attn.dropout_p == 0.2
+        assert type(layer.ffn[1]) is nn.SiLU and not layer.norm_first
+        assert layer.ffn[0].bias is None and layer.self_attn.W_q.bias is None
 
 
 @pytest.mark.parametrize("cls", [Encoder, Decoder])

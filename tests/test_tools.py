@@ -124,6 +124,26 @@ def test_src_matches_the_notebooks():
     assert export.main(["--check"]) == 0, "src/ is stale: run `make export`"
 
 
+def test_importing_the_package_loads_no_plotting_or_scoring_library():
+    """matplotlib, sacrebleu and num2words load when viz or translation is first used."""
+    code = (
+        "import sys, transformer_from_scratch as tfs\n"
+        "heavy = ('matplotlib', 'sacrebleu', 'num2words')\n"
+        "loaded = [m for m in heavy if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+        "assert 'plot_attention' in dir(tfs) and 'plot_attention' in tfs.__all__\n"
+        "from transformer_from_scratch import plot_attention, TranslationDataset\n"
+        "assert plot_attention is tfs.viz.plot_attention\n"
+        "assert TranslationDataset is tfs.translation.TranslationDataset\n"
+        "assert all(m in sys.modules for m in heavy)\n"
+        "try:\n    tfs.no_such_name\n"
+        "except AttributeError as e:\n    assert 'no_such_name' in str(e)\n"
+        "else:\n    raise AssertionError('no AttributeError')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def test_every_notebook_pair_is_clean():
     problems = [p for path in notebooks.sources() for p in notebooks.problems_in(path)]
     assert problems == []

@@ -47,6 +47,10 @@ MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 # input checks, measuring, PyTorch twins for parity checks, and the torchrun script (`python -m`
 # warns when the package has imported the module beforehand).
 NOT_REEXPORTED = {"checks", "distributed", "measure", "reference"}
+# Re-exported modules that import a plotting or scoring library (matplotlib; sacrebleu and
+# num2words): the package loads them on first use (PEP 562), so `import transformer_from_scratch`
+# stays light and works where those libraries are missing.
+LAZY = ("viz", "translation")
 
 
 class ExportError(ValueError):
@@ -386,9 +390,12 @@ def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> s
         "",
     ]
     reexported = [n for n in modules if exported[n] and n not in NOT_REEXPORTED]  # course order
-    lines.append(f"from . import {', '.join(reexported)}")
-    for name in reexported:
+    eager = [n for n in reexported if n not in LAZY]
+    lazy = [n for n in reexported if n in LAZY]
+    lines.append(f"from . import {', '.join(eager)}")
+    for name in eager:
         lines.append(f"from .{name} import {', '.join(sorted(exported[name], key=_isort_key))}")
+    lazy_names = {symbol: name for name in lazy for symbol in exported[name]}
     lines += [
         "",
         "try:",
@@ -396,8 +403,30 @@ def render_init(modules: dict[str, Module], exported: dict[str, list[str]]) -> s
         "except PackageNotFoundError:  # imported from a source tree that is not installed",
         '    __version__ = "0+unknown"',
         "",
-        "# Every module's public names, in course order (each module lists its own in __all__).",
-        "__all__ = [" + ", ".join(f"*{name}.__all__" for name in reexported) + "]",
+        "# Modules that import plotting or scoring libraries load on first use (PEP 562), and",
+        "# so do their names: `import transformer_from_scratch` loads no matplotlib, no sacrebleu.",
+        f"_LAZY_MODULES = {tuple(lazy)!r}",
+        f"_LAZY_NAMES = {lazy_names!r}",
+        "",
+        "",
+        "def __getattr__(name: str):",
+        "    import importlib",
+        "",
+        "    if name in _LAZY_MODULES:",
+        '        return importlib.import_module(f".{name}", __name__)',
+        "    if name in _LAZY_NAMES:",
+        '        module = importlib.import_module(f".{_LAZY_NAMES[name]}", __name__)',
+        "        return getattr(module, name)",
+        '    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")',
+        "",
+        "",
+        "def __dir__() -> list[str]:",
+        "    return sorted({*globals(), *_LAZY_MODULES, *_LAZY_NAMES})",
+        "",
+        "",
+        "# Every module's public names, in course order (each module lists its own in __all__),",
+        "# then those of the modules loaded on first use.",
+        "__all__ = [" + ", ".join(f"*{name}.__all__" for name in eager) + ", *_LAZY_NAMES]",
         "",
     ]
     return ruff_tidy("\n".join(lines), f"src/{PACKAGE}/__init__.py")

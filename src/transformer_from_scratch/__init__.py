@@ -34,10 +34,8 @@ from . import practice
 from . import regularization
 from . import tokens
 from . import train
-from . import translation
 from . import tuning
 from . import utils
-from . import viz
 from .attention import MultiHeadAttention
 from .attention import scaled_dot_product_attention
 from .bpe import SPACE
@@ -73,6 +71,7 @@ from .efficient import tiled_attention
 from .efficient import tiled_attention_backward
 from .efficient import tiled_attention_forward
 from .efficient import use_fast_path
+from .layers import ACTIVATIONS
 from .layers import Decoder
 from .layers import DecoderBlock
 from .layers import Encoder
@@ -129,17 +128,6 @@ from .train import reversal_recipe
 from .train import save_checkpoint
 from .train import train_model
 from .train import train_reversal
-from .translation import LANGUAGES
-from .translation import MAX_NUMBER
-from .translation import TokenBatchSampler
-from .translation import TranslationDataset
-from .translation import collate_translations
-from .translation import load_corpus
-from .translation import number_to_words
-from .translation import padding_fraction
-from .translation import score_translations
-from .translation import split_numbers
-from .translation import translate
 from .tuning import TUNED_RECIPE
 from .tuning import TUTORIAL_RECIPE
 from .tuning import Batch
@@ -170,17 +158,50 @@ from .utils import find_figures_dir
 from .utils import get_device
 from .utils import save_figure
 from .utils import set_seed
-from .viz import plot_attention
 
 try:
     __version__ = version("transformer-from-scratch")
 except PackageNotFoundError:  # imported from a source tree that is not installed
     __version__ = "0+unknown"
 
-# Every module's public names, in course order (each module lists its own in __all__).
+# Modules that import plotting or scoring libraries load on first use (PEP 562), and
+# so do their names: `import transformer_from_scratch` loads no matplotlib, no sacrebleu.
+_LAZY_MODULES = ("viz", "translation")
+_LAZY_NAMES = {
+    "plot_attention": "viz",
+    "LANGUAGES": "translation",
+    "MAX_NUMBER": "translation",
+    "split_numbers": "translation",
+    "number_to_words": "translation",
+    "load_corpus": "translation",
+    "TranslationDataset": "translation",
+    "collate_translations": "translation",
+    "TokenBatchSampler": "translation",
+    "padding_fraction": "translation",
+    "translate": "translation",
+    "score_translations": "translation",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _LAZY_NAMES:
+        module = importlib.import_module(f".{_LAZY_NAMES[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY_MODULES, *_LAZY_NAMES})
+
+
+# Every module's public names, in course order (each module lists its own in __all__),
+# then those of the modules loaded on first use.
 __all__ = [
     *utils.__all__,
-    *viz.__all__,
     *attention.__all__,
     *positional.__all__,
     *masks.__all__,
@@ -190,10 +211,10 @@ __all__ = [
     *data.__all__,
     *train.__all__,
     *decoding.__all__,
-    *translation.__all__,
     *bpe.__all__,
     *practice.__all__,
     *efficient.__all__,
     *tuning.__all__,
     *regularization.__all__,
+    *_LAZY_NAMES,
 ]

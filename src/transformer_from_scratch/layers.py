@@ -61,13 +61,13 @@ class LayerNorm(nn.Module):
 
 
 # Taught in notebook 07 · The feed-forward network
-_FFN_ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU, "silu": nn.SiLU}
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}  # the names a block accepts
 
 
 # Taught in notebook 07 · The feed-forward network
 def get_activation(name: str) -> nn.Module:
     """A new activation module by name: "relu", "gelu" or "silu"."""
-    return _FFN_ACTIVATIONS[check_choice("activation", name, list(_FFN_ACTIVATIONS))]()
+    return ACTIVATIONS[check_choice("activation", name, list(ACTIVATIONS))]()
 
 
 # Taught in notebook 07 · The feed-forward network
@@ -145,7 +145,7 @@ class _Block(nn.Module):
         num_heads: int,
         d_ff: int,
         dropout_p: float = 0.0,
-        activation: str = "gelu",
+        activation: str = "relu",
         bias: bool = True,
         norm_first: bool = True,
     ):
@@ -248,14 +248,18 @@ class _Stack(nn.Module):
         d_model: int,
         num_heads: int,
         d_ff: int,
-        dropout_p: float = 0.1,
+        dropout_p: float = 0.0,
         activation: str = "relu",
+        bias: bool = True,
+        norm_first: bool = True,
     ):
         super().__init__()
         check_int("num_layers", num_layers, minimum=1)
+        settings = dict(
+            dropout_p=dropout_p, activation=activation, bias=bias, norm_first=norm_first
+        )
         self.layers = nn.ModuleList(
-            self.block(d_model, num_heads, d_ff, dropout_p=dropout_p, activation=activation)
-            for _ in range(num_layers)
+            self.block(d_model, num_heads, d_ff, **settings) for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
         self.norm = LayerNorm(d_model)  # pre-norm blocks leave the last residual sum unnormalised
         self.num_layers, self.d_model = num_layers, d_model
@@ -263,7 +267,7 @@ class _Stack(nn.Module):
 
 # Taught in notebook 10 · The full model
 class Encoder(_Stack):
-    """A stack of num_layers pre-norm encoder blocks, then a final LayerNorm."""
+    """A stack of num_layers encoder blocks (pre-norm by default), then a final LayerNorm."""
 
     block = EncoderBlock
 
@@ -276,7 +280,7 @@ class Encoder(_Stack):
 
 # Taught in notebook 10 · The full model
 class Decoder(_Stack):
-    """A stack of num_layers pre-norm decoder blocks reading one enc_out, then a final LayerNorm."""
+    """A stack of num_layers decoder blocks reading one enc_out, then a final LayerNorm."""
 
     block = DecoderBlock
 
@@ -297,6 +301,7 @@ class Decoder(_Stack):
 
 __all__ = [
     "LayerNorm",
+    "ACTIVATIONS",
     "get_activation",
     "feed_forward",
     "GatedFeedForward",

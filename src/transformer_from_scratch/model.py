@@ -5,19 +5,21 @@
 
 """The encoder-decoder Transformer: token embeddings and the output head (09), the model (10)."""
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from transformer_from_scratch.checks import check_bool
 from transformer_from_scratch.checks import check_broadcast
+from transformer_from_scratch.checks import check_choice
 from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.checks import check_tensor
 from transformer_from_scratch.checks import checking
 from transformer_from_scratch.checks import validated
+from transformer_from_scratch.layers import ACTIVATIONS
 from transformer_from_scratch.layers import Decoder
 from transformer_from_scratch.layers import Encoder
 from transformer_from_scratch.positional import PositionalEncoding
@@ -52,7 +54,7 @@ def embed_tokens(
 # Taught in notebook 10 · The full model
 @dataclass(frozen=True)
 class TransformerConfig:
-    """The sizes of a Transformer; Transformer.from_config(config) builds one."""
+    """The architecture of a Transformer: Transformer(config) builds one."""
 
     src_vocab_size: int
     tgt_vocab_size: int
@@ -60,8 +62,11 @@ class TransformerConfig:
     num_heads: int = 4
     d_ff: int = 512
     num_layers: int = 2
-    dropout_p: float = 0.1
+    dropout_p: float = 0.1  # embeddings + PE, every sub-layer's output, the attention weights
     max_len: int = 512
+    activation: str = "relu"  # of the feed-forward networks: "relu", "gelu" or "silu"
+    bias: bool = True  # in the attention projections and the feed-forward networks
+    norm_first: bool = True  # pre-norm blocks; False: the paper's post-norm
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size"):  # room for PAD, BOS, EOS and a symbol
@@ -69,6 +74,9 @@ class TransformerConfig:
         for name in ("d_model", "num_heads", "d_ff", "num_layers", "max_len"):
             check_int(name, getattr(self, name), minimum=1)
         check_probability("dropout_p", self.dropout_p)
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_bool("bias", self.bias)
+        check_bool("norm_first", self.norm_first)
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
@@ -91,41 +99,51 @@ def _check_tokens(name: str, tokens: torch.Tensor, vocab_size: int, max_len: int
 
 # Taught in notebook 10 · The full model
 class Transformer(nn.Module):
-    """The encoder-decoder Transformer (Vaswani et al., 2017), pre-norm: token ids to logits."""
+    """The encoder-decoder Transformer (Vaswani et al., 2017): token ids to logits.
+
+    Transformer(config) or Transformer(src_vocab_size, tgt_vocab_size, **fields), where the
+    fields are those of TransformerConfig (d_model, num_heads, ..., norm_first).
+    """
 
     def __init__(
         self,
-        src_vocab_size: int,
-        tgt_vocab_size: int,
-        d_model: int = 128,
-        num_heads: int = 4,
-        d_ff: int = 512,
-        num_layers: int = 2,
-        dropout_p: float = 0.1,
-        max_len: int = 512,
+        src_vocab_size: "int | TransformerConfig",
+        tgt_vocab_size: int | None = None,
+        **fields,
     ):
         super().__init__()
-        self.config = TransformerConfig(
-            src_vocab_size, tgt_vocab_size, d_model, num_heads, d_ff, num_layers, dropout_p, max_len
-        )  # checks every size; Transformer.from_config(model.config) builds the same architecture
-        self.d_model, self.num_heads, self.max_len = d_model, num_heads, max_len
+        if isinstance(src_vocab_size, TransformerConfig):
+            if tgt_vocab_size is not None or fields:
+                raise TypeError("pass a TransformerConfig alone, or its fields, not both")
+            config = src_vocab_size
+        else:  # an unknown field is a TypeError, a bad value a ValueError, from the dataclass
+            config = TransformerConfig(src_vocab_size, tgt_vocab_size, **fields)
+        self.config = c = config  # the one record of the architecture; the properties read it
 
-        self.src_embed = nn.Embedding(src_vocab_size, d_model, padding_idx=PAD)
-        self.tgt_embed = nn.Embedding(tgt_vocab_size, d_model, padding_idx=PAD)
-        self.pos = PositionalEncoding(d_model, max_len=max_len, dropout_p=dropout_p)
-        self.encoder = Encoder(num_layers, d_model, num_heads, d_ff, dropout_p)
-        self.decoder = Decoder(num_layers, d_model, num_heads, d_ff, dropout_p)
-        self.out_proj = nn.Linear(d_model, tgt_vocab_size)  # logits; the softmax is the loss's
+        self.src_embed = nn.Embedding(c.src_vocab_size, c.d_model, padding_idx=PAD)
+        self.tgt_embed = nn.Embedding(c.tgt_vocab_size, c.d_model, padding_idx=PAD)
+        self.pos = PositionalEncoding(c.d_model, max_len=c.max_len, dropout_p=c.dropout_p)
+        blocks = dict(
+            dropout_p=c.dropout_p, activation=c.activation, bias=c.bias, norm_first=c.norm_first
+        )  # what every block of both stacks is built with
+        self.encoder = Encoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
+        self.decoder = Decoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
+        self.out_proj = nn.Linear(c.d_model, c.tgt_vocab_size)  # logits; the loss has the softmax
         # The scale that the sqrt(d_model) multiply in encode/decode assumes (notebook 09).
         init_token_embedding(self.src_embed)
         init_token_embedding(self.tgt_embed)
 
     @classmethod
     def from_config(cls, config: TransformerConfig) -> "Transformer":
-        """A new model with the sizes of `config`."""
+        """A new model of the architecture `config` (the same as Transformer(config))."""
         if not isinstance(config, TransformerConfig):
             raise TypeError(f"expected a TransformerConfig, got {type(config).__name__}")
-        return cls(**dataclasses.asdict(config))
+        return cls(config)
+
+    # Read from the config, not stored a second time.
+    d_model = property(lambda self: self.config.d_model, doc="the width of every vector")
+    num_heads = property(lambda self: self.config.num_heads, doc="heads per attention layer")
+    max_len = property(lambda self: self.config.max_len, doc="rows of the positional table")
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Source ids (B, T_src) -> enc_out (B, T_src, d_model); src_mask True = a real token."""

@@ -129,6 +129,14 @@ def copy_block_to_torch(
 
 
 # Taught in notebook 08 · Encoder and decoder blocks
+def copy_norm_to_torch(ours: LayerNorm, theirs: nn.LayerNorm, name: str = "norm") -> None:
+    """Copy our LayerNorm into nn.LayerNorm in place if it can hold its numbers, else ValueError."""
+    _check_norm_pair(ours, theirs, name)
+    with torch.no_grad():
+        _copy_norm(ours, theirs)
+
+
+# Taught in notebook 08 · Encoder and decoder blocks
 def to_torch_masks(causal: torch.Tensor | None, padding: torch.Tensor | None):
     """Our causal (1,1,T,T) and padding (B,1,1,T_k) masks in PyTorch's form, True = blocked."""
     attn_mask = None if causal is None else ~causal[0, 0]  # (1, 1, T, T) -> (T, T)
@@ -154,14 +162,13 @@ def torch_parameter(theirs: nn.Module, name: str) -> tuple[torch.Tensor, slice]:
 # Taught in notebook 10 · The full model
 def torch_transformer_like(model: Transformer) -> nn.Transformer:
     """An nn.Transformer with our sizes, arrangement and dropout, holding our stacks' weights."""
-    c, first = model.config, model.encoder.layers[0]
-    activation = {nn.ReLU: "relu", nn.GELU: "gelu"}[type(first.ffn[1])]
+    c = model.config  # nn.Transformer takes "relu" and "gelu"; copy_block_to_torch checks the rest
     with warnings.catch_warnings():  # the nested-tensor fast path serves post-norm stacks only
         warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
         theirs = nn.Transformer(
             d_model=c.d_model, nhead=c.num_heads, num_encoder_layers=c.num_layers,
             num_decoder_layers=c.num_layers, dim_feedforward=c.d_ff, dropout=c.dropout_p,
-            activation=activation, batch_first=True, norm_first=first.norm_first,
+            activation=c.activation, batch_first=True, norm_first=c.norm_first, bias=c.bias,
         )  # fmt: skip
     weight = next(model.parameters())
     theirs = theirs.to(device=weight.device, dtype=weight.dtype)
@@ -171,7 +178,7 @@ def torch_transformer_like(model: Transformer) -> nn.Transformer:
         ):
             for ours_block, their_block in zip(ours_stack.layers, their_stack.layers, strict=True):
                 copy_block_to_torch(ours_block, their_block)
-            their_stack.norm.load_state_dict(ours_stack.norm.state_dict())  # weight and bias
+            copy_norm_to_torch(ours_stack.norm, their_stack.norm, "final norm")
     return theirs
 
 
@@ -218,6 +225,7 @@ __all__ = [
     "copy_attention_to_torch",
     "torch_attention_like",
     "copy_block_to_torch",
+    "copy_norm_to_torch",
     "to_torch_masks",
     "torch_parameter",
     "torch_transformer_like",
