@@ -55,15 +55,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch import nn
 
-from transformer_from_scratch.attention import MultiHeadAttention
 from transformer_from_scratch.attention import scaled_dot_product_attention
 from transformer_from_scratch.checks import check_int
-from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.efficient import tiled_attention
 from transformer_from_scratch.efficient import use_fast_path
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.measure import count_flops
+from transformer_from_scratch.measure import dropout_sites
 from transformer_from_scratch.measure import peak_memory
 from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.reference import TorchTransformer
@@ -157,23 +156,6 @@ def equal_work_reference(reference: TorchTransformer) -> TorchTransformer:
             raise TypeError(f"expected the inner FFN dropout, got {type(layer.dropout).__name__}")
         layer.dropout = nn.Identity()
     return copied
-
-
-def dropout_sites(model: nn.Module) -> int:
-    """How many places apply dropout with p > 0 in training mode (each module counted once).
-
-    The sites: every nn.Dropout with p > 0 (FastDropout is one; the fast path's blocks call
-    their own dropout modules, swapped to FastDropout), and every attention module with
-    dropout on its weights (our MultiHeadAttention's dropout_p, nn.MultiheadAttention's dropout)."""
-    sites = 0
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            sites += module.p > 0
-        elif isinstance(module, MultiHeadAttention):
-            sites += module.dropout_p > 0
-        elif isinstance(module, nn.MultiheadAttention):
-            sites += module.dropout > 0
-    return int(sites)
 
 
 def train_step_models(
@@ -315,13 +297,13 @@ def kv_cache_speedup(
     torch.manual_seed(0)
     model = never_ending(Transformer(VOCAB, VOCAB, **(model_kwargs or {}))).to(device).eval()
     src, _, _ = reversal_batch(1, 8, device)
-    cached = greedy_decode(model, src, new_tokens, cache=KVCache())
-    if not torch.equal(cached, greedy_decode(model, src, new_tokens)):
+    cached = greedy_decode(model, src, max_new_tokens=new_tokens, use_cache=True).tokens
+    if not torch.equal(cached, greedy_decode(model, src, max_new_tokens=new_tokens).tokens):
         raise RuntimeError(f"the cache changed the tokens at {new_tokens} new tokens")
     t = interleaved_medians(
         {
-            "uncached": lambda: greedy_decode(model, src, new_tokens),
-            "cached": lambda: greedy_decode(model, src, new_tokens, cache=KVCache()),
+            "uncached": lambda: greedy_decode(model, src, max_new_tokens=new_tokens),
+            "cached": lambda: greedy_decode(model, src, max_new_tokens=new_tokens, use_cache=True),
         },
         device,
         repeats,

@@ -139,8 +139,10 @@ print(device)
 #| export
 def set_seed(seed: int = 0) -> torch.Generator:
     """Seed Python's random, NumPy and PyTorch (all devices); return a CPU generator alike."""
-    if not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):  # the policy of `checks`, below:
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")  # a wrong type
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")  # a wrong value
     random.seed(seed)
     try:
         import numpy as np

@@ -462,6 +462,7 @@ from torch import Tensor
 
 from transformer_from_scratch.checks import (
     check_broadcast,
+    check_int,
     check_probability,
     check_tensor,
     checking,
@@ -485,7 +486,7 @@ def scaled_dot_product_attention(
 ) -> tuple[Tensor, Tensor]:
     """softmax(Q K^T / sqrt(d_k) + mask) V, dropout on the weights; returns (context, attn)."""
     if checking():  # off when a caller (multi-head attention, a block) has checked already
-        _check_attention_inputs(Q, K, V, mask, dropout_p)
+        check_attention_inputs(Q, K, V, mask, dropout_p)
     d_k = Q.size(-1)
     # 1) Scores of every query against every key.
     # (..., T_q, d_k) @ (..., d_k, T_k) -> (..., T_q, T_k)
@@ -522,7 +523,7 @@ def scaled_dot_product_attention(
 
 # %%
 #| export
-def _check_attention_inputs(
+def check_attention_inputs(
     Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None, dropout_p: float
 ) -> None:
     """Raise a TypeError/ValueError naming the shapes when attention cannot take these inputs."""
@@ -1083,9 +1084,8 @@ def _synchronize() -> None:
 
 def time_call(fn: Callable[[], object], warmup: int = 1, repeats: int = 5) -> float:
     """Median wall-clock seconds of fn() over `repeats` timed calls, after `warmup` untimed ones."""
-    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    check_int("warmup", warmup, minimum=0)
+    check_int("repeats", repeats, minimum=1)
     for _ in range(warmup):
         fn()
     _synchronize()

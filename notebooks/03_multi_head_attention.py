@@ -167,7 +167,14 @@ from transformer_from_scratch.checks import (
 class MultiHeadAttention(nn.Module):
     """Multi-head attention (Vaswani et al., 2017) with packed projections W_q, W_k, W_v, W_o."""
 
-    def __init__(self, d_model: int, num_heads: int, dropout_p: float = 0.0, bias: bool = True):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        dropout_p: float = 0.0,
+        bias: bool = True,
+        fast: bool = False,  # notebook 14's implementation: Q, K, V in one matmul, fused kernels
+    ):
         super().__init__()
         d_model, num_heads = check_int("d_model", d_model, 1), check_int("num_heads", num_heads, 1)
         if d_model % num_heads != 0:
@@ -177,6 +184,7 @@ class MultiHeadAttention(nn.Module):
             )
         dropout_p = check_probability("dropout_p", dropout_p)
         check_bool("bias", bias)
+        self.fast = check_bool("fast", fast)
         self.d_model = d_model
         self.num_heads = num_heads
         self.d_k = d_model // num_heads  # width of one head (d_v = d_k as well)
@@ -192,7 +200,7 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, "
-            f"dropout_p={self.dropout_p}"
+            f"dropout_p={self.dropout_p}" + (", fast=True" if self.fast else "")
         )
 
 
@@ -476,6 +484,48 @@ def _check_mask(self, mask: torch.Tensor | None, B: int, T_q: int, T_k: int) -> 
 # change); any other cache stores this call's keys and values and returns all it holds
 # (self-attention, where the new token attends to every earlier one). Without a cache,
 # nothing changes.
+#
+# And one attribute serves notebook 14: `fast`. The module computes the same function in two
+# ways, chosen by this switch (nanoGPT's `if self.flash:`): the from-scratch steps below, and,
+# with `fast=True`, one projection for queries, keys and values together (their three matrices
+# concatenated) and PyTorch's fused attention kernel, written in notebook 14 as the method
+# `fast_forward`. Only the from-scratch steps can return the weights, use a cache, or take
+# values that are not the keys (`x_v` another tensor than `x_k`), so those calls take them
+# whatever the switch says. Until notebook 14 it is off.
+#
+# What `forward` asks of a cache is written down as a `typing.Protocol`: any object with these
+# members will do, and a type checker (and a reader) can see the contract without notebook 12's
+# classes (`AttentionCache` is one; `KVCache` holds one per attention of every decoder block).
+# `runtime_checkable` lets `isinstance` test that the members exist (not what they do).
+
+# %%
+#| export
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@runtime_checkable
+class KeyValueCache(Protocol):
+    """What MultiHeadAttention.forward asks of a cache (notebook 12's AttentionCache is one)."""
+
+    @property
+    def frozen(self) -> bool:
+        """True once the keys and values are complete (cross-attention): reuse them as they are."""
+        ...
+
+    @property
+    def keys(self) -> Tensor:  # (B, h, T_kept, d_k)
+        ...
+
+    @property
+    def values(self) -> Tensor:  # (B, h, T_kept, d_k)
+        ...
+
+    def update(self, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep this call's K, V (B, h, T_new, d_k); return all, (B, h, T_kept + T_new, d_k)."""
+        ...
+
 
 # %%
 #| export
@@ -487,13 +537,15 @@ def forward(
     x_v: torch.Tensor | None = None,  # (B, T_k, d_model); None: x_k
     mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_q, T_k); True = may attend
     return_attn: bool = False,
-    cache=None,  # keys and values kept from earlier calls, for generation (notebook 12)
+    cache: "KeyValueCache | None" = None,  # keys and values kept from earlier calls (nb. 12)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attend from x_q to x_k/x_v with h heads: out (B, T_q, d_model), attn (B, h, T_q, T_k)."""
     x_k = x_q if x_k is None else x_k
     x_v = x_k if x_v is None else x_v
     if checking():
         self._check_inputs(x_q, x_k, x_v)
+    if self.fast and not return_attn and cache is None and x_v is x_k:  # notebook 14
+        return self.fast_forward(x_q, None if x_k is x_q else x_k, mask)
     # 1) Project with the packed matrices, then split into h heads of width d_k.
     Q = self._split_heads(self.W_q(x_q))  # (B, T_q, d_model) -> (B, h, T_q, d_k)
     if cache is not None and cache.frozen:  # x_k never changes (cross-attention): reuse its K, V

@@ -192,9 +192,10 @@ plt.show()
 """Layers of a Transformer block: layer normalisation, the feed-forward network, the blocks."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from transformer_from_scratch.checks import check_float, check_int, check_tensor, checking
+from transformer_from_scratch.checks import check_bool, check_float, check_int, check_tensor, checking
 
 
 # %% [markdown]
@@ -207,10 +208,11 @@ from transformer_from_scratch.checks import check_float, check_int, check_tensor
 class LayerNorm(nn.Module):
     """Layer normalisation over the last dimension, with the same numbers as nn.LayerNorm."""
 
-    def __init__(self, d_model: int, eps: float = 1e-5):
+    def __init__(self, d_model: int, eps: float = 1e-5, fast: bool = False):
         super().__init__()
         self.d_model = check_int("d_model", d_model, minimum=1)
         self.eps = check_float("eps", eps, 0.0, low_open=True)
+        self.fast = check_bool("fast", fast)  # notebook 14: the same function in one fused kernel
         self.weight = nn.Parameter(torch.empty(d_model))  # gamma
         self.bias = nn.Parameter(torch.empty(d_model))  # beta
         self.reset_parameters()
@@ -222,13 +224,16 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         """Shown by print(module)."""
-        return f"{self.d_model}, eps={self.eps}"
+        return f"{self.d_model}, eps={self.eps}" + (", fast=True" if self.fast else "")
 
 
 # %% [markdown]
 # The forward pass is the formula, line by line. The statistics keep their reduced axis
 # (`keepdim=True`) so they broadcast back over the $D$ features; $\gamma$ and $\beta$, of shape
 # $(D,)$, broadcast over every leading dimension, so any input shaped $(\ldots, D)$ works.
+# With `fast=True` (notebook 14's fast path) the module computes the same function with PyTorch's
+# one fused kernel, `F.layer_norm`, instead of the five operations: equal to float32 rounding
+# (checked below), not bit for bit.
 
 # %%
 #| export
@@ -242,6 +247,8 @@ def forward(self, x: torch.Tensor) -> torch.Tensor:
                 f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
                 f"got {tuple(x.shape)}"
             )
+    if self.fast:  # notebook 14: one fused kernel, equal to float32 rounding
+        return F.layer_norm(x, (self.d_model,), self.weight, self.bias, self.eps)
     mean = x.mean(dim=-1, keepdim=True)  # (..., D) -> (..., 1)
     centred = x - mean  # (..., D)
     # the biased variance: divide by D, not D - 1
@@ -296,11 +303,16 @@ for name, (a, b) in parity.items():
     print(f"{name:10} largest |ours - nn.LayerNorm| = {(a - b).abs().max().item():.1e}")
 
 # %% [markdown]
-# **Check:** outputs and all three gradients agree to float32 tolerance.
+# **Check:** outputs and all three gradients agree to float32 tolerance. So do those of the same
+# module with its `fast` switch on (notebook 14), which hands the work to `F.layer_norm`.
 
 # %%
 for name, (a, b) in parity.items():
     assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+fast_norm = copy.deepcopy(ours)
+fast_norm.fast = True
+for name, a, b in zip(parity, output_and_grads(fast_norm, x), output_and_grads(ours, x), strict=True):
+    assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"fast {name}")
 
 
 # %% [markdown]

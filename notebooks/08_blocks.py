@@ -293,21 +293,22 @@ class _Block(nn.Module):
         activation: str = "relu",
         bias: bool = True,
         norm_first: bool = True,
+        fast: bool = False,  # notebook 14's fast path, in the attention layers and the norms
     ):
         super().__init__()
         check_bool("norm_first", norm_first)
         # MultiHeadAttention checks d_model, num_heads and dropout_p; feed_forward checks d_ff.
-        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p, bias, fast)
         if self.cross_attention:
-            self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+            self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p, bias, fast)
         # Sequential(Linear, activation, Linear), no dropout inside
         self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
         # One norm and one residual dropout per sub-layer, numbered in the order they run:
         # encoder 1 self-attention, 2 FFN; decoder 1 self-attention, 2 cross-attention, 3 FFN.
-        self.norm1 = LayerNorm(d_model)
-        self.norm2 = LayerNorm(d_model)
+        self.norm1 = LayerNorm(d_model, fast=fast)
+        self.norm2 = LayerNorm(d_model, fast=fast)
         if self.cross_attention:
-            self.norm3 = LayerNorm(d_model)
+            self.norm3 = LayerNorm(d_model, fast=fast)
         self.dropout1 = nn.Dropout(dropout_p)  # on the sub-layer's output, before the residual add
         self.dropout2 = nn.Dropout(dropout_p)
         if self.cross_attention:
@@ -509,7 +510,26 @@ class DecoderBlock(_Block):
 # the encoder output come from the same batch. The last argument, `cache`, is for generating one
 # token at a time (notebook 12): it holds this block's keys and values from earlier steps, one
 # cache for each attention (`cache.self_attn`, `cache.cross_attn`), and the block hands each to
-# its attention (notebook 03 shows what `MultiHeadAttention` does with it).
+# its attention (notebook 03 shows what `MultiHeadAttention` does with it). As there, the
+# contract is a `Protocol`: two members, each a `KeyValueCache`.
+
+# %%
+#| export
+from typing import Protocol, runtime_checkable
+
+from transformer_from_scratch.attention import KeyValueCache
+
+
+@runtime_checkable
+class BlockCache(Protocol):
+    """What DecoderBlock.forward asks of a cache: one KeyValueCache for each attention."""
+
+    @property
+    def self_attn(self) -> KeyValueCache: ...
+
+    @property
+    def cross_attn(self) -> KeyValueCache: ...
+
 
 # %%
 #| export
@@ -520,7 +540,7 @@ def forward(
     enc_out: torch.Tensor,  # (B, T_src, d_model), the encoder's output
     self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
     cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
-    cache=None,  # this block's keys and values from earlier steps, for generation (notebook 12)
+    cache: "BlockCache | None" = None,  # this block's keys and values from earlier steps
 ) -> torch.Tensor:
     """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
     if checking():  # off inside a stack that checked its inputs already

@@ -67,20 +67,22 @@ device = get_device()
 # `torch.full(..., PAD)` then build a padded batch. The three go into a small module of their
 # own, `transformer_from_scratch.tokens`: the model needs them, and so do the data that notebook
 # 11 makes and the tokenizer of notebook 13, which should not have to import a model to know
-# which id means padding.
+# which id means padding. Every reserved id of the course lives there, so the module also holds
+# the one notebook 13's tokenizer adds, `UNK = 3`, for a character it never saw in training.
 
 # %%
 #| default_exp model
 
 # %%
 #| export tokens
-"""Token ids the whole library agrees on: three reserved ids, and the check of a batch of ids."""
+"""Token ids the whole library agrees on: the reserved ids, and the check of a batch of ids."""
 
 import torch
 
 from transformer_from_scratch.checks import check_tensor
 
 PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
+UNK = 3  # an unknown symbol: notebook 13's tokenizer writes it for a character it never saw
 
 # %% [markdown]
 # The embeddings and the output head go into the package's `model` module, which this notebook
@@ -954,7 +956,7 @@ plt.show()
 #
 # | piece | code | shape |
 # |---|---|---|
-# | reserved ids | `PAD, BOS, EOS = 0, 1, 2` | — |
+# | reserved ids | `PAD, BOS, EOS, UNK = 0, 1, 2, 3` (`UNK`: notebook 13) | — |
 # | teacher forcing | `tgt_in = [BOS, y...]`, `tgt_out = [y..., EOS]`, both PAD-padded | $(B, T+1)$ each |
 # | embedding table | `nn.Embedding(V, d_model, padding_idx=PAD)`; PAD row zero, no gradient | weight $(V, d)$ |
 # | its initialisation | `init_token_embedding(emb)`: $\mathcal{N}(0, 1/d)$, PAD row zeroed again | row norm $\approx 1$ |

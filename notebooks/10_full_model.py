@@ -47,7 +47,9 @@ from torch.testing import assert_close
 from transformer_from_scratch.checks import (
     check_bool, check_broadcast, check_choice, check_int, check_probability, check_tensor, checking, validated,
 )
-from transformer_from_scratch.layers import ACTIVATIONS, DecoderBlock, EncoderBlock, LayerNorm
+from typing import Protocol, runtime_checkable
+
+from transformer_from_scratch.layers import ACTIVATIONS, BlockCache, DecoderBlock, EncoderBlock, LayerNorm
 from transformer_from_scratch.masks import causal_mask, padding_mask
 from transformer_from_scratch.model import embed_tokens, init_token_embedding
 from transformer_from_scratch.positional import PositionalEncoding
@@ -113,14 +115,17 @@ class _Stack(nn.Module):
         activation: str = "relu",
         bias: bool = True,
         norm_first: bool = True,
+        fast: bool = False,
     ):
         super().__init__()
         check_int("num_layers", num_layers, minimum=1)
-        settings = dict(dropout_p=dropout_p, activation=activation, bias=bias, norm_first=norm_first)
+        settings = dict(
+            dropout_p=dropout_p, activation=activation, bias=bias, norm_first=norm_first, fast=fast
+        )
         self.layers = nn.ModuleList(
             self.block(d_model, num_heads, d_ff, **settings) for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
-        self.norm = LayerNorm(d_model)  # pre-norm blocks leave the last residual sum unnormalised
+        self.norm = LayerNorm(d_model, fast=fast)  # pre-norm blocks leave the stream unnormalised
         self.num_layers, self.d_model = num_layers, d_model
 
 
@@ -140,7 +145,23 @@ class Encoder(_Stack):
 # The decoder stack is the same loop over decoder blocks, and every block reads the **same**
 # encoder output `enc_out`: the encoder runs once, and its result is the keys and values of the
 # cross-attention of all $N$ decoder blocks. A generation cache (notebook 12) holds one part per
-# block, `cache.layer(i)`, which the stack hands to block $i$.
+# block, `cache.layer(i)`, which the stack hands to block $i$, and knows how many positions it
+# holds, `cache.length` (where the model's `decode` places new tokens, below): the third and last
+# cache `Protocol`, after notebook 03's and 08's.
+
+# %%
+#| export layers
+@runtime_checkable
+class DecoderCache(Protocol):
+    """What Decoder.forward and Transformer.decode ask of a cache (notebook 12's KVCache is one)."""
+
+    @property
+    def length(self) -> int:  # positions kept so far: the position of the next token
+        ...
+
+    def layer(self, i: int) -> BlockCache:  # decoder block i's part
+        ...
+
 
 # %%
 #| export layers
@@ -155,7 +176,7 @@ class Decoder(_Stack):
         enc_out: torch.Tensor,  # (B, T_src, d_model), read by every block
         self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
         cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
-        cache=None,  # every block's keys and values from earlier steps (notebook 12)
+        cache: DecoderCache | None = None,  # every block's keys and values (notebook 12)
     ) -> torch.Tensor:
         """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
         for i, layer in enumerate(self.layers):
@@ -313,13 +334,14 @@ else:
 # The source and the target get separate embedding tables (their vocabularies may differ) and
 # share the positional encoding, which has no parameters. The constructor builds the parts from
 # the bottom up and then applies notebook 09's `init_token_embedding` to both tables: the $\sqrt d$
-# multiply in the forward pass assumes it. Besides the parts, it keeps `config`, the arguments it
-# was called with (below), so that the same architecture can be rebuilt (for checkpoints,
-# notebook 11).
+# multiply in the forward pass assumes it. Besides the parts, it keeps `config`, every setting of
+# the architecture, defaults filled in (below), so that the same architecture can be rebuilt (for
+# checkpoints, notebook 11).
 
 # %% [markdown]
 # The architecture lives in one place, a dataclass, as nanoGPT's `GPTConfig` does: the sizes, the
-# dropout, and the block settings of notebook 08 (activation, biases, pre- or post-norm).
+# dropout, the block settings of notebook 08 (activation, biases, pre- or post-norm) and the
+# implementation of attention and norms (`fast`, off until notebook 14).
 # `model.config` is a `TransformerConfig`; the constructor takes either a config or its fields
 # as arguments, and builds the config first, so every part of the model reads its settings from
 # the same object and a new field is declared once. A checkpoint stores the config as a plain
@@ -347,6 +369,7 @@ class TransformerConfig:
     activation: str = "relu"  # of the feed-forward networks: "relu", "gelu" or "silu"
     bias: bool = True  # in the attention projections and the feed-forward networks
     norm_first: bool = True  # pre-norm blocks; False: the paper's post-norm
+    fast: bool = False  # notebook 14's fast path: packed projections, PyTorch's fused kernels
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size"):  # room for PAD, BOS, EOS and a symbol
@@ -357,6 +380,7 @@ class TransformerConfig:
         check_choice("activation", self.activation, ACTIVATIONS)
         check_bool("bias", self.bias)
         check_bool("norm_first", self.norm_first)
+        check_bool("fast", self.fast)
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
@@ -417,7 +441,11 @@ class Transformer(nn.Module):
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, c.d_model, padding_idx=PAD)
         self.pos = PositionalEncoding(c.d_model, max_len=c.max_len, dropout_p=c.dropout_p)
         blocks = dict(
-            dropout_p=c.dropout_p, activation=c.activation, bias=c.bias, norm_first=c.norm_first
+            dropout_p=c.dropout_p,
+            activation=c.activation,
+            bias=c.bias,
+            norm_first=c.norm_first,
+            fast=c.fast,
         )  # what every block of both stacks is built with
         self.encoder = Encoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
         self.decoder = Decoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
@@ -476,7 +504,7 @@ def decode(
     enc_out: torch.Tensor,  # (B, T_src, d_model) from encode
     self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_kept + T_tgt)
     cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_src)
-    cache=None,  # keys and values of the T_kept tokens decoded before (notebook 12)
+    cache: DecoderCache | None = None,  # keys and values of the T_kept tokens decoded before
 ) -> torch.Tensor:
     """Target ids (B, T_tgt) and enc_out (B, T_src, d_model) -> dec_out (B, T_tgt, d_model)."""
     offset = 0 if cache is None else cache.length  # where the tokens of tgt sit
@@ -964,8 +992,9 @@ with torch.no_grad():
 print("evaluation mode, dropout_p=0.1: equal to nn.Transformer")
 
 # %% [markdown]
-# **Check:** the paper's own arrangement. `Transformer(..., norm_first=False)` builds post-norm
-# blocks in both stacks (the configuration reaches every block), and it equals
+# **Check:** the paper's arrangement of the blocks. `Transformer(..., norm_first=False)` builds
+# post-norm blocks in both stacks (the configuration reaches every block), plus the final norms
+# that `nn.Transformer` keeps in both arrangements, and it equals
 # `nn.Transformer(norm_first=False)`, PyTorch's default, in logits and in every gradient.
 
 # %%

@@ -389,7 +389,6 @@ axes[0].legend(fontsize=9)
 save_figure(fig, "training_lr_schedule")
 plt.show()
 
-
 # %% [markdown]
 # The paper's base model ($d_\text{model} = 512$, $w = 4000$) never goes above $7 \times 10^{-4}$;
 # the tutorial's small model peaks about six times higher, at $4.4 \times 10^{-3}$, and ten times
@@ -408,27 +407,53 @@ plt.show()
 # tutorial's, `Transformer(12, 12)` with its defaults ($d_\text{model} = 128$, 4 heads,
 # $d_{ff} = 512$, 2 layers each side, dropout 0.1).
 #
-# `reversal_loss` is the forward pass and the loss of section 2, packaged:
+# The loss of section 2, packaged, in two parts that the rest of the course reuses (notebooks 13
+# and 15 evaluate, accumulate and train with the same two functions): `token_loss` is the
+# cross-entropy of logits against target ids, PAD ignored, as a mean over the real tokens or as
+# their sum (to be divided by the tokens of several batches together, notebook 13); and
+# `sequence_loss` is the forward pass with both masks, then `token_loss`. Logits in a 16-bit
+# float go into the loss in float32, which keeps the loss exact under notebook 13's mixed
+# precision. `num_tokens` counts what the loss grades.
 
 # %%
 #| export
-def reversal_loss(
-    model: Transformer,
-    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # src, tgt_in, tgt_out, lengths
+
+
+def token_loss(
+    logits: torch.Tensor,  # (B, T, V)
+    tgt_out: torch.Tensor,  # (B, T) target ids, PAD where there is no token
     label_smoothing: float = 0.0,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (src, tgt_in, tgt_out, lengths) batch, PAD ignored."""
-    device = next(model.parameters()).device
-    src, tgt_in, tgt_out, lengths = (t.to(device) for t in batch)
-    src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src): hide the source's padding
-    tgt_mask = causal_mask(tgt_in.size(1), device=device)  # (1, 1, T, T): hide the future
-    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
+    """Cross-entropy of every real target token: their mean, or their sum (reduction="sum")."""
+    check_choice("reduction", reduction, ("mean", "sum"))
+    if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the loss in float32
+        logits = logits.float()
     return F.cross_entropy(
         logits.flatten(0, 1),  # (B, T, V) -> (B*T, V)
         tgt_out.flatten(),  # (B, T) -> (B*T,)
         ignore_index=PAD,
         label_smoothing=label_smoothing,
+        reduction=reduction,
     )
+
+
+def sequence_loss(
+    model: Transformer, batch: Batch, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> torch.Tensor:
+    """token_loss of a (src, tgt_in, tgt_out, src_lengths) batch: the model with both masks."""
+    device = next(model.parameters()).device
+    src, tgt_in, tgt_out, lengths = (t.to(device) for t in batch)
+    src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src): hide the source's padding
+    tgt_mask = causal_mask(tgt_in.size(1), device=device)  # (1, 1, T, T): hide the future
+    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
+    return token_loss(logits, tgt_out, label_smoothing, reduction)
+
+
+def num_tokens(batch: Batch) -> int:
+    """How many target positions of a batch the loss grades (everything but PAD)."""
+    return int((batch[2] != PAD).sum())
 
 
 # %% [markdown]
@@ -479,7 +504,7 @@ def train_model(
     bar = tqdm(total=steps, desc="training", unit="step", disable=not progress)
     for step in range(1, steps + 1):
         batch = make_batch(batch_size, max_len, vocab_size, generator=generator)  # on the CPU
-        loss = reversal_loss(model, batch, label_smoothing)
+        loss = sequence_loss(model, batch, label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
@@ -546,8 +571,6 @@ class ReversalRecipe:
         check_probability("dropout_p", self.dropout_p)
         check_probability("label_smoothing", self.label_smoothing)
         check_choice("embedding_init", self.embedding_init, ("paper", "default"))
-        if self.embedding_init not in ("paper", "default"):  # check_choice ignores case
-            raise ValueError(f"embedding_init must be 'paper' or 'default', got {self.embedding_init!r}")
 
 
 REVERSAL_RECIPE = ReversalRecipe()  # the tutorial's recipe, as this notebook trains it
@@ -672,56 +695,101 @@ def plain_greedy_decode(
 
 # %% [markdown]
 # The package's `greedy_decode` (in the `decoding` module, which notebook 12 extends with beam
-# search and sampling) is this loop with four changes, none of which changes a token:
+# search and sampling) is this loop with five changes, none of which changes a token:
 #
 # - **Checks at the boundary.** A wrong argument fails at once with a message, not deep inside
 #   attention; `encode` checks the source's ids once, and the steps run inside `validated()`
 #   (notebook 00), so the model does not check the loop's own tokens again at every step.
-# - **One loop for every strategy.** `_generate` takes a function `choose` that maps the logits
+# - **One loop for every strategy.** `generate` takes a function `choose` that maps the logits
 #   `(B, V)` to the next tokens `(B,)`: greedy decoding passes the argmax; notebook 12's sampling
-#   will pass a random draw.
+#   will pass a random draw. One step of the decoder, `next_token_logits`, is shared too.
+# - **One result.** Every strategy returns a `Generation`: the `tokens` as above, and
+#   `log_probs`, the total log-probability $\sum_t \log p(y_t \mid y_{<t}, x)$ the model gives
+#   each row's tokens (up to and including `EOS`), added up in the loop at no extra cost. It is
+#   what notebook 12's beam search maximises, so the strategies can be compared by it.
 # - **An optional cache.** Re-running the decoder over the whole prefix repeats the work of
-#   every earlier step. With `cache` (a `KVCache`, built in notebook 12), each step feeds only the
-#   newest token, `ys[:, -1:]`, and the decoder's attention layers keep the keys and values of
-#   the earlier ones (`Transformer.decode` already takes a `cache`, notebook 10). Until notebook
-#   12 we leave it at `None`.
+#   every earlier step. With `use_cache=True` (a `KVCache`, built in notebook 12), each step
+#   feeds only the newest token, `ys[:, -1:]`, and the decoder's attention layers keep the keys
+#   and values of the earlier ones (`Transformer.decode` already takes a `cache`, notebook 10).
+#   Until notebook 12 we leave it off (the default).
 # - **No wait at every step.** `bool(finished.all())` brings a flag from the device to Python;
 #   on a GPU that means waiting until every queued kernel has run, so the CPU cannot queue the
-#   next step ahead. `_generate` asks only every 8 steps. In between, rows that are finished get
+#   next step ahead. `generate` asks only every 8 steps. In between, rows that are finished get
 #   `PAD` as before, so a batch that finished early only adds columns of `PAD`; at the end the
 #   result is cut right after the column where the last row emitted `EOS`, which is exactly
 #   where the step-by-step loop would have stopped.
 #
-# First the context manager for the mode and the checks:
+# First the context manager for the mode (the library's one way to switch dropout off for a
+# while: every module's mode is given back as it was, even if the block raises), the result
+# type and the checks:
 
 # %%
 #| export decoding
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from transformer_from_scratch.checks import check_broadcast, check_int, check_tensor, validated
+from transformer_from_scratch.checks import (
+    check_bool,
+    check_broadcast,
+    check_int,
+    check_tensor,
+    validated,
+)
+from transformer_from_scratch.layers import DecoderCache
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.tokens import BOS, EOS, PAD
 
 
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Switch dropout off while generating; give the model back in the mode it came in."""
-    was_training = model.training
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Evaluation mode (no dropout) inside the block; every module's own mode restored after.
+
+    `with eval_mode(model): ...` gives the model back as it came in, even if the block raises,
+    down to a submodule that was in another mode than its parent.
+    """
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        yield
+        yield model
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
 
 
-def _check_generation_inputs(
-    model: nn.Module, src: Tensor, max_new_tokens: int, src_mask: Tensor | None
-) -> None:
-    """Raise a TypeError (wrong type) or ValueError (wrong value) if generation cannot start."""
+@dataclass(frozen=True)
+class Generation:
+    """What greedy_decode, beam_search and sample return.
+
+    tokens: (B, T) long ids, BOS first, PAD after a row's EOS; T <= max_new_tokens + 1.
+    log_probs: (B,) float32, the total log-probability the model gives each row's tokens
+        (softmax at temperature 1, EOS counted, the PAD after it not): what sequence_log_prob
+        computes for `tokens`, whatever strategy (or sampling temperature) chose them.
+    """
+
+    tokens: Tensor
+    log_probs: Tensor
+
+
+def check_generation_inputs(
+    model: nn.Module,
+    src: Tensor,
+    *,
+    max_new_tokens: int,
+    src_mask: Tensor | None = None,
+    use_cache: bool = False,
+    cache: DecoderCache | None = None,
+):
+    """Check what every decoding strategy takes; return the cache to decode with (or None).
+
+    Raises a TypeError for a wrong type and a ValueError for a wrong value (policy of `checks`).
+    The cache is `cache` if one is given (it must be empty; passing one implies use_cache),
+    else a new KVCache (notebook 12) if use_cache, else None: the whole prefix every step.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_tensor("src", src, dim=2, kind="int")  # (B, T_src) token ids
@@ -736,69 +804,115 @@ def _check_generation_inputs(
     check_broadcast(
         "src_mask", src_mask, (B, 1, 1, T_src), "(B, 1, 1, T_src)", hint="build it with padding_mask"
     )
+    check_bool("use_cache", use_cache)
+    if cache is None:
+        return KVCache() if use_cache else None  # noqa: F821 (notebook 12 adds it to `decoding`)
+    length = getattr(cache, "length", None)
+    if not isinstance(length, int):
+        raise TypeError(
+            f"cache must be a decoding cache such as KVCache() (with a `length`), got "
+            f"{type(cache).__name__}"
+        )
+    if length != 0:
+        raise ValueError(f"cache must be empty (a new KVCache), it holds {length} positions")
+    return cache
 
 
 # %% [markdown]
-# Then the loop, and greedy decoding as one use of it:
+# Then one decoder step, the loop, and greedy decoding as one use of it. Everything after `src`
+# is keyword-only, so a call names what each number means (`max_new_tokens=9`), and every
+# strategy takes the same names:
 
 # %%
 #| export decoding
+def next_token_logits(
+    model: nn.Module, ys: Tensor, enc_out: Tensor, cross_mask: Tensor | None = None,
+    cache: DecoderCache | None = None,
+) -> Tensor:
+    """The logits (B, V) of the token after the prefixes ys (B, T): one decoder step.
+
+    Without a cache the whole prefix goes through the decoder (causally masked); with one, only
+    the newest token ys[:, -1:], and the cache holds the keys and values of the others.
+    """
+    if cache is None:
+        self_mask = causal_mask(ys.size(1), device=ys.device)  # (1, 1, T, T)
+        dec_out = model.decode(ys, enc_out, self_mask=self_mask, cross_mask=cross_mask)
+    else:
+        dec_out = model.decode(ys[:, -1:], enc_out, cross_mask=cross_mask, cache=cache)
+    return model.out_proj(dec_out[:, -1])  # the last position: (B, d_model) -> (B, V)
+
+
 _SYNC_EVERY = 8  # steps between two "has every row finished?" checks (each waits for the device)
 
 
-def _generate(
+@torch.no_grad()
+def generate(
     model: nn.Module,
     src: Tensor,
+    *,
     max_new_tokens: int,
-    src_mask: Tensor | None,
+    src_mask: Tensor | None = None,
+    use_cache: bool = False,
+    cache: DecoderCache | None = None,
     choose: Callable[[Tensor], Tensor],
-    cache=None,
-) -> Tensor:
-    """The loop shared by the decoding strategies; `choose` maps (B, V) logits to (B,) ids."""
-    if cache is not None and cache.length != 0:
-        raise ValueError(f"cache must be empty (a new KVCache), it holds {cache.length} positions")
+) -> Generation:
+    """The loop of greedy decoding and sampling: encode once, then one token per step.
+
+    `choose` maps the logits (B, V) to the next ids (B,). A row that has emitted EOS gets PAD
+    after it; the loop ends when every row has, or after max_new_tokens steps. The tokens are
+    the same with and without the cache (`use_cache=True`, or your own empty `cache`).
+    """
+    cache = check_generation_inputs(
+        model, src, max_new_tokens=max_new_tokens, src_mask=src_mask, use_cache=use_cache, cache=cache
+    )
     B, device = src.size(0), src.device
-    enc_out = model.encode(src, src_mask=src_mask)  # once: (B, T_src, d_model); checks the ids
-    ys = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (B, 1)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-    with validated():  # the inputs were checked; the loop's own tokens need no checks
-        for step in range(1, max_new_tokens + 1):
-            if cache is None:  # the whole prefix goes through the decoder again
-                self_mask = causal_mask(ys.size(1), device=device)  # (1, 1, T, T)
-                dec_out = model.decode(ys, enc_out, self_mask=self_mask, cross_mask=src_mask)
-            else:  # only the newest token: the cache holds the keys and values of the others
-                dec_out = model.decode(ys[:, -1:], enc_out, cross_mask=src_mask, cache=cache)
-            logits = model.out_proj(dec_out[:, -1])  # last position: (B, d_model) -> (B, V)
-            next_token = choose(logits).masked_fill(finished, PAD)  # (B,): finished rows get PAD
-            ys = torch.cat([ys, next_token[:, None]], dim=1)  # (B, T) -> (B, T + 1)
-            finished |= next_token == EOS  # stays on the device: no wait here
-            if step % _SYNC_EVERY == 0 and bool(finished.all()):  # the only wait, every 8 steps
-                break
+    with eval_mode(model):
+        enc_out = model.encode(src, src_mask=src_mask)  # once: (B, T_src, d_model); checks ids
+        ys = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (B, 1)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+        log_probs = torch.zeros(B, device=device)  # (B,): total log p of each row so far
+        with validated():  # the inputs were checked; the loop's own tokens need no checks
+            for step in range(1, max_new_tokens + 1):
+                logits = next_token_logits(model, ys, enc_out, cross_mask=src_mask, cache=cache)
+                next_token = choose(logits).masked_fill(finished, PAD)  # (B,): PAD once finished
+                log_p = F.log_softmax(logits.float(), dim=-1)  # (B, V), temperature 1
+                picked = log_p.gather(-1, next_token[:, None])[:, 0]  # (B,)
+                log_probs += picked.masked_fill(finished, 0.0)  # the PAD after EOS counts 0
+                ys = torch.cat([ys, next_token[:, None]], dim=1)  # (B, T) -> (B, T + 1)
+                finished |= next_token == EOS  # stays on the device: no wait here
+                if step % _SYNC_EVERY == 0 and bool(finished.all()):  # the only wait, every 8
+                    break
     # Cut after the column where the last row emitted EOS (all of ys if a row never did):
     # what a check after every step would have returned.
     is_eos = ys == EOS  # (B, T)
     ends = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), ys.size(1) - 1)  # (B,)
-    return ys[:, : int(ends.max()) + 1]
+    return Generation(tokens=ys[:, : int(ends.max()) + 1], log_probs=log_probs)
 
 
-@torch.no_grad()
 def greedy_decode(
     model: nn.Module,
     src: Tensor,
+    *,
     max_new_tokens: int,
     src_mask: Tensor | None = None,
-    cache=None,
-) -> Tensor:
-    """Take the most likely token at each step: (B, <= max_new_tokens + 1) ids, BOS first.
+    use_cache: bool = False,
+    cache: DecoderCache | None = None,
+) -> Generation:
+    """Take the most likely token at each step: tokens (B, <= max_new_tokens + 1), BOS first.
 
-    A row that has emitted EOS gets PAD after it. `cache` (a new KVCache, notebook 12) makes
-    each step feed only the newest token to the decoder; the tokens are the same.
+    A row that has emitted EOS gets PAD after it; `.log_probs` (B,) is each row's total log p.
+    `use_cache=True` (or an empty `cache`, notebook 12) feeds only the newest token to the
+    decoder at each step; the tokens are the same.
     """
-    _check_generation_inputs(model, src, max_new_tokens, src_mask)
-    with _eval_mode(model):
-        return _generate(
-            model, src, max_new_tokens, src_mask, lambda logits: logits.argmax(dim=-1), cache
-        )
+    return generate(
+        model,
+        src,
+        max_new_tokens=max_new_tokens,
+        src_mask=src_mask,
+        use_cache=use_cache,
+        cache=cache,
+        choose=lambda logits: logits.argmax(dim=-1),
+    )
 
 
 # %% [markdown]
@@ -848,7 +962,7 @@ for name, m, mode in (("untrained", probe, "eval"), ("EOS-biased", eager, "eval"
                       ("EOS-biased", eager, "train")):
     m.train(mode == "train")
     ys = plain_greedy_decode(m, src, MAX_LEN + 1, src_mask=src_mask)
-    assert torch.equal(greedy_decode(m, src, MAX_LEN + 1, src_mask), ys)
+    assert torch.equal(greedy_decode(m, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask).tokens, ys)
     assert m.training == (mode == "train")
     ys = ys.cpu()
     is_eos = (ys == EOS).long()
@@ -883,7 +997,8 @@ def reversal_correct(
     device = next(model.parameters()).device
     src, tgt_out = src.to(device), tgt_out.to(device)
     src_mask = padding_mask(lengths.to(device), src.size(1))  # (B, 1, 1, T_src)
-    decoded = greedy_decode(model, src, tgt_out.size(1), src_mask=src_mask)[:, 1:]  # drop BOS
+    decoded = greedy_decode(model, src, max_new_tokens=tgt_out.size(1), src_mask=src_mask)
+    decoded = decoded.tokens[:, 1:]  # (B, <= T_tgt): drop BOS
     padded = torch.full_like(tgt_out, PAD)  # (B, T_tgt): decoding may stop early
     padded[:, : decoded.size(1)] = decoded
     return (padded == tgt_out).all(dim=1)
@@ -1037,7 +1152,8 @@ correct = exact_match(model, n=256)
 print(f"exact match on 256 fresh sequences: {correct}/256")
 src, _, tgt_out, lengths = make_batch(3, MAX_LEN, VOCAB, torch.Generator().manual_seed(7))
 src_mask = padding_mask(lengths, MAX_LEN).to(device)
-decoded = greedy_decode(model, src.to(device), MAX_LEN + 1, src_mask=src_mask).cpu()
+decoded = greedy_decode(model, src.to(device), max_new_tokens=MAX_LEN + 1, src_mask=src_mask)
+decoded = decoded.tokens.cpu()
 for b in range(3):
     L = int(lengths[b])
     print(f"source {src[b, :L].tolist()}  ->  decoded {decoded[b, 1 : L + 2].tolist()}")
@@ -1357,7 +1473,8 @@ positions = torch.arange(MAX_LEN + 1)
 
 def first_errors(m: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy outputs (B, L_max + 1), PAD-padded, and each row's first wrong position (or L_max + 1)."""
-    out = greedy_decode(m, test_src.to(device), MAX_LEN + 1, src_mask=test_mask)[:, 1:].cpu()
+    out = greedy_decode(m, test_src.to(device), max_new_tokens=MAX_LEN + 1, src_mask=test_mask)
+    out = out.tokens[:, 1:].cpu()
     out = F.pad(out, (0, MAX_LEN + 1 - out.size(1)), value=PAD)  # decoding may stop early
     wrong = (out != test_out) & test_graded
     return out, torch.where(wrong.any(1), wrong.int().argmax(1), MAX_LEN + 1)
@@ -1664,7 +1781,7 @@ plt.show()
 # | the schedule | `lr_lambda(s, d_model, w)` via `LambdaLR`, Adam lr = 1 | peak $(d_\text{model} w)^{-1/2}$ at $s = w$ |
 # | the loop | `train_model(model, steps, ...)`, clip at norm 1 | history: loss and lr per step |
 # | a fixed recipe | `ReversalRecipe`, `reversal_recipe(**changes)`, `train_reversal(**changes)` | bit-identical on the CPU |
-# | evaluation | `greedy_decode`, `exact_match(model, n=256)` | tokens $(B, \le L_\max + 2)$; 250 or more of 256 |
+# | evaluation | `greedy_decode(model, src, max_new_tokens=...)`, `exact_match(model, n=256)` | a `Generation`: `.tokens` $(B, \le L_\max + 2)$, `.log_probs` $(B,)$; 250 or more of 256 |
 # | checkpoints | `save_checkpoint`, `load_checkpoint`, `get_reversal_model` | atomic; `weights_only=True` |
 #
 # ## Exercises
@@ -1805,11 +1922,21 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "meta": meta,
     }
+    return atomic_save(payload, path)
+
+
+def atomic_save(obj, path: str | os.PathLike) -> Path:
+    """torch.save(obj) to a temporary file beside `path`, flushed to disk, then renamed onto it.
+
+    A crash leaves the old file or the new one, never half of one: the rename replaces the name
+    in one step (os.replace, on POSIX and on Windows), and fsync puts the bytes on disk first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     # A temporary file in the same folder (same file system), then one atomic rename.
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as f:
-            torch.save(payload, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(temporary, path)

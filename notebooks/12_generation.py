@@ -137,16 +137,25 @@ from transformer_from_scratch.tokens import BOS, EOS, PAD
 # ## Greedy decoding
 #
 # Notebook 11 wrote `greedy_decode` to test its model: it encodes the source once, takes the
-# most likely token at every step, gives a finished row `PAD` after its `EOS`, and returns
-# `(B, ≤ max_new_tokens + 1)` ids, `BOS` first. Its loop, `_generate`, takes the rule that picks
-# each token (`choose`) and an optional `cache`, which this notebook builds below. Here we use
-# them: beam search and sampling below reuse its input checks and its loop.
+# most likely token at every step, gives a finished row `PAD` after its `EOS`, and returns a
+# `Generation`: `.tokens`, `(B, ≤ max_new_tokens + 1)` ids with `BOS` first, and `.log_probs`,
+# the total log-probability `(B,)` the model gives each row. Its loop, `generate`, takes the
+# rule that picks each token (`choose`) and an optional cache (`use_cache=True`), which this
+# notebook builds below. Beam search and sampling below reuse its input checks
+# (`check_generation_inputs`), its decoder step (`next_token_logits`), its loop and its
+# `eval_mode`, and take the same arguments: everything after `src` is keyword-only, so a call
+# says what each number is (`beam_search(model, src, beam_size=20, max_new_tokens=5)` cannot be
+# read the wrong way round), and the three strategies share the names `max_new_tokens`,
+# `src_mask`, `use_cache` and `cache` and the result type, whatever knobs each adds.
 
 # %%
-from transformer_from_scratch.decoding import _check_generation_inputs
-from transformer_from_scratch.decoding import _eval_mode
-from transformer_from_scratch.decoding import _generate
+from transformer_from_scratch.decoding import Generation
+from transformer_from_scratch.decoding import check_generation_inputs
+from transformer_from_scratch.decoding import eval_mode
+from transformer_from_scratch.decoding import generate
 from transformer_from_scratch.decoding import greedy_decode
+from transformer_from_scratch.decoding import next_token_logits
+from transformer_from_scratch.layers import DecoderCache
 
 # %% [markdown]
 # Let us reverse a few fresh sequences. `make_batch` (notebook 11) draws them; a generator with
@@ -159,7 +168,8 @@ src, tgt_in, tgt_out, lengths = make_batch(256, MAX_LEN, VOCAB, generator=test_g
 src, tgt_out = src.to(device), tgt_out.to(device)
 src_mask = padding_mask(lengths, MAX_LEN).to(device)  # (B, 1, 1, T_src)
 
-decoded = greedy_decode(model, src, MAX_LEN + 1, src_mask=src_mask)  # L symbols, then EOS
+greedy = greedy_decode(model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask)
+decoded = greedy.tokens  # (B, T): BOS, L symbols, then EOS
 
 
 def pad_right(tokens: torch.Tensor, T: int) -> torch.Tensor:
@@ -305,7 +315,7 @@ def cross_attention_weights(
         for block in model.decoder.layers
     ]
     try:
-        with torch.no_grad(), _eval_mode(model):
+        with torch.no_grad(), eval_mode(model):
             tgt_mask = causal_mask(tgt.size(1), device=tgt.device)
             model(src, tgt, src_mask=src_mask, tgt_mask=tgt_mask)
     finally:
@@ -678,6 +688,10 @@ assert_close(stepped, logits, atol=tolerance, rtol=tolerance)
 assert cache_gap < tolerance
 
 # %% [markdown]
+# The decoders take the cache as a switch: `use_cache=True` makes a new `KVCache` for the call;
+# an empty cache of your own, `cache=KVCache()`, does the same and lets you look at it afterwards
+# (exercise 2 does).
+#
 # **Check 2: the same tokens, exactly.** On the trained model and on random models, batch
 # sizes from 1 to 64, padded sources of mixed lengths, and outputs far longer than the sources.
 # A random model never says `EOS` on purpose, so it also exercises rows that finish at different
@@ -686,7 +700,8 @@ assert cache_gap < tolerance
 # tokens, so there a row may flip; the trained model, whose choices are clear, must still match.)
 
 # %%
-assert torch.equal(greedy_decode(model, src, MAX_LEN + 1, src_mask, cache=KVCache()), decoded)
+cached = greedy_decode(model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, use_cache=True)
+assert torch.equal(cached.tokens, decoded)
 
 check_gen = torch.Generator().manual_seed(7)
 for B, T_src, new_tokens, seed in [(1, 5, 40, 1), (3, 7, 64, 2), (16, 12, 100, 3), (64, 8, 24, 4)]:
@@ -697,8 +712,9 @@ for B, T_src, new_tokens, seed in [(1, 5, 40, 1), (3, 7, 64, 2), (16, 12, 100, 3
     ids = torch.randint(3, VOCAB, (B, T_src), generator=check_gen)
     ids = ids.masked_fill(torch.arange(T_src) >= lens[:, None], PAD).to(device)  # padded sources
     mask = padding_mask(lens, T_src).to(device)
-    plain = greedy_decode(random_model, ids, new_tokens, mask)
-    cached = greedy_decode(random_model, ids, new_tokens, mask, cache=KVCache())
+    plain = greedy_decode(random_model, ids, max_new_tokens=new_tokens, src_mask=mask).tokens
+    cached = greedy_decode(random_model, ids, max_new_tokens=new_tokens, src_mask=mask,
+                           use_cache=True).tokens
     if device.type == "cpu":
         assert torch.equal(plain, cached), (B, T_src, new_tokens)
     else:  # other kernels for the two shapes of matmul: a near-tie may flip a token on a GPU
@@ -725,7 +741,7 @@ one_src = torch.randint(3, VOCAB, (1, MAX_LEN), generator=check_gen).to(device)
 def decoding_flops(n: int, use_cache: bool) -> int:
     """Floating-point operations of greedy decoding of n tokens, counted by PyTorch."""
     with FlopCounterMode(display=False) as counter:
-        greedy_decode(timing_model, one_src, n, cache=KVCache() if use_cache else None)
+        greedy_decode(timing_model, one_src, max_new_tokens=n, use_cache=use_cache)
     return counter.get_total_flops()
 
 
@@ -756,7 +772,7 @@ threads = torch.get_num_threads()
 torch.set_num_threads(1)
 try:
     timings = {n: {c: time_call(lambda n=n, c=c: greedy_decode(
-                       timing_model, one_src, n, cache=KVCache() if c else None))
+                       timing_model, one_src, max_new_tokens=n, use_cache=c))
                    for c in (False, True)}
                for n in timing_lengths}
 finally:
@@ -780,7 +796,7 @@ for n, speedup, ratio in zip(timing_lengths, speedups, flop_ratio, strict=True):
 # %%
 for n in timing_lengths:  # the timed work: exactly n new tokens each time, both ways
     for c in (False, True):
-        assert greedy_decode(timing_model, one_src, n, cache=KVCache() if c else None).shape == (1, n + 1)
+        assert greedy_decode(timing_model, one_src, max_new_tokens=n, use_cache=c).tokens.shape == (1, n + 1)
 if device.type == "cpu":
     assert speedups[-1] > 1.5
 
@@ -916,19 +932,25 @@ def _advance_beams(
     )
 
 
-def _best_hypotheses(finished: list[list[Hypothesis]], device) -> tuple[Tensor, Tensor]:
+def _best_hypotheses(finished: list[list[Hypothesis]], device) -> Generation:
     """Each source's best hypothesis by normalised score: ids (B, T) PAD-padded, log p (B,)."""
     best = [max(hypotheses, key=lambda hyp: hyp[0]) for hypotheses in finished]
     length = max(len(ids) for _, _, ids in best)
     tokens = torch.full((len(best), length), PAD, dtype=torch.long)
     for b, (_, _, ids) in enumerate(best):
         tokens[b, : len(ids)] = torch.tensor(ids)
-    return tokens.to(device), torch.tensor([log_p for _, log_p, _ in best], device=device)
+    log_probs = torch.tensor([log_p for _, log_p, _ in best], device=device)  # before lp
+    return Generation(tokens=tokens.to(device), log_probs=log_probs)
 
 
 # %% [markdown]
 # The search itself is short: encode once and give each source $k$ rows, then per step one
-# cached decoder call for all beams, the selection above, and the reordering.
+# cached decoder call for all beams, the selection above, and the reordering. It returns a
+# `Generation` like greedy decoding: the best hypothesis of each source and its total
+# log-probability, before the length penalty. Unlike greedy decoding and sampling, beam search
+# caches by default (`use_cache=True`); with `use_cache=False` each step runs the decoder over
+# every beam's whole prefix instead (`next_token_logits` does either), and the beams are the
+# same, only slower to find.
 
 # %%
 #| export
@@ -936,23 +958,32 @@ def _best_hypotheses(finished: list[list[Hypothesis]], device) -> tuple[Tensor, 
 def beam_search(
     model: nn.Module,
     src: Tensor,
-    beam_size: int,
+    *,
     max_new_tokens: int,
     src_mask: Tensor | None = None,
+    use_cache: bool = True,
+    cache: DecoderCache | None = None,
+    beam_size: int,
     length_penalty: float = 0.6,
-) -> tuple[Tensor, Tensor]:
-    """Best of beam_size hypotheses by log p / lp (Wu et al., 2016): ids (B, T) and log p (B,)."""
-    _check_generation_inputs(model, src, max_new_tokens, src_mask)
+) -> Generation:
+    """Best of beam_size hypotheses by log p / lp (Wu et al., 2016); log_probs: log p, before lp.
+
+    The B * beam_size beams run as one batch; a given `cache` (empty) must have `reorder`.
+    """
+    cache = check_generation_inputs(
+        model, src, max_new_tokens=max_new_tokens, src_mask=src_mask, use_cache=use_cache, cache=cache
+    )
+    if cache is not None and not callable(getattr(cache, "reorder", None)):
+        raise TypeError(f"beam search needs a cache with reorder(index), got {type(cache).__name__}")
     k = check_int("beam_size", beam_size, minimum=1)
     length_penalty = check_float("length_penalty", length_penalty, low=0.0)
     B = src.size(0)
-    with _eval_mode(model):
+    with eval_mode(model):
         # 1) Encode once; each source gets k rows, one per beam: (B, ...) -> (B * k, ...).
         enc_out = model.encode(src, src_mask=src_mask).repeat_interleave(k, dim=0)
         cross_mask = None
         if src_mask is not None:
             cross_mask = src_mask.expand(B, 1, 1, src.size(1)).repeat_interleave(k, dim=0)
-        cache = KVCache()
         tokens = torch.full((B * k, 1), BOS, dtype=torch.long, device=src.device)
         scores = torch.full((B, k), -math.inf, device=src.device)
         scores[:, 0] = 0.0  # one live beam to start with: k copies would fill the beam with twins
@@ -960,9 +991,8 @@ def beam_search(
         done = [False] * B
         with validated():  # encode checked the ids; the loop's own tokens need no checks
             for step in range(max_new_tokens):
-                # 2) One cached decoder step for all B * k beams: the newest token of each.
-                dec_out = model.decode(tokens[:, -1:], enc_out, cross_mask=cross_mask, cache=cache)
-                logits = model.out_proj(dec_out[:, -1])  # (B * k, 1, d_model) -> (B * k, V)
+                # 2) One decoder step for all B * k beams (cached: the newest token of each).
+                logits = next_token_logits(model, tokens, enc_out, cross_mask, cache)  # (B*k, V)
                 log_probs = F.log_softmax(logits.float(), dim=-1).view(B, k, -1)  # (B, k, V)
                 # 3) Score every extension by its total log-prob and select.
                 candidates = scores[:, :, None] + log_probs  # (B, k, 1) + (B, k, V)
@@ -973,7 +1003,8 @@ def beam_search(
                 if all(done):
                     break
                 # 4) Each new beam takes over its parent's tokens and cached keys and values.
-                cache.reorder(parent)
+                if cache is not None:
+                    cache.reorder(parent)
                 tokens = torch.cat([tokens[parent], token[:, None]], dim=1)  # (B * k, t + 2)
     return _best_hypotheses(finished, src.device)
 
@@ -994,7 +1025,7 @@ def sequence_log_prob(
             f"tokens must be (B, T) with B={src.size(0)} as in src and T >= 2 (BOS and one "
             f"more), got {tuple(tokens.shape)}"
         )
-    with _eval_mode(model):
+    with eval_mode(model):
         T = tokens.size(1) - 1
         tgt_mask = causal_mask(T, device=tokens.device)
         logits = model(src, tokens[:, :-1], src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
@@ -1008,16 +1039,20 @@ def sequence_log_prob(
 
 # %% [markdown]
 # **Check.** With one beam, beam search is greedy decoding: the same tokens, and a score equal to
-# the independent `sequence_log_prob` (facts). On the trained model a wider beam finds nothing
+# the independent `sequence_log_prob` and to the log-probability greedy decoding added up as it
+# went (facts). On the trained model a wider beam finds nothing
 # better: the reversal is near certain at every step, so beam and greedy agree (in the stored
 # run on all 256 sources; the bound is the study's).
 
 # %%
-beam_1, log_p_1 = beam_search(model, src, 1, MAX_LEN + 1, src_mask)
+beam_1 = beam_search(model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, beam_size=1)
+beam_1, log_p_1 = beam_1.tokens, beam_1.log_probs
 assert torch.equal(beam_1, decoded)
 assert_close(log_p_1, sequence_log_prob(model, src, decoded, src_mask), atol=1e-4, rtol=1e-4)
+assert_close(greedy.log_probs, log_p_1, atol=1e-4, rtol=1e-4)  # greedy's own running sum
 
-beam_4, log_p_4 = beam_search(model, src, 4, MAX_LEN + 1, src_mask)
+beam_4 = beam_search(model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, beam_size=4)
+beam_4, log_p_4 = beam_4.tokens, beam_4.log_probs
 same = (pad_right(beam_4, decoded.size(1)) == pad_right(decoded, beam_4.size(1))).all(1)
 assert int(same.sum()) >= 250 and log_p_4.mean() >= log_p_1.mean() - 1e-4
 
@@ -1036,13 +1071,15 @@ early_model = get_reversal_model(checkpoint="checkpoints/reversal_100_steps.pt",
                                  progress=True, steps=100)
 
 # %%
-greedy_early = greedy_decode(early_model, src, MAX_LEN + 1, src_mask)
+greedy_early = greedy_decode(early_model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask)
+greedy_early = greedy_early.tokens
 log_p_greedy = sequence_log_prob(early_model, src, greedy_early, src_mask)
 beam_sizes = [1, 2, 4, 8]
 beam_out, beam_log_p, beam_match = {}, {}, {}
 for k in beam_sizes:
-    beam_out[k], beam_log_p[k] = beam_search(early_model, src, k, MAX_LEN + 1, src_mask,
-                                             length_penalty=0.0)
+    beam = beam_search(early_model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask,
+                       beam_size=k, length_penalty=0.0)
+    beam_out[k], beam_log_p[k] = beam.tokens, beam.log_probs
     beam_match[k] = reversed_correctly(beam_out[k])
 better = {k: int((beam_log_p[k] > log_p_greedy + 1e-4).sum()) for k in beam_sizes}
 worse = {k: int((beam_log_p[k] < log_p_greedy - 1e-4).sum()) for k in beam_sizes}
@@ -1203,7 +1240,8 @@ plt.show()
 torch.manual_seed(1)
 untrained = Transformer(VOCAB, VOCAB, d_model=64, num_heads=4, d_ff=128).to(device)
 for alpha in (0.0, 0.6, 1.0, 2.0):
-    out, _ = beam_search(untrained, src[:64], 4, 20, src_mask[:64], length_penalty=alpha)
+    out = beam_search(untrained, src[:64], max_new_tokens=20, src_mask=src_mask[:64],
+                      beam_size=4, length_penalty=alpha).tokens
     generated = ((out != PAD) & (out != BOS)).sum(1).float()  # tokens after BOS, EOS included
     print(f"alpha = {alpha}: mean output length {generated.mean().item():5.2f} tokens")
 
@@ -1305,28 +1343,41 @@ plt.show()
 
 # %%
 #| export
-@torch.no_grad()
 def sample(
     model: nn.Module,
     src: Tensor,
+    *,
     max_new_tokens: int,
+    src_mask: Tensor | None = None,
+    use_cache: bool = False,
+    cache: DecoderCache | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
-    src_mask: Tensor | None = None,
-    cache: KVCache | None = None,
-) -> Tensor:
-    """Draw each token from next_token_probs: (B, <= max_new_tokens + 1) ids, BOS first."""
-    _check_generation_inputs(model, src, max_new_tokens, src_mask)
+) -> Generation:
+    """Draw each token from next_token_probs: tokens (B, <= max_new_tokens + 1), BOS first.
+
+    `.log_probs` is the model's own total log p of the drawn tokens, at temperature 1 and over
+    the whole vocabulary (as for greedy and beam search), not that of the reshaped distribution.
+    """
     next_token_probs(torch.zeros(1), temperature, top_k)  # bad knobs fail before any work
-    where = generator.device if generator is not None else src.device
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
     def draw(logits: Tensor) -> Tensor:
+        where = logits.device if generator is None else generator.device  # where to draw
         probs = next_token_probs(logits.float(), temperature, top_k).to(where)  # (B, V)
         return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)  # (B,)
 
-    with _eval_mode(model):
-        return _generate(model, src, max_new_tokens, src_mask, draw, cache=cache)
+    return generate(
+        model,
+        src,
+        max_new_tokens=max_new_tokens,
+        src_mask=src_mask,
+        use_cache=use_cache,
+        cache=cache,
+        choose=draw,
+    )
 
 
 # %% [markdown]
@@ -1342,18 +1393,21 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-assert torch.equal(sample(early_model, src, MAX_LEN + 1, top_k=1, src_mask=src_mask), greedy_early)
-cold = sample(model, src, MAX_LEN + 1, temperature=1e-3, generator=seeded(0), src_mask=src_mask)
+top_1 = sample(early_model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, top_k=1)
+assert torch.equal(top_1.tokens, greedy_early)
+cold = sample(model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, temperature=1e-3,
+              generator=seeded(0)).tokens
 assert torch.equal(cold, decoded)
 
-draws = [sample(early_model, src, MAX_LEN + 1, generator=seeded(s), src_mask=src_mask,
-                cache=KVCache() if c else None)
+draws = [sample(early_model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, use_cache=c,
+                generator=seeded(s)).tokens
          for s, c in [(0, True), (0, False), (1, True)]]
 assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
 
 copies = 20_000
-first_tokens = sample(early_model, src[:1].expand(copies, -1), 1, temperature=2.0, top_k=3,
-                      generator=seeded(0), src_mask=src_mask[:1].expand(copies, -1, -1, -1))[:, 1]
+first_tokens = sample(early_model, src[:1].expand(copies, -1), max_new_tokens=1,
+                      src_mask=src_mask[:1].expand(copies, -1, -1, -1), temperature=2.0, top_k=3,
+                      generator=seeded(0)).tokens[:, 1]
 with torch.no_grad():
     z_first = early_model(src[:1], decoded[:1, :1], src_mask=src_mask[:1],
                           tgt_mask=causal_mask(1, device=device))[0, -1].float()  # (V,)
@@ -1376,8 +1430,9 @@ sampled_rates = {}  # (model name, top_k) -> exact-match rate at each temperatur
 for name, m in (("trained", model), ("100 steps", early_model)):
     for top_k in (None, 3):
         sampled_rates[name, top_k] = [
-            reversed_correctly(sample(m, src, MAX_LEN + 1, tau, top_k, generator=seeded(0),
-                                      src_mask=src_mask)).float().mean().item()
+            reversed_correctly(sample(m, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask,
+                                      temperature=tau, top_k=top_k,
+                                      generator=seeded(0)).tokens).float().mean().item()
             for tau in sweep
         ]
 
@@ -1417,16 +1472,16 @@ assert trained_all[0] >= 0.97 and trained_top3[-1] > trained_all[-1]
 #
 # | idea | code | shapes |
 # |---|---|---|
-# | encode once, decode step by step | `greedy_decode(model, src, n, src_mask)` | `src (B, S)` → `(B, ≤ n+1)`, `BOS` first, `PAD` after `EOS` |
+# | encode once, decode step by step | `greedy_decode(model, src, max_new_tokens=n, src_mask=m)` → `Generation` | `src (B, S)` → `.tokens (B, ≤ n+1)`, `BOS` first, `PAD` after `EOS`; `.log_probs (B,)` |
 # | cross-attention as alignment | `cross_attention_weights(model, src, tgt, src_mask)` | per layer `(B, h, T, S)` |
 # | one attention's cache | `AttentionCache(grows)`, `.update(K, V)`, `.reorder(index)` | keys, values `(B, h, T_kept, d_k)` |
 # | the decoder's cache | `KVCache()`, `.layer(i)`, `.length`; `model.decode(new, enc_out, cache=cache)` | per block `(B, h, t, d_k)` and `(B, h, S, d_k)`; new `(B, 1)` → `(B, 1, d)` |
-# | cached decoding | `greedy_decode(..., cache=KVCache())` | same tokens, $\approx n/2$ less arithmetic |
-# | beam search | `beam_search(model, src, k, n, src_mask, length_penalty)` | `(B, T)` ids and `(B,)` log p; $k$ beams as `B·k` rows |
+# | cached decoding | `greedy_decode(..., use_cache=True)` (or `cache=KVCache()`, to keep it) | same tokens, $\approx n/2$ less arithmetic |
+# | beam search | `beam_search(model, src, max_new_tokens=n, beam_size=k, length_penalty=α)` | `Generation`: `(B, T)` ids and `(B,)` log p; $k$ beams as `B·k` rows |
 # | length normalisation | `length_penalty_wu(length, alpha)` | $\mathrm{lp} = ((5+\lvert y\rvert)/6)^\alpha$ |
 # | scoring any output | `sequence_log_prob(model, src, tokens)` | `(B,)` |
 # | temperature, top-$k$ | `next_token_probs(logits, temperature, top_k)` | `(..., V)` → `(..., V)` |
-# | sampling | `sample(model, src, n, temperature, top_k, generator)` | `(B, ≤ n+1)` |
+# | sampling | `sample(model, src, max_new_tokens=n, temperature=τ, top_k=k, generator=g)` | `Generation`: `(B, ≤ n+1)` ids, their log p at $\tau = 1$ |
 # | timing the cache | `time_call(fn)` (notebook 02): warm-up, 5 runs, median | seconds; speed-up vs FLOP ratio |
 #
 # ## Exercises
@@ -1481,7 +1536,7 @@ def cache_bytes(N: int, B: int, n: int, S: int, d: int, bytes_per_number: int = 
 
 
 filled = KVCache()
-greedy_decode(timing_model, src[:5], 30, cache=filled)  # never ends early: 30 positions kept
+greedy_decode(timing_model, src[:5], max_new_tokens=30, cache=filled)  # all 30 steps: no EOS
 assert filled.length == 30
 assert filled.num_bytes() == cache_bytes(2, 5, 30, 8, 128)
 print(f"reversal model, B=64, n=512: {cache_bytes(2, 64, 512, 8, 128) / 2**20:.1f} MiB")
@@ -1498,8 +1553,9 @@ print(f"reversal model, B=64, n=512: {cache_bytes(2, 64, 512, 8, 128) / 2**20:.1
 # %% tags=["nbval-ignore-output"]
 wider = F.pad(src, (0, 8), value=PAD)  # (256, 8) -> (256, 16)
 wider_mask = padding_mask(lengths, wider.size(1)).to(device)
-with_mask = greedy_decode(model, wider, MAX_LEN + 1, wider_mask, cache=KVCache())
-without_mask = greedy_decode(model, wider, MAX_LEN + 1, cache=KVCache())
+with_mask = greedy_decode(model, wider, max_new_tokens=MAX_LEN + 1, src_mask=wider_mask,
+                          use_cache=True).tokens
+without_mask = greedy_decode(model, wider, max_new_tokens=MAX_LEN + 1, use_cache=True).tokens
 changed = (pad_right(without_mask, 10) != pad_right(with_mask, 10)).any(1)
 print(f"with the mask: identical to the unpadded batch: {torch.equal(with_mask, decoded)}")
 print(f"without it: {int(changed.sum())}/256 outputs change, "

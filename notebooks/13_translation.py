@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 13 · A real translation task
 #
-# **What you will build:** everything it takes to train the Transformer on a real task, end to end, each piece checked: English number words translated into German ("three hundred and forty-two thousand and seven" → "dreihundertzweiundvierzigtausendsieben"), a corpus made offline with disjoint splits by number; byte-pair encoding written from scratch (`bpe`) beside the Hugging Face `tokenizers` library; a `Dataset`, dynamic padding and batches by tokens with length bucketing (`translation`); and the practice of training (`practice`): AdamW without decay on norms, biases and embeddings, warmup and cosine decay, gradient clipping, label smoothing, gradient accumulation checked against a larger batch, mixed precision, gradient checkpointing, early stopping and checkpoints that resume bit for bit (on the CPU). Last, the trained model is scored on numbers it never saw, with greedy and beam search, sacrebleu's BLEU and chrF and exact match; its errors are sorted by kind, and its cross-attention shows German putting units before tens.
+# **What you will build:** everything it takes to train the Transformer on a real task, end to end, each piece checked: English number words translated into German ("three hundred and forty-two thousand and seven" → "dreihundertzweiundvierzigtausendsieben"), a corpus made offline with disjoint splits by number; byte-pair encoding written from scratch (`bpe`) beside the Hugging Face `tokenizers` library; a `Dataset`, dynamic padding and batches by tokens with length bucketing (`translation`); and the practice of training (`practice`): AdamW with decay on weight matrices only (not on norms and biases), warmup and cosine decay, gradient clipping, label smoothing, gradient accumulation checked against a larger batch, mixed precision, gradient checkpointing, early stopping and checkpoints that resume bit for bit (on the CPU). Last, the trained model is scored on numbers it never saw, with greedy and beam search, sacrebleu's BLEU and chrF and exact match; its errors are sorted by kind, and its cross-attention shows German putting units before tens.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/13_translation.ipynb) · Assumes: [10 · The full model](10_full_model.ipynb), [11 · Training](11_training.ipynb), [12 · Generation](12_generation.ipynb).
 
@@ -244,8 +244,8 @@ from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.tokens import UNK  # notebook 09 keeps every reserved id
 
-UNK = 3  # the id of a character the tokenizer never saw in training
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPACE = "\u2581"  # "▁" marks the start of a word, as in SentencePiece
 
@@ -321,8 +321,8 @@ def learn_merges(word_counts: dict[str, int], num_merges: int) -> list[tuple[str
 
 # %% [markdown]
 # The tokenizer holds the alphabet and the merges. Its ids start with the library's reserved
-# ones, `PAD, BOS, EOS = 0, 1, 2` from notebook 09, and one more, `UNK = 3`, for a character
-# it never saw. Encoding a word applies the learnt merges *in the order they were learnt*,
+# ones, `PAD, BOS, EOS = 0, 1, 2`, and `UNK = 3` for a character it never saw, all four from
+# notebook 09's `tokens`. Encoding a word applies the learnt merges *in the order they were learnt*,
 # which is what makes the result the same as during training.
 
 # %%
@@ -457,15 +457,21 @@ class BPETokenizer:
 # ### Training the two tokenizers
 #
 # One tokenizer per language, trained on the **training split only** (the validation and test
-# sentences must not shape anything the model uses). A sample of 5,000 training sentences is
-# plenty to find the frequent pieces and keeps training to a few seconds. The vocabulary sizes
+# sentences must not shape anything the model uses). 5,000 training sentences are plenty to find
+# the frequent pieces and keep training to a few seconds, but not any 5,000: a tokenizer can only
+# write characters it has seen, and "zero" is the only English number word with a "z". A random
+# sample without it gives a tokenizer that cannot encode the sentence "zero" (a run under another
+# seed found exactly that). So the sample is the 1,000 building blocks, every number below 1,000,
+# all of them in the training split and together holding every character either language uses,
+# and 4,000 more training sentences. The vocabulary sizes
 # are chosen so that the pieces are the building blocks of numbers, though BPE's pieces follow
 # frequency, not grammar. In English most number words are whole tokens ("▁hundred",
-# "▁thousand", "▁fifty-seven"), but about two in five of the hyphenated tens-and-units are not: BPE
-# cut "forty-two" into "▁forty-t" + "wo" and "twenty-five" into "▁twen" + "ty-five". In German
-# the pieces are the units with "und" ("zweiund"), the hundreds ("dreihundert") and bare
-# digit stems: the tens are *not* tokens of their own but a stem and a suffix, "vier" +
-# "zig", or "vier" + "zigtausend" when "tausend" follows. And every German sentence starts
+# "▁thousand", "▁fifty-seven"), but about two in five of the hyphenated tens-and-units are not
+# (counted below): BPE cut "forty-two" into "▁forty-t" + "wo" and "twenty-five" into "▁twen" +
+# "ty-five". In German the pieces are the units with "und" ("zweiund"), the hundreds
+# ("dreihundert") and bare digit stems: seven of the eight tens are *not* tokens of their own but
+# a stem and a suffix, "vier" + "zig", or "vier" + "zigtausend" when "tausend" follows; the
+# irregular one, "dreißig", is a whole token. And every German sentence starts
 # with a lone "▁" token: a German number is one word, so each sentence holds a single pair
 # "▁" + first letter, while the pairs inside the word repeat many times in every sentence;
 # no "▁" + letter pair becomes frequent enough to be merged within 90 tokens (in English, where
@@ -474,10 +480,13 @@ class BPETokenizer:
 # ("fifty-seven") is among its pieces.
 
 # %%
-train_en = [en for _, en, _ in corpus["train"]]
-train_de = [de for _, _, de in corpus["train"]]
-src_tokenizer = BPETokenizer.train(train_en[:5000], vocab_size=160)
-tgt_tokenizer = BPETokenizer.train(train_de[:5000], vocab_size=90)
+blocks = [row for row in corpus["train"] if row[0] < 1000]  # (number, English, German)
+sample = blocks + [row for row in corpus["train"] if row[0] >= 1000][:4000]
+train_en = [en for _, en, _ in sample]
+train_de = [de for _, _, de in sample]
+assert len(blocks) == 1000 and set("".join(train_en)) == set("".join(en for _, en, _ in corpus["train"]))
+src_tokenizer = BPETokenizer.train(train_en, vocab_size=160)
+tgt_tokenizer = BPETokenizer.train(train_de, vocab_size=90)
 print("English:", src_tokenizer.vocab_size, "tokens, German:", tgt_tokenizer.vocab_size, "tokens")
 example_n, example_en, example_de = (
     342_057,
@@ -487,6 +496,20 @@ example_n, example_en, example_de = (
 print(src_tokenizer.tokens(example_en))
 print(tgt_tokenizer.tokens(example_de))
 print(tgt_tokenizer.encode(example_de))
+
+# %% [markdown]
+# The counts behind the paragraph above: the hyphenated English words that are not one token, and
+# how each German tens word is cut.
+
+# %%
+hyphenated = [number_to_words(n, "en") for n in range(21, 100) if n % 10]  # twenty-one ...
+split_up = [w for w in hyphenated if len(src_tokenizer.tokens(w)) > 1]
+print(f"{len(split_up)} of {len(hyphenated)} hyphenated English words are more than one token")
+tens_de = {number_to_words(n, "de"): tgt_tokenizer.tokens(number_to_words(n, "de"))[1:] for n in range(20, 100, 10)}
+print("German tens (after the lone '▁'):", tens_de)
+assert 0.3 < len(split_up) / len(hyphenated) < 0.5  # "about two in five"
+assert sum(len(pieces) == 1 for pieces in tens_de.values()) == 1 and tens_de["dreißig"] == ["dreißig"]
+assert all(pieces[-1] == "zig" for word, pieces in tens_de.items() if word != "dreißig")
 
 # %% [markdown]
 # The check that matters for a tokenizer: **decode(encode(s)) == s**, on every sentence of every
@@ -878,13 +901,11 @@ import math
 import os
 import random
 import types
-from collections.abc import Sequence
 from dataclasses import asdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
@@ -893,9 +914,14 @@ from transformer_from_scratch.checks import check_choice
 from transformer_from_scratch.checks import check_float
 from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import atomic_save
+from transformer_from_scratch.train import num_tokens
+from transformer_from_scratch.train import sequence_loss
+from transformer_from_scratch.train import token_loss
 
 
 # %% [markdown]
@@ -905,22 +931,25 @@ from transformer_from_scratch.tokens import PAD
 # L2 penalty into its adaptive step, where it is rescaled per parameter and stops meaning
 # "decay"; **AdamW** (Loshchilov and Hutter, 2019) applies the decay *decoupled*, directly to the
 # weights, $\theta \leftarrow \theta - \eta\lambda\theta$, beside the Adam step. Not every
-# parameter should shrink: a LayerNorm gain of 1 is the identity, a bias is an offset, and an
-# embedding row is only updated when its token appears, so decay would wear rare tokens away.
-# The usual rule: decay the weight matrices, nothing else.
+# parameter should shrink: a LayerNorm gain of 1 is the identity, and a bias is an offset, which
+# no weight decay was meant to pull towards zero. The rule the course uses, nanoGPT's
+# (`configure_optimizers`: every parameter with two or more dimensions decays) and in effect
+# Hugging Face's `Trainer`'s (everything but biases and norm weights): decay every matrix,
+# embedding tables included, and nothing else. Some recipes exempt the embeddings too (an
+# embedding row is updated only when its token appears, while AdamW's decay shrinks every row at
+# every step); at this notebook's $\lambda = 0.01$ the difference is small, and the course keeps
+# one policy for all its optimizers (notebook 15's builds its AdamW with the same groups).
 
 # %%
 #| export practice
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on weight matrices; none on norms, biases and embeddings."""
+    """AdamW groups: decay on every matrix (embeddings too); none on biases and norm gains."""
     weight_decay = check_float("weight_decay", weight_decay, 0.0)
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        # Matrices that mix features decay; gains, biases and embedding rows do not.
-        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+        (decay if p.dim() >= 2 else no_decay).append(p)  # matrices; vectors (gains, biases)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -947,8 +976,8 @@ print(
 # %%
 no_decay_ids = {id(p) for p in no_decay_group["params"]}
 for name, p in probe.named_parameters():
-    is_norm_bias_or_embedding = "norm" in name or name.endswith("bias") or "embed" in name
-    assert (id(p) in no_decay_ids) == is_norm_bias_or_embedding, name
+    is_norm_or_bias = "norm" in name or name.endswith("bias")  # embeddings and matrices decay
+    assert (id(p) in no_decay_ids) == is_norm_or_bias, name
 
 
 # %% [markdown]
@@ -1012,38 +1041,10 @@ plt.show()
 # %% [markdown]
 # ### The loss, and gradient accumulation
 #
-# The loss is notebook 11's: cross-entropy over the real target tokens, PAD ignored, with label
-# smoothing. It also returns how many real tokens it counted, and can return the *sum* instead
-# of the mean, for the next idea.
-
-# %%
-#| export practice
-def sequence_loss(
-    model: nn.Module,
-    batch: Sequence[torch.Tensor],
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-) -> tuple[torch.Tensor, int]:
-    """Cross-entropy of a (src, tgt_in, tgt_out, src_lengths) batch over its real target tokens.
-
-    Returns (loss, number of real target tokens); reduction="sum" gives the sum, to be divided
-    by the tokens of a whole accumulated batch.
-    """
-    reduction = check_choice("reduction", reduction, ("mean", "sum"))
-    device = next(model.parameters()).device
-    src, tgt_in, tgt_out, src_lengths = (t.to(device) for t in batch)
-    src_mask = padding_mask(src_lengths, src.size(1))  # (B, 1, 1, T_src)
-    tgt_mask = causal_mask(tgt_in.size(1), device=device)  # (1, 1, T, T)
-    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
-    loss = F.cross_entropy(
-        logits.float().flatten(0, 1),  # (B*T, V), in float32 even under autocast
-        tgt_out.flatten(),  # (B*T,)
-        ignore_index=PAD,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-    )
-    return loss, int((tgt_out != PAD).sum())
-
+# The loss is notebook 11's `sequence_loss`: cross-entropy over the real target tokens, PAD
+# ignored, with label smoothing, on logits taken to float32 (which matters under mixed
+# precision, below). With `reduction="sum"` it returns the *sum* instead of the mean, for the
+# next idea, and notebook 11's `num_tokens` counts the tokens it graded.
 
 # %% [markdown]
 # A batch too big for memory can be split into $k$ **micro-batches** whose gradients add up
@@ -1079,22 +1080,22 @@ big_batch = collate_translations(pairs)
 micro = [collate_translations(pairs[j : j + 12]) for j in range(0, 48, 12)]
 
 accum_model.zero_grad()
-loss_big, tokens_big = sequence_loss(accum_model, big_batch, label_smoothing=0.1)
+loss_big, tokens_big = sequence_loss(accum_model, big_batch, label_smoothing=0.1), num_tokens(big_batch)
 loss_big.backward()
 grads_big = gradients(accum_model)
 
 accum_model.zero_grad()
-tokens_all = sum(int((b[2] != PAD).sum()) for b in micro)
+tokens_all = sum(num_tokens(b) for b in micro)
 for b in micro:
-    loss_sum, _ = sequence_loss(accum_model, b, label_smoothing=0.1, reduction="sum")
+    loss_sum = sequence_loss(accum_model, b, label_smoothing=0.1, reduction="sum")
     (loss_sum / tokens_all).backward()  # gradients add up in .grad
 grads_accumulated = gradients(accum_model)
 
 accum_model.zero_grad()
 for b in micro:  # the naive version: the mean of the k means
-    (sequence_loss(accum_model, b, label_smoothing=0.1)[0] / len(micro)).backward()
+    (sequence_loss(accum_model, b, label_smoothing=0.1) / len(micro)).backward()
 grads_naive = gradients(accum_model)
-print("tokens per micro-batch:", [int((b[2] != PAD).sum()) for b in micro], "total", tokens_big)
+print("tokens per micro-batch:", [num_tokens(b) for b in micro], "total", tokens_big)
 print("padded widths:", [tuple(b[0].shape) for b in micro], "vs", tuple(big_batch[0].shape))
 naive_error = max(float((a - b).abs().max()) for a, b in zip(grads_naive, grads_big, strict=False))
 print(f"largest gradient difference, mean of means: {naive_error:.0e}")
@@ -1152,7 +1153,7 @@ def train_step(amp_dtype):
     amp_model.zero_grad()
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == "float16")
     with amp_autocast(device, amp_dtype):
-        loss = sequence_loss(amp_model, amp_batch)[0]
+        loss = sequence_loss(amp_model, amp_batch)
     scaler.scale(loss).backward()
     return loss
 
@@ -1237,7 +1238,7 @@ def _checkpointed_forward(block: nn.Module, *args, **kwargs):
 
 # %% tags=["nbval-ignore-output"]
 def forward_backward():
-    sequence_loss(amp_model, amp_batch)[0].backward()
+    sequence_loss(amp_model, amp_batch).backward()
 
 
 def measured_peak() -> int:
@@ -1360,13 +1361,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_training_state(path: str | os.PathLike, state: dict) -> Path:
-    """torch.save to a temporary file, then rename: a crash leaves the old checkpoint whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic on POSIX and Windows
-    return path
+    """Write a training state with notebook 11's atomic_save: old file or new, never half."""
+    return atomic_save(state, path)
 
 
 def load_training_state(path: str | os.PathLike, map_location=None) -> dict:
@@ -1448,29 +1444,22 @@ def evaluate_loss(
     model: nn.Module, loader, amp_dtype: str | None = None, label_smoothing: float = 0.0
 ) -> tuple[float, float]:
     """Mean cross-entropy per real target token and the share of tokens predicted right."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     loss_sum, correct, tokens = 0.0, 0, 0
-    for batch in loader:
-        src, tgt_in, tgt_out, src_lengths = (t.to(device) for t in batch)
-        with amp_autocast(device, amp_dtype):
-            logits = model(
-                src, tgt_in,
-                src_mask=padding_mask(src_lengths, src.size(1)),
-                tgt_mask=causal_mask(tgt_in.size(1), device=device),
-            )  # fmt: skip
-        real = tgt_out != PAD  # (B, T)
-        loss_sum += F.cross_entropy(
-            logits.float().flatten(0, 1),
-            tgt_out.flatten(),
-            ignore_index=PAD,
-            label_smoothing=label_smoothing,  # the training loss's, so the curves compare
-            reduction="sum",
-        ).item()
-        correct += int(((logits.argmax(-1) == tgt_out) & real).sum())
-        tokens += int(real.sum())
-    model.train(was_training)
+    with eval_mode(model):  # dropout off; the mode it came in is back afterwards, even on error
+        for batch in loader:
+            src, tgt_in, tgt_out, src_lengths = (t.to(device) for t in batch)
+            with amp_autocast(device, amp_dtype):
+                logits = model(
+                    src, tgt_in,
+                    src_mask=padding_mask(src_lengths, src.size(1)),
+                    tgt_mask=causal_mask(tgt_in.size(1), device=device),
+                )  # fmt: skip
+            real = tgt_out != PAD  # (B, T)
+            # the training loss's label smoothing, so that the curves compare
+            loss_sum += token_loss(logits, tgt_out, label_smoothing, reduction="sum").item()
+            correct += int(((logits.argmax(-1) == tgt_out) & real).sum())
+            tokens += int(real.sum())
     return loss_sum / tokens, correct / tokens
 
 
@@ -1535,11 +1524,11 @@ def train_translation(
 
     def update(micro_batches: list) -> float:
         """One optimizer step from k micro-batches: the gradient of their token-mean loss."""
-        tokens = sum(int((batch[2] != PAD).sum()) for batch in micro_batches)
+        tokens = sum(num_tokens(batch) for batch in micro_batches)
         loss_sum = 0.0
         for batch in micro_batches:
             with amp_autocast(device, config.amp_dtype):
-                loss, _ = sequence_loss(model, batch, config.label_smoothing, reduction="sum")
+                loss = sequence_loss(model, batch, config.label_smoothing, reduction="sum")
             scaler.scale(loss / tokens).backward()  # the sum over all k, over all their tokens
             loss_sum += loss.item()
         scaler.unscale_(optimizer)  # true gradients, before measuring and clipping them
@@ -1955,10 +1944,12 @@ def translate(
         src = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=PAD).to(device)
         src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src)
         if beam_size == 1:
-            out = greedy_decode(model, src, max_new_tokens, src_mask=src_mask)
+            out = greedy_decode(model, src, max_new_tokens=max_new_tokens, src_mask=src_mask)
         else:
-            out, _ = beam_search(model, src, beam_size, max_new_tokens, src_mask=src_mask)
-        for row in out.tolist():  # BOS first; cut at the first EOS
+            out = beam_search(
+                model, src, max_new_tokens=max_new_tokens, src_mask=src_mask, beam_size=beam_size
+            )
+        for row in out.tokens.tolist():  # BOS first; cut at the first EOS
             translations.append(tgt_tokenizer.decode(row[: row.index(EOS)] if EOS in row else row))
     return translations
 
@@ -2188,7 +2179,7 @@ plt.show()
 # | dataset | `TranslationDataset(pairs, src_tok, tgt_tok, max_len)` | too-long pairs refused |
 # | dynamic padding | `collate_translations` → `(src, tgt_in, tgt_out, src_lengths)` | padded to the longest in the batch |
 # | batches by tokens | `TokenBatchSampler(lengths, max_tokens, bucket=True)`, `padding_fraction` | at most half the padding of random batches |
-# | AdamW groups | `param_groups(model, weight_decay)` | no decay on norms, biases, embeddings |
+# | AdamW groups | `param_groups(model, weight_decay)` | decay on matrices (embeddings too), none on norms and biases |
 # | schedule | `warmup_cosine(step, warmup, total, min_ratio)` | peak at the end of warmup, then monotone |
 # | accumulation | `sequence_loss(..., reduction="sum")` / tokens of all $k$ | equals one big batch |
 # | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | same gradient direction; trained model's loss and accuracy as float32's |

@@ -58,12 +58,11 @@ from torch.testing import assert_close
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.layers import Decoder, Encoder
 from transformer_from_scratch.model import Transformer
-from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.train import (
     exact_match,
     load_checkpoint,
-    reversal_loss,
     save_checkpoint,
+    sequence_loss,
     train_model,
 )
 from transformer_from_scratch.utils import COLORS, OTHER_COLORS, get_device, save_figure, set_seed
@@ -113,12 +112,14 @@ from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.model import Transformer
-from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.decoding import eval_mode
+from transformer_from_scratch.practice import param_groups
+from transformer_from_scratch.practice import warmup_cosine
+from transformer_from_scratch.train import Batch
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import lr_lambda
-from transformer_from_scratch.train import reversal_loss
-
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # src, tgt_in, tgt_out, lengths
+from transformer_from_scratch.train import num_tokens
+from transformer_from_scratch.train import sequence_loss
 @dataclass(frozen=True)
 class Recipe:
     """Everything that decides a reversal run: the task, the model's sizes and the training."""
@@ -220,26 +221,18 @@ def lr_factor(step: int, recipe: Recipe) -> float:
     step = check_int("step", step, minimum=0)
     if recipe.schedule == "paper":  # notebook 11: the rate of update s is lr_lambda(s + 1)
         return lr_lambda(step + 1, recipe.d_model, max(recipe.warmup, 1))
-    if step < recipe.warmup:
-        return (step + 1) / recipe.warmup  # linear, reaching 1 at the end of the warm-up
-    if recipe.schedule == "constant":
-        return 1.0
-    progress = (step - recipe.warmup) / max(recipe.steps - recipe.warmup, 1)  # 0 -> 1
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))  # 1 -> 0
+    # Notebook 13's warm-up and cosine; "constant" is the same warm-up, then a floor of 1.
+    floor = 1.0 if recipe.schedule == "constant" else 0.0
+    return warmup_cosine(step, recipe.warmup, max(recipe.steps, recipe.warmup + 1), floor)
 
 
 def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
-    """Adam or AdamW at base rate recipe.lr; AdamW decays matrices only, not biases or norms."""
+    """Adam, or AdamW with notebook 13's groups (decay on matrices), at base rate recipe.lr."""
     if recipe.optimizer == "adam":
         return torch.optim.Adam(
             model.parameters(), lr=recipe.lr, betas=recipe.betas, eps=recipe.eps
         )
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # weights and embeddings
-    keep = [p for p in model.parameters() if p.dim() < 2]  # biases, LayerNorm gains and shifts
-    groups = [
-        {"params": decay, "weight_decay": recipe.weight_decay},
-        {"params": keep, "weight_decay": 0.0},
-    ]
+    groups = param_groups(model, recipe.weight_decay)  # biases and norm gains do not decay
     return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps)
 
 
@@ -278,11 +271,6 @@ print(f"cosine: update 1 at {factors[0]:.2f}, update 50 at {factors[49]:.2f}, "
 
 # %%
 #| export
-def num_tokens(batch: Batch) -> int:
-    """How many target positions of a batch the loss grades (everything but PAD)."""
-    return int((batch[2] != PAD).sum())
-
-
 def split_batch(batch: Batch, parts: int) -> list[Batch]:
     """Cut a batch into `parts` micro-batches of equal size along the batch dimension."""
     B = batch[0].shape[0]
@@ -308,7 +296,7 @@ def accumulate_gradients(
     total = sum(counts) if total_tokens is None else total_tokens
     loss_sum = 0.0
     for batch, count in zip(micro_batches, counts, strict=True):
-        loss = reversal_loss(model, batch, label_smoothing) * (count * scale / total)
+        loss = sequence_loss(model, batch, label_smoothing) * (count * scale / total)
         loss.backward()
         loss_sum += loss.item()
     return loss_sum / scale
@@ -317,15 +305,13 @@ def accumulate_gradients(
 @torch.no_grad()
 def dataset_loss(model: Transformer, data: Batch, batch_size: int = 512) -> float:
     """Mean cross-entropy (no smoothing) over all graded tokens of `data`, in eval mode."""
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    for start in range(0, data[0].shape[0], batch_size):
-        chunk = tuple(t[start : start + batch_size] for t in data)
-        n = num_tokens(chunk)
-        total += reversal_loss(model, chunk).item() * n
-        count += n
-    model.train(was_training)
+    with eval_mode(model):  # the mode it came in is back afterwards, even on error
+        for start in range(0, data[0].shape[0], batch_size):
+            chunk = tuple(t[start : start + batch_size] for t in data)
+            n = num_tokens(chunk)
+            total += sequence_loss(model, chunk).item() * n
+            count += n
     return total / count
 
 
@@ -419,7 +405,7 @@ for name, parts in (("one batch", 1), ("4 micro-batches", 4)):
     acc_grads[name] = torch.cat([p.grad.flatten() for p in acc_model.parameters()])
 acc_model = build_model(acc_recipe).double()
 for part in split_batch(acc_batch, 4):  # the naive way: each micro-batch's mean loss / 4
-    (reversal_loss(acc_model, part) / 4).backward()
+    (sequence_loss(acc_model, part) / 4).backward()
 acc_grads["naive average"] = torch.cat([p.grad.flatten() for p in acc_model.parameters()])
 assert_close(acc_grads["4 micro-batches"], acc_grads["one batch"], rtol=1e-10, atol=1e-12)
 naive_error = (acc_grads["naive average"] - acc_grads["one batch"]).norm() / acc_grads["one batch"].norm()
@@ -656,13 +642,13 @@ print(f"dropped {drop_rate:.3f} of the samples (p = 0.3); largest error of the m
 # %%
 dp_model = build_model(SMALL)
 dp_batch = make_batch(8, 8, 12, torch.Generator().manual_seed(3))
-dp_before = reversal_loss(dp_model.eval(), dp_batch)
+dp_before = sequence_loss(dp_model.eval(), dp_batch)
 add_drop_path(dp_model, 0.5)
 rates = [m.p for m in dp_model.modules() if isinstance(m, DropPath)]
 assert rates == [0.25] * 2 + [0.5] * 2 + [0.25] * 3 + [0.5] * 3  # encoder 2 x 2, decoder 2 x 3
-assert_close(reversal_loss(dp_model.eval(), dp_batch), dp_before)
+assert_close(sequence_loss(dp_model.eval(), dp_batch), dp_before)
 torch.manual_seed(0)
-assert reversal_loss(dp_model.train(), dp_batch).item() != dp_before.item()
+assert sequence_loss(dp_model.train(), dp_batch).item() != dp_before.item()
 print("DropPath rates per branch:", rates)
 
 # %% [markdown]
@@ -1466,7 +1452,7 @@ def train_distributed(
                 last = i == len(micro) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():  # sync once per update
                     # DDP averages over the W ranks: * W undoes it, / total makes a token mean
-                    loss = reversal_loss(ddp, batch, recipe.label_smoothing) * (
+                    loss = sequence_loss(ddp, batch, recipe.label_smoothing) * (
                         count * world / total
                     )
                     loss.backward()
@@ -1629,7 +1615,7 @@ for name, grad in single_grads.items():
 ddp_naive = build_model(ddp_recipe).train()  # each of the 4 micro-batches' mean loss / 4
 for share in ddp_shares:
     for part in split_batch(share, ddp_recipe.accum_steps):
-        (reversal_loss(ddp_naive, part) / 4).backward()
+        (sequence_loss(ddp_naive, part) / 4).backward()
 naive_fails = [not torch.allclose(p.grad, single_grads[k], rtol=1e-4, atol=1e-6)
                for k, p in ddp_naive.named_parameters()]
 ddp_grad_error = max((ddp_grads[k] - g).abs().max().item() for k, g in single_grads.items())

@@ -230,3 +230,16 @@ def test_dropout_p_of_wrong_type_raises(p):
     Q, K, V = (t.detach() for t in _inputs((5, 8), (7, 8), (7, 4)))
     with pytest.raises(TypeError, match="dropout_p must be a number"):
         scaled_dot_product_attention(Q, K, V, dropout_p=p)
+
+
+def test_check_attention_inputs_is_the_public_checker():
+    from transformer_from_scratch.attention import check_attention_inputs
+
+    Q = torch.randn(2, 3, 4)
+    check_attention_inputs(Q, Q, Q, None, 0.0)  # fine: returns nothing
+    with pytest.raises(ValueError, match="same last dim d_k"):
+        check_attention_inputs(Q, torch.randn(2, 3, 5), Q, None, 0.0)
+    with pytest.raises(ValueError, match="dropout_p"):
+        check_attention_inputs(Q, Q, Q, None, 1.5)
+    with pytest.raises(TypeError, match="mask must be bool"):
+        check_attention_inputs(Q, Q, Q, torch.ones(3, 3, dtype=torch.long), 0.0)

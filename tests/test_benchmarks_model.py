@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from transformer_from_scratch.attention import MultiHeadAttention
+
 PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "model.py"
 spec = importlib.util.spec_from_file_location("benchmarks_model", PATH)
 bench = importlib.util.module_from_spec(spec)
@@ -253,7 +255,7 @@ def test_dropout_calls_in_training_match_the_sites():
             m.register_forward_hook(lambda *_: count.append(1))
             for m in model.modules()
             if (isinstance(m, nn.Dropout) and m.p > 0)
-            or (isinstance(m, bench.MultiHeadAttention) and m.dropout_p > 0)
+            or (isinstance(m, MultiHeadAttention) and m.dropout_p > 0)
             or (isinstance(m, nn.MultiheadAttention) and m.dropout > 0)
         ]
         try:

@@ -176,3 +176,12 @@ def test_parity_with_hugging_face_tokenizers_on_vocabulary_size():
     # Both learn the most frequent pieces: the first merges agree.
     hf_tokens = set(hf.get_vocab())
     assert {a + b for a, b in ours.merges[:3]} <= hf_tokens
+
+
+def test_every_reserved_id_lives_in_tokens():
+    from transformer_from_scratch import bpe
+    from transformer_from_scratch import tokens
+
+    assert (tokens.PAD, tokens.BOS, tokens.EOS, tokens.UNK) == (0, 1, 2, 3)
+    assert bpe.UNK == tokens.UNK and "UNK" not in bpe.__all__ and "UNK" in tokens.__all__
+    assert len(bpe.SPECIAL_TOKENS) == tokens.UNK + 1  # one name per reserved id

@@ -1,6 +1,8 @@
-"""Unit tests of transformer_from_scratch.decoding (greedy: notebook 11; the rest: notebook 12), on
-tiny random models."""
+"""Unit tests of transformer_from_scratch.decoding (greedy, the shared loop and checks: notebook 11;
+the rest: notebook 12), on tiny random models."""
 
+import dataclasses
+import inspect
 import itertools
 import math
 
@@ -11,11 +13,16 @@ from torch import nn
 from torch.testing import assert_close
 
 from transformer_from_scratch.decoding import AttentionCache
+from transformer_from_scratch.decoding import Generation
 from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import beam_search
+from transformer_from_scratch.decoding import check_generation_inputs
 from transformer_from_scratch.decoding import cross_attention_weights
+from transformer_from_scratch.decoding import eval_mode
+from transformer_from_scratch.decoding import generate
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.decoding import length_penalty_wu
+from transformer_from_scratch.decoding import next_token_logits
 from transformer_from_scratch.decoding import next_token_probs
 from transformer_from_scratch.decoding import sample
 from transformer_from_scratch.decoding import sequence_log_prob
@@ -111,7 +118,7 @@ def test_greedy_equals_a_per_step_reference_loop(case, seed, bias):
     n = 40
     model = set_eos_bias(tiny_model(seed), bias)
     src, mask = padded_batch(12, 6, seed)
-    out = greedy_decode(model, src, n, src_mask=mask)
+    out = greedy_decode(model, src, max_new_tokens=n, src_mask=mask).tokens
     reference = greedy_reference(model, src, n, src_mask=mask)
     assert out.shape == reference.shape and torch.equal(out, reference)
     check_format(out, n)
@@ -131,12 +138,13 @@ def test_greedy_equals_a_per_step_reference_loop(case, seed, bias):
 def test_greedy_gives_pad_after_eos_and_each_row_what_it_gets_alone():
     model = set_eos_bias(tiny_model(11), 1.5)  # some rows end early, some never
     src, mask = padded_batch(12, 6, 11)
-    out = greedy_decode(model, src, 40, src_mask=mask)
+    out = greedy_decode(model, src, max_new_tokens=40, src_mask=mask).tokens
     ended = (out == EOS).any(1)
     assert 0 < int(ended.sum()) < 12, "the test needs rows that end and rows that do not"
     check_format(out, 40)
     for b in range(12):
-        alone = greedy_decode(model, src[b : b + 1], 40, src_mask=mask[b : b + 1])
+        alone = greedy_decode(model, src[b : b + 1], max_new_tokens=40, src_mask=mask[b : b + 1])
+        alone = alone.tokens
         width = alone.size(1)
         assert torch.equal(out[b, :width], alone[0])
         assert (out[b, width:] == PAD).all()
@@ -161,28 +169,31 @@ class CountingDecodes(nn.Module):
 def test_greedy_stops_early_checking_every_8_steps():
     counting = CountingDecodes(set_eos_bias(tiny_model(), 1e4))  # every row ends at step 1
     src, mask = padded_batch(4, 5)
-    out = greedy_decode(counting, src, 50, mask)
+    out = greedy_decode(counting, src, max_new_tokens=50, src_mask=mask).tokens
     assert out.shape == (4, 2) and counting.calls == 8  # not 50: it stopped at the first check
     counting = CountingDecodes(set_eos_bias(tiny_model(), -math.inf))  # no row ever ends
-    assert greedy_decode(counting, src, 13, mask).shape == (4, 14) and counting.calls == 13
+    out = greedy_decode(counting, src, max_new_tokens=13, src_mask=mask).tokens
+    assert out.shape == (4, 14) and counting.calls == 13
 
 
 def test_greedy_restores_the_training_mode_and_ignores_dropout():
     model = tiny_model(3)
     model.train()
     src, mask = padded_batch(2, 5, 3)
-    first = greedy_decode(model, src, 12, mask)
+    first = greedy_decode(model, src, max_new_tokens=12, src_mask=mask).tokens
     assert model.training
-    assert torch.equal(first, greedy_decode(model.eval(), src, 12, mask))
+    again = greedy_decode(model.eval(), src, max_new_tokens=12, src_mask=mask).tokens
+    assert torch.equal(first, again)
     assert not model.training
 
 
 def test_greedy_allows_max_new_tokens_up_to_the_positional_table():
     model = set_eos_bias(tiny_model(max_len=10), -math.inf)
     src, mask = padded_batch(2, 4)
-    assert greedy_decode(model, src, 10, mask).shape == (2, 11)  # reads positions 0..9
+    out = greedy_decode(model, src, max_new_tokens=10, src_mask=mask)  # positions 0..9
+    assert out.tokens.shape == (2, 11)
     with pytest.raises(ValueError, match="max_new_tokens=11 is more than the model's max_len=10"):
-        greedy_decode(model, src, 11, mask)
+        greedy_decode(model, src, max_new_tokens=11, src_mask=mask)
 
 
 class ListCache:
@@ -221,13 +232,14 @@ def test_greedy_with_a_cache_feeds_one_token_per_step_and_gives_the_same_tokens(
     model = set_eos_bias(tiny_model(5, num_layers=2), bias)
     src, mask = padded_batch(6, 7, 5)
     cache = ListCache(num_layers=2)
-    out = greedy_decode(model, src, 20, mask, cache=cache)
-    assert torch.equal(out, greedy_decode(model, src, 20, mask))  # cache=None: the default
+    out = greedy_decode(model, src, max_new_tokens=20, src_mask=mask, cache=cache).tokens
+    plain = greedy_decode(model, src, max_new_tokens=20, src_mask=mask).tokens  # the default
+    assert torch.equal(out, plain)
     assert torch.equal(out, greedy_reference(model, src, 20, mask))
     steps = 20 if bias == -math.inf else 8 * math.ceil(max(eos_steps(out)) / 8)
     assert cache.length == min(steps, 20)  # one position per step, the newest token only
     with pytest.raises(ValueError, match="cache must be empty"):
-        greedy_decode(model, src, 20, mask, cache=cache)  # a used cache holds other positions
+        greedy_decode(model, src, max_new_tokens=20, src_mask=mask, cache=cache)  # a used one
 
 
 @pytest.mark.parametrize(
@@ -261,7 +273,7 @@ def test_greedy_bad_input(args, error, match):
     m = model if args[0] is None else args[0]
     src_mask = inputs[args[3]] if len(args) > 3 else mask
     with pytest.raises(error, match=match):
-        greedy_decode(m, inputs[args[1]], args[2], src_mask)
+        greedy_decode(m, inputs[args[1]], max_new_tokens=args[2], src_mask=src_mask)
 
 
 # ------------------------------------------------------------------ the cache
@@ -272,12 +284,15 @@ def test_greedy_bad_input(args, error, match):
 def test_cache_gives_the_same_tokens(B, S, n, seed, num_layers):
     model = tiny_model(seed, num_layers)
     src, mask = padded_batch(B, S, seed)
-    plain = greedy_decode(model, src, n, src_mask=mask)
-    cached = greedy_decode(model, src, n, src_mask=mask, cache=KVCache())
-    assert torch.equal(plain, cached)
-    check_format(plain, n)
-    no_mask = greedy_decode(model, src, n, cache=KVCache())  # without a mask, too
-    assert torch.equal(no_mask, greedy_decode(model, src, n))
+    plain = greedy_decode(model, src, max_new_tokens=n, src_mask=mask)
+    cached = greedy_decode(model, src, max_new_tokens=n, src_mask=mask, use_cache=True)
+    assert torch.equal(plain.tokens, cached.tokens)
+    assert_close(plain.log_probs, cached.log_probs, atol=1e-4, rtol=1e-4)
+    check_format(plain.tokens, n)
+    own = greedy_decode(model, src, max_new_tokens=n, src_mask=mask, cache=KVCache())
+    assert torch.equal(own.tokens, plain.tokens)
+    no_mask = greedy_decode(model, src, max_new_tokens=n, use_cache=True)  # without a mask, too
+    assert torch.equal(no_mask.tokens, greedy_decode(model, src, max_new_tokens=n).tokens)
 
 
 def test_cache_follows_post_norm_blocks_too():
@@ -289,9 +304,9 @@ def test_cache_follows_post_norm_blocks_too():
     )
     model.eval()
     src, mask = padded_batch(5, 6, 12)
-    assert torch.equal(
-        greedy_decode(model, src, 20, mask), greedy_decode(model, src, 20, mask, cache=KVCache())
-    )
+    plain = greedy_decode(model, src, max_new_tokens=20, src_mask=mask)
+    cached = greedy_decode(model, src, max_new_tokens=20, src_mask=mask, use_cache=True)
+    assert torch.equal(plain.tokens, cached.tokens)
 
 
 def test_cached_decode_logits_match_the_forward_pass():
@@ -381,9 +396,10 @@ def test_kv_cache_layers_bytes_and_reorder():
 def test_eos_at_the_first_step_and_never():
     src, mask = padded_batch(3, 4)
     always = set_eos_bias(tiny_model(), 1e4)
-    assert torch.equal(greedy_decode(always, src, 10, mask), torch.tensor([[BOS, EOS]] * 3))
+    out = greedy_decode(always, src, max_new_tokens=10, src_mask=mask).tokens
+    assert torch.equal(out, torch.tensor([[BOS, EOS]] * 3))
     never = set_eos_bias(tiny_model(), -math.inf)
-    out = greedy_decode(never, src, 10, mask, cache=KVCache())
+    out = greedy_decode(never, src, max_new_tokens=10, src_mask=mask, use_cache=True).tokens
     assert out.shape == (3, 11) and not (out == EOS).any()
 
 
@@ -393,25 +409,35 @@ def test_eos_at_the_first_step_and_never():
 def test_beam_of_one_is_greedy(seed, alpha):
     model = tiny_model(seed)
     src, mask = padded_batch(6, 7, seed)
-    greedy = greedy_decode(model, src, 20, mask)
-    tokens, log_p = beam_search(model, src, 1, 20, mask, length_penalty=alpha)
-    assert torch.equal(tokens, greedy)
-    assert_close(log_p, sequence_log_prob(model, src, greedy, mask), atol=1e-4, rtol=1e-4)
+    greedy = greedy_decode(model, src, max_new_tokens=20, src_mask=mask)
+    beam = beam_search(
+        model, src, max_new_tokens=20, src_mask=mask, beam_size=1, length_penalty=alpha
+    )
+    assert torch.equal(beam.tokens, greedy.tokens)
+    log_p = sequence_log_prob(model, src, greedy.tokens, mask)
+    assert_close(beam.log_probs, log_p, atol=1e-4, rtol=1e-4)
+    assert_close(greedy.log_probs, log_p, atol=1e-4, rtol=1e-4)
 
 
 def test_beam_scores_are_the_log_probs_of_its_outputs():
     model = tiny_model(4)
     src, mask = padded_batch(5, 6, 4)
-    tokens, log_p = beam_search(model, src, 3, 15, mask, length_penalty=0.6)
-    check_format(tokens, 15)
-    assert_close(log_p, sequence_log_prob(model, src, tokens, mask), atol=1e-4, rtol=1e-4)
+    beam = beam_search(
+        model, src, max_new_tokens=15, src_mask=mask, beam_size=3, length_penalty=0.6
+    )
+    check_format(beam.tokens, 15)
+    log_p = sequence_log_prob(model, src, beam.tokens, mask)
+    assert_close(beam.log_probs, log_p, atol=1e-4, rtol=1e-4)
 
 
 def test_a_full_width_beam_finds_the_best_short_output():
     """With k = V and two steps the search is exhaustive: compare with brute force."""
     model = tiny_model(6)
     src, mask = padded_batch(3, 5, 6)
-    tokens, log_p = beam_search(model, src, VOCAB, 2, mask, length_penalty=0.0)
+    beam = beam_search(
+        model, src, max_new_tokens=2, src_mask=mask, beam_size=VOCAB, length_penalty=0
+    )
+    tokens, log_p = beam.tokens, beam.log_probs
     for b in range(3):
         candidates = [[BOS, EOS]]
         for y1, y2 in itertools.product(range(VOCAB), repeat=2):
@@ -451,12 +477,13 @@ def test_next_token_probs_temperature_and_top_k():
 def test_top_1_and_cold_sampling_are_greedy():
     model = tiny_model(7)
     src, mask = padded_batch(5, 6, 7)
-    greedy = greedy_decode(model, src, 20, mask)
-    assert torch.equal(sample(model, src, 20, top_k=1, src_mask=mask), greedy)
+    greedy = greedy_decode(model, src, max_new_tokens=20, src_mask=mask)
+    top_1 = sample(model, src, max_new_tokens=20, src_mask=mask, top_k=1)
+    assert torch.equal(top_1.tokens, greedy.tokens)
+    assert_close(top_1.log_probs, greedy.log_probs)  # the model's log p, not the top-1 one's (0)
     gen = torch.Generator().manual_seed(0)
-    assert torch.equal(
-        sample(model, src, 20, temperature=1e-4, generator=gen, src_mask=mask), greedy
-    )
+    cold = sample(model, src, max_new_tokens=20, src_mask=mask, temperature=1e-4, generator=gen)
+    assert torch.equal(cold.tokens, greedy.tokens)
 
 
 def test_sampling_is_deterministic_with_a_generator():
@@ -468,12 +495,12 @@ def test_sampling_is_deterministic_with_a_generator():
         return sample(
             model,
             src,
-            30,
-            generator=gen,
+            max_new_tokens=30,
             src_mask=mask,
-            cache=KVCache() if use_cache else None,
+            use_cache=use_cache,
+            generator=gen,
             **kwargs,
-        )
+        ).tokens
 
     first = draw(0)
     check_format(first, 30)
@@ -489,12 +516,12 @@ def test_sample_draws_with_the_frequencies_of_next_token_probs():
     first = sample(
         model,
         src.expand(copies, -1),
-        1,
+        max_new_tokens=1,
+        src_mask=mask.expand(copies, -1, -1, -1),
         temperature=2.0,
         top_k=4,
         generator=torch.Generator().manual_seed(0),
-        src_mask=mask.expand(copies, -1, -1, -1),
-    )[:, 1]
+    ).tokens[:, 1]
     with torch.no_grad():
         logits = model(src, torch.full((1, 1), BOS), src_mask=mask)[0, -1]
     expected = next_token_probs(logits, temperature=2.0, top_k=4)
@@ -507,7 +534,7 @@ def test_sample_draws_with_the_frequencies_of_next_token_probs():
 def test_cross_attention_weights():
     model = tiny_model(9, num_layers=3)
     src, mask = padded_batch(4, 6, 9)
-    tgt = greedy_decode(model, src, 7, mask, cache=KVCache())
+    tgt = greedy_decode(model, src, max_new_tokens=7, src_mask=mask, use_cache=True).tokens
     weights = cross_attention_weights(model, src, tgt, mask)
     assert len(weights) == 3
     for w in weights:
@@ -523,26 +550,31 @@ def test_bad_max_new_tokens(n):
     model = tiny_model()  # max_len = 64
     src, mask = padded_batch(2, 3)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        greedy_decode(model, src, n, mask)
+        greedy_decode(model, src, max_new_tokens=n, src_mask=mask)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        beam_search(model, src, 2, n, mask)
+        beam_search(model, src, max_new_tokens=n, src_mask=mask, beam_size=2)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        sample(model, src, n, src_mask=mask)
+        sample(model, src, max_new_tokens=n, src_mask=mask)
 
 
 def test_bad_src():
     model = tiny_model()
     with pytest.raises(ValueError, match="src"):
-        greedy_decode(model, torch.tensor([3, 4, 5]), 5)  # (T,) instead of (B, T)
+        greedy_decode(model, torch.tensor([3, 4, 5]), max_new_tokens=5)  # (T,), not (B, T)
     with pytest.raises(ValueError, match="src"):
-        beam_search(model, torch.ones(1, 2, 3, dtype=torch.long), 2, 5)
+        beam_search(model, torch.ones(1, 2, 3, dtype=torch.long), max_new_tokens=5, beam_size=2)
     with pytest.raises(ValueError, match="src"):
-        sample(model, torch.tensor([[3, 99]]), 5)  # id outside the vocabulary
+        sample(model, torch.tensor([[3, 99]]), max_new_tokens=5)  # id outside the vocabulary
     with pytest.raises(TypeError, match="src"):
-        greedy_decode(model, torch.ones(2, 3), 5)  # floats are not token ids
+        sample(model, [[3, 4]], max_new_tokens=5)  # a list, not a tensor
+    with pytest.raises(TypeError, match="src"):
+        greedy_decode(model, torch.ones(2, 3), max_new_tokens=5)  # floats are not token ids
     with pytest.raises(ValueError, match="src_mask"):
         greedy_decode(
-            model, torch.full((2, 3), 4), 5, src_mask=torch.ones(2, 1, 1, 4, dtype=torch.bool)
+            model,
+            torch.full((2, 3), 4),
+            max_new_tokens=5,
+            src_mask=torch.ones(2, 1, 1, 4, dtype=torch.bool),
         )
 
 
@@ -551,20 +583,24 @@ def test_bad_src():
 )
 def test_bad_beam_size(k, error):
     with pytest.raises(error, match="beam_size"):
-        beam_search(tiny_model(), torch.full((1, 3), 4), k, 5)
+        beam_search(tiny_model(), torch.full((1, 3), 4), max_new_tokens=5, beam_size=k)
 
 
 def test_bad_length_penalty():
     with pytest.raises(ValueError, match="length_penalty"):
-        beam_search(tiny_model(), torch.full((1, 3), 4), 2, 5, length_penalty=-0.5)
+        beam_search(
+            tiny_model(), torch.full((1, 3), 4), max_new_tokens=5, beam_size=2, length_penalty=-0.5
+        )
     with pytest.raises(TypeError, match="length_penalty"):
-        beam_search(tiny_model(), torch.full((1, 3), 4), 2, 5, length_penalty="0.6")
+        beam_search(
+            tiny_model(), torch.full((1, 3), 4), max_new_tokens=5, beam_size=2, length_penalty="0.6"
+        )
 
 
 @pytest.mark.parametrize("temperature", [0.0, -1.0, math.inf, math.nan])
 def test_bad_temperature(temperature):
     with pytest.raises(ValueError, match="temperature"):
-        sample(tiny_model(), torch.full((1, 3), 4), 5, temperature=temperature)
+        sample(tiny_model(), torch.full((1, 3), 4), max_new_tokens=5, temperature=temperature)
     with pytest.raises(ValueError, match="temperature"):
         next_token_probs(torch.zeros(3), temperature)
     with pytest.raises(TypeError, match="temperature"):
@@ -574,7 +610,7 @@ def test_bad_temperature(temperature):
 @pytest.mark.parametrize("top_k, error", [(0, ValueError), (-1, ValueError), (2.5, TypeError)])
 def test_bad_top_k(top_k, error):
     with pytest.raises(error, match="top_k"):
-        sample(tiny_model(), torch.full((1, 3), 4), 5, top_k=top_k)
+        sample(tiny_model(), torch.full((1, 3), 4), max_new_tokens=5, top_k=top_k)
 
 
 def test_bad_tokens_for_sequence_log_prob():
@@ -584,3 +620,234 @@ def test_bad_tokens_for_sequence_log_prob():
         sequence_log_prob(model, src, torch.full((2, 1), BOS))  # BOS alone predicts nothing
     with pytest.raises(ValueError, match="tokens"):
         sequence_log_prob(model, src, torch.full((3, 4), 5))  # batch sizes differ
+
+
+# ------------------------------------------------------------------ one shape for all strategies
+STRATEGIES = {
+    "greedy": (greedy_decode, {}),
+    "beam": (beam_search, {"beam_size": 3}),
+    "sample": (sample, {"generator": None, "temperature": 1.5, "top_k": 4}),
+}
+
+
+def run(name: str, model, src, **kwargs) -> Generation:
+    strategy, knobs = STRATEGIES[name]
+    seed = kwargs.pop("seed", 0)  # the sampling generator's
+    if name == "sample":
+        knobs = {**knobs, "generator": torch.Generator().manual_seed(seed)}
+    return strategy(model, src, **knobs, **kwargs)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_everything_after_src_is_keyword_only(name):
+    strategy, _ = STRATEGIES[name]
+    params = list(inspect.signature(strategy).parameters.values())
+    assert [p.name for p in params[:2]] == ["model", "src"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:2])
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[2:])
+    shared = [(p.name, p.default) for p in params[2:6]]  # the same names, in the same order
+    use_cache = name == "beam"  # beam search caches by default; greedy and sampling do not
+    assert shared == [
+        ("max_new_tokens", inspect.Parameter.empty),
+        ("src_mask", None),
+        ("use_cache", use_cache),
+        ("cache", None),
+    ]
+    model, (src, mask) = tiny_model(), padded_batch(2, 4)
+    with pytest.raises(TypeError, match="positional"):
+        strategy(model, src, 5)  # max_new_tokens by position
+    with pytest.raises(TypeError, match="positional"):
+        strategy(model, src, 5, mask)
+    if name == "beam":
+        with pytest.raises(TypeError, match="positional"):
+            beam_search(model, src, 20, 5)  # the old order: 20 beams for 5 tokens
+        with pytest.raises(TypeError, match="beam_size"):
+            beam_search(model, src, max_new_tokens=5)  # no default: you choose k
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("bias", [-math.inf, 1.5])  # rows never end; some end and get PAD
+def test_every_strategy_returns_a_generation(name, bias):
+    model = set_eos_bias(tiny_model(2), bias)
+    src, mask = padded_batch(5, 6, 2)
+    out = run(name, model, src, max_new_tokens=12, src_mask=mask)
+    assert type(out) is Generation
+    assert [f.name for f in dataclasses.fields(out)] == ["tokens", "log_probs"]
+    check_format(out.tokens, 12)
+    assert out.tokens.shape[0] == 5 and out.tokens.dtype == torch.long
+    assert out.log_probs.shape == (5,) and out.log_probs.dtype == torch.float32
+    assert (out.log_probs <= 0).all() and out.log_probs.isfinite().all()
+    if bias == -math.inf:
+        assert out.tokens.shape == (5, 13) and not (out.tokens == EOS).any()
+    else:
+        assert (out.tokens == EOS).any()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.tokens = out.tokens[:, :1]
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize(("seed", "bias"), [(0, -math.inf), (1, 1.5), (2, 1.0), (4, 2.0)])
+def test_log_probs_are_the_models_log_probability_of_the_tokens(name, seed, bias):
+    """Greedy's and sampling's running sums (at temperature 1, whatever the sampling knobs) and
+    beam search's scores before the length penalty: what sequence_log_prob computes."""
+    model = set_eos_bias(tiny_model(seed), bias)
+    src, mask = padded_batch(8, 6, seed)
+    out = run(name, model, src, max_new_tokens=20, src_mask=mask)
+    expected = sequence_log_prob(model, src, out.tokens, mask)
+    assert_close(out.log_probs, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(out.log_probs, torch.zeros(8))  # not vacuous
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_use_cache_gives_exactly_the_same_tokens(name, seed):
+    model = set_eos_bias(tiny_model(seed, num_layers=3), 0.5)
+    src, mask = padded_batch(7, 6, seed)
+    plain = run(name, model, src, max_new_tokens=25, src_mask=mask, use_cache=False, seed=seed)
+    cached = run(name, model, src, max_new_tokens=25, src_mask=mask, use_cache=True, seed=seed)
+    own = KVCache()
+    given = run(name, model, src, max_new_tokens=25, src_mask=mask, cache=own, seed=seed)
+    assert torch.equal(plain.tokens, cached.tokens) and torch.equal(plain.tokens, given.tokens)
+    assert_close(plain.log_probs, cached.log_probs, atol=1e-5, rtol=1e-5)
+    assert own.length > 0  # the cache that was passed is the one that was used
+    if name == "sample":  # another seed draws other tokens: the comparison can fail
+        other = run(name, model, src, max_new_tokens=25, src_mask=mask, seed=seed + 10)
+        assert not torch.equal(other.tokens, plain.tokens)
+
+
+def test_a_cache_implies_use_cache():
+    """Passing a cache object is enough: it is used even with greedy's default use_cache=False."""
+    model = set_eos_bias(tiny_model(3), -math.inf)
+    src, mask = padded_batch(3, 4, 3)
+    cache = KVCache()
+    out = greedy_decode(model, src, max_new_tokens=6, src_mask=mask, use_cache=False, cache=cache)
+    assert cache.length == 6 and out.tokens.shape == (3, 7)
+    beam_cache = KVCache()
+    beam_search(model, src, max_new_tokens=6, use_cache=False, cache=beam_cache, beam_size=2)
+    assert beam_cache.length == 6
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_cache_errors(name):
+    model = tiny_model()
+    src, mask = padded_batch(2, 4)
+    used = KVCache()
+    run(name, model, src, max_new_tokens=3, src_mask=mask, cache=used)
+    with pytest.raises(ValueError, match="cache must be empty"):
+        run(name, model, src, max_new_tokens=3, src_mask=mask, cache=used)
+    with pytest.raises(TypeError, match="cache must be a decoding cache"):
+        run(name, model, src, max_new_tokens=3, src_mask=mask, cache={"keys": None})
+    with pytest.raises(TypeError, match="use_cache must be a bool"):
+        run(name, model, src, max_new_tokens=3, src_mask=mask, use_cache="yes")
+
+
+def test_beam_search_needs_a_cache_that_can_reorder():
+    model = tiny_model()
+    src, mask = padded_batch(2, 4)
+    with pytest.raises(TypeError, match="reorder"):
+        beam_search(model, src, max_new_tokens=3, cache=ListCache(num_layers=2), beam_size=2)
+
+
+@pytest.mark.parametrize("generator", [0, "seed", torch.Generator().manual_seed(0).get_state()])
+def test_sample_bad_generator(generator):
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        sample(tiny_model(), torch.full((1, 3), 4), max_new_tokens=5, generator=generator)
+
+
+# ------------------------------------------------------------------ the shared parts
+def test_generate_runs_any_rule_and_counts_its_log_probability():
+    model = set_eos_bias(tiny_model(5), -math.inf)
+    src, mask = padded_batch(4, 5, 5)
+
+    def third_best(logits):  # a rule no strategy uses: the third most likely token
+        return logits.topk(3, dim=-1).indices[:, 2]
+
+    out = generate(model, src, max_new_tokens=9, src_mask=mask, choose=third_best)
+    assert out.tokens.shape == (4, 10)
+    assert_close(out.log_probs, sequence_log_prob(model, src, out.tokens, mask))
+    cached = generate(
+        model, src, max_new_tokens=9, src_mask=mask, use_cache=True, choose=third_best
+    )
+    assert torch.equal(cached.tokens, out.tokens)
+    with pytest.raises(TypeError, match="choose"):
+        generate(model, src, max_new_tokens=9)  # a rule is required
+    model.train()
+    eos_at_once = generate(
+        model,
+        src,
+        max_new_tokens=9,
+        choose=lambda z: torch.full_like(z[:, 0], EOS, dtype=torch.long),
+    )
+    assert torch.equal(eos_at_once.tokens, torch.tensor([[BOS, EOS]] * 4)) and model.training
+
+
+def test_next_token_logits_with_and_without_a_cache():
+    model = tiny_model(6)
+    src, mask = padded_batch(3, 5, 6)
+    tgt = torch.randint(3, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1))
+    tgt[:, 0] = BOS
+    with torch.no_grad():
+        full = model(src, tgt, src_mask=mask, tgt_mask=causal_mask(6))  # (B, T, V)
+        enc_out = model.encode(src, src_mask=mask)
+        cache = KVCache()
+        for t in range(1, 7):
+            plain = next_token_logits(model, tgt[:, :t], enc_out, mask)
+            stepped = next_token_logits(model, tgt[:, :t], enc_out, mask, cache=cache)
+            assert_close(plain, full[:, t - 1], atol=1e-5, rtol=1e-5)
+            assert_close(stepped, full[:, t - 1], atol=1e-5, rtol=1e-5)
+    assert cache.length == 6
+
+
+def test_check_generation_inputs_returns_the_cache_to_use():
+    model, (src, mask) = tiny_model(), padded_batch(2, 4)
+    kwargs = {"max_new_tokens": 4, "src_mask": mask}
+    assert check_generation_inputs(model, src, **kwargs) is None
+    made = check_generation_inputs(model, src, **kwargs, use_cache=True)
+    assert isinstance(made, KVCache) and made.length == 0
+    given = KVCache()
+    assert check_generation_inputs(model, src, **kwargs, cache=given) is given
+    with pytest.raises(TypeError, match="positional"):
+        check_generation_inputs(model, src, 4)
+
+
+class Flaky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.frozen = nn.Dropout(0.5), nn.Dropout(0.5)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_eval_mode_restores_every_modules_mode_even_after_an_error(training):
+    model = Flaky().train(training)
+    model.frozen.eval()  # a submodule in another mode than its parent
+    with eval_mode(model) as inside:
+        assert inside is model and not any(m.training for m in model.modules())
+    assert model.training == training and model.body.training == training
+    assert not model.frozen.training
+    with pytest.raises(RuntimeError, match="boom"), eval_mode(model):
+        raise RuntimeError("boom")
+    assert model.training == training and not model.frozen.training
+
+
+class RecordingDecodes(CountingDecodes):
+    """A model that records the width of every decoder input and whether a cache came with it."""
+
+    def __init__(self, model: Transformer):
+        super().__init__(model)
+        self.inputs: list[tuple[int, bool]] = []
+
+    def decode(self, tgt, *args, cache=None, **kwargs):
+        self.inputs.append((tgt.size(1), cache is not None))
+        return super().decode(tgt, *args, cache=cache, **kwargs)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_use_cache_feeds_the_newest_token_only(name, use_cache):
+    recording = RecordingDecodes(set_eos_bias(tiny_model(1), -math.inf))  # all 7 steps run
+    src, mask = padded_batch(3, 4, 1)
+    run(name, recording, src, max_new_tokens=7, src_mask=mask, use_cache=use_cache)
+    if use_cache:
+        assert recording.inputs == [(1, True)] * 7
+    else:
+        assert recording.inputs == [(t, False) for t in range(1, 8)]  # the whole prefix each time

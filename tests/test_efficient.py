@@ -9,18 +9,13 @@ from torch import nn
 from torch.testing import assert_close
 
 from transformer_from_scratch.attention import MultiHeadAttention
+from transformer_from_scratch.attention import _attention_with_dropout
+from transformer_from_scratch.attention import fast_dropout
+from transformer_from_scratch.attention import fused_attention
+from transformer_from_scratch.attention import fused_attention_mask
 from transformer_from_scratch.attention import scaled_dot_product_attention
-from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import greedy_decode
-from transformer_from_scratch.efficient import FastDecoderBlock
-from transformer_from_scratch.efficient import FastDropout
-from transformer_from_scratch.efficient import FastEncoderBlock
-from transformer_from_scratch.efficient import FastLayerNorm
-from transformer_from_scratch.efficient import FastMultiHeadAttention
 from transformer_from_scratch.efficient import TiledAttention
-from transformer_from_scratch.efficient import _attention_with_dropout
-from transformer_from_scratch.efficient import fast_dropout
-from transformer_from_scratch.efficient import fused_attention_mask
 from transformer_from_scratch.efficient import tiled_attention
 from transformer_from_scratch.efficient import tiled_attention_backward
 from transformer_from_scratch.efficient import tiled_attention_forward
@@ -216,14 +211,15 @@ def test_fast_dropout_gradient_is_the_mask():
     assert torch.equal(x.grad, y.detach())  # ones through the same mask and scale
 
 
-def test_fast_dropout_module():
-    module = FastDropout(0.3)
-    assert isinstance(module, nn.Dropout) and module.p == 0.3
-    x = torch.randn(10, 10)
-    assert module.eval()(x) is x
-    torch.manual_seed(0)
-    out = module.train()(x)
-    assert ((out == 0) | torch.isclose(out, x / 0.7)).all()
+@pytest.mark.parametrize("kind", ["none", "causal", "padding", "float", "per-query"])
+def test_fused_attention_equals_ours_values_and_gradients(kind):
+    Q, K, V = qkv()
+    mask, causal = make_mask(kind, 2, 13, 13)
+    out = fused_attention(Q, K, V, mask, causal)
+    expected, _ = scaled_dot_product_attention(Q, K, V, mask=causal_mask(13) if causal else mask)
+    assert_close(out, expected)
+    for g_out, g_exp in zip(grads(out, (Q, K, V)), grads(expected, (Q, K, V)), strict=True):
+        assert_close(g_out, g_exp)
 
 
 @pytest.mark.parametrize("kind", ["none", "causal", "padding", "float", "per-query"])
@@ -243,7 +239,8 @@ def test_fast_layer_norm_equals_ours_and_torch():
         norm.weight.normal_()
         norm.bias.normal_()
     fast = copy.deepcopy(norm)
-    fast.__class__ = FastLayerNorm
+    fast.fast = True
+    assert "fast=True" in repr(fast) and "fast" not in repr(norm)
     x = torch.randn(3, 4, 6, requires_grad=True)
     assert_close(fast(x), norm(x), atol=1e-6, rtol=1e-5)
     assert_close(fast(x), F.layer_norm(x, (6,), norm.weight, norm.bias, 1e-5))
@@ -266,7 +263,7 @@ def test_fast_multi_head_attention_equals_scratch(kind, bias):
     torch.manual_seed(0)
     scratch = MultiHeadAttention(16, 4, bias=bias).double()
     fast = fast_copy(scratch)
-    assert type(fast) is FastMultiHeadAttention
+    assert type(fast) is MultiHeadAttention and fast.fast and not scratch.fast
     x = torch.randn(2, 13, 16, dtype=torch.float64, requires_grad=True)
     mask, causal = make_mask(kind, 2, 13, 13)
     mask = causal_mask(13) if causal else mask
@@ -290,15 +287,25 @@ def test_fast_cross_attention_equals_scratch_and_torch():
     assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_fast_multi_head_attention_falls_back_for_weights_and_separate_values():
+def test_fast_multi_head_attention_falls_back_for_weights_and_separate_values(monkeypatch):
     torch.manual_seed(0)
     scratch = MultiHeadAttention(8, 2)
     fast = fast_copy(scratch)
+    calls = []
+    fast_forward = MultiHeadAttention.fast_forward
+    monkeypatch.setattr(
+        MultiHeadAttention,
+        "fast_forward",
+        lambda self, *a: calls.append(1) or fast_forward(self, *a),
+    )
+    fast(torch.randn(2, 3, 8))
+    assert calls == [1]  # the fast path runs when it can
     x, k, v = torch.randn(2, 3, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
     out_f, attn_f = fast(x, return_attn=True)
     out_s, attn_s = scratch(x, return_attn=True)
     assert torch.equal(out_f, out_s) and torch.equal(attn_f, attn_s)
     assert torch.equal(fast(x, k, v), scratch(x, k, v))
+    assert calls == [1]  # and not for the weights or separate values
 
 
 def test_fast_multi_head_attention_bad_inputs():
@@ -331,7 +338,7 @@ def test_fast_encoder_block_equals_scratch(norm_first):
     torch.manual_seed(0)
     scratch = EncoderBlock(16, 4, 32, activation="relu", norm_first=norm_first).double()
     fast = fast_copy(scratch)
-    assert type(fast) is FastEncoderBlock and type(fast.norm1) is FastLayerNorm
+    assert type(fast) is EncoderBlock and fast.self_attn.fast and fast.norm1.fast
     x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
     mask = padding_mask([7, 0], 7)
     out_f, out_s = fast(x, mask), scratch(x, mask)
@@ -345,8 +352,9 @@ def test_fast_encoder_block_equals_scratch(norm_first):
 def test_fast_decoder_block_equals_scratch(norm_first):
     torch.manual_seed(0)
     scratch = DecoderBlock(16, 4, 32, activation="gelu", norm_first=norm_first).double()
-    fast = fast_copy(scratch)
-    assert type(fast) is FastDecoderBlock
+    fast = DecoderBlock(16, 4, 32, activation="gelu", norm_first=norm_first, fast=True).double()
+    fast.load_state_dict(scratch.state_dict())  # built fast: the same parameters
+    assert fast.cross_attn.fast and fast.norm3.fast
     x = torch.randn(2, 6, 16, dtype=torch.float64, requires_grad=True)
     memory = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
     self_mask, cross_mask = causal_mask(6), padding_mask([5, 2], 5)
@@ -367,8 +375,10 @@ def test_fast_blocks_bad_inputs():
         enc(torch.randn(2, 3, 8), torch.ones(2, 1, 1, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="batch sizes"):
         dec(torch.randn(2, 3, 8), torch.randn(3, 4, 8))
-    with pytest.raises(ValueError, match="cross_mask|mask"):
+    with pytest.raises(ValueError, match="mask"):
         dec(torch.randn(2, 3, 8), torch.randn(2, 4, 8), cross_mask=torch.ones(2, 1, 1, 5).bool())
+    with pytest.raises(TypeError, match="fast must be a bool"):
+        EncoderBlock(8, 2, 16, fast=1)
 
 
 def small_model():
@@ -382,23 +392,26 @@ def test_use_fast_path_keeps_state_dict_and_switches_back():
     state_s, state_f = scratch.state_dict(), fast.state_dict()
     assert list(state_s) == list(state_f)
     assert all(torch.equal(state_s[k], state_f[k]) for k in state_s)
-    kinds = {type(m) for m in fast.modules()}
-    assert {FastMultiHeadAttention, FastEncoderBlock, FastDecoderBlock, FastLayerNorm} <= kinds
-    assert FastDropout in kinds and nn.Dropout not in kinds and MultiHeadAttention not in kinds
+    assert [type(m) for m in fast.modules()] == [type(m) for m in scratch.modules()]  # no twins
+    switches = [m for m in fast.modules() if isinstance(m, (MultiHeadAttention, LayerNorm))]
+    assert len(switches) == 2 * 1 + 2 * 2 + 2 * 2 + 2 * 3 + 2  # attention layers and norms
+    assert all(m.fast for m in switches) and fast.config.fast and not scratch.config.fast
+    rebuilt = Transformer(fast.config)  # the config records the choice
+    assert all(m.fast for m in rebuilt.modules() if isinstance(m, (MultiHeadAttention, LayerNorm)))
     back = use_fast_path(fast, enabled=False)
-    assert back is fast
-    assert [type(m) for m in back.modules()] == [type(m) for m in scratch.modules()]
+    assert back is fast and not fast.config.fast
+    assert not any(m.fast for m in switches)
     fresh = small_model()
     fresh.load_state_dict(use_fast_path(copy.deepcopy(scratch)).state_dict())  # loads both ways
 
 
-def test_use_fast_path_leaves_subclasses_alone():
+def test_use_fast_path_switches_any_model_and_keeps_classes():
     class MyAttention(MultiHeadAttention):
         pass
 
-    module = nn.ModuleList([MyAttention(8, 2), MultiHeadAttention(8, 2)])
-    use_fast_path(module)
-    assert type(module[0]) is MyAttention and type(module[1]) is FastMultiHeadAttention
+    module = nn.ModuleList([MyAttention(8, 2), MultiHeadAttention(8, 2), LayerNorm(8)])
+    use_fast_path(module)  # no config: only the modules' switches
+    assert type(module[0]) is MyAttention and all(m.fast for m in module)
 
 
 def test_use_fast_path_bad_inputs():
@@ -447,8 +460,8 @@ def test_fast_model_decodes_the_same_tokens_and_trains():
     src = torch.randint(3, 12, (3, 6), generator=torch.Generator().manual_seed(2))
     for cached in (False, True):
         assert torch.equal(
-            greedy_decode(fast, src, 8, cache=KVCache() if cached else None),
-            greedy_decode(scratch, src, 8, cache=KVCache() if cached else None),
+            greedy_decode(fast, src, max_new_tokens=8, use_cache=cached).tokens,
+            greedy_decode(scratch, src, max_new_tokens=8, use_cache=cached).tokens,
         )
     optimizer = torch.optim.Adam(fast.parameters(), lr=1e-2)
     tgt = torch.randint(3, 12, (3, 5), generator=torch.Generator().manual_seed(3))
@@ -500,9 +513,9 @@ def test_the_fast_path_keeps_drop_path_in_training(norm_first):
     from transformer_from_scratch.regularization import add_drop_path
 
     torch.manual_seed(0)
-    model = Transformer(11, 11, d_model=16, num_heads=2, d_ff=32, dropout_p=0.0)
-    for block in [*model.encoder.layers, *model.decoder.layers]:
-        block.norm_first = norm_first
+    model = Transformer(
+        11, 11, d_model=16, num_heads=2, d_ff=32, dropout_p=0.0, norm_first=norm_first
+    )
     add_drop_path(model, 0.9)
     src, tgt = torch.randint(3, 11, (8, 5)), torch.randint(3, 11, (8, 6))
     mask = causal_mask(6)
@@ -515,3 +528,14 @@ def test_the_fast_path_keeps_drop_path_in_training(norm_first):
         fast_train = fast.train()(src, tgt, tgt_mask=mask)
     assert not torch.allclose(fast_train, eval_out, atol=1e-3)  # some branches were dropped
     assert_close(fast_train, scratch_train)  # DropPath draws the same way on both paths
+
+
+def test_the_fast_switch_is_checked_and_reaches_every_module():
+    with pytest.raises(TypeError, match="fast must be a bool"):
+        MultiHeadAttention(8, 2, fast="yes")
+    with pytest.raises(TypeError, match="fast must be a bool"):
+        LayerNorm(8, fast=0)
+    model = Transformer(12, 12, d_model=16, num_heads=2, d_ff=32, fast=True)
+    switches = [m for m in model.modules() if isinstance(m, (MultiHeadAttention, LayerNorm))]
+    assert switches and all(m.fast for m in switches)
+    assert "fast=True" in repr(model.encoder.layers[0].self_attn)

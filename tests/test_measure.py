@@ -82,16 +82,16 @@ def test_time_call_measures_real_time():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "kwargs, error, message",
     [
-        ({"repeats": 0}, "repeats must be an int >= 1"),
-        ({"warmup": -1}, "warmup must be"),
-        ({"repeats": 2.5}, "repeats must be"),
-        ({"warmup": True}, "warmup must be"),
+        ({"repeats": 0}, ValueError, "repeats must be at least 1"),
+        ({"warmup": -1}, ValueError, "warmup must be at least 0"),
+        ({"repeats": 2.5}, TypeError, "repeats must be an int"),
+        ({"warmup": True}, TypeError, "warmup must be an int"),
     ],
 )
-def test_time_call_bad_arguments(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_time_call_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
         time_call(lambda: None, **kwargs)
 
 
@@ -146,3 +146,19 @@ def test_stderr_silenced_drops_what_the_process_writes_to_descriptor_2(capfd):
         os.write(2, b"from C++ code\n")
     os.write(2, b"after\n")
     assert capfd.readouterr().err == "after\n"
+
+
+def test_dropout_sites_counts_dropout_modules_and_attention_weights():
+    from torch import nn
+
+    from transformer_from_scratch.measure import dropout_sites
+    from transformer_from_scratch.model import Transformer
+    from transformer_from_scratch.regularization import add_drop_path
+
+    model = Transformer(12, 12, d_model=16, num_heads=2, d_ff=32, num_layers=2, dropout_p=0.1)
+    # pos: 1; encoder blocks: 2 x (2 residual + 1 attention); decoder: 2 x (3 + 2)
+    assert dropout_sites(model) == 1 + 2 * 3 + 2 * 5
+    assert dropout_sites(Transformer(12, 12, d_model=16, num_heads=2, d_ff=32, dropout_p=0.0)) == 0
+    theirs = nn.MultiheadAttention(16, 2, dropout=0.2)
+    assert dropout_sites(nn.ModuleList([theirs, nn.Dropout(0.0), nn.Dropout(0.5)])) == 2
+    assert dropout_sites(add_drop_path(model, 0.5)) == dropout_sites(model)  # BranchDrop wraps

@@ -47,7 +47,7 @@ def test_a_stack_and_its_block_agree_on_defaults(cls):
     """Encoder(N, d, h, d_ff).layers[0] is EncoderBlock(d, h, d_ff): same settings, same repr."""
     block_params = inspect.signature(cls.block.__init__).parameters
     stack_params = inspect.signature(cls.__init__).parameters
-    settings = ("dropout_p", "activation", "bias", "norm_first")
+    settings = ("dropout_p", "activation", "bias", "norm_first", "fast")
     for name in settings:
         assert stack_params[name].default == block_params[name].default, name
     assert repr(cls(1, D, H, D_FF).layers[0]) == repr(cls.block(D, H, D_FF))
@@ -269,3 +269,65 @@ def test_parity_in_eval_mode_with_dropout():
     x = torch.randn(B, T_SRC, D, dtype=torch.float64)
     with torch.no_grad():
         assert_close(ours(x), theirs(x))
+
+
+def test_the_cache_protocols_describe_notebook_12s_caches():
+    from transformer_from_scratch.attention import KeyValueCache
+    from transformer_from_scratch.decoding import AttentionCache
+    from transformer_from_scratch.decoding import KVCache
+    from transformer_from_scratch.layers import BlockCache
+    from transformer_from_scratch.layers import DecoderCache
+
+    cache = KVCache()
+    assert isinstance(cache, DecoderCache) and isinstance(cache.layer(0), BlockCache)
+    assert isinstance(cache.layer(0).self_attn, KeyValueCache)
+    assert isinstance(AttentionCache(grows=False), KeyValueCache)
+    for not_a_cache in (object(), {"length": 0}, cache.layer(0)):
+        assert not isinstance(not_a_cache, DecoderCache)
+    assert not isinstance(object(), KeyValueCache) and not isinstance(cache, BlockCache)
+
+
+def test_a_cache_written_to_the_protocol_decodes_like_kvcache():
+    """Any object with the protocols' members serves: here a minimal, list-based one."""
+    import torch
+
+    from transformer_from_scratch.decoding import greedy_decode
+    from transformer_from_scratch.model import Transformer
+
+    class ListCache:  # KeyValueCache
+        def __init__(self, frozen_after_first: bool):
+            self.frozen_after_first, self.keys, self.values = frozen_after_first, None, None
+
+        @property
+        def frozen(self):
+            return self.frozen_after_first and self.keys is not None
+
+        def update(self, K, V):
+            if self.keys is not None:
+                K, V = torch.cat([self.keys, K], dim=2), torch.cat([self.values, V], dim=2)
+            self.keys, self.values = K, V
+            return K, V
+
+    class Layer:  # BlockCache
+        def __init__(self):
+            self.self_attn, self.cross_attn = ListCache(False), ListCache(True)
+
+    class Cache:  # DecoderCache
+        def __init__(self):
+            self.layers = {}
+
+        @property
+        def length(self):
+            first = self.layers.get(0)
+            return (
+                0 if first is None or first.self_attn.keys is None else first.self_attn.keys.size(2)
+            )
+
+        def layer(self, i):
+            return self.layers.setdefault(i, Layer())
+
+    torch.manual_seed(0)
+    model = Transformer(12, 12, d_model=16, num_heads=2, d_ff=32, dropout_p=0.0).eval()
+    src = torch.randint(3, 12, (3, 6), generator=torch.Generator().manual_seed(1))
+    ours = greedy_decode(model, src, max_new_tokens=7, cache=Cache()).tokens
+    assert torch.equal(ours, greedy_decode(model, src, max_new_tokens=7).tokens)

@@ -24,9 +24,9 @@ from transformer_from_scratch.train import get_reversal_model
 from transformer_from_scratch.train import load_checkpoint
 from transformer_from_scratch.train import lr_lambda
 from transformer_from_scratch.train import reversal_correct
-from transformer_from_scratch.train import reversal_loss
 from transformer_from_scratch.train import reversal_recipe
 from transformer_from_scratch.train import save_checkpoint
+from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.train import train_model
 from transformer_from_scratch.train import train_reversal
 
@@ -80,11 +80,11 @@ def test_lr_lambda_bad_input(args, error, match):
 # ---------------------------------------------------------------- the loss and the loop
 
 
-def test_reversal_loss_ignores_pad_and_matches_manual():
+def test_sequence_loss_ignores_pad_and_matches_manual():
     model = tiny_model().eval()
     batch = make_batch(16, 8, 12, torch.Generator().manual_seed(0))
     src, tgt_in, tgt_out, lengths = batch
-    loss = reversal_loss(model, batch)
+    loss = sequence_loss(model, batch)
     logits = model(
         src,
         tgt_in,
@@ -93,16 +93,16 @@ def test_reversal_loss_ignores_pad_and_matches_manual():
     )
     log_p = logits.log_softmax(-1).gather(-1, tgt_out[..., None])[..., 0]
     torch.testing.assert_close(loss, -log_p[tgt_out != PAD].mean())
-    smoothed = reversal_loss(model, batch, label_smoothing=0.1)
+    smoothed = sequence_loss(model, batch, label_smoothing=0.1)
     expected = F.cross_entropy(
         logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD, label_smoothing=0.1
     )
     torch.testing.assert_close(smoothed, expected)
 
 
-def test_reversal_loss_gradient_reaches_every_used_parameter():
+def test_sequence_loss_gradient_reaches_every_used_parameter():
     model = tiny_model()
-    reversal_loss(model, make_batch(16, 8, 12, torch.Generator().manual_seed(0))).backward()
+    sequence_loss(model, make_batch(16, 8, 12, torch.Generator().manual_seed(0))).backward()
     assert model.out_proj.weight.grad.abs().sum() > 0
     assert model.src_embed.weight.grad.abs().sum() > 0
     assert (model.src_embed.weight.grad[PAD] == 0).all()  # padding_idx
@@ -241,7 +241,8 @@ def test_exact_match_uses_greedy_decoding_of_a_real_model():
     model = tiny_model()
     g = torch.Generator().manual_seed(EVAL_SEED)
     src, _, tgt_out, lengths = make_batch(16, 8, 12, generator=g)
-    decoded = greedy_decode(model, src, 9, src_mask=padding_mask(lengths, 8))[:, 1:]
+    decoded = greedy_decode(model, src, max_new_tokens=9, src_mask=padding_mask(lengths, 8))
+    decoded = decoded.tokens[:, 1:]
     expected = (F.pad(decoded, (0, 9 - decoded.size(1)), value=PAD) == tgt_out).all(dim=1)
     assert exact_match(model, n=16) == int(expected.sum())
     assert model.training  # handed back in the mode it came in
@@ -423,3 +424,54 @@ def test_the_checkpoint_stores_the_recipe_as_plain_data(tmp_path, capsys):
     assert ReversalRecipe(**recipe) == reversal_recipe(**TINY)  # and it rebuilds the recipe
     get_reversal_model(path, device="cpu", **TINY)
     assert "loaded" in capsys.readouterr().out  # the stored dict matches the recipe asked for
+
+
+def test_token_loss_mean_sum_smoothing_and_float32():
+    from transformer_from_scratch.train import token_loss
+
+    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0))
+    tgt = torch.tensor([[4, 5, PAD], [6, PAD, PAD]])
+    real = tgt != PAD
+    by_hand = -F.log_softmax(logits, dim=-1).gather(-1, tgt[..., None])[..., 0][real]
+    assert torch.allclose(token_loss(logits, tgt), by_hand.mean())
+    assert torch.allclose(token_loss(logits, tgt, reduction="sum"), by_hand.sum())
+    assert token_loss(logits, tgt, 0.1) > token_loss(logits, tgt)  # smoothing costs here
+    half = token_loss(logits.bfloat16(), tgt)
+    assert half.dtype == torch.float32  # the loss is taken in float32 even from bf16 logits
+    with pytest.raises(ValueError, match="reduction"):
+        token_loss(logits, tgt, reduction="none")
+
+
+def test_num_tokens_counts_what_the_loss_grades():
+    from transformer_from_scratch.train import num_tokens
+
+    batch = make_batch(16, 8, 12, torch.Generator().manual_seed(0))
+    assert num_tokens(batch) == int((batch[2] != PAD).sum()) == int(batch[3].sum()) + 16
+
+
+def test_atomic_save_leaves_the_old_file_whole_when_a_write_fails(tmp_path, monkeypatch):
+    from transformer_from_scratch import train as train_module
+    from transformer_from_scratch.train import atomic_save
+
+    path = atomic_save({"version": 1}, tmp_path / "sub" / "state.pt")
+    assert torch.load(path, weights_only=True) == {"version": 1}
+
+    def broken_save(obj, f):  # writes some bytes, then fails, as a full disk would
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(train_module.torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        atomic_save({"version": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"version": 1}  # the old one, whole
+    assert [f.name for f in path.parent.iterdir()] == ["state.pt"]  # no temporary left behind
+    atomic_save({"version": 3}, path)
+    assert torch.load(path, weights_only=True) == {"version": 3}
+
+
+def test_token_loss_keeps_float64():
+    from transformer_from_scratch.train import token_loss
+
+    logits = torch.randn(2, 3, 7, dtype=torch.float64)
+    assert token_loss(logits, torch.tensor([[4, 5, 6], [6, PAD, 3]])).dtype == torch.float64

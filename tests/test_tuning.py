@@ -9,7 +9,8 @@ import torch
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.regularization import DropPath
 from transformer_from_scratch.train import lr_lambda
-from transformer_from_scratch.train import reversal_loss
+from transformer_from_scratch.train import num_tokens
+from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.tuning import TUNED_RECIPE
 from transformer_from_scratch.tuning import TUTORIAL_RECIPE
 from transformer_from_scratch.tuning import Recipe
@@ -24,7 +25,6 @@ from transformer_from_scratch.tuning import lr_range_test
 from transformer_from_scratch.tuning import make_optimizer
 from transformer_from_scratch.tuning import make_splits
 from transformer_from_scratch.tuning import make_study
-from transformer_from_scratch.tuning import num_tokens
 from transformer_from_scratch.tuning import search_objective
 from transformer_from_scratch.tuning import search_space
 from transformer_from_scratch.tuning import split_batch
@@ -136,11 +136,11 @@ def test_accumulation_equals_one_batch_and_the_naive_average_does_not():
     torch.testing.assert_close(grads(four), grads(one), rtol=1e-10, atol=1e-12)
     assert math.isclose(loss_four, loss_one, rel_tol=1e-10)
     assert math.isclose(
-        loss_one, reversal_loss(build_model(TINY).double(), batch).item(), rel_tol=1e-10
+        loss_one, sequence_loss(build_model(TINY).double(), batch).item(), rel_tol=1e-10
     )
     naive = build_model(TINY).double()
     for part in split_batch(batch, 4):
-        (reversal_loss(naive, part) / 4).backward()
+        (sequence_loss(naive, part) / 4).backward()
     assert not torch.allclose(grads(naive), grads(one), rtol=1e-6, atol=1e-9)
 
 
@@ -160,7 +160,7 @@ def test_evaluate_loss_is_the_token_mean_and_restores_the_mode():
     data = make_batch(50, 8, 12, torch.Generator().manual_seed(0))
     value = dataset_loss(model, data, batch_size=7)
     assert model.training
-    expected = reversal_loss(model.eval(), data).item()
+    expected = sequence_loss(model.eval(), data).item()
     assert math.isclose(value, expected, rel_tol=1e-5)
 
 

@@ -36,9 +36,20 @@ def test_set_seed_repeats_every_stream():
     assert not torch.equal(torch.rand(2), a[2])
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "0", None])
-def test_set_seed_rejects_bad_seeds(bad):
-    with pytest.raises(ValueError, match="non-negative int"):
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (-1, ValueError, "seed must be >= 0"),
+        (1.5, TypeError, "seed must be an int, got float"),
+        ("0", TypeError, "seed must be an int, got str"),
+        (None, TypeError, "seed must be an int, got NoneType"),
+        (True, TypeError, "seed must be an int, got bool"),
+    ],
+)
+def test_set_seed_rejects_bad_seeds(bad, error, match):
+    # the policy of checks: TypeError for a wrong type (once a ValueError for 1.5), ValueError
+    # for a wrong value
+    with pytest.raises(error, match=match):
         utils.set_seed(bad)
 
 

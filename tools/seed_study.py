@@ -109,7 +109,8 @@ def _teacher_forced(model: Transformer, src, tgt_in, lengths) -> torch.Tensor:
 def failure_stats(model: Transformer) -> dict:
     """Notebook 11's failures: where free-running decoding first goes wrong, and what follows."""
     src, tgt_in, tgt_out, lengths = _batch(256, EVAL_SEED)
-    decoded = greedy_decode(model, src, MAX_LEN + 1, padding_mask(lengths, MAX_LEN))[:, 1:]
+    mask = padding_mask(lengths, MAX_LEN)
+    decoded = greedy_decode(model, src, max_new_tokens=MAX_LEN + 1, src_mask=mask).tokens[:, 1:]
     decoded = _pad_right(decoded, MAX_LEN + 1)  # (B, T)
     graded = tgt_out != PAD
     wrong = (decoded != tgt_out) & graded
@@ -137,7 +138,7 @@ def generation_stats(model: Transformer, early: Transformer) -> dict:
     """Notebook 12's findings on its test set: alignment, runner-ups, beams and sampling."""
     src, _, tgt_out, lengths = _batch(256, TEST_SEED_12)
     mask = padding_mask(lengths, MAX_LEN)
-    decoded = greedy_decode(model, src, MAX_LEN + 1, mask)
+    decoded = greedy_decode(model, src, max_new_tokens=MAX_LEN + 1, src_mask=mask).tokens
 
     def correct(tokens):
         return (_pad_right(tokens[:, 1:], MAX_LEN + 1) == tgt_out).all(1)
@@ -173,15 +174,18 @@ def generation_stats(model: Transformer, early: Transformer) -> dict:
     out["example_top_over_runner_up"] = ratio[b, : MAX_LEN + 1].tolist()
     out["example_runner_up"] = runner[b, : MAX_LEN + 1].tolist()
     # Beam search on the trained model and on the model of step 100 (alpha = 0).
-    beam4 = beam_search(model, src, 4, MAX_LEN + 1, mask)[0]
+    beam4 = beam_search(model, src, max_new_tokens=MAX_LEN + 1, src_mask=mask, beam_size=4).tokens
     same = (_pad_right(beam4, decoded.size(1)) == _pad_right(decoded, beam4.size(1))).all(1)
     out["beam4_equals_greedy"] = int(same.sum())
-    greedy_early = greedy_decode(early, src, MAX_LEN + 1, mask)
+    greedy_early = greedy_decode(early, src, max_new_tokens=MAX_LEN + 1, src_mask=mask).tokens
     log_p_greedy = sequence_log_prob(early, src, greedy_early, mask)
     out["early_exact_match"] = int(correct(greedy_early).sum())
     out["early_beam"] = {}
     for k in (2, 4, 8):
-        tokens, log_p = beam_search(early, src, k, MAX_LEN + 1, mask, length_penalty=0.0)
+        beam = beam_search(
+            early, src, max_new_tokens=MAX_LEN + 1, src_mask=mask, beam_size=k, length_penalty=0.0
+        )
+        tokens, log_p = beam.tokens, beam.log_probs
         out["early_beam"][k] = {
             "better": int((log_p > log_p_greedy + 1e-4).sum()),
             "worse": int((log_p < log_p_greedy - 1e-4).sum()),
@@ -190,7 +194,7 @@ def generation_stats(model: Transformer, early: Transformer) -> dict:
         }
     # Notebook 12's exercise 3: 8 more PAD columns, decoded without the padding mask.
     wider = F.pad(src, (0, 8), value=PAD)
-    unmasked = greedy_decode(model, wider, MAX_LEN + 1)
+    unmasked = greedy_decode(model, wider, max_new_tokens=MAX_LEN + 1).tokens
     changed = (_pad_right(unmasked, MAX_LEN + 2) != _pad_right(decoded, MAX_LEN + 2)).any(1)
     out["unmasked_changed"] = int(changed.sum())
     # Sampling: exact match against the temperature, all tokens and top-3 (generator seed 0).
@@ -200,7 +204,15 @@ def generation_stats(model: Transformer, early: Transformer) -> dict:
             rates = []
             for tau in TEMPERATURES:
                 gen = torch.Generator().manual_seed(0)
-                drawn = sample(m, src, MAX_LEN + 1, tau, top_k, generator=gen, src_mask=mask)
+                drawn = sample(
+                    m,
+                    src,
+                    max_new_tokens=MAX_LEN + 1,
+                    src_mask=mask,
+                    temperature=tau,
+                    top_k=top_k,
+                    generator=gen,
+                ).tokens
                 rates.append(correct(drawn).float().mean().item())
             out["sampling"][f"{name}, top_k={top_k}"] = rates
     return out

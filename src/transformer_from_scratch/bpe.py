@@ -17,9 +17,8 @@ from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.tokens import UNK  # notebook 09 keeps every reserved id
 
-# Taught in notebook 13 · A real translation task
-UNK = 3  # the id of a character the tokenizer never saw in training
 # Taught in notebook 13 · A real translation task
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids PAD, BOS, EOS, UNK = 0, 1, 2, 3
 # Taught in notebook 13 · A real translation task
@@ -215,7 +214,6 @@ class BPETokenizer:
 
 
 __all__ = [
-    "UNK",
     "SPECIAL_TOKENS",
     "SPACE",
     "split_words",

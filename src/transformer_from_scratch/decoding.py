@@ -9,17 +9,20 @@ import math
 from collections.abc import Callable
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch import nn
 
+from transformer_from_scratch.checks import check_bool
 from transformer_from_scratch.checks import check_broadcast
 from transformer_from_scratch.checks import check_float
 from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.checks import check_tensor
 from transformer_from_scratch.checks import validated
+from transformer_from_scratch.layers import DecoderCache
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
@@ -28,21 +31,52 @@ from transformer_from_scratch.tokens import PAD
 
 # Taught in notebook 11 · Training
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Switch dropout off while generating; give the model back in the mode it came in."""
-    was_training = model.training
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Evaluation mode (no dropout) inside the block; every module's own mode restored after.
+
+    `with eval_mode(model): ...` gives the model back as it came in, even if the block raises,
+    down to a submodule that was in another mode than its parent.
+    """
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
-        yield
+        yield model
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
 
 
 # Taught in notebook 11 · Training
-def _check_generation_inputs(
-    model: nn.Module, src: Tensor, max_new_tokens: int, src_mask: Tensor | None
-) -> None:
-    """Raise a TypeError (wrong type) or ValueError (wrong value) if generation cannot start."""
+@dataclass(frozen=True)
+class Generation:
+    """What greedy_decode, beam_search and sample return.
+
+    tokens: (B, T) long ids, BOS first, PAD after a row's EOS; T <= max_new_tokens + 1.
+    log_probs: (B,) float32, the total log-probability the model gives each row's tokens
+        (softmax at temperature 1, EOS counted, the PAD after it not): what sequence_log_prob
+        computes for `tokens`, whatever strategy (or sampling temperature) chose them.
+    """
+
+    tokens: Tensor
+    log_probs: Tensor
+
+
+# Taught in notebook 11 · Training
+def check_generation_inputs(
+    model: nn.Module,
+    src: Tensor,
+    *,
+    max_new_tokens: int,
+    src_mask: Tensor | None = None,
+    use_cache: bool = False,
+    cache: DecoderCache | None = None,
+):
+    """Check what every decoding strategy takes; return the cache to decode with (or None).
+
+    Raises a TypeError for a wrong type and a ValueError for a wrong value (policy of `checks`).
+    The cache is `cache` if one is given (it must be empty; passing one implies use_cache),
+    else a new KVCache (notebook 12) if use_cache, else None: the whole prefix every step.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_tensor("src", src, dim=2, kind="int")  # (B, T_src) token ids
@@ -61,6 +95,39 @@ def _check_generation_inputs(
         "(B, 1, 1, T_src)",
         hint="build it with padding_mask",
     )
+    check_bool("use_cache", use_cache)
+    if cache is None:
+        return KVCache() if use_cache else None  # noqa: F821 (notebook 12 adds it to `decoding`)
+    length = getattr(cache, "length", None)
+    if not isinstance(length, int):
+        raise TypeError(
+            f"cache must be a decoding cache such as KVCache() (with a `length`), got "
+            f"{type(cache).__name__}"
+        )
+    if length != 0:
+        raise ValueError(f"cache must be empty (a new KVCache), it holds {length} positions")
+    return cache
+
+
+# Taught in notebook 11 · Training
+def next_token_logits(
+    model: nn.Module,
+    ys: Tensor,
+    enc_out: Tensor,
+    cross_mask: Tensor | None = None,
+    cache: DecoderCache | None = None,
+) -> Tensor:
+    """The logits (B, V) of the token after the prefixes ys (B, T): one decoder step.
+
+    Without a cache the whole prefix goes through the decoder (causally masked); with one, only
+    the newest token ys[:, -1:], and the cache holds the keys and values of the others.
+    """
+    if cache is None:
+        self_mask = causal_mask(ys.size(1), device=ys.device)  # (1, 1, T, T)
+        dec_out = model.decode(ys, enc_out, self_mask=self_mask, cross_mask=cross_mask)
+    else:
+        dec_out = model.decode(ys[:, -1:], enc_out, cross_mask=cross_mask, cache=cache)
+    return model.out_proj(dec_out[:, -1])  # the last position: (B, d_model) -> (B, V)
 
 
 # Taught in notebook 11 · Training
@@ -68,60 +135,80 @@ _SYNC_EVERY = 8  # steps between two "has every row finished?" checks (each wait
 
 
 # Taught in notebook 11 · Training
-def _generate(
+@torch.no_grad()
+def generate(
     model: nn.Module,
     src: Tensor,
+    *,
     max_new_tokens: int,
-    src_mask: Tensor | None,
+    src_mask: Tensor | None = None,
+    use_cache: bool = False,
+    cache: DecoderCache | None = None,
     choose: Callable[[Tensor], Tensor],
-    cache=None,
-) -> Tensor:
-    """The loop shared by the decoding strategies; `choose` maps (B, V) logits to (B,) ids."""
-    if cache is not None and cache.length != 0:
-        raise ValueError(f"cache must be empty (a new KVCache), it holds {cache.length} positions")
+) -> Generation:
+    """The loop of greedy decoding and sampling: encode once, then one token per step.
+
+    `choose` maps the logits (B, V) to the next ids (B,). A row that has emitted EOS gets PAD
+    after it; the loop ends when every row has, or after max_new_tokens steps. The tokens are
+    the same with and without the cache (`use_cache=True`, or your own empty `cache`).
+    """
+    cache = check_generation_inputs(
+        model,
+        src,
+        max_new_tokens=max_new_tokens,
+        src_mask=src_mask,
+        use_cache=use_cache,
+        cache=cache,
+    )
     B, device = src.size(0), src.device
-    enc_out = model.encode(src, src_mask=src_mask)  # once: (B, T_src, d_model); checks the ids
-    ys = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (B, 1)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
-    with validated():  # the inputs were checked; the loop's own tokens need no checks
-        for step in range(1, max_new_tokens + 1):
-            if cache is None:  # the whole prefix goes through the decoder again
-                self_mask = causal_mask(ys.size(1), device=device)  # (1, 1, T, T)
-                dec_out = model.decode(ys, enc_out, self_mask=self_mask, cross_mask=src_mask)
-            else:  # only the newest token: the cache holds the keys and values of the others
-                dec_out = model.decode(ys[:, -1:], enc_out, cross_mask=src_mask, cache=cache)
-            logits = model.out_proj(dec_out[:, -1])  # last position: (B, d_model) -> (B, V)
-            next_token = choose(logits).masked_fill(finished, PAD)  # (B,): finished rows get PAD
-            ys = torch.cat([ys, next_token[:, None]], dim=1)  # (B, T) -> (B, T + 1)
-            finished |= next_token == EOS  # stays on the device: no wait here
-            if step % _SYNC_EVERY == 0 and bool(finished.all()):  # the only wait, every 8 steps
-                break
+    with eval_mode(model):
+        enc_out = model.encode(src, src_mask=src_mask)  # once: (B, T_src, d_model); checks ids
+        ys = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (B, 1)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+        log_probs = torch.zeros(B, device=device)  # (B,): total log p of each row so far
+        with validated():  # the inputs were checked; the loop's own tokens need no checks
+            for step in range(1, max_new_tokens + 1):
+                logits = next_token_logits(model, ys, enc_out, cross_mask=src_mask, cache=cache)
+                next_token = choose(logits).masked_fill(finished, PAD)  # (B,): PAD once finished
+                log_p = F.log_softmax(logits.float(), dim=-1)  # (B, V), temperature 1
+                picked = log_p.gather(-1, next_token[:, None])[:, 0]  # (B,)
+                log_probs += picked.masked_fill(finished, 0.0)  # the PAD after EOS counts 0
+                ys = torch.cat([ys, next_token[:, None]], dim=1)  # (B, T) -> (B, T + 1)
+                finished |= next_token == EOS  # stays on the device: no wait here
+                if step % _SYNC_EVERY == 0 and bool(finished.all()):  # the only wait, every 8
+                    break
     # Cut after the column where the last row emitted EOS (all of ys if a row never did):
     # what a check after every step would have returned.
     is_eos = ys == EOS  # (B, T)
     ends = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), ys.size(1) - 1)  # (B,)
-    return ys[:, : int(ends.max()) + 1]
+    return Generation(tokens=ys[:, : int(ends.max()) + 1], log_probs=log_probs)
 
 
 # Taught in notebook 11 · Training
-@torch.no_grad()
 def greedy_decode(
     model: nn.Module,
     src: Tensor,
+    *,
     max_new_tokens: int,
     src_mask: Tensor | None = None,
-    cache=None,
-) -> Tensor:
-    """Take the most likely token at each step: (B, <= max_new_tokens + 1) ids, BOS first.
+    use_cache: bool = False,
+    cache: DecoderCache | None = None,
+) -> Generation:
+    """Take the most likely token at each step: tokens (B, <= max_new_tokens + 1), BOS first.
 
-    A row that has emitted EOS gets PAD after it. `cache` (a new KVCache, notebook 12) makes
-    each step feed only the newest token to the decoder; the tokens are the same.
+    A row that has emitted EOS gets PAD after it; `.log_probs` (B,) is each row's total log p.
+    `use_cache=True` (or an empty `cache`, notebook 12) feeds only the newest token to the
+    decoder at each step; the tokens are the same.
     """
-    _check_generation_inputs(model, src, max_new_tokens, src_mask)
-    with _eval_mode(model):
-        return _generate(
-            model, src, max_new_tokens, src_mask, lambda logits: logits.argmax(dim=-1), cache
-        )
+    return generate(
+        model,
+        src,
+        max_new_tokens=max_new_tokens,
+        src_mask=src_mask,
+        use_cache=use_cache,
+        cache=cache,
+        choose=lambda logits: logits.argmax(dim=-1),
+    )
 
 
 # Taught in notebook 12 · Generation
@@ -141,7 +228,7 @@ def cross_attention_weights(
         for block in model.decoder.layers
     ]
     try:
-        with torch.no_grad(), _eval_mode(model):
+        with torch.no_grad(), eval_mode(model):
             tgt_mask = causal_mask(tgt.size(1), device=tgt.device)
             model(src, tgt, src_mask=src_mask, tgt_mask=tgt_mask)
     finally:
@@ -313,14 +400,15 @@ def _advance_beams(
 
 
 # Taught in notebook 12 · Generation
-def _best_hypotheses(finished: list[list[Hypothesis]], device) -> tuple[Tensor, Tensor]:
+def _best_hypotheses(finished: list[list[Hypothesis]], device) -> Generation:
     """Each source's best hypothesis by normalised score: ids (B, T) PAD-padded, log p (B,)."""
     best = [max(hypotheses, key=lambda hyp: hyp[0]) for hypotheses in finished]
     length = max(len(ids) for _, _, ids in best)
     tokens = torch.full((len(best), length), PAD, dtype=torch.long)
     for b, (_, _, ids) in enumerate(best):
         tokens[b, : len(ids)] = torch.tensor(ids)
-    return tokens.to(device), torch.tensor([log_p for _, log_p, _ in best], device=device)
+    log_probs = torch.tensor([log_p for _, log_p, _ in best], device=device)  # before lp
+    return Generation(tokens=tokens.to(device), log_probs=log_probs)
 
 
 # Taught in notebook 12 · Generation
@@ -328,23 +416,39 @@ def _best_hypotheses(finished: list[list[Hypothesis]], device) -> tuple[Tensor, 
 def beam_search(
     model: nn.Module,
     src: Tensor,
-    beam_size: int,
+    *,
     max_new_tokens: int,
     src_mask: Tensor | None = None,
+    use_cache: bool = True,
+    cache: DecoderCache | None = None,
+    beam_size: int,
     length_penalty: float = 0.6,
-) -> tuple[Tensor, Tensor]:
-    """Best of beam_size hypotheses by log p / lp (Wu et al., 2016): ids (B, T) and log p (B,)."""
-    _check_generation_inputs(model, src, max_new_tokens, src_mask)
+) -> Generation:
+    """Best of beam_size hypotheses by log p / lp (Wu et al., 2016); log_probs: log p, before lp.
+
+    The B * beam_size beams run as one batch; a given `cache` (empty) must have `reorder`.
+    """
+    cache = check_generation_inputs(
+        model,
+        src,
+        max_new_tokens=max_new_tokens,
+        src_mask=src_mask,
+        use_cache=use_cache,
+        cache=cache,
+    )
+    if cache is not None and not callable(getattr(cache, "reorder", None)):
+        raise TypeError(
+            f"beam search needs a cache with reorder(index), got {type(cache).__name__}"
+        )
     k = check_int("beam_size", beam_size, minimum=1)
     length_penalty = check_float("length_penalty", length_penalty, low=0.0)
     B = src.size(0)
-    with _eval_mode(model):
+    with eval_mode(model):
         # 1) Encode once; each source gets k rows, one per beam: (B, ...) -> (B * k, ...).
         enc_out = model.encode(src, src_mask=src_mask).repeat_interleave(k, dim=0)
         cross_mask = None
         if src_mask is not None:
             cross_mask = src_mask.expand(B, 1, 1, src.size(1)).repeat_interleave(k, dim=0)
-        cache = KVCache()
         tokens = torch.full((B * k, 1), BOS, dtype=torch.long, device=src.device)
         scores = torch.full((B, k), -math.inf, device=src.device)
         scores[:, 0] = 0.0  # one live beam to start with: k copies would fill the beam with twins
@@ -352,9 +456,8 @@ def beam_search(
         done = [False] * B
         with validated():  # encode checked the ids; the loop's own tokens need no checks
             for step in range(max_new_tokens):
-                # 2) One cached decoder step for all B * k beams: the newest token of each.
-                dec_out = model.decode(tokens[:, -1:], enc_out, cross_mask=cross_mask, cache=cache)
-                logits = model.out_proj(dec_out[:, -1])  # (B * k, 1, d_model) -> (B * k, V)
+                # 2) One decoder step for all B * k beams (cached: the newest token of each).
+                logits = next_token_logits(model, tokens, enc_out, cross_mask, cache)  # (B*k, V)
                 log_probs = F.log_softmax(logits.float(), dim=-1).view(B, k, -1)  # (B, k, V)
                 # 3) Score every extension by its total log-prob and select.
                 candidates = scores[:, :, None] + log_probs  # (B, k, 1) + (B, k, V)
@@ -365,7 +468,8 @@ def beam_search(
                 if all(done):
                     break
                 # 4) Each new beam takes over its parent's tokens and cached keys and values.
-                cache.reorder(parent)
+                if cache is not None:
+                    cache.reorder(parent)
                 tokens = torch.cat([tokens[parent], token[:, None]], dim=1)  # (B * k, t + 2)
     return _best_hypotheses(finished, src.device)
 
@@ -381,7 +485,7 @@ def sequence_log_prob(
             f"tokens must be (B, T) with B={src.size(0)} as in src and T >= 2 (BOS and one "
             f"more), got {tuple(tokens.shape)}"
         )
-    with _eval_mode(model):
+    with eval_mode(model):
         T = tokens.size(1) - 1
         tgt_mask = causal_mask(T, device=tokens.device)
         logits = model(src, tokens[:, :-1], src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
@@ -407,31 +511,49 @@ def next_token_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None
 
 
 # Taught in notebook 12 · Generation
-@torch.no_grad()
 def sample(
     model: nn.Module,
     src: Tensor,
+    *,
     max_new_tokens: int,
+    src_mask: Tensor | None = None,
+    use_cache: bool = False,
+    cache: DecoderCache | None = None,
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
-    src_mask: Tensor | None = None,
-    cache: KVCache | None = None,
-) -> Tensor:
-    """Draw each token from next_token_probs: (B, <= max_new_tokens + 1) ids, BOS first."""
-    _check_generation_inputs(model, src, max_new_tokens, src_mask)
+) -> Generation:
+    """Draw each token from next_token_probs: tokens (B, <= max_new_tokens + 1), BOS first.
+
+    `.log_probs` is the model's own total log p of the drawn tokens, at temperature 1 and over
+    the whole vocabulary (as for greedy and beam search), not that of the reshaped distribution.
+    """
     next_token_probs(torch.zeros(1), temperature, top_k)  # bad knobs fail before any work
-    where = generator.device if generator is not None else src.device
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
 
     def draw(logits: Tensor) -> Tensor:
+        where = logits.device if generator is None else generator.device  # where to draw
         probs = next_token_probs(logits.float(), temperature, top_k).to(where)  # (B, V)
         return torch.multinomial(probs, 1, generator=generator)[:, 0].to(logits.device)  # (B,)
 
-    with _eval_mode(model):
-        return _generate(model, src, max_new_tokens, src_mask, draw, cache=cache)
+    return generate(
+        model,
+        src,
+        max_new_tokens=max_new_tokens,
+        src_mask=src_mask,
+        use_cache=use_cache,
+        cache=cache,
+        choose=draw,
+    )
 
 
 __all__ = [
+    "eval_mode",
+    "Generation",
+    "check_generation_inputs",
+    "next_token_logits",
+    "generate",
     "greedy_decode",
     "cross_attention_weights",
     "AttentionCache",

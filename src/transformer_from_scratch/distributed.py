@@ -26,14 +26,14 @@ from torch.utils.data import DistributedSampler
 
 from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.data import make_batch
-from transformer_from_scratch.train import reversal_loss
+from transformer_from_scratch.train import Batch
+from transformer_from_scratch.train import num_tokens
 from transformer_from_scratch.train import save_checkpoint
-from transformer_from_scratch.tuning import Batch
+from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.tuning import Recipe
 from transformer_from_scratch.tuning import build_model
 from transformer_from_scratch.tuning import lr_factor
 from transformer_from_scratch.tuning import make_optimizer
-from transformer_from_scratch.tuning import num_tokens
 from transformer_from_scratch.tuning import split_batch
 
 # Taught in notebook 15 · Tuning and generalisation
@@ -152,7 +152,7 @@ def train_distributed(
                 last = i == len(micro) - 1
                 with contextlib.nullcontext() if last else ddp.no_sync():  # sync once per update
                     # DDP averages over the W ranks: * W undoes it, / total makes a token mean
-                    loss = reversal_loss(ddp, batch, recipe.label_smoothing) * (
+                    loss = sequence_loss(ddp, batch, recipe.label_smoothing) * (
                         count * world / total
                     )
                     loss.backward()

@@ -3,27 +3,23 @@
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """Efficient attention: tiled attention with the online softmax and a recomputing backward (the
-FlashAttention algorithm in plain PyTorch), and the fast path of the course's model (packed
-projections, PyTorch's fused attention and layer norm, a faster dropout on the CPU)."""
+FlashAttention algorithm in plain PyTorch), and the switch to the fast path of the course's model
+(whose attention half lives in the attention module, beside the from-scratch code)."""
 
-import functools
+import dataclasses
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch import nn
 
 from transformer_from_scratch.attention import MultiHeadAttention
-from transformer_from_scratch.attention import _check_attention_inputs
+from transformer_from_scratch.attention import check_attention_inputs
 from transformer_from_scratch.checks import check_bool
 from transformer_from_scratch.checks import check_int
-from transformer_from_scratch.checks import check_tensor
 from transformer_from_scratch.checks import checking
-from transformer_from_scratch.layers import DecoderBlock
-from transformer_from_scratch.layers import EncoderBlock
 from transformer_from_scratch.layers import LayerNorm
-from transformer_from_scratch.layers import _check_block_input
+from transformer_from_scratch.model import TransformerConfig
 
 
 # Taught in notebook 14 · Efficient attention and a fast path
@@ -150,15 +146,14 @@ def tiled_attention(
     Q: Tensor,  # (..., T_q, d_k)
     K: Tensor,  # (..., T_k, d_k)
     V: Tensor,  # (..., T_k, d_v)
-    mask: Tensor
-    | None = None,  # broadcastable to (..., T_q, T_k); bool True = may attend, or float
+    mask: Tensor | None = None,  # broadcastable to (..., T_q, T_k): bool (True = attend) or float
     causal: bool = False,
     block_q: int = 256,
     block_k: int = 256,
 ) -> Tensor:
     """softmax(Q K^T / sqrt(d_k) + mask) V without a (T_q, T_k) matrix: context (..., T_q, d_v)."""
     if checking():
-        _check_attention_inputs(Q, K, V, mask, 0.0)
+        check_attention_inputs(Q, K, V, mask, 0.0)
         check_bool("causal", causal)
         check_int("block_q", block_q, minimum=1)
         check_int("block_k", block_k, minimum=1)
@@ -170,250 +165,16 @@ def tiled_attention(
 
 
 # Taught in notebook 14 · Efficient attention and a fast path
-def fast_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
-    """Inverted dropout; on a CPU the mask is drawn as uniforms, faster than F.dropout's."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu" or p == 1.0:  # on a GPU, F.dropout's fused kernel is the fast
-        return F.dropout(x, p, True)  # one; p = 1 drops everything (no 1 / (1 - p) to scale by)
-    keep = torch.rand_like(x).ge_(p).mul_(1.0 / (1.0 - p))  # 0 or 1 / (1 - p), like F.dropout
-    return x * keep
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-class FastDropout(nn.Dropout):
-    """nn.Dropout with the faster mask of `fast_dropout` (the same parameters: p and inplace)."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return fast_dropout(x, self.p, self.training)
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-def _causal_pattern(T: int, device: torch.device) -> Tensor:
-    """(T, T) bool, True on and below the diagonal: our causal_mask without its leading dims."""
-    if torch.compiler.is_compiling():  # torch.compile makes its own constant; no cache
-        return torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    return _cached_causal_pattern(T, device)
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-@functools.lru_cache(maxsize=32)
-def _cached_causal_pattern(T: int, device: torch.device) -> Tensor:
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-def fused_attention_mask(mask: Tensor | None, T_q: int, T_k: int) -> tuple[Tensor | None, bool]:
-    """Our mask as F.scaled_dot_product_attention's (attn_mask, is_causal) arguments."""
-    if mask is None:
-        return None, False
-    if torch.compiler.is_compiling():  # no data-dependent test inside a compiled graph
-        return mask, False
-    if (
-        mask.dtype == torch.bool
-        and T_q == T_k
-        and mask.numel() == T_q * T_k  # one (T, T) pattern shared by all sequences and heads
-        and torch.equal(mask.reshape(T_q, T_k), _causal_pattern(T_q, mask.device))
-    ):
-        return None, True  # the causal mask: no tensor needed, and the kernel skips tiles
-    return mask, False  # bool True = may attend, as ours; a float mask is added, as ours
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-def _attention_with_dropout(
-    Q: Tensor, K: Tensor, V: Tensor, attn_mask: Tensor | None, is_causal: bool, p: float
-) -> Tensor:
-    """softmax(Q K^T / sqrt(d_k) + mask), `fast_dropout` on the weights, @ V: (B, h, T_q, d_k)."""
-    scores = (Q * (1.0 / math.sqrt(Q.size(-1)))) @ K.transpose(-2, -1)  # (B, h, T_q, T_k)
-    no_key = None
-    if is_causal:
-        T_q, T_k = scores.shape[-2:]
-        scores = scores.masked_fill(~_causal_pattern(T_k, scores.device)[:T_q], -math.inf)
-    elif attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, -math.inf)
-            blocked = ~attn_mask
-        else:
-            scores = scores + attn_mask
-            blocked = torch.isneginf(attn_mask)
-        no_key = blocked.all(dim=-1, keepdim=True)  # on the (small) mask, not on the scores
-        if torch.compiler.is_compiling() or no_key.any():  # rows with no allowed key: zeros
-            scores = scores.masked_fill(no_key, 0.0)
-        else:
-            no_key = None
-    attn = torch.softmax(scores, dim=-1)
-    if no_key is not None:
-        attn = attn.masked_fill(no_key, 0.0)
-    return fast_dropout(attn, p) @ V  # (B, h, T_q, T_k) @ (B, h, T_k, d_k)
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """The mask with every row that allows no key opened to all keys, and those rows (..., 1)."""
-    blocked = ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
-    no_key = blocked.all(dim=-1, keepdim=True)  # (..., T_q or 1, 1), on the (small) mask
-    opened = mask | no_key if mask.dtype == torch.bool else mask.masked_fill(no_key, 0.0)
-    return opened, no_key
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-def _layer_norm(norm: LayerNorm, x: Tensor) -> Tensor:
-    """Our LayerNorm's numbers in one fused call."""
-    return F.layer_norm(x, (norm.d_model,), norm.weight, norm.bias, norm.eps)
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-class FastLayerNorm(LayerNorm):
-    """LayerNorm computed by F.layer_norm: the same parameters, the same numbers."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if checking():
-            check_tensor("x", x, kind="float")
-            if x.dim() == 0 or x.shape[-1] != self.d_model:
-                raise ValueError(
-                    f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
-                    f"got {tuple(x.shape)}"
-                )
-        return _layer_norm(self, x)
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-class FastMultiHeadAttention(MultiHeadAttention):
-    """MultiHeadAttention with packed projections and fused attention; the same parameters."""
-
-    def _attend(
-        self, x_q: Tensor, x_kv: Tensor | None, attn_mask: Tensor | None, is_causal: bool
-    ) -> Tensor:
-        """x_q (B, T_q, d) attends to x_kv (B, T_k, d), or to itself when x_kv is None."""
-        B, T_q, d = x_q.shape
-        W_q, W_k, W_v = self.W_q, self.W_k, self.W_v
-        has_bias = W_q.bias is not None
-        # 1) Project with one packed matmul: (3d, d) for self-attention, (2d, d) for K, V.
-        if x_kv is None:
-            w = torch.cat([W_q.weight, W_k.weight, W_v.weight])  # (3d, d)
-            b = torch.cat([W_q.bias, W_k.bias, W_v.bias]) if has_bias else None
-            Q, K, V = F.linear(x_q, w, b).split(d, dim=-1)  # (B, T, 3d) -> 3 x (B, T, d)
-        else:
-            Q = F.linear(x_q, W_q.weight, W_q.bias)  # (B, T_q, d)
-            w = torch.cat([W_k.weight, W_v.weight])  # (2d, d)
-            b = torch.cat([W_k.bias, W_v.bias]) if has_bias else None
-            K, V = F.linear(x_kv, w, b).split(d, dim=-1)  # 2 x (B, T_k, d)
-        # (B, T, d) -> (B, T, h, d_k) -> (B, h, T, d_k): views of the packed output
-        Q, K, V = (t.unflatten(-1, (self.num_heads, self.d_k)).transpose(1, 2) for t in (Q, K, V))
-        # 2) Attend: fused, except for dropout in training on a CPU.
-        p = self.dropout_p if self.training else 0.0
-        if p > 0.0 and Q.device.type == "cpu":
-            context = _attention_with_dropout(Q, K, V, attn_mask, is_causal, p)
-        else:
-            no_key = None
-            if attn_mask is not None:  # empty rows: zeros on every backend (some GPU kernels
-                attn_mask, no_key = _open_empty_rows(attn_mask)  # have returned NaN for them)
-            context = F.scaled_dot_product_attention(
-                Q, K, V, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal
-            )  # (B, h, T_q, d_k)
-            if no_key is not None:
-                context = context.masked_fill(no_key, 0.0)
-        # 3) Concatenate the heads and mix them with W_o.
-        context = context.transpose(1, 2).reshape(B, T_q, d)  # (B, h, T_q, d_k) -> (B, T_q, d)
-        return F.linear(context, self.W_o.weight, self.W_o.bias)
-
-    def forward(self, x_q, x_k=None, x_v=None, mask=None, return_attn=False, cache=None):
-        """The call of MultiHeadAttention.forward; the from-scratch path when it must be."""
-        if return_attn or cache is not None or (x_v is not None and x_v is not x_k):
-            return super().forward(x_q, x_k, x_v, mask, return_attn, cache)
-        x_kv = None if x_k is None or x_k is x_q else x_k
-        if checking():
-            x_k = x_q if x_kv is None else x_kv
-            self._check_inputs(x_q, x_k, x_k)
-            self._check_mask(mask, x_q.shape[0], x_q.shape[1], x_k.shape[1])
-        T_k = x_q.size(1) if x_kv is None else x_kv.size(1)
-        attn_mask, is_causal = fused_attention_mask(mask, x_q.size(1), T_k)
-        return self._attend(x_q, x_kv, attn_mask, is_causal)
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-def _feed_forward(ffn: nn.Sequential, x: Tensor) -> Tensor:
-    """ffn = Sequential(Linear, activation, Linear[, Dropout]) without the module calls."""
-    first, activation, second = ffn[0], ffn[1], ffn[2]
-    hidden = F.linear(x, first.weight, first.bias)  # (..., d_model) -> (..., d_ff)
-    # out of place: relu_ on the linear's output (a view) would make autograd copy the whole
-    # (..., d_ff) tensor in the backward, and it saves no memory (ReLU keeps its result either way)
-    hidden = torch.relu(hidden) if type(activation) is nn.ReLU else activation(hidden)
-    out = F.linear(hidden, second.weight, second.bias)  # (..., d_ff) -> (..., d_model)
-    return ffn[3](out) if len(ffn) > 3 else out
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-class FastEncoderBlock(EncoderBlock):
-    """EncoderBlock on the fast path: the same parameters and the same function."""
-
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        if checking():
-            _check_block_input("x", x, self.d_model)
-            self.self_attn._check_mask(mask, x.shape[0], x.shape[1], x.shape[1])
-        attn_mask, is_causal = fused_attention_mask(mask, x.size(1), x.size(1))
-        attend = self.self_attn._attend
-        # Each branch goes through the block's own dropout module (a FastDropout on this path),
-        # so whatever replaced it, such as DropPath's BranchDrop (notebook 15), still applies.
-        drop1, drop2 = self.dropout1, self.dropout2
-        if self.norm_first:
-            x = x + drop1(attend(_layer_norm(self.norm1, x), None, attn_mask, is_causal))
-            return x + drop2(_feed_forward(self.ffn, _layer_norm(self.norm2, x)))
-        x = _layer_norm(self.norm1, x + drop1(attend(x, None, attn_mask, is_causal)))
-        return _layer_norm(self.norm2, x + drop2(_feed_forward(self.ffn, x)))
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-class FastDecoderBlock(DecoderBlock):
-    """DecoderBlock on the fast path (the from-scratch one when given a KV cache)."""
-
-    def forward(self, x, enc_out, self_mask=None, cross_mask=None, cache=None) -> Tensor:
-        if cache is not None:
-            return super().forward(x, enc_out, self_mask, cross_mask, cache)
-        B, T, S = x.shape[0], x.shape[1], enc_out.shape[1]
-        if checking():
-            _check_block_input("x", x, self.d_model)
-            _check_block_input("enc_out", enc_out, self.d_model)
-            if enc_out.shape[0] != B:
-                shapes = f"x {tuple(x.shape)} and enc_out {tuple(enc_out.shape)}"
-                raise ValueError(f"{shapes} have different batch sizes")
-            self.self_attn._check_mask(self_mask, B, T, T)
-            self.cross_attn._check_mask(cross_mask, B, T, S)
-        self_m, self_causal = fused_attention_mask(self_mask, T, T)
-        cross_m, cross_causal = fused_attention_mask(cross_mask, T, S)
-        sa, ca = self.self_attn._attend, self.cross_attn._attend
-        drop1, drop2, drop3 = self.dropout1, self.dropout2, self.dropout3  # the block's modules
-        if self.norm_first:
-            x = x + drop1(sa(_layer_norm(self.norm1, x), None, self_m, self_causal))
-            x = x + drop2(ca(_layer_norm(self.norm2, x), enc_out, cross_m, cross_causal))
-            return x + drop3(_feed_forward(self.ffn, _layer_norm(self.norm3, x)))
-        x = _layer_norm(self.norm1, x + drop1(sa(x, None, self_m, self_causal)))
-        x = _layer_norm(self.norm2, x + drop2(ca(x, enc_out, cross_m, cross_causal)))
-        return _layer_norm(self.norm3, x + drop3(_feed_forward(self.ffn, x)))
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
-_FAST_TWINS = {
-    MultiHeadAttention: FastMultiHeadAttention,
-    LayerNorm: FastLayerNorm,
-    EncoderBlock: FastEncoderBlock,
-    DecoderBlock: FastDecoderBlock,
-    nn.Dropout: FastDropout,
-}
-# Taught in notebook 14 · Efficient attention and a fast path
-_SCRATCH_TWINS = {fast: scratch for scratch, fast in _FAST_TWINS.items()}
-
-
-# Taught in notebook 14 · Efficient attention and a fast path
 def use_fast_path(model: nn.Module, enabled: bool = True) -> nn.Module:
-    """Switch model's modules to the fast path in place (enabled=False: back); returns model."""
+    """Switch every attention layer and norm of model to the fast path, in place; returns model."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_bool("enabled", enabled)
-    twins = _FAST_TWINS if enabled else _SCRATCH_TWINS
     for module in model.modules():
-        if type(module) in twins:
-            module.__class__ = twins[type(module)]
+        if isinstance(module, (MultiHeadAttention, LayerNorm)):
+            module.fast = enabled
+    if isinstance(getattr(model, "config", None), TransformerConfig):
+        model.config = dataclasses.replace(model.config, fast=enabled)
     return model
 
 
@@ -422,12 +183,5 @@ __all__ = [
     "tiled_attention_backward",
     "TiledAttention",
     "tiled_attention",
-    "fast_dropout",
-    "FastDropout",
-    "fused_attention_mask",
-    "FastLayerNorm",
-    "FastMultiHeadAttention",
-    "FastEncoderBlock",
-    "FastDecoderBlock",
     "use_fast_path",
 ]

@@ -8,10 +8,14 @@
 """Layers of a Transformer block: layer normalisation, the feed-forward network, the blocks."""
 
 from collections.abc import Callable
+from typing import Protocol
+from typing import runtime_checkable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from transformer_from_scratch.attention import KeyValueCache
 from transformer_from_scratch.attention import MultiHeadAttention
 from transformer_from_scratch.checks import check_bool
 from transformer_from_scratch.checks import check_choice
@@ -26,10 +30,11 @@ from transformer_from_scratch.checks import checking
 class LayerNorm(nn.Module):
     """Layer normalisation over the last dimension, with the same numbers as nn.LayerNorm."""
 
-    def __init__(self, d_model: int, eps: float = 1e-5):
+    def __init__(self, d_model: int, eps: float = 1e-5, fast: bool = False):
         super().__init__()
         self.d_model = check_int("d_model", d_model, minimum=1)
         self.eps = check_float("eps", eps, 0.0, low_open=True)
+        self.fast = check_bool("fast", fast)  # notebook 14: the same function in one fused kernel
         self.weight = nn.Parameter(torch.empty(d_model))  # gamma
         self.bias = nn.Parameter(torch.empty(d_model))  # beta
         self.reset_parameters()
@@ -41,7 +46,7 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         """Shown by print(module)."""
-        return f"{self.d_model}, eps={self.eps}"
+        return f"{self.d_model}, eps={self.eps}" + (", fast=True" if self.fast else "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise each vector along the last dimension, then scale by weight, shift by bias."""
@@ -52,6 +57,8 @@ class LayerNorm(nn.Module):
                     f"LayerNorm({self.d_model}) expects input of shape (..., {self.d_model}), "
                     f"got {tuple(x.shape)}"
                 )
+        if self.fast:  # notebook 14: one fused kernel, equal to float32 rounding
+            return F.layer_norm(x, (self.d_model,), self.weight, self.bias, self.eps)
         mean = x.mean(dim=-1, keepdim=True)  # (..., D) -> (..., 1)
         centred = x - mean  # (..., D)
         # the biased variance: divide by D, not D - 1
@@ -148,21 +155,22 @@ class _Block(nn.Module):
         activation: str = "relu",
         bias: bool = True,
         norm_first: bool = True,
+        fast: bool = False,  # notebook 14's fast path, in the attention layers and the norms
     ):
         super().__init__()
         check_bool("norm_first", norm_first)
         # MultiHeadAttention checks d_model, num_heads and dropout_p; feed_forward checks d_ff.
-        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+        self.self_attn = MultiHeadAttention(d_model, num_heads, dropout_p, bias, fast)
         if self.cross_attention:
-            self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p=dropout_p, bias=bias)
+            self.cross_attn = MultiHeadAttention(d_model, num_heads, dropout_p, bias, fast)
         # Sequential(Linear, activation, Linear), no dropout inside
         self.ffn = feed_forward(d_model, d_ff, activation, bias=bias)
         # One norm and one residual dropout per sub-layer, numbered in the order they run:
         # encoder 1 self-attention, 2 FFN; decoder 1 self-attention, 2 cross-attention, 3 FFN.
-        self.norm1 = LayerNorm(d_model)
-        self.norm2 = LayerNorm(d_model)
+        self.norm1 = LayerNorm(d_model, fast=fast)
+        self.norm2 = LayerNorm(d_model, fast=fast)
         if self.cross_attention:
-            self.norm3 = LayerNorm(d_model)
+            self.norm3 = LayerNorm(d_model, fast=fast)
         self.dropout1 = nn.Dropout(dropout_p)  # on the sub-layer's output, before the residual add
         self.dropout2 = nn.Dropout(dropout_p)
         if self.cross_attention:
@@ -203,7 +211,7 @@ class DecoderBlock(_Block):
         enc_out: torch.Tensor,  # (B, T_src, d_model), the encoder's output
         self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
         cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
-        cache=None,  # this block's keys and values from earlier steps, for generation (notebook 12)
+        cache: "BlockCache | None" = None,  # this block's keys and values from earlier steps
     ) -> torch.Tensor:
         """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
         if checking():  # off inside a stack that checked its inputs already
@@ -236,6 +244,18 @@ class DecoderBlock(_Block):
         return sublayer_connection(x, self.ffn, self.norm3, self.dropout3, self.norm_first)
 
 
+# Taught in notebook 08 · Encoder and decoder blocks
+@runtime_checkable
+class BlockCache(Protocol):
+    """What DecoderBlock.forward asks of a cache: one KeyValueCache for each attention."""
+
+    @property
+    def self_attn(self) -> KeyValueCache: ...
+
+    @property
+    def cross_attn(self) -> KeyValueCache: ...
+
+
 # Taught in notebook 10 · The full model
 class _Stack(nn.Module):
     """num_layers blocks of one kind in an nn.ModuleList, then a final LayerNorm."""
@@ -252,16 +272,17 @@ class _Stack(nn.Module):
         activation: str = "relu",
         bias: bool = True,
         norm_first: bool = True,
+        fast: bool = False,
     ):
         super().__init__()
         check_int("num_layers", num_layers, minimum=1)
         settings = dict(
-            dropout_p=dropout_p, activation=activation, bias=bias, norm_first=norm_first
+            dropout_p=dropout_p, activation=activation, bias=bias, norm_first=norm_first, fast=fast
         )
         self.layers = nn.ModuleList(
             self.block(d_model, num_heads, d_ff, **settings) for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
-        self.norm = LayerNorm(d_model)  # pre-norm blocks leave the last residual sum unnormalised
+        self.norm = LayerNorm(d_model, fast=fast)  # pre-norm blocks leave the stream unnormalised
         self.num_layers, self.d_model = num_layers, d_model
 
 
@@ -279,6 +300,19 @@ class Encoder(_Stack):
 
 
 # Taught in notebook 10 · The full model
+@runtime_checkable
+class DecoderCache(Protocol):
+    """What Decoder.forward and Transformer.decode ask of a cache (notebook 12's KVCache is one)."""
+
+    @property
+    def length(self) -> int:  # positions kept so far: the position of the next token
+        ...
+
+    def layer(self, i: int) -> BlockCache:  # decoder block i's part
+        ...
+
+
+# Taught in notebook 10 · The full model
 class Decoder(_Stack):
     """A stack of num_layers decoder blocks reading one enc_out, then a final LayerNorm."""
 
@@ -290,7 +324,7 @@ class Decoder(_Stack):
         enc_out: torch.Tensor,  # (B, T_src, d_model), read by every block
         self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T)
         cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_src)
-        cache=None,  # every block's keys and values from earlier steps (notebook 12)
+        cache: DecoderCache | None = None,  # every block's keys and values (notebook 12)
     ) -> torch.Tensor:
         """(B, T, d_model) and enc_out (B, T_src, d_model) -> (B, T, d_model)."""
         for i, layer in enumerate(self.layers):
@@ -308,6 +342,8 @@ __all__ = [
     "sublayer_connection",
     "EncoderBlock",
     "DecoderBlock",
+    "BlockCache",
     "Encoder",
+    "DecoderCache",
     "Decoder",
 ]

@@ -17,7 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from transformer_from_scratch.attention import MultiHeadAttention
 from transformer_from_scratch.checks import check_int
 
 
@@ -106,9 +108,8 @@ def _synchronize() -> None:
 # Taught in notebook 02 · Self-attention
 def time_call(fn: Callable[[], object], warmup: int = 1, repeats: int = 5) -> float:
     """Median wall-clock seconds of fn() over `repeats` timed calls, after `warmup` untimed ones."""
-    for name, value, low in (("warmup", warmup, 0), ("repeats", repeats, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    check_int("warmup", warmup, minimum=0)
+    check_int("repeats", repeats, minimum=1)
     for _ in range(warmup):
         fn()
     _synchronize()
@@ -134,6 +135,22 @@ def fit_slope(xs, ys) -> float:
     if spread == 0:
         raise ValueError("fit_slope needs at least two different x values")
     return sum((x - mx) * (y - my) for x, y in zip(lx, ly, strict=True)) / spread
+
+
+# Taught in notebook 14 · Efficient attention and a fast path
+def dropout_sites(model: nn.Module) -> int:
+    """How many places apply dropout with p > 0 in training mode (each module counted once):
+    every nn.Dropout with p > 0, and every attention module that drops attention weights (our
+    MultiHeadAttention's dropout_p, nn.MultiheadAttention's dropout)."""
+    sites = 0
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            sites += m.p > 0
+        elif isinstance(m, nn.MultiheadAttention):
+            sites += m.dropout > 0
+        elif isinstance(m, MultiHeadAttention):
+            sites += m.dropout_p > 0
+    return int(sites)
 
 
 # Taught in notebook 14 · Efficient attention and a fast path
@@ -168,5 +185,6 @@ __all__ = [
     "peak_memory",
     "time_call",
     "fit_slope",
+    "dropout_sites",
     "operator_times",
 ]

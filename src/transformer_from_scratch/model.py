@@ -21,6 +21,7 @@ from transformer_from_scratch.checks import checking
 from transformer_from_scratch.checks import validated
 from transformer_from_scratch.layers import ACTIVATIONS
 from transformer_from_scratch.layers import Decoder
+from transformer_from_scratch.layers import DecoderCache
 from transformer_from_scratch.layers import Encoder
 from transformer_from_scratch.positional import PositionalEncoding
 from transformer_from_scratch.tokens import EOS
@@ -67,6 +68,7 @@ class TransformerConfig:
     activation: str = "relu"  # of the feed-forward networks: "relu", "gelu" or "silu"
     bias: bool = True  # in the attention projections and the feed-forward networks
     norm_first: bool = True  # pre-norm blocks; False: the paper's post-norm
+    fast: bool = False  # notebook 14's fast path: packed projections, PyTorch's fused kernels
 
     def __post_init__(self):
         for name in ("src_vocab_size", "tgt_vocab_size"):  # room for PAD, BOS, EOS and a symbol
@@ -77,6 +79,7 @@ class TransformerConfig:
         check_choice("activation", self.activation, ACTIVATIONS)
         check_bool("bias", self.bias)
         check_bool("norm_first", self.norm_first)
+        check_bool("fast", self.fast)
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: "
@@ -124,7 +127,11 @@ class Transformer(nn.Module):
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, c.d_model, padding_idx=PAD)
         self.pos = PositionalEncoding(c.d_model, max_len=c.max_len, dropout_p=c.dropout_p)
         blocks = dict(
-            dropout_p=c.dropout_p, activation=c.activation, bias=c.bias, norm_first=c.norm_first
+            dropout_p=c.dropout_p,
+            activation=c.activation,
+            bias=c.bias,
+            norm_first=c.norm_first,
+            fast=c.fast,
         )  # what every block of both stacks is built with
         self.encoder = Encoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
         self.decoder = Decoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
@@ -165,7 +172,7 @@ class Transformer(nn.Module):
         enc_out: torch.Tensor,  # (B, T_src, d_model) from encode
         self_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_kept + T_tgt)
         cross_mask: torch.Tensor | None = None,  # broadcastable to (B, h, T_tgt, T_src)
-        cache=None,  # keys and values of the T_kept tokens decoded before (notebook 12)
+        cache: DecoderCache | None = None,  # keys and values of the T_kept tokens decoded before
     ) -> torch.Tensor:
         """Target ids (B, T_tgt) and enc_out (B, T_src, d_model) -> dec_out (B, T_tgt, d_model)."""
         offset = 0 if cache is None else cache.length  # where the tokens of tgt sit

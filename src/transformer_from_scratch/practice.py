@@ -9,13 +9,11 @@ import math
 import os
 import random
 import types
-from collections.abc import Sequence
 from dataclasses import asdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
@@ -24,22 +22,25 @@ from transformer_from_scratch.checks import check_choice
 from transformer_from_scratch.checks import check_float
 from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.checks import check_probability
+from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import atomic_save
+from transformer_from_scratch.train import num_tokens
+from transformer_from_scratch.train import sequence_loss
+from transformer_from_scratch.train import token_loss
 
 
 # Taught in notebook 13 · A real translation task
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on weight matrices; none on norms, biases and embeddings."""
+    """AdamW groups: decay on every matrix (embeddings too); none on biases and norm gains."""
     weight_decay = check_float("weight_decay", weight_decay, 0.0)
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        # Matrices that mix features decay; gains, biases and embedding rows do not.
-        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+        (decay if p.dim() >= 2 else no_decay).append(p)  # matrices; vectors (gains, biases)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -57,34 +58,6 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
         return (step + 1) / warmup_steps  # step 0 already gets a small, non-zero rate
     progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-# Taught in notebook 13 · A real translation task
-def sequence_loss(
-    model: nn.Module,
-    batch: Sequence[torch.Tensor],
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
-) -> tuple[torch.Tensor, int]:
-    """Cross-entropy of a (src, tgt_in, tgt_out, src_lengths) batch over its real target tokens.
-
-    Returns (loss, number of real target tokens); reduction="sum" gives the sum, to be divided
-    by the tokens of a whole accumulated batch.
-    """
-    reduction = check_choice("reduction", reduction, ("mean", "sum"))
-    device = next(model.parameters()).device
-    src, tgt_in, tgt_out, src_lengths = (t.to(device) for t in batch)
-    src_mask = padding_mask(src_lengths, src.size(1))  # (B, 1, 1, T_src)
-    tgt_mask = causal_mask(tgt_in.size(1), device=device)  # (1, 1, T, T)
-    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
-    loss = F.cross_entropy(
-        logits.float().flatten(0, 1),  # (B*T, V), in float32 even under autocast
-        tgt_out.flatten(),  # (B*T,)
-        ignore_index=PAD,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-    )
-    return loss, int((tgt_out != PAD).sum())
 
 
 # Taught in notebook 13 · A real translation task
@@ -163,13 +136,8 @@ def set_rng_state(state: dict) -> None:
 
 # Taught in notebook 13 · A real translation task
 def save_training_state(path: str | os.PathLike, state: dict) -> Path:
-    """torch.save to a temporary file, then rename: a crash leaves the old checkpoint whole."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # atomic on POSIX and Windows
-    return path
+    """Write a training state with notebook 11's atomic_save: old file or new, never half."""
+    return atomic_save(state, path)
 
 
 # Taught in notebook 13 · A real translation task
@@ -234,29 +202,22 @@ def evaluate_loss(
     model: nn.Module, loader, amp_dtype: str | None = None, label_smoothing: float = 0.0
 ) -> tuple[float, float]:
     """Mean cross-entropy per real target token and the share of tokens predicted right."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     loss_sum, correct, tokens = 0.0, 0, 0
-    for batch in loader:
-        src, tgt_in, tgt_out, src_lengths = (t.to(device) for t in batch)
-        with amp_autocast(device, amp_dtype):
-            logits = model(
-                src, tgt_in,
-                src_mask=padding_mask(src_lengths, src.size(1)),
-                tgt_mask=causal_mask(tgt_in.size(1), device=device),
-            )  # fmt: skip
-        real = tgt_out != PAD  # (B, T)
-        loss_sum += F.cross_entropy(
-            logits.float().flatten(0, 1),
-            tgt_out.flatten(),
-            ignore_index=PAD,
-            label_smoothing=label_smoothing,  # the training loss's, so the curves compare
-            reduction="sum",
-        ).item()
-        correct += int(((logits.argmax(-1) == tgt_out) & real).sum())
-        tokens += int(real.sum())
-    model.train(was_training)
+    with eval_mode(model):  # dropout off; the mode it came in is back afterwards, even on error
+        for batch in loader:
+            src, tgt_in, tgt_out, src_lengths = (t.to(device) for t in batch)
+            with amp_autocast(device, amp_dtype):
+                logits = model(
+                    src, tgt_in,
+                    src_mask=padding_mask(src_lengths, src.size(1)),
+                    tgt_mask=causal_mask(tgt_in.size(1), device=device),
+                )  # fmt: skip
+            real = tgt_out != PAD  # (B, T)
+            # the training loss's label smoothing, so that the curves compare
+            loss_sum += token_loss(logits, tgt_out, label_smoothing, reduction="sum").item()
+            correct += int(((logits.argmax(-1) == tgt_out) & real).sum())
+            tokens += int(real.sum())
     return loss_sum / tokens, correct / tokens
 
 
@@ -320,11 +281,11 @@ def train_translation(
 
     def update(micro_batches: list) -> float:
         """One optimizer step from k micro-batches: the gradient of their token-mean loss."""
-        tokens = sum(int((batch[2] != PAD).sum()) for batch in micro_batches)
+        tokens = sum(num_tokens(batch) for batch in micro_batches)
         loss_sum = 0.0
         for batch in micro_batches:
             with amp_autocast(device, config.amp_dtype):
-                loss, _ = sequence_loss(model, batch, config.label_smoothing, reduction="sum")
+                loss = sequence_loss(model, batch, config.label_smoothing, reduction="sum")
             scaler.scale(loss / tokens).backward()  # the sum over all k, over all their tokens
             loss_sum += loss.item()
         scaler.unscale_(optimizer)  # true gradients, before measuring and clipping them
@@ -401,7 +362,6 @@ def train_translation(
 __all__ = [
     "param_groups",
     "warmup_cosine",
-    "sequence_loss",
     "amp_autocast",
     "set_gradient_checkpointing",
     "EarlyStopping",

@@ -2,7 +2,7 @@
 #   notebooks/09_embeddings_and_output_head.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
-"""Token ids the whole library agrees on: three reserved ids, and the check of a batch of ids."""
+"""Token ids the whole library agrees on: the reserved ids, and the check of a batch of ids."""
 
 import torch
 
@@ -10,6 +10,8 @@ from transformer_from_scratch.checks import check_tensor
 
 # Taught in notebook 09 · Embeddings and the output head
 PAD, BOS, EOS = 0, 1, 2  # reserved token ids: padding, beginning and end of sequence
+# Taught in notebook 09 · Embeddings and the output head
+UNK = 3  # an unknown symbol: notebook 13's tokenizer writes it for a character it never saw
 
 
 # Taught in notebook 09 · Embeddings and the output head
@@ -32,4 +34,4 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens")
         )
 
 
-__all__ = ["PAD", "BOS", "EOS", "check_token_ids"]
+__all__ = ["PAD", "BOS", "EOS", "UNK", "check_token_ids"]

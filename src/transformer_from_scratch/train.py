@@ -41,23 +41,48 @@ def lr_lambda(step: int, d_model: int, warmup: int) -> float:
 
 
 # Taught in notebook 11 · Training
-def reversal_loss(
-    model: Transformer,
-    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+Batch = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]  # src, tgt_in, tgt_out, lengths
+
+
+# Taught in notebook 11 · Training
+def token_loss(
+    logits: torch.Tensor,  # (B, T, V)
+    tgt_out: torch.Tensor,  # (B, T) target ids, PAD where there is no token
     label_smoothing: float = 0.0,
+    reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy of a (src, tgt_in, tgt_out, lengths) batch, PAD ignored."""
-    device = next(model.parameters()).device
-    src, tgt_in, tgt_out, lengths = (t.to(device) for t in batch)
-    src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src): hide the source's padding
-    tgt_mask = causal_mask(tgt_in.size(1), device=device)  # (1, 1, T, T): hide the future
-    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
+    """Cross-entropy of every real target token: their mean, or their sum (reduction="sum")."""
+    check_choice("reduction", reduction, ("mean", "sum"))
+    if logits.dtype in (torch.float16, torch.bfloat16):  # autocast: the loss in float32
+        logits = logits.float()
     return F.cross_entropy(
         logits.flatten(0, 1),  # (B, T, V) -> (B*T, V)
         tgt_out.flatten(),  # (B, T) -> (B*T,)
         ignore_index=PAD,
         label_smoothing=label_smoothing,
+        reduction=reduction,
     )
+
+
+# Taught in notebook 11 · Training
+def sequence_loss(
+    model: Transformer, batch: Batch, label_smoothing: float = 0.0, reduction: str = "mean"
+) -> torch.Tensor:
+    """token_loss of a (src, tgt_in, tgt_out, src_lengths) batch: the model with both masks."""
+    device = next(model.parameters()).device
+    src, tgt_in, tgt_out, lengths = (t.to(device) for t in batch)
+    src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src): hide the source's padding
+    tgt_mask = causal_mask(tgt_in.size(1), device=device)  # (1, 1, T, T): hide the future
+    logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T, V)
+    return token_loss(logits, tgt_out, label_smoothing, reduction)
+
+
+# Taught in notebook 11 · Training
+def num_tokens(batch: Batch) -> int:
+    """How many target positions of a batch the loss grades (everything but PAD)."""
+    return int((batch[2] != PAD).sum())
 
 
 # Taught in notebook 11 · Training
@@ -98,7 +123,7 @@ def train_model(
     bar = tqdm(total=steps, desc="training", unit="step", disable=not progress)
     for step in range(1, steps + 1):
         batch = make_batch(batch_size, max_len, vocab_size, generator=generator)  # on the CPU
-        loss = reversal_loss(model, batch, label_smoothing)
+        loss = sequence_loss(model, batch, label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
@@ -154,10 +179,6 @@ class ReversalRecipe:
         check_probability("dropout_p", self.dropout_p)
         check_probability("label_smoothing", self.label_smoothing)
         check_choice("embedding_init", self.embedding_init, ("paper", "default"))
-        if self.embedding_init not in ("paper", "default"):  # check_choice ignores case
-            raise ValueError(
-                f"embedding_init must be 'paper' or 'default', got {self.embedding_init!r}"
-            )
 
 
 # Taught in notebook 11 · Training
@@ -237,7 +258,8 @@ def reversal_correct(
     device = next(model.parameters()).device
     src, tgt_out = src.to(device), tgt_out.to(device)
     src_mask = padding_mask(lengths.to(device), src.size(1))  # (B, 1, 1, T_src)
-    decoded = greedy_decode(model, src, tgt_out.size(1), src_mask=src_mask)[:, 1:]  # drop BOS
+    decoded = greedy_decode(model, src, max_new_tokens=tgt_out.size(1), src_mask=src_mask)
+    decoded = decoded.tokens[:, 1:]  # (B, <= T_tgt): drop BOS
     padded = torch.full_like(tgt_out, PAD)  # (B, T_tgt): decoding may stop early
     padded[:, : decoded.size(1)] = decoded
     return (padded == tgt_out).all(dim=1)
@@ -299,11 +321,22 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "meta": meta,
     }
+    return atomic_save(payload, path)
+
+
+# Taught in notebook 11 · Training
+def atomic_save(obj, path: str | os.PathLike) -> Path:
+    """torch.save(obj) to a temporary file beside `path`, flushed to disk, then renamed onto it.
+
+    A crash leaves the old file or the new one, never half of one: the rename replaces the name
+    in one step (os.replace, on POSIX and on Windows), and fsync puts the bytes on disk first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     # A temporary file in the same folder (same file system), then one atomic rename.
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as f:
-            torch.save(payload, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(temporary, path)
@@ -387,7 +420,10 @@ def get_reversal_model(
 
 __all__ = [
     "lr_lambda",
-    "reversal_loss",
+    "Batch",
+    "token_loss",
+    "sequence_loss",
+    "num_tokens",
     "train_model",
     "ReversalRecipe",
     "REVERSAL_RECIPE",
@@ -399,6 +435,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "CheckpointError",
     "save_checkpoint",
+    "atomic_save",
     "load_checkpoint",
     "get_reversal_model",
 ]

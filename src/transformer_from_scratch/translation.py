@@ -258,10 +258,12 @@ def translate(
         src = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=PAD).to(device)
         src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src)
         if beam_size == 1:
-            out = greedy_decode(model, src, max_new_tokens, src_mask=src_mask)
+            out = greedy_decode(model, src, max_new_tokens=max_new_tokens, src_mask=src_mask)
         else:
-            out, _ = beam_search(model, src, beam_size, max_new_tokens, src_mask=src_mask)
-        for row in out.tolist():  # BOS first; cut at the first EOS
+            out = beam_search(
+                model, src, max_new_tokens=max_new_tokens, src_mask=src_mask, beam_size=beam_size
+            )
+        for row in out.tokens.tolist():  # BOS first; cut at the first EOS
             translations.append(tgt_tokenizer.decode(row[: row.index(EOS)] if EOS in row else row))
     return translations
 

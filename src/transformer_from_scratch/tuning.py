@@ -20,17 +20,16 @@ from transformer_from_scratch.checks import check_float
 from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.data import make_batch
+from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.practice import param_groups
+from transformer_from_scratch.practice import warmup_cosine
 from transformer_from_scratch.regularization import add_drop_path
-from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import Batch
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import lr_lambda
-from transformer_from_scratch.train import reversal_loss
-
-# Taught in notebook 15 · Tuning and generalisation
-Batch = tuple[
-    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-]  # src, tgt_in, tgt_out, lengths
+from transformer_from_scratch.train import num_tokens
+from transformer_from_scratch.train import sequence_loss
 
 
 # Taught in notebook 15 · Tuning and generalisation
@@ -126,34 +125,20 @@ def lr_factor(step: int, recipe: Recipe) -> float:
     step = check_int("step", step, minimum=0)
     if recipe.schedule == "paper":  # notebook 11: the rate of update s is lr_lambda(s + 1)
         return lr_lambda(step + 1, recipe.d_model, max(recipe.warmup, 1))
-    if step < recipe.warmup:
-        return (step + 1) / recipe.warmup  # linear, reaching 1 at the end of the warm-up
-    if recipe.schedule == "constant":
-        return 1.0
-    progress = (step - recipe.warmup) / max(recipe.steps - recipe.warmup, 1)  # 0 -> 1
-    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))  # 1 -> 0
+    # Notebook 13's warm-up and cosine; "constant" is the same warm-up, then a floor of 1.
+    floor = 1.0 if recipe.schedule == "constant" else 0.0
+    return warmup_cosine(step, recipe.warmup, max(recipe.steps, recipe.warmup + 1), floor)
 
 
 # Taught in notebook 15 · Tuning and generalisation
 def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
-    """Adam or AdamW at base rate recipe.lr; AdamW decays matrices only, not biases or norms."""
+    """Adam, or AdamW with notebook 13's groups (decay on matrices), at base rate recipe.lr."""
     if recipe.optimizer == "adam":
         return torch.optim.Adam(
             model.parameters(), lr=recipe.lr, betas=recipe.betas, eps=recipe.eps
         )
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # weights and embeddings
-    keep = [p for p in model.parameters() if p.dim() < 2]  # biases, LayerNorm gains and shifts
-    groups = [
-        {"params": decay, "weight_decay": recipe.weight_decay},
-        {"params": keep, "weight_decay": 0.0},
-    ]
+    groups = param_groups(model, recipe.weight_decay)  # biases and norm gains do not decay
     return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps)
-
-
-# Taught in notebook 15 · Tuning and generalisation
-def num_tokens(batch: Batch) -> int:
-    """How many target positions of a batch the loss grades (everything but PAD)."""
-    return int((batch[2] != PAD).sum())
 
 
 # Taught in notebook 15 · Tuning and generalisation
@@ -183,7 +168,7 @@ def accumulate_gradients(
     total = sum(counts) if total_tokens is None else total_tokens
     loss_sum = 0.0
     for batch, count in zip(micro_batches, counts, strict=True):
-        loss = reversal_loss(model, batch, label_smoothing) * (count * scale / total)
+        loss = sequence_loss(model, batch, label_smoothing) * (count * scale / total)
         loss.backward()
         loss_sum += loss.item()
     return loss_sum / scale
@@ -193,15 +178,13 @@ def accumulate_gradients(
 @torch.no_grad()
 def dataset_loss(model: Transformer, data: Batch, batch_size: int = 512) -> float:
     """Mean cross-entropy (no smoothing) over all graded tokens of `data`, in eval mode."""
-    was_training = model.training
-    model.eval()
     total, count = 0.0, 0
-    for start in range(0, data[0].shape[0], batch_size):
-        chunk = tuple(t[start : start + batch_size] for t in data)
-        n = num_tokens(chunk)
-        total += reversal_loss(model, chunk).item() * n
-        count += n
-    model.train(was_training)
+    with eval_mode(model):  # the mode it came in is back afterwards, even on error
+        for start in range(0, data[0].shape[0], batch_size):
+            chunk = tuple(t[start : start + batch_size] for t in data)
+            n = num_tokens(chunk)
+            total += sequence_loss(model, chunk).item() * n
+            count += n
     return total / count
 
 
@@ -493,13 +476,11 @@ def train_until_solved(
 
 
 __all__ = [
-    "Batch",
     "Recipe",
     "TUTORIAL_RECIPE",
     "build_model",
     "lr_factor",
     "make_optimizer",
-    "num_tokens",
     "split_batch",
     "accumulate_gradients",
     "dataset_loss",
