@@ -499,7 +499,11 @@ print(tgt_tokenizer.encode(example_de))
 
 # %% [markdown]
 # The counts behind the paragraph above: the hyphenated English words that are not one token, and
-# how each German tens word is cut.
+# how each German tens word is cut. BPE's pieces are findings of these tokenizers, learnt from
+# this split of the numbers: another seed draws other training sentences, and learns other
+# pieces (under one of the seeds `make robust` tries, "dreißig" is cut too). So the paragraph's
+# exact claims are asserted only for the tokenizers of the stored run, recognised by their
+# fingerprints; the share of split words stays within the bound for every seed tried.
 
 # %%
 hyphenated = [number_to_words(n, "en") for n in range(21, 100) if n % 10]  # twenty-one ...
@@ -507,9 +511,11 @@ split_up = [w for w in hyphenated if len(src_tokenizer.tokens(w)) > 1]
 print(f"{len(split_up)} of {len(hyphenated)} hyphenated English words are more than one token")
 tens_de = {number_to_words(n, "de"): tgt_tokenizer.tokens(number_to_words(n, "de"))[1:] for n in range(20, 100, 10)}
 print("German tens (after the lone '▁'):", tens_de)
-assert 0.3 < len(split_up) / len(hyphenated) < 0.5  # "about two in five"
-assert sum(len(pieces) == 1 for pieces in tens_de.values()) == 1 and tens_de["dreißig"] == ["dreißig"]
-assert all(pieces[-1] == "zig" for word, pieces in tens_de.items() if word != "dreißig")
+assert 0.3 < len(split_up) / len(hyphenated) < 0.5  # "about two in five", for every seed tried
+STORED_TOKENIZERS = ("7952d9e6e6dce988", "4275138f112c7a25")  # English, German, the stored run
+if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZERS:
+    assert len(split_up) == 30 and tens_de["dreißig"] == ["dreißig"]  # the paragraph, exactly
+    assert all(pieces[-1] == "zig" and len(pieces) == 2 for word, pieces in tens_de.items() if word != "dreißig")
 
 # %% [markdown]
 # The check that matters for a tokenizer: **decode(encode(s)) == s**, on every sentence of every
@@ -2108,7 +2114,10 @@ for layer, w in enumerate(layer_weights, 1):
 # decoding gets right, and for each unit row ("zweiund") in it, does some layer look further
 # right in the English at the unit row than at the row after it, which writes the tens
 # ("vier")? The special tokens are left out of the comparison: a row that parks its weight on
-# `<eos>`, the last column, would otherwise count as "further right" for free.
+# `<eos>`, the last column, would otherwise count as "further right" for free. The unit rows are
+# found by their pieces, a unit with "und" ("zweiund"), which this run's German tokenizer has;
+# one learnt from another seed's sentences may cut "und" elsewhere, and then the cell says the
+# measure does not apply instead of measuring something else.
 
 # %% tags=["nbval-ignore-output"]
 def crossing_rows(n: int) -> list[bool]:
@@ -2126,11 +2135,15 @@ def crossing_rows(n: int) -> list[bool]:
 reordered_right = [n for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False)
                    if is_reordered(n) and hyp == ref]
 crossings = [c for n in reordered_right for c in crossing_rows(n)]
-crossing_share = sum(crossings) / len(crossings)
-assert len(crossings) >= 2 * len(reordered_right) > 100
-assert crossing_share > 0.6  # 88 % in our run; other seeds vary
-print(f"{len(reordered_right)} reordered numbers, {len(crossings)} unit/tens pairs: "
-      f"the alignment crosses at {crossing_share:.0%} of them")
+if crossings:
+    crossing_share = sum(crossings) / len(crossings)
+    print(f"{len(reordered_right)} reordered numbers, {len(crossings)} unit/tens pairs: "
+          f"the alignment crosses at {crossing_share:.0%} of them")
+    assert len(crossings) > 100 and crossing_share > 0.6  # 89 % in our run; other seeds vary
+else:  # the rows are found by their pieces: a tokenizer without "...und" pieces has none
+    print("no unit piece ending in 'und' in these tokenizers: the measure does not apply")
+if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZERS:
+    assert len(crossings) >= 2 * len(reordered_right) > 100  # the stored run's pieces have them
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, len(layer_weights), figsize=(6 * len(layer_weights), 5.2))
@@ -2208,7 +2221,9 @@ plt.show()
 # %%
 corpus_fr = load_corpus(DATA, num_numbers=20_000, seed=0, tgt_lang="fr")
 assert [n for n, _, _ in corpus_fr["test"]] == test_numbers  # the same split by number
-fr_tokenizer = BPETokenizer.train([fr for _, _, fr in corpus_fr["train"][:5000]], vocab_size=90)
+fr_sample = [row for row in corpus_fr["train"] if row[0] < 1000]  # the blocks: every character
+fr_sample += [row for row in corpus_fr["train"] if row[0] >= 1000][:4000]
+fr_tokenizer = BPETokenizer.train([fr for _, _, fr in fr_sample], vocab_size=90)
 assert all(
     fr_tokenizer.decode(fr_tokenizer.encode(fr)) == fr
     for rows in corpus_fr.values()

@@ -590,3 +590,29 @@ def test_the_seed_offset_reaches_the_processes_a_notebook_starts(tmp_path):
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert child.returncode == 0, child.stderr
     assert child.stdout.split() == ["1003"]
+
+
+def test_nbval_runs_wait_longer_for_a_cells_last_messages(monkeypatch):
+    """nbval's 5-second wait for each message after a cell's reply is raised for our runs."""
+    import nbval_patience
+
+    class Cell:  # stands in for nbval's IPyNbCell
+        output_timeout = 5
+
+    class Other:  # a test item that is not a notebook cell
+        pass
+
+    cells = [Cell(), Other()]
+    nbval_patience.pytest_collection_modifyitems(cells)
+    assert cells[0].output_timeout == nbval_patience.OUTPUT_TIMEOUT >= 30
+    assert not hasattr(cells[1], "output_timeout")
+    seen = {}
+
+    def fake_run(command, cwd, env):
+        seen.update(command=command, env=env)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(notebooks.subprocess, "run", fake_run)
+    notebooks.nbval_in_scratch([notebooks.NOTEBOOKS / "00_setup.ipynb"], jobs=1)
+    assert seen["command"][seen["command"].index("-p", 4) + 1] == "nbval_patience"
+    assert str(Path(nbval_patience.__file__).parent) in seen["env"]["PYTHONPATH"].split(os.pathsep)

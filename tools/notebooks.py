@@ -140,8 +140,8 @@ def nbval_in_scratch(
         for notebook in notebooks:
             shutil.copy(notebook, folder / notebook.name)
         command = [
-            sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--nbval",
-            "--nbval-current-env", "--nbval-sanitize-with",
+            sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "nbval_patience",
+            "--nbval", "--nbval-current-env", "--nbval-sanitize-with",
             str(ROOT / "tests" / "nbval_sanitize.cfg"), "--rootdir", str(folder.parent),
         ]  # fmt: skip
         if jobs > 1:
@@ -151,7 +151,12 @@ def nbval_in_scratch(
         if quiet:
             command += ["-q", "--no-header"]
         command += [str(folder / notebook.name) for notebook in notebooks]
-        return subprocess.run(command, cwd=folder.parent).returncode
+        tools = str(Path(__file__).resolve().parent)  # where nbval_patience.py lives
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [tools, os.environ.get("PYTHONPATH")])),
+        }
+        return subprocess.run(command, cwd=folder.parent, env=env).returncode
 
 
 def report_failure(what: str, err: Exception, lines: int = 20) -> None:

@@ -120,7 +120,8 @@ def train_model(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: rate(s + 1))
     history: dict[str, list[float]] = {"loss": [], "lr": []}
     model.train()  # dropout on
-    bar = tqdm(total=steps, desc="training", unit="step", disable=not progress)
+    # One redraw a second at most: each redraw is a message to the notebook (notebook 13).
+    bar = tqdm(total=steps, desc="training", unit="step", mininterval=1.0, disable=not progress)
     for step in range(1, steps + 1):
         batch = make_batch(batch_size, max_len, vocab_size, generator=generator)  # on the CPU
         loss = sequence_loss(model, batch, label_smoothing)
