@@ -1915,8 +1915,6 @@ def _check_safe(value, where: str) -> None:
 def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path:
     """Atomically write the model's weights, config and `meta` to `path`; return the path."""
     _check_safe(meta, "meta")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "format": CHECKPOINT_FORMAT,
         "config": dataclasses.asdict(model.config),  # plain data: Transformer(**config) rebuilds it
