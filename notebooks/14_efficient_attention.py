@@ -1075,8 +1075,9 @@ assert all(math.isfinite(step()) for step in steps.values())
 # ### Where a step's time goes
 #
 # The course's goal for the fast path is a step at most 0.85 of `nn.Transformer`'s. At equal
-# work `make bench` measured 0.79 to 0.94 over its four shapes and thread counts on our 2-core
-# machine: the goal is met in one row of four. A profile says why, and what would close the gap.
+# work `make bench` measured 0.79 to 0.94 over its four shapes and thread counts on one of our
+# 2-core machines and 0.87 to 1.02 on another (section 8): the goal is met in one row of eight.
+# A profile says why, and what would close the gap.
 # `torch.profiler` records every operator a step calls with its *self* time (the time in the
 # operator itself, not in those it calls); we sum it over five steps of each model, one thread,
 # and group the operators: the matmuls (`mm`, `addmm`, `bmm` and their batched forms), the
@@ -1554,13 +1555,21 @@ assert ckpt_time["checkpointed"] < 3 * ckpt_time["plain"]
 # | `device`, `torch`, `threads`, `cpu` | what it ran on (`cpu`: model name, AVX2 / AVX-512 / AMX flags, clock) | |
 # | `targets` | each target, its value, and whether it was met | |
 #
-# Measured on this course's 2-core AMD EPYC (AVX-512, shared with other work): the fast path's
-# step at equal work 0.94, 0.87, 0.94 and 0.79 of `nn.Transformer`'s (1 thread 64×8, 16×128; 2
-# threads 64×8, 16×128), so the 0.85 goal is missed in three rows of four (the profile in
-# section 5 says where the time goes); against the shipped `nn.Transformer` 0.81, 0.73, 0.80
-# and 0.65; MFU 0.53 of the measured matmul peak and 0.31 of the theoretical one. The measured
-# peak is the honest denominator for "how much of what this machine's matmul can do", the
-# theoretical one for "how much of the silicon".
+# Measured with torch 2.13.0 on two of this course's 2-core AMD EPYC machines (the rows are 1
+# thread 64×8, 16×128; 2 threads 64×8, 16×128):
+#
+# | | one with AVX-512 (shared with other work) | one with AVX2 only (quiet) |
+# |---|---|---|
+# | fast path / `nn.Transformer`, equal work | 0.94, 0.87, 0.94, 0.79 | 1.02, 0.89, 0.95, 0.87 |
+# | fast path / `nn.Transformer` as shipped | 0.81, 0.73, 0.80, 0.65 | 0.89, 0.79, 0.83, 0.79 |
+# | MFU, measured / theoretical peak | 0.53 / 0.31 | 0.44 / 0.39 |
+#
+# So the 0.85 goal is missed in seven rows of eight (the profile in section 5 says where the
+# time goes): the matmuls, the same in both models, are about half of a step, and the fast path
+# sheds less than the rest would have to. The shipped comparison looks better by the work it
+# skips. The measured peak is the honest denominator for "how much of what this machine's matmul
+# can do", the theoretical one for "how much of the silicon"; the two machines rank differently
+# on each (the AVX-512 machine's theoretical peak is twice as wide, its matmul reaches less of it).
 #
 # `benchmarks/model.py` holds the code (outside the package: a benchmark is not a library
 # function); `python benchmarks/model.py --help` lists its options. The targets are the course's
