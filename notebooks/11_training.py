@@ -314,10 +314,14 @@ print(f"untrained loss {loss.item():.4f}  vs  ln V = {math.log(VOCAB):.4f} (a un
 #| export
 """Training on the reversal task: the paper's schedule, the loop, exact match and checkpoints."""
 
+import contextlib
 import dataclasses
+import itertools
 import os
 import tempfile
+import time
 from collections.abc import Callable
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
@@ -457,6 +461,234 @@ def num_tokens(batch: Batch) -> int:
 
 
 # %% [markdown]
+# One update, written once for the whole course. Notebook 13 adds mixed precision and gradient
+# accumulation to it, notebook 15 a validation curve, early stopping and several processes; none
+# of them writes a second loop. They *extend* this one, the way minGPT's `Trainer` does: a few
+# fixed places in the update where a callback may run, and two methods a subclass may replace.
+#
+# `accumulate_gradients` runs the backward pass of one or more *micro-batches* (pieces of one
+# batch, for when the whole does not fit in memory, notebook 13). Each micro-batch's mean loss
+# is weighted by its share of the graded tokens, $n_i / \sum_j n_j$, so that the gradients add
+# up to those of one pass over all the tokens together; with a single micro-batch the weight is
+# 1 and it is the plain `loss.backward()`. Its keyword options are the hooks for the later
+# notebooks: `autocast` (a context for the forward pass, notebook 13's mixed precision), `scaler`
+# (a `GradScaler` for float16), `no_sync` (a context under which a data-parallel model does not
+# synchronise its gradients, for every micro-batch but the last, notebook 15), and
+# `total_tokens` and `scale` for a run whose tokens are spread over several processes.
+#
+# `Trainer.update` is the step: run the `before_update` callbacks (a rate set by hand goes
+# there, notebook 15's range test), zero the gradients, accumulate, run the `after_backward`
+# callbacks (the gradients are complete and unscaled there: the place to measure them), clip the
+# global norm, record the rate, step the optimizer and the schedule, record the loss, run the
+# `after_update` callbacks. `fit` repeats it over an iterator of micro-batch lists, with a
+# progress bar; an `after_update` callback that returns `True` stops the run (early stopping).
+# Notebook 15's `DistributedTrainer` replaces one method, `count_tokens` (it counts the tokens of
+# every process), and sets `gradient_scale` and `no_sync`.
+
+# %%
+#| export
+def accumulate_gradients(
+    model: nn.Module,
+    micro_batches: list[Batch],
+    label_smoothing: float = 0.0,
+    total_tokens: "int | torch.Tensor | None" = None,
+    scale: float = 1.0,
+    *,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    scaler: "torch.amp.GradScaler | None" = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> float:
+    """Backward through every micro-batch, each mean loss weighted by its share of the tokens.
+
+    The gradients add up to those of one pass over the concatenated batch (the mean over all its
+    graded tokens). `total_tokens` and `scale` let a distributed run count every process's tokens;
+    `autocast()` wraps each forward pass, `scaler` scales each loss before its backward, and
+    `no_sync()` wraps all but the last micro-batch. Returns the loss of the whole batch."""
+    if not micro_batches:
+        raise ValueError("accumulate_gradients needs at least one micro-batch")
+    counts = [num_tokens(b) for b in micro_batches]
+    total = sum(counts) if total_tokens is None else total_tokens
+    if int(total) == 0:
+        raise ValueError("the micro-batches hold no graded token (every target is PAD)")
+    loss_sum = 0.0
+    for i, (batch, count) in enumerate(zip(micro_batches, counts, strict=True)):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if no_sync is None or last else no_sync():
+            with contextlib.nullcontext() if autocast is None else autocast():
+                loss = sequence_loss(model, batch, label_smoothing) * (count * scale / total)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        loss_sum += loss.item()
+    return loss_sum / scale
+
+
+class Trainer:
+    """The course's one training loop: updates from micro-batches, with callbacks.
+
+    trainer = Trainer(model, optimizer, scheduler, clip_norm=1.0)
+    trainer.add_callback("after_update", fn)  # fn(trainer); a True result stops fit()
+    history = trainer.fit(batches, steps)     # batches: an iterator of micro-batch lists
+    """
+
+    EVENTS = ("before_update", "after_backward", "after_update")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: "torch.optim.lr_scheduler.LRScheduler | None" = None,
+        *,
+        label_smoothing: float = 0.0,
+        clip_norm: float = 1.0,
+        autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+        scaler: "torch.amp.GradScaler | None" = None,
+        no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.label_smoothing = check_probability("label_smoothing", label_smoothing)
+        self.clip_norm = check_float("clip_norm", clip_norm, 0.0, low_open=True)
+        self.autocast, self.scaler, self.no_sync = autocast, scaler, no_sync
+        self.gradient_scale = 1.0  # a distributed trainer sets the number of processes
+        self.callbacks: dict[str, list[Callable]] = {event: [] for event in self.EVENTS}
+        self.history: dict[str, list[float]] = {"loss": [], "lr": []}
+        self.step = 0  # updates done
+        self.should_stop = False  # set when an after_update callback returns True
+        self.seconds = self.cpu_seconds = 0.0  # spent in update(), not in the callbacks
+
+    def add_callback(self, event: str, fn: Callable[["Trainer"], bool | None]) -> "Trainer":
+        """Run fn(trainer) at `event` (one of Trainer.EVENTS) of every update."""
+        check_choice("event", event, self.EVENTS)
+        if not callable(fn):
+            raise TypeError(f"a callback must be callable, got {type(fn).__name__}")
+        self.callbacks[event].append(fn)
+        return self
+
+    def _run(self, event: str) -> bool:
+        stop = False
+        for fn in self.callbacks[event]:
+            stop = bool(fn(self)) or stop
+        return stop
+
+    def count_tokens(self, micro_batches: list[Batch]) -> int:
+        """The graded tokens of the whole update (a distributed trainer counts every process's)."""
+        return sum(num_tokens(b) for b in micro_batches)
+
+    def accumulate(self, micro_batches: list[Batch]) -> float:
+        """The backward passes of one update (accumulate_gradients with this trainer's options)."""
+        return accumulate_gradients(
+            self.model, micro_batches, self.label_smoothing, self.count_tokens(micro_batches),
+            self.gradient_scale, autocast=self.autocast, scaler=self.scaler, no_sync=self.no_sync,
+        )  # fmt: skip
+
+    def update(self, micro_batches: list[Batch]) -> float:
+        """One optimizer step from a list of micro-batches; returns its loss."""
+        start, cpu_start = time.perf_counter(), time.process_time()
+        self.model.train()  # dropout on (a callback may have evaluated)
+        self._run("before_update")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.accumulate(micro_batches)
+        self.step += 1
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # true gradients, to measure and to clip
+        self._run("after_backward")
+        nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+        self.history["lr"].append(self.optimizer.param_groups[0]["lr"])  # this update's rate
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped if a float16 gradient overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.history["loss"].append(loss)
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the time of the work, not of its launch
+        self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu_start
+        self.should_stop = self._run("after_update")
+        return loss
+
+    def fit(
+        self,
+        batches: Iterable[list[Batch]],
+        steps: int | None = None,
+        *,
+        progress: "bool | tqdm" = False,  # or a bar to advance
+        desc: str = "training",
+        leave: bool = True,
+    ) -> dict[str, list[float]]:
+        """update() on each micro-batch list of `batches` (at most `steps` of them); returns the
+        history. `progress`: True for a bar of its own, or a tqdm bar to advance (one bar for
+        several fit calls, notebook 13)."""
+        if steps is not None:
+            check_int("steps", steps, 1)
+            batches = itertools.islice(batches, steps)
+        own_bar = isinstance(progress, bool)
+        # One redraw a second at most: each redraw is a message to the notebook (notebook 13).
+        bar = tqdm(total=steps, desc=desc, unit="step", mininterval=1.0, leave=leave,
+                   disable=not progress) if own_bar else progress  # fmt: skip
+        try:
+            for micro_batches in batches:
+                loss = self.update(micro_batches)
+                bar.update(1)
+                if self.step % 50 == 0:
+                    bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+                if self.should_stop:
+                    break
+        finally:
+            if own_bar:
+                bar.close()
+        return self.history
+
+
+# %% [markdown]
+# **Check:** the events fire in their order, once per update; `after_backward` sees the gradient
+# before clipping and `after_update` sees it clipped; a `True` from an `after_update` callback
+# stops `fit`. With `clip_norm=1e-3` every gradient of a fresh model is far larger than the
+# bound, so the two norms must differ: were the clipping done before the `after_backward`
+# callbacks, or not at all, an assert below would fail. (`trainer.step` counts the updates
+# done: 0 in the first `before_update`, 1 once the first backward pass is in.)
+
+# %%
+def gradient_norm(model: nn.Module) -> float:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()
+
+
+def recorder(event: str, log: list, norms: list) -> Callable[[Trainer], bool]:
+    def callback(t: Trainer) -> bool:
+        log.append((t.step, event))
+        if event != "before_update":
+            norms.append((event, gradient_norm(t.model)))
+        return event == "after_update" and t.step == 3  # stop after the third update
+
+    return callback
+
+
+with torch.random.fork_rng():  # the global generator's state is left as it was
+    torch.manual_seed(0)
+    demo = Transformer(VOCAB, VOCAB, d_model=16, num_heads=2, d_ff=32, num_layers=1, dropout_p=0.0)
+    demo_trainer = Trainer(demo, torch.optim.SGD(demo.parameters(), lr=0.1), clip_norm=1e-3)
+    events, norms = [], []
+    for event in Trainer.EVENTS:
+        demo_trainer.add_callback(event, recorder(event, events, norms))
+    demo_batches = ([make_batch(8, MAX_LEN, VOCAB, torch.Generator().manual_seed(i))] for i in range(100))
+    demo_history = demo_trainer.fit(demo_batches, steps=10)
+
+assert events == [(s - 1, "before_update") if e == 0 else (s, Trainer.EVENTS[e])
+                  for s in (1, 2, 3) for e in range(3)]  # fmt: skip
+assert demo_trainer.step == len(demo_history["loss"]) == 3  # stopped after 3 of 10
+for (_, before), (_, after) in zip(norms[0::2], norms[1::2], strict=True):
+    assert before > 100 * demo_trainer.clip_norm and abs(after - demo_trainer.clip_norm) < 1e-6
+for k in range(3):
+    print(f"update {k + 1}: " + " -> ".join(f"{e} (step {s})" for s, e in events[3 * k : 3 * k + 3]))
+print("after_backward: gradient norm > 100 x clip_norm; after_update: clip_norm")
+
+
+# %% [markdown]
 # The loop. Adam gets a base rate of 1.0 because `LambdaLR` *multiplies* the base rate by the
 # lambda, so the schedule is the actual rate. `LambdaLR` asks for the rate of the first update
 # with step 0, so the lambda is shifted by one: update $s$ (counting from 1) uses
@@ -489,40 +721,26 @@ def train_model(
     `progress=True` shows a progress bar (tqdm.auto: a widget in Jupyter, text elsewhere).
     """
     check_int("steps", steps, 1)
-    check_float("clip_norm", clip_norm, 0.0, low_open=True)
-    check_probability("label_smoothing", label_smoothing)
     if schedule is not None and not callable(schedule):
         raise TypeError(f"schedule must be callable (step -> rate), got {type(schedule).__name__}")
     vocab_size = model.tgt_embed.num_embeddings
-    d_model = model.d_model
-    rate = schedule if schedule is not None else partial(lr_lambda, d_model=d_model, warmup=warmup)
+    rate = schedule if schedule is not None else partial(lr_lambda, d_model=model.d_model, warmup=warmup)
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
     # Base rate 1.0 times the lambda: the schedule is the rate. +1: update s uses lr(s).
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: rate(s + 1))
-    history: dict[str, list[float]] = {"loss": [], "lr": []}
-    model.train()  # dropout on
-    # One redraw a second at most: each redraw is a message to the notebook (notebook 13).
-    bar = tqdm(total=steps, desc="training", unit="step", mininterval=1.0, disable=not progress)
-    for step in range(1, steps + 1):
-        batch = make_batch(batch_size, max_len, vocab_size, generator=generator)  # on the CPU
-        loss = sequence_loss(model, batch, label_smoothing)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-        history["lr"].append(optimizer.param_groups[0]["lr"])  # the rate of this update
-        optimizer.step()
-        scheduler.step()
-        history["loss"].append(loss.item())
-        if log_every and step % log_every == 0:
-            print(f"step {step:5d}  loss {loss.item():.4f}  lr {history['lr'][-1]:.2e}")
-        if callback is not None:
-            callback(step, model)
-            model.train()  # in case the callback evaluated
-        bar.update(1)
-        if step % 50 == 0:
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    bar.close()
-    return history
+    trainer = Trainer(model, optimizer, scheduler, label_smoothing=label_smoothing, clip_norm=clip_norm)
+    if log_every:
+        def log(t: Trainer) -> None:
+            if t.step % log_every == 0:
+                loss, lr = t.history["loss"][-1], t.history["lr"][-1]
+                print(f"step {t.step:5d}  loss {loss:.4f}  lr {lr:.2e}")
+
+        trainer.add_callback("after_update", log)
+    if callback is not None:
+        trainer.add_callback("after_update", lambda t: callback(t.step, t.model) and None)
+    # Fresh batches, one micro-batch per update, drawn on the CPU from their own generator.
+    batches = ([make_batch(batch_size, max_len, vocab_size, generator=generator)] for _ in range(steps))
+    return trainer.fit(batches, steps, progress=progress)
 
 
 # %% [markdown]

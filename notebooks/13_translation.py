@@ -53,6 +53,9 @@ from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import accumulate_gradients
+from transformer_from_scratch.train import num_tokens
+from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.utils import COLORS
 from transformer_from_scratch.utils import OTHER_COLORS
 from transformer_from_scratch.utils import get_device
@@ -907,8 +910,11 @@ import math
 import os
 import random
 import types
+from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import asdict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -924,9 +930,8 @@ from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import atomic_save
-from transformer_from_scratch.train import num_tokens
-from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.train import token_loss
 
 
@@ -1060,11 +1065,14 @@ plt.show()
 #
 # $$\nabla \frac{1}{N} \sum_{i \in \text{batch}} \ell_i = \sum_{j=1}^{k} \nabla \frac{1}{N} \sum_{i \in \text{micro}_j} \ell_i, \qquad N = \text{real tokens in all } k.$$
 #
-# The check: one batch of 48 pairs against 4 micro-batches of 12 (each padded to its own
-# longest; here that happens to be the big batch's width), dropout off so that both see the
-# same network. The naive mean of means misses by far more than float rounding: its largest
-# error on one gradient entry (printed below) is hundreds of times the tolerance that the exact
-# version passes.
+# The check: one batch of 48 pairs against 4 micro-batches of 12, dropout off so that both see
+# the same network. The pairs are sorted by the length of their German side, so the four
+# micro-batches are padded to different widths and hold different numbers of tokens (both
+# printed): exactly the case where a plain average goes wrong. The exact sum is checked twice,
+# written out here and as notebook 11's `accumulate_gradients`, which the training loop below
+# uses (it weights each micro-batch's *mean* by its share of the tokens, the same number). The
+# naive mean of means misses by far more than float rounding: its largest error on one gradient
+# entry is printed below, against the tolerance of $10^{-6}$ that the exact versions pass.
 
 # %%
 def gradients(model: nn.Module) -> list[torch.Tensor]:
@@ -1081,7 +1089,7 @@ accum_model = Transformer(
     num_layers=2,
     dropout_p=0.0,
 ).to(device)
-pairs = [datasets["train"][i] for i in range(48)]
+pairs = sorted((datasets["train"][i] for i in range(48)), key=lambda pair: len(pair[1]))  # by length
 big_batch = collate_translations(pairs)
 micro = [collate_translations(pairs[j : j + 12]) for j in range(0, 48, 12)]
 
@@ -1098,6 +1106,10 @@ for b in micro:
 grads_accumulated = gradients(accum_model)
 
 accum_model.zero_grad()
+accumulate_gradients(accum_model, micro, label_smoothing=0.1)  # the library's, for the loop
+grads_library = gradients(accum_model)
+
+accum_model.zero_grad()
 for b in micro:  # the naive version: the mean of the k means
     (sequence_loss(accum_model, b, label_smoothing=0.1) / len(micro)).backward()
 grads_naive = gradients(accum_model)
@@ -1107,9 +1119,12 @@ naive_error = max(float((a - b).abs().max()) for a, b in zip(grads_naive, grads_
 print(f"largest gradient difference, mean of means: {naive_error:.0e}")
 
 # %%
-for g_acc, g_big in zip(grads_accumulated, grads_big, strict=False):
+assert len({b[1].shape[1] for b in micro}) > 1  # the micro-batches have different widths
+assert len({num_tokens(b) for b in micro}) == len(micro)  # and different token counts
+for g_acc, g_lib, g_big in zip(grads_accumulated, grads_library, grads_big, strict=True):
     assert_close(g_acc, g_big, rtol=1e-4, atol=1e-6)  # the same update, to float tolerance
-assert naive_error > 1e-5  # the mean of means is a different gradient
+    assert_close(g_lib, g_big, rtol=1e-4, atol=1e-6)
+assert naive_error > 1e-4  # the mean of means is a different gradient, 100x the tolerance
 
 
 # %% [markdown]
@@ -1469,8 +1484,31 @@ def evaluate_loss(
     return loss_sum / tokens, correct / tokens
 
 
+# %% [markdown]
+# The loop itself is notebook 11's `Trainer`, not a new one. What this notebook adds are its
+# options: autocast and the scaler (mixed precision), a callback after the backward pass that
+# records the gradient norms of every layer, and micro-batches grouped $k$ at a time from the
+# loader (`micro_batch_groups`, the last group of an epoch shorter when $k$ does not divide the
+# number of batches). Around it, `train_translation` keeps what is per epoch: the validation
+# pass, early stopping, the checkpoints, and at the end the weights of the best epoch (from
+# `best.pt`, or from memory when there is no folder).
+
 # %%
 #| export practice
+def micro_batch_groups(loader: Iterable, k: int) -> Iterator[list]:
+    """The batches of `loader` in lists of k (the micro-batches of one update); the last list
+    holds what is left."""
+    check_int("k", k, minimum=1)
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == k:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
 def train_translation(
     model: nn.Module,
     train_loader,
@@ -1510,44 +1548,41 @@ def train_translation(
     # Loss scaling keeps small float16 gradients from underflowing; bf16 and fp32 need none.
     scaler = torch.amp.GradScaler(device.type, enabled=config.amp_dtype == "float16")
     stopper = EarlyStopping(config.patience)
-    history: dict = {
-        key: [] for key in ("step_loss", "lr", "grad_norms", "train_loss", "val_loss", "val_acc")
-    }
-    start_epoch = 0
+    # Notebook 11's loop, extended: autocast around each forward pass, the scaler around each
+    # backward, and the per-layer gradient norms measured where the gradients are complete.
+    trainer = Trainer(
+        model, optimizer, scheduler, label_smoothing=config.label_smoothing,
+        clip_norm=config.clip_norm, autocast=partial(amp_autocast, device, config.amp_dtype),
+        scaler=scaler,
+    )  # fmt: skip
+    trainer.add_callback(
+        "after_backward", lambda t: t.history["grad_norms"].append(layer_grad_norms(t.model))
+    )
+    trainer.history.update(grad_norms=[], train_loss=[], val_loss=[], val_acc=[])
+    start_epoch, best_state = 0, None
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if resume:
         state = load_training_state(directory / "last.pt", map_location=device)
+        changed = {k: (v, getattr(config, k)) for k, v in state["config"].items()
+                   if k != "epochs" and getattr(config, k) != v}  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"the checkpoint was trained with another configuration: {changed} "
+                "(stored, given); resuming would mix two runs"
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         stopper.load_state_dict(state["early_stopping"])
-        history = state["history"]
+        trainer.history = state["history"]
+        trainer.step = len(trainer.history["loss"])
         set_rng_state(state["rng"])
         start_epoch = state["epoch"] + 1
     else:
         torch.manual_seed(config.seed)  # dropout draws the same masks on every run
+    history = trainer.history
 
-    def update(micro_batches: list) -> float:
-        """One optimizer step from k micro-batches: the gradient of their token-mean loss."""
-        tokens = sum(num_tokens(batch) for batch in micro_batches)
-        loss_sum = 0.0
-        for batch in micro_batches:
-            with amp_autocast(device, config.amp_dtype):
-                loss = sequence_loss(model, batch, config.label_smoothing, reduction="sum")
-            scaler.scale(loss / tokens).backward()  # the sum over all k, over all their tokens
-            loss_sum += loss.item()
-        scaler.unscale_(optimizer)  # true gradients, before measuring and clipping them
-        history["grad_norms"].append(layer_grad_norms(model))
-        nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
-        history["lr"].append(optimizer.param_groups[0]["lr"])
-        scaler.step(optimizer)  # skipped if a float16 gradient overflowed
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        return loss_sum / tokens
-
-    model.train()
     # One bar for the whole run (its total counts epoch 0's steps per epoch, an estimate), gone
     # when training ends. One redraw every 2 s at most: a bar that redraws every step floods
     # the notebook's message channel (and nbval, which reads it after the cell).
@@ -1561,16 +1596,10 @@ def train_translation(
     for epoch in range(start_epoch, config.epochs):
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)  # a new order, the same on every run
-        micro_batches, epoch_losses = [], []
-        num_batches = len(train_loader)  # this epoch's, after set_epoch
-        for i, batch in enumerate(train_loader):
-            micro_batches.append(batch)
-            if len(micro_batches) == config.accumulation_steps or i == num_batches - 1:
-                epoch_losses.append(update(micro_batches))
-                history["step_loss"].append(epoch_losses[-1])
-                micro_batches = []
-                bar.update()
-                bar.set_postfix(epoch=epoch + 1, loss=f"{epoch_losses[-1]:.3f}", refresh=False)
+        first = len(history["loss"])
+        bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
+        trainer.fit(micro_batch_groups(train_loader, config.accumulation_steps), progress=bar)
+        epoch_losses = history["loss"][first:]
         val_loss, val_acc = evaluate_loss(
             model, valid_loader, config.amp_dtype, config.label_smoothing
         )
@@ -1578,6 +1607,8 @@ def train_translation(
         history["val_loss"].append(val_loss)
         history["val_acc"].append(val_acc)
         improved = stopper.step(epoch, val_loss)
+        if improved and directory is None:  # no folder: the best weights are kept in memory
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if directory is not None:
             if improved:
                 save_training_state(
@@ -1600,10 +1631,12 @@ def train_translation(
         if stopper.should_stop or (stop_after_epoch is not None and epoch + 1 >= stop_after_epoch):
             break
     bar.close()
-    if directory is not None and (directory / "best.pt").exists() and stop_after_epoch is None:
-        model.load_state_dict(
-            load_training_state(directory / "best.pt", map_location=device)["model"]
-        )
+    model.eval()
+    if stop_after_epoch is None:  # a finished run ends with the weights of its best epoch
+        if directory is not None and (directory / "best.pt").exists():
+            best_state = load_training_state(directory / "best.pt", map_location=device)["model"]
+        if best_state is not None:
+            model.load_state_dict(best_state)
     set_gradient_checkpointing(model, False)
     return history
 
@@ -1688,7 +1721,7 @@ if device.type == "cpu":  # CPU kernels are deterministic: the same bits
         for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True)
     )
     assert history_straight["val_loss"] == history_resumed["val_loss"]
-    assert history_straight["step_loss"] == history_resumed["step_loss"]
+    assert history_straight["loss"] == history_resumed["loss"]
 else:  # some GPU kernels (atomic adds in backward) vary in the last bits from run to run
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert_close(a, b, rtol=1e-3, atol=1e-4)
@@ -1743,7 +1776,7 @@ for epoch, (train_loss, val_loss, val_acc) in enumerate(
     print(
         f"epoch {epoch:2d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  val token accuracy {val_acc:.2%}"
     )
-print(f"{len(history['step_loss'])} steps in {train_seconds:.0f} s")
+print(f"{len(history['loss'])} steps in {train_seconds:.0f} s")
 
 # %%
 assert len(history["val_loss"]) >= 5  # early stopping did not end it before it learnt
@@ -1811,10 +1844,10 @@ assert same_argmax > 0.99
 # %% jupyter={"source_hidden": true}
 fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(13, 3.4))
 epochs_axis = np.arange(1, len(history["val_loss"]) + 1)
-steps_per_epoch_run = len(history["step_loss"]) / len(epochs_axis)
+steps_per_epoch_run = len(history["loss"]) / len(epochs_axis)
 ax_loss.plot(
-    np.arange(1, len(history["step_loss"]) + 1) / steps_per_epoch_run,
-    history["step_loss"],
+    np.arange(1, len(history["loss"]) + 1) / steps_per_epoch_run,
+    history["loss"],
     color=COLORS["ours"],
     alpha=0.35,
     lw=0.8,
@@ -2194,11 +2227,11 @@ plt.show()
 # | batches by tokens | `TokenBatchSampler(lengths, max_tokens, bucket=True)`, `padding_fraction` | at most half the padding of random batches |
 # | AdamW groups | `param_groups(model, weight_decay)` | decay on matrices (embeddings too), none on norms and biases |
 # | schedule | `warmup_cosine(step, warmup, total, min_ratio)` | peak at the end of warmup, then monotone |
-# | accumulation | `sequence_loss(..., reduction="sum")` / tokens of all $k$ | equals one big batch |
+# | accumulation | `accumulate_gradients(model, micro_batches)`, `micro_batch_groups(loader, k)` | equals one big batch, micro-batches of different widths |
 # | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | same gradient direction; trained model's loss and accuracy as float32's |
 # | checkpointing | `set_gradient_checkpointing(model)` | same gradients, less memory |
 # | early stopping, checkpoints | `EarlyStopping`, `save_training_state`, `load_training_state` | resumed = uninterrupted, `torch.equal` on the CPU |
-# | the loop | `train_translation(model, train, valid, TrainConfig(...))` | curves, gradient flow |
+# | the loop | `train_translation(model, train, valid, TrainConfig(...))`, on notebook 11's `Trainer` | curves, gradient flow |
 # | evaluation | `translate`, `score_translations` | exact match and chrF on unseen numbers |
 #
 # ## Exercises
@@ -2233,12 +2266,13 @@ for n in (70, 71, 80, 97):
     print(n, number_to_words(n, "fr"), fr_tokenizer.tokens(number_to_words(n, "fr")))
 
 # %% [markdown]
-#    The frequent forms become pieces that follow the French arithmetic: 70 is
-#    "soixante-" + "dix" (sixty-ten) and 97 is "quatre-vingt-" + "dix-" + "sept"
-#    (four-twenty, ten, seven). The rare "soixante et onze" (71; the "et" form occurs only for
-#    21, 31, ..., 71) is cut into many small pieces: BPE spends its vocabulary on what is
-#    frequent. A French model has to learn the twenties; the word order, unlike German's,
-#    stays that of the digits.
+# The frequent forms become pieces that follow the French arithmetic: 70 is
+# "soixante-" + "dix" (sixty-ten) and 97 is "quatre-vingt-" + "dix-" + "sept"
+# (four-twenty, ten, seven). The rare "soixante et onze" (71; the "et" form occurs only for
+# 21, 31, ..., 71) is cut into many small pieces: BPE spends its vocabulary on what is
+# frequent. A French model has to learn the twenties; the word order, unlike German's,
+# stays that of the digits.
+#
 # 2. Exact match needs generation, one decoder pass per token, which costs several times
 #    a teacher-forced validation pass; and it moves in steps of 1/2000 on a validation set of
 #    2000 numbers, so it stays flat for epochs while the loss still falls. The loss is cheap and

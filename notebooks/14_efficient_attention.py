@@ -1161,14 +1161,19 @@ for name, ops in profiles.items():
     print(f"{name}, the largest operators:", ", ".join(f"{op[6:]} {ms:.1f}" for ms, op in top))
 
 # %%
-for name, grouped in by_group.items():  # the matmuls are the largest group in both models
-    assert grouped["matmul"] == max(grouped.values()), (name, grouped)
+for name, grouped in by_group.items():  # the matmuls are a large share of the step in both models
+    assert grouped["matmul"] > 0.3 * sum(grouped.values()), (name, grouped)
+# and the two models do the same matmul work: their matmul times agree within a factor 1.5
+matmul_ms = [grouped["matmul"] for grouped in by_group.values()]
+assert max(matmul_ms) < 1.5 * min(matmul_ms), matmul_ms
 assert profiles["fast path"].get("aten::uniform_", 0.0) > 0.0  # attention weights: uniforms
 assert profiles["nn.Transformer"].get("aten::uniform_", 0.0) == 0.0  # F.dropout: bernoulli_
 
 # %% [markdown]
-# The two models do the same matmuls, and in both they are the largest group, about half of the
-# step (the shares are printed above). The fast path's matmuls alone are a fraction of
+# The two models do the same matmuls, and in both they are about half of the step (the shares
+# are printed above). With the vectorised kernels this CPU picks by itself they are also the
+# largest group; under `ATEN_CPU_CAPABILITY=default` (plain scalar element-wise kernels) the
+# element-wise "everything else" grows past them, so the check above asserts a share, not a rank. The fast path's matmuls alone are a fraction of
 # `nn.Transformer`'s whole step well below 0.85 (printed as "its matmuls alone would be"), so
 # the goal is reachable in principle if the fast path sheds what the last line above says.
 # Outside the matmuls, by mechanism: dropout's random numbers, where the fast path draws

@@ -59,6 +59,7 @@ from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.layers import Decoder, Encoder
 from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.train import (
+    accumulate_gradients,
     exact_match,
     load_checkpoint,
     save_checkpoint,
@@ -98,7 +99,6 @@ learning-rate range test, parameter budgets, a search space for Optuna, and the 
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,6 +116,7 @@ from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.practice import param_groups
 from transformer_from_scratch.practice import warmup_cosine
 from transformer_from_scratch.train import Batch
+from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import lr_lambda
 from transformer_from_scratch.train import num_tokens
@@ -258,11 +259,13 @@ print(f"cosine: update 1 at {factors[0]:.2f}, update 50 at {factors[49]:.2f}, "
 
 
 # %% [markdown]
-# The loop. `fit` differs from notebook 11's in three ways: it can train on a fixed training set
-# (passes over it, reshuffled) instead of fresh sequences, so that overfitting is possible at
-# all; it splits every batch into `accum_steps` micro-batches and accumulates their gradients;
-# and it evaluates the loss on the training and validation sets in eval mode every `eval_every`
-# steps, handing them to a `callback` that may stop the run (the hook a pruner needs).
+# The loop. `fit` writes no loop of its own: it configures notebook 11's `Trainer` in three ways.
+# It can train on a fixed training set (passes over it, reshuffled) instead of fresh sequences,
+# so that overfitting is possible at all; it feeds the trainer every batch split into
+# `accum_steps` micro-batches, whose gradients `accumulate_gradients` sums; and an
+# `after_update` callback evaluates the loss on the training and validation sets in eval mode
+# every `eval_every` steps, handing them to a `callback` that may stop the run (the hook a
+# pruner needs).
 #
 # The micro-batches are weighted by their share of the graded tokens, not by $1/N_{\text{accum}}$:
 # the sequences have different lengths, so two micro-batches of 32 sequences hold different
@@ -278,28 +281,6 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
         raise ValueError(f"a batch of {B} does not split into {parts} equal micro-batches")
     size = B // parts
     return [tuple(t[i * size : (i + 1) * size] for t in batch) for i in range(parts)]
-
-
-def accumulate_gradients(
-    model: Transformer,
-    micro_batches: list[Batch],
-    label_smoothing: float = 0.0,
-    total_tokens: int | None = None,
-    scale: float = 1.0,
-) -> float:
-    """Backward through every micro-batch, each loss weighted by its share of the graded tokens.
-
-    The gradients add up to those of one pass over the concatenated batch (mean over all its
-    tokens); `total_tokens` and `scale` let a distributed run count the tokens of every process.
-    Returns the loss of the whole batch."""
-    counts = [num_tokens(b) for b in micro_batches]
-    total = sum(counts) if total_tokens is None else total_tokens
-    loss_sum = 0.0
-    for batch, count in zip(micro_batches, counts, strict=True):
-        loss = sequence_loss(model, batch, label_smoothing) * (count * scale / total)
-        loss.backward()
-        loss_sum += loss.item()
-    return loss_sum / scale
 
 
 @torch.no_grad()
@@ -349,42 +330,29 @@ def fit(
     `val_data` and on `train_data`, both in eval mode, then `callback(step, model, history)` runs;
     a true result stops the run. Seconds count the training only, not the evaluations."""
     check_int("eval_every", eval_every, minimum=0)
-    device = next(model.parameters()).device
     optimizer = make_optimizer(model, recipe)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-    stream = batches(recipe, train_data)
-    history: dict = {"loss": [], "lr": [], "eval_step": [], "train_loss": [], "val_loss": []}
-    seconds = cpu_seconds = 0.0
-    steps = range(1, recipe.steps + 1)
-    if progress:
-        from tqdm.auto import tqdm
+    trainer = Trainer(
+        model, optimizer, scheduler, label_smoothing=recipe.label_smoothing, clip_norm=recipe.clip_norm
+    )
+    history = trainer.history  # "loss" and "lr" per update; the evaluations are added here
+    history.update(eval_step=[], train_loss=[], val_loss=[])
 
-        steps = tqdm(steps, desc="training", leave=False)
-    for step in steps:
-        start, cpu_start = time.perf_counter(), time.process_time()
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        micro = split_batch(next(stream), recipe.accum_steps)
-        loss = accumulate_gradients(model, micro, recipe.label_smoothing)
-        nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
-        history["lr"].append(optimizer.param_groups[0]["lr"])  # the rate of this update
-        optimizer.step()
-        scheduler.step()
-        history["loss"].append(loss)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds += time.perf_counter() - start
-        cpu_seconds += time.process_time() - cpu_start
-        if eval_every and (step % eval_every == 0 or step == recipe.steps):
-            history["eval_step"].append(step)
-            if train_data is not None:
-                history["train_loss"].append(dataset_loss(model, train_data))
-            if val_data is not None:
-                history["val_loss"].append(dataset_loss(model, val_data))
-            history["seconds"], history["cpu_seconds"] = seconds, cpu_seconds
-            if callback is not None and callback(step, model, history):
-                break
-    history["seconds"], history["cpu_seconds"] = seconds, cpu_seconds
+    def evaluate(t: Trainer) -> bool:
+        if not eval_every or (t.step % eval_every != 0 and t.step != recipe.steps):
+            return False
+        history["eval_step"].append(t.step)
+        if train_data is not None:
+            history["train_loss"].append(dataset_loss(model, train_data))
+        if val_data is not None:
+            history["val_loss"].append(dataset_loss(model, val_data))
+        history["seconds"], history["cpu_seconds"] = t.seconds, t.cpu_seconds
+        return callback is not None and bool(callback(t.step, model, history))
+
+    trainer.add_callback("after_update", evaluate)
+    stream = (split_batch(batch, recipe.accum_steps) for batch in batches(recipe, train_data))
+    trainer.fit(stream, recipe.steps, progress=progress, leave=False)
+    history["seconds"], history["cpu_seconds"] = trainer.seconds, trainer.cpu_seconds
     model.eval()
     return history
 
@@ -882,27 +850,27 @@ def lr_range_test(
     check_int("steps", steps, minimum=2)
     check_probability("smoothing", smoothing)
     model = build_model(recipe)
-    optimizer = make_optimizer(model, recipe)
-    stream = batches(recipe)
+    trainer = Trainer(model, make_optimizer(model, recipe), clip_norm=recipe.clip_norm)
+    rates = [lr_min * (lr_max / lr_min) ** (i / (steps - 1)) for i in range(steps)]
     result: dict[str, list[float]] = {"lr": [], "loss": [], "smoothed": []}
-    average, best = 0.0, math.inf
-    model.train()
-    for i in range(steps):
-        lr = lr_min * (lr_max / lr_min) ** (i / (steps - 1))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(model, split_batch(next(stream), recipe.accum_steps))
-        nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
-        optimizer.step()
-        average = smoothing * average + (1 - smoothing) * loss
-        smoothed = average / (1 - smoothing ** (i + 1))  # bias-corrected running mean
-        result["lr"].append(lr)
+    state = {"average": 0.0, "best": math.inf}
+
+    def set_rate(t: Trainer) -> None:  # before update i + 1: the i-th rate of the sweep
+        for group in t.optimizer.param_groups:
+            group["lr"] = rates[t.step]
+
+    def record(t: Trainer) -> bool:
+        i, loss = t.step - 1, t.history["loss"][-1]
+        state["average"] = smoothing * state["average"] + (1 - smoothing) * loss
+        smoothed = state["average"] / (1 - smoothing ** (i + 1))  # bias-corrected running mean
+        result["lr"].append(rates[i])
         result["loss"].append(loss)
         result["smoothed"].append(smoothed)
-        best = min(best, smoothed)
-        if not math.isfinite(loss) or smoothed > stop_factor * best:
-            break
+        state["best"] = min(state["best"], smoothed)
+        return not math.isfinite(loss) or smoothed > stop_factor * state["best"]  # True: stop
+
+    trainer.add_callback("before_update", set_rate).add_callback("after_update", record)
+    trainer.fit((split_batch(batch, recipe.accum_steps) for batch in batches(recipe)), steps)
     return result
 
 
@@ -1316,8 +1284,12 @@ print(f"tuned: 256/256 at step {tuned['solved_step']}, {fresh_correct}/1024 on f
 # (which runs out of memory first), and is held back by Python's global interpreter lock;
 # PyTorch's documentation recommends DDP instead, even on one machine.
 #
-# The script. `rank_batches` is the data side; `train_distributed` is one process's loop; `main`
-# is the command line, run when torchrun starts the module.
+# The script. `rank_batches` is the data side; `DistributedTrainer` is notebook 11's `Trainer`
+# with one method replaced (`count_tokens` adds up the graded tokens of every process, an
+# all-reduce) and two settings: `no_sync` is DDP's, and `gradient_scale` is the number of
+# processes, because DDP *averages* the gradients over the $W$ ranks where the token-weighted
+# loss wants their sum ($\times W$ undoes the average). `train_distributed` is one process's run,
+# and `main` is the command line, run when torchrun starts the module.
 
 # %%
 #| export distributed
@@ -1330,7 +1302,6 @@ model, trains on its own share of each batch, and DistributedDataParallel averag
 across processes during the backward pass, so the copies stay equal."""
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -1339,11 +1310,11 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.train import Trainer
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -1403,6 +1374,27 @@ def rank_batches(
 
 # %%
 #| export distributed
+class DistributedTrainer(Trainer):
+    """Trainer for one process of a data-parallel run: `ddp` a DistributedDataParallel model.
+
+    Each update's loss is the token mean over the micro-batches of *every* process, so the
+    averaged gradients equal those of one process on the concatenated global batch."""
+
+    def __init__(self, ddp: DistributedDataParallel, optimizer, scheduler=None, **options):
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp).__name__}")
+        super().__init__(ddp, optimizer, scheduler, no_sync=ddp.no_sync, **options)
+        self.gradient_scale = float(dist.get_world_size())  # DDP averages; x W makes it a sum
+
+    def count_tokens(self, micro_batches: list[Batch]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        total = torch.tensor(float(super().count_tokens(micro_batches)), device=device)
+        dist.all_reduce(total)  # the graded tokens of the whole global batch
+        return total
+
+
+# %%
+#| export distributed
 def train_distributed(
     recipe: Recipe,
     data: Batch,
@@ -1436,36 +1428,27 @@ def train_distributed(
         ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         optimizer = make_optimizer(model, recipe)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-        stream = rank_batches(data, recipe.batch_size, world, rank, seed=recipe.seed + 1)
+        trainer = DistributedTrainer(
+            ddp, optimizer, scheduler, label_smoothing=recipe.label_smoothing, clip_norm=recipe.clip_norm
+        )  # clipping sees the synchronised gradients: the same on all ranks
         losses = []
+
+        def save_gradients(t: Trainer) -> None:  # the last update's, synchronised, not clipped
+            if gradients is not None and rank == 0 and t.step == recipe.steps:
+                torch.save({k: p.grad.cpu() for k, p in model.named_parameters()}, gradients)
+
+        def log(t: Trainer) -> None:
+            step_loss = torch.tensor(t.history["loss"][-1], device=device)
+            dist.all_reduce(step_loss)  # this rank's share of the global loss, summed
+            losses.append(step_loss.item())
+            if log_every and t.step % log_every == 0 and rank == 0:
+                print(f"step {t.step:5d}  loss {losses[-1]:.4f}", flush=True)
+
+        trainer.add_callback("after_backward", save_gradients).add_callback("after_update", log)
+        stream = rank_batches(data, recipe.batch_size, world, rank, seed=recipe.seed + 1)
         dist.barrier()
         start = time.perf_counter()
-        for step in range(1, recipe.steps + 1):
-            micro = split_batch(next(stream), recipe.accum_steps)
-            counts = [num_tokens(b) for b in micro]
-            total = torch.tensor(float(sum(counts)), device=device)
-            dist.all_reduce(total)  # the graded tokens of the whole global batch
-            ddp.train()
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=device)
-            for i, (batch, count) in enumerate(zip(micro, counts, strict=True)):
-                last = i == len(micro) - 1
-                with contextlib.nullcontext() if last else ddp.no_sync():  # sync once per update
-                    # DDP averages over the W ranks: * W undoes it, / total makes a token mean
-                    loss = sequence_loss(ddp, batch, recipe.label_smoothing) * (
-                        count * world / total
-                    )
-                    loss.backward()
-                step_loss += loss.detach() / world
-            if gradients is not None and rank == 0 and step == recipe.steps:
-                torch.save({k: p.grad.cpu() for k, p in model.named_parameters()}, gradients)
-            nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)  # equal on all ranks
-            optimizer.step()
-            scheduler.step()
-            dist.all_reduce(step_loss)  # the loss of the global batch, for the log
-            losses.append(step_loss.item())
-            if log_every and step % log_every == 0 and rank == 0:
-                print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
+        trainer.fit((split_batch(batch, recipe.accum_steps) for batch in stream), recipe.steps)
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start

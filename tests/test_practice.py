@@ -1,5 +1,6 @@
 """Unit tests of transformer_from_scratch.practice (notebook 13)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from transformer_from_scratch.practice import amp_autocast
 from transformer_from_scratch.practice import evaluate_loss
 from transformer_from_scratch.practice import layer_grad_norms
 from transformer_from_scratch.practice import load_training_state
+from transformer_from_scratch.practice import micro_batch_groups
 from transformer_from_scratch.practice import param_groups
 from transformer_from_scratch.practice import rng_state
 from transformer_from_scratch.practice import save_training_state
@@ -211,7 +213,7 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path):
     straight = tiny_model(dropout_p=0.1)
     history = train_translation(straight, train, valid, config, tmp_path / "a", progress=False)
     assert history["val_loss"][-1] < history["val_loss"][0]
-    assert len(history["grad_norms"]) == len(history["lr"]) == len(history["step_loss"])
+    assert len(history["grad_norms"]) == len(history["lr"]) == len(history["loss"])
     interrupted = tiny_model(dropout_p=0.1)
     train_translation(interrupted, train, valid, config, tmp_path / "b", stop_after_epoch=1,
                       progress=False)  # fmt: skip
@@ -273,3 +275,38 @@ def test_schedule_does_not_depend_on_where_the_sampler_was_left():
         rates.append(train_translation(tiny_model(), train, valid, config, progress=False)["lr"])
     assert len(rates[0]) == 4 + 2
     assert rates[0] == rates[1]  # the schedule's length is counted on epoch 0 both times
+
+
+def test_micro_batch_groups_cut_the_loader_in_lists_of_k():
+    assert list(micro_batch_groups(range(7), 3)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert list(micro_batch_groups(range(4), 1)) == [[0], [1], [2], [3]]
+    assert list(micro_batch_groups([], 2)) == []
+    with pytest.raises(ValueError, match="k"):
+        list(micro_batch_groups(range(3), 0))
+
+
+def test_without_a_folder_the_best_epoch_is_kept_in_memory():
+    train, valid = loaders(make_items(24))
+    # A rate this high makes the last epoch worse than the one before it.
+    config = TrainConfig(epochs=6, lr=0.1, warmup_steps=0, patience=10, min_lr_ratio=1.0)
+    model = tiny_model()
+    history = train_translation(model, train, valid, config, progress=False)
+    best = min(range(config.epochs), key=history["val_loss"].__getitem__)
+    assert best != config.epochs - 1  # else this test would not tell best from last
+    loss, _ = evaluate_loss(model, valid, config.amp_dtype, config.label_smoothing)
+    assert loss == pytest.approx(history["val_loss"][best], rel=1e-5)
+    assert not model.training
+
+
+def test_resume_refuses_another_configuration(tmp_path):
+    train, valid = loaders(make_items(24))
+    config = TrainConfig(epochs=3, lr=3e-3, warmup_steps=2)
+    train_translation(tiny_model(), train, valid, config, tmp_path, stop_after_epoch=1,
+                      progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="another configuration.*'lr'"):
+        train_translation(tiny_model(), train, valid, dataclasses.replace(config, lr=1e-2),
+                          tmp_path, resume=True, progress=False)  # fmt: skip
+    longer = dataclasses.replace(config, epochs=4)  # more epochs is the one change allowed
+    history = train_translation(tiny_model(), train, valid, longer, tmp_path, resume=True,
+                                progress=False)  # fmt: skip
+    assert len(history["val_loss"]) == 4

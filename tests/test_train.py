@@ -1,5 +1,6 @@
 """Unit tests of transformer_from_scratch.train (notebook 11)."""
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -19,10 +20,13 @@ from transformer_from_scratch.train import EVAL_SEED
 from transformer_from_scratch.train import REVERSAL_RECIPE
 from transformer_from_scratch.train import CheckpointError
 from transformer_from_scratch.train import ReversalRecipe
+from transformer_from_scratch.train import Trainer
+from transformer_from_scratch.train import accumulate_gradients
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import get_reversal_model
 from transformer_from_scratch.train import load_checkpoint
 from transformer_from_scratch.train import lr_lambda
+from transformer_from_scratch.train import num_tokens
 from transformer_from_scratch.train import reversal_correct
 from transformer_from_scratch.train import reversal_recipe
 from transformer_from_scratch.train import save_checkpoint
@@ -475,3 +479,174 @@ def test_token_loss_keeps_float64():
 
     logits = torch.randn(2, 3, 7, dtype=torch.float64)
     assert token_loss(logits, torch.tensor([[4, 5, 6], [6, PAD, 3]])).dtype == torch.float64
+
+
+def padded_pair(seed=0):
+    """Two micro-batches of different widths and token counts, as notebook 13's loaders give."""
+    g = torch.Generator().manual_seed(seed)
+    short = make_batch(6, 4, 12, g)
+    long = make_batch(3, 8, 12, g)
+    assert short[2].shape[1] != long[2].shape[1] and num_tokens(short) != num_tokens(long)
+    return short, long
+
+
+def concatenated(a, b):
+    """One batch holding both, padded to the wider."""
+    width_src = max(a[0].shape[1], b[0].shape[1])
+    width_tgt = max(a[1].shape[1], b[1].shape[1])
+
+    def pad(t, width):
+        return F.pad(t, (0, width - t.shape[1]), value=PAD)
+
+    return (torch.cat([pad(a[0], width_src), pad(b[0], width_src)]),
+            torch.cat([pad(a[1], width_tgt), pad(b[1], width_tgt)]),
+            torch.cat([pad(a[2], width_tgt), pad(b[2], width_tgt)]),
+            torch.cat([a[3], b[3]]))  # fmt: skip
+
+
+def flat_grad(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_accumulate_gradients_equals_one_big_batch_and_a_plain_mean_does_not():
+    short, long = padded_pair()
+    one, two, naive = (tiny_model().double() for _ in range(3))
+    loss_one = accumulate_gradients(one, [concatenated(short, long)])
+    loss_two = accumulate_gradients(two, [short, long])
+    torch.testing.assert_close(flat_grad(two), flat_grad(one), rtol=1e-10, atol=1e-12)
+    assert loss_two == pytest.approx(loss_one, rel=1e-10)
+    for part in (short, long):
+        (sequence_loss(naive, part) / 2).backward()
+    assert (flat_grad(naive) - flat_grad(one)).norm() > 1e-3 * flat_grad(one).norm()
+
+
+def test_accumulate_gradients_uses_its_hooks():
+    short, long = padded_pair()
+    entered = []
+
+    @contextlib.contextmanager
+    def context(name):
+        entered.append(name)
+        yield
+
+    model = tiny_model()
+    accumulate_gradients(model, [short, long, short], autocast=lambda: context("autocast"),
+                         no_sync=lambda: context("no_sync"))  # fmt: skip
+    assert entered.count("autocast") == 3 and entered.count("no_sync") == 2  # not for the last
+    reference, scaled = tiny_model(), tiny_model()
+    accumulate_gradients(reference, [short])
+    loss = accumulate_gradients(scaled, [short], total_tokens=2 * num_tokens(short), scale=4.0)
+    torch.testing.assert_close(flat_grad(scaled), 2 * flat_grad(reference))  # 4 x half the tokens
+    assert loss == pytest.approx(accumulate_gradients(tiny_model(), [short]) / 2, rel=1e-5)
+
+
+def test_accumulate_gradients_rejects_empty_input():
+    with pytest.raises(ValueError, match="at least one"):
+        accumulate_gradients(tiny_model(), [])
+    src, tgt_in, tgt_out, lengths = make_batch(2, 4, 12, torch.Generator().manual_seed(0))
+    all_pad = (src, tgt_in, torch.full_like(tgt_out, PAD), lengths)
+    with pytest.raises(ValueError, match="no graded token"):
+        accumulate_gradients(tiny_model(), [all_pad])
+
+
+def make_trainer(model=None, **options):
+    model = model if model is not None else tiny_model()
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), **options)
+
+
+def fresh_batches(n=100, size=8):
+    return ([make_batch(size, 6, 12, torch.Generator().manual_seed(i))] for i in range(n))
+
+
+def test_trainer_runs_the_events_in_order_and_clips_between_them():
+    trainer = make_trainer(clip_norm=1e-3)
+    log = []
+
+    def record(event):
+        def callback(t):
+            log.append((t.step, event, flat_grad(t.model).norm().item() if t.step else None))
+
+        return callback
+
+    for event in Trainer.EVENTS:
+        assert trainer.add_callback(event, record(event)) is trainer  # chainable
+    history = trainer.fit(fresh_batches(), steps=2)
+    assert [(s, e) for s, e, _ in log] == [
+        (0, "before_update"), (1, "after_backward"), (1, "after_update"),
+        (1, "before_update"), (2, "after_backward"), (2, "after_update"),
+    ]  # fmt: skip
+    assert log[1][2] > 100 * 1e-3 and log[2][2] == pytest.approx(1e-3, rel=1e-3)  # clipped between
+    assert trainer.step == 2 and len(history["loss"]) == len(history["lr"]) == 2
+    assert trainer.seconds > 0 and trainer.cpu_seconds > 0
+
+
+def test_trainer_stops_when_an_after_update_callback_says_so():
+    trainer = make_trainer()
+    trainer.add_callback("after_update", lambda t: t.step == 4)
+    trainer.add_callback("after_update", lambda t: None)  # a later None does not cancel the stop
+    trainer.fit(fresh_batches(), steps=50)
+    assert trainer.step == 4 and trainer.should_stop
+    trainer.fit(fresh_batches(), steps=3)  # fit is called again: it goes on from step 4
+    assert trainer.step == 7 and len(trainer.history["loss"]) == 7
+
+
+def test_trainer_fit_takes_at_most_steps_and_ends_with_the_iterator():
+    trainer = make_trainer()
+    trainer.fit(fresh_batches(n=3), steps=10)
+    assert trainer.step == 3
+    trainer.fit(fresh_batches(n=100), steps=2)
+    assert trainer.step == 5
+
+
+def test_trainer_equals_the_loop_it_replaces():
+    """One plain loop, written out: the trainer's weights are equal to it, bit for bit."""
+    plain, trained = tiny_model(), tiny_model()
+    optimizer = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    for [batch] in fresh_batches(n=5):
+        optimizer.zero_grad()
+        sequence_loss(plain, batch).backward()
+        nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        optimizer.step()
+    Trainer(trained, torch.optim.Adam(trained.parameters(), lr=1e-3)).fit(fresh_batches(n=5))
+    for a, b in zip(plain.parameters(), trained.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_trainer_advances_a_bar_it_is_given():
+    class Bar:
+        def __init__(self):
+            self.n, self.closed = 0, False
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    bar = Bar()
+    trainer = make_trainer()
+    trainer.fit(fresh_batches(), steps=3, progress=bar)
+    trainer.fit(fresh_batches(), steps=2, progress=bar)
+    assert bar.n == 5 and not bar.closed  # the caller's bar, left open for the next call
+
+
+def test_trainer_rejects_bad_arguments():
+    model = tiny_model()
+    with pytest.raises(TypeError, match="nn.Module"):
+        Trainer("model", torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="Optimizer"):
+        Trainer(model, "adam")
+    with pytest.raises(ValueError, match="clip_norm"):
+        make_trainer(clip_norm=0.0)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        make_trainer(label_smoothing=1.5)
+    trainer = make_trainer()
+    with pytest.raises(ValueError, match="after_step"):
+        trainer.add_callback("after_step", print)
+    with pytest.raises(TypeError, match="callable"):
+        trainer.add_callback("after_update", 3)
+    with pytest.raises(ValueError, match="steps"):
+        trainer.fit(fresh_batches(), steps=0)

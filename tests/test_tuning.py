@@ -14,7 +14,7 @@ from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.tuning import TUNED_RECIPE
 from transformer_from_scratch.tuning import TUTORIAL_RECIPE
 from transformer_from_scratch.tuning import Recipe
-from transformer_from_scratch.tuning import accumulate_gradients
+from transformer_from_scratch.train import accumulate_gradients
 from transformer_from_scratch.tuning import batches
 from transformer_from_scratch.tuning import build_model
 from transformer_from_scratch.tuning import count_parameters

@@ -101,6 +101,7 @@ from .practice import amp_autocast
 from .practice import evaluate_loss
 from .practice import layer_grad_norms
 from .practice import load_training_state
+from .practice import micro_batch_groups
 from .practice import param_groups
 from .practice import rng_state
 from .practice import save_training_state
@@ -123,6 +124,8 @@ from .train import REVERSAL_RECIPE
 from .train import Batch
 from .train import CheckpointError
 from .train import ReversalRecipe
+from .train import Trainer
+from .train import accumulate_gradients
 from .train import atomic_save
 from .train import exact_match
 from .train import get_reversal_model
@@ -139,7 +142,6 @@ from .train import train_reversal
 from .tuning import TUNED_RECIPE
 from .tuning import TUTORIAL_RECIPE
 from .tuning import Recipe
-from .tuning import accumulate_gradients
 from .tuning import batches
 from .tuning import build_model
 from .tuning import count_parameters

@@ -11,7 +11,6 @@ model, trains on its own share of each batch, and DistributedDataParallel averag
 across processes during the backward pass, so the copies stay equal."""
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -20,16 +19,14 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.train import Batch
-from transformer_from_scratch.train import num_tokens
+from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import save_checkpoint
-from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.tuning import Recipe
 from transformer_from_scratch.tuning import build_model
 from transformer_from_scratch.tuning import lr_factor
@@ -103,6 +100,28 @@ def rank_batches(
 
 
 # Taught in notebook 15 · Tuning and generalisation
+class DistributedTrainer(Trainer):
+    """Trainer for one process of a data-parallel run: `ddp` a DistributedDataParallel model.
+
+    Each update's loss is the token mean over the micro-batches of *every* process, so the
+    averaged gradients equal those of one process on the concatenated global batch."""
+
+    def __init__(self, ddp: DistributedDataParallel, optimizer, scheduler=None, **options):
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(
+                f"ddp must be a DistributedDataParallel model, got {type(ddp).__name__}"
+            )
+        super().__init__(ddp, optimizer, scheduler, no_sync=ddp.no_sync, **options)
+        self.gradient_scale = float(dist.get_world_size())  # DDP averages; x W makes it a sum
+
+    def count_tokens(self, micro_batches: list[Batch]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        total = torch.tensor(float(super().count_tokens(micro_batches)), device=device)
+        dist.all_reduce(total)  # the graded tokens of the whole global batch
+        return total
+
+
+# Taught in notebook 15 · Tuning and generalisation
 def train_distributed(
     recipe: Recipe,
     data: Batch,
@@ -136,36 +155,31 @@ def train_distributed(
         ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         optimizer = make_optimizer(model, recipe)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-        stream = rank_batches(data, recipe.batch_size, world, rank, seed=recipe.seed + 1)
+        trainer = DistributedTrainer(
+            ddp,
+            optimizer,
+            scheduler,
+            label_smoothing=recipe.label_smoothing,
+            clip_norm=recipe.clip_norm,
+        )  # clipping sees the synchronised gradients: the same on all ranks
         losses = []
+
+        def save_gradients(t: Trainer) -> None:  # the last update's, synchronised, not clipped
+            if gradients is not None and rank == 0 and t.step == recipe.steps:
+                torch.save({k: p.grad.cpu() for k, p in model.named_parameters()}, gradients)
+
+        def log(t: Trainer) -> None:
+            step_loss = torch.tensor(t.history["loss"][-1], device=device)
+            dist.all_reduce(step_loss)  # this rank's share of the global loss, summed
+            losses.append(step_loss.item())
+            if log_every and t.step % log_every == 0 and rank == 0:
+                print(f"step {t.step:5d}  loss {losses[-1]:.4f}", flush=True)
+
+        trainer.add_callback("after_backward", save_gradients).add_callback("after_update", log)
+        stream = rank_batches(data, recipe.batch_size, world, rank, seed=recipe.seed + 1)
         dist.barrier()
         start = time.perf_counter()
-        for step in range(1, recipe.steps + 1):
-            micro = split_batch(next(stream), recipe.accum_steps)
-            counts = [num_tokens(b) for b in micro]
-            total = torch.tensor(float(sum(counts)), device=device)
-            dist.all_reduce(total)  # the graded tokens of the whole global batch
-            ddp.train()
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=device)
-            for i, (batch, count) in enumerate(zip(micro, counts, strict=True)):
-                last = i == len(micro) - 1
-                with contextlib.nullcontext() if last else ddp.no_sync():  # sync once per update
-                    # DDP averages over the W ranks: * W undoes it, / total makes a token mean
-                    loss = sequence_loss(ddp, batch, recipe.label_smoothing) * (
-                        count * world / total
-                    )
-                    loss.backward()
-                step_loss += loss.detach() / world
-            if gradients is not None and rank == 0 and step == recipe.steps:
-                torch.save({k: p.grad.cpu() for k, p in model.named_parameters()}, gradients)
-            nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)  # equal on all ranks
-            optimizer.step()
-            scheduler.step()
-            dist.all_reduce(step_loss)  # the loss of the global batch, for the log
-            losses.append(step_loss.item())
-            if log_every and step % log_every == 0 and rank == 0:
-                print(f"step {step:5d}  loss {losses[-1]:.4f}", flush=True)
+        trainer.fit((split_batch(batch, recipe.accum_steps) for batch in stream), recipe.steps)
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
@@ -248,6 +262,7 @@ __all__ = [
     "LaunchError",
     "torchrun_environment",
     "rank_batches",
+    "DistributedTrainer",
     "train_distributed",
     "parse_arguments",
     "main",

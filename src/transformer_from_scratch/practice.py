@@ -9,8 +9,11 @@ import math
 import os
 import random
 import types
+from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import asdict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,9 +29,8 @@ from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import atomic_save
-from transformer_from_scratch.train import num_tokens
-from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.train import token_loss
 
 
@@ -222,6 +224,21 @@ def evaluate_loss(
 
 
 # Taught in notebook 13 · A real translation task
+def micro_batch_groups(loader: Iterable, k: int) -> Iterator[list]:
+    """The batches of `loader` in lists of k (the micro-batches of one update); the last list
+    holds what is left."""
+    check_int("k", k, minimum=1)
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == k:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+# Taught in notebook 13 · A real translation task
 def train_translation(
     model: nn.Module,
     train_loader,
@@ -261,44 +278,41 @@ def train_translation(
     # Loss scaling keeps small float16 gradients from underflowing; bf16 and fp32 need none.
     scaler = torch.amp.GradScaler(device.type, enabled=config.amp_dtype == "float16")
     stopper = EarlyStopping(config.patience)
-    history: dict = {
-        key: [] for key in ("step_loss", "lr", "grad_norms", "train_loss", "val_loss", "val_acc")
-    }
-    start_epoch = 0
+    # Notebook 11's loop, extended: autocast around each forward pass, the scaler around each
+    # backward, and the per-layer gradient norms measured where the gradients are complete.
+    trainer = Trainer(
+        model, optimizer, scheduler, label_smoothing=config.label_smoothing,
+        clip_norm=config.clip_norm, autocast=partial(amp_autocast, device, config.amp_dtype),
+        scaler=scaler,
+    )  # fmt: skip
+    trainer.add_callback(
+        "after_backward", lambda t: t.history["grad_norms"].append(layer_grad_norms(t.model))
+    )
+    trainer.history.update(grad_norms=[], train_loss=[], val_loss=[], val_acc=[])
+    start_epoch, best_state = 0, None
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if resume:
         state = load_training_state(directory / "last.pt", map_location=device)
+        changed = {k: (v, getattr(config, k)) for k, v in state["config"].items()
+                   if k != "epochs" and getattr(config, k) != v}  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"the checkpoint was trained with another configuration: {changed} "
+                "(stored, given); resuming would mix two runs"
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
         stopper.load_state_dict(state["early_stopping"])
-        history = state["history"]
+        trainer.history = state["history"]
+        trainer.step = len(trainer.history["loss"])
         set_rng_state(state["rng"])
         start_epoch = state["epoch"] + 1
     else:
         torch.manual_seed(config.seed)  # dropout draws the same masks on every run
+    history = trainer.history
 
-    def update(micro_batches: list) -> float:
-        """One optimizer step from k micro-batches: the gradient of their token-mean loss."""
-        tokens = sum(num_tokens(batch) for batch in micro_batches)
-        loss_sum = 0.0
-        for batch in micro_batches:
-            with amp_autocast(device, config.amp_dtype):
-                loss = sequence_loss(model, batch, config.label_smoothing, reduction="sum")
-            scaler.scale(loss / tokens).backward()  # the sum over all k, over all their tokens
-            loss_sum += loss.item()
-        scaler.unscale_(optimizer)  # true gradients, before measuring and clipping them
-        history["grad_norms"].append(layer_grad_norms(model))
-        nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
-        history["lr"].append(optimizer.param_groups[0]["lr"])
-        scaler.step(optimizer)  # skipped if a float16 gradient overflowed
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        return loss_sum / tokens
-
-    model.train()
     # One bar for the whole run (its total counts epoch 0's steps per epoch, an estimate), gone
     # when training ends. One redraw every 2 s at most: a bar that redraws every step floods
     # the notebook's message channel (and nbval, which reads it after the cell).
@@ -312,16 +326,10 @@ def train_translation(
     for epoch in range(start_epoch, config.epochs):
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)  # a new order, the same on every run
-        micro_batches, epoch_losses = [], []
-        num_batches = len(train_loader)  # this epoch's, after set_epoch
-        for i, batch in enumerate(train_loader):
-            micro_batches.append(batch)
-            if len(micro_batches) == config.accumulation_steps or i == num_batches - 1:
-                epoch_losses.append(update(micro_batches))
-                history["step_loss"].append(epoch_losses[-1])
-                micro_batches = []
-                bar.update()
-                bar.set_postfix(epoch=epoch + 1, loss=f"{epoch_losses[-1]:.3f}", refresh=False)
+        first = len(history["loss"])
+        bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
+        trainer.fit(micro_batch_groups(train_loader, config.accumulation_steps), progress=bar)
+        epoch_losses = history["loss"][first:]
         val_loss, val_acc = evaluate_loss(
             model, valid_loader, config.amp_dtype, config.label_smoothing
         )
@@ -329,6 +337,8 @@ def train_translation(
         history["val_loss"].append(val_loss)
         history["val_acc"].append(val_acc)
         improved = stopper.step(epoch, val_loss)
+        if improved and directory is None:  # no folder: the best weights are kept in memory
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if directory is not None:
             if improved:
                 save_training_state(
@@ -351,10 +361,12 @@ def train_translation(
         if stopper.should_stop or (stop_after_epoch is not None and epoch + 1 >= stop_after_epoch):
             break
     bar.close()
-    if directory is not None and (directory / "best.pt").exists() and stop_after_epoch is None:
-        model.load_state_dict(
-            load_training_state(directory / "best.pt", map_location=device)["model"]
-        )
+    model.eval()
+    if stop_after_epoch is None:  # a finished run ends with the weights of its best epoch
+        if directory is not None and (directory / "best.pt").exists():
+            best_state = load_training_state(directory / "best.pt", map_location=device)["model"]
+        if best_state is not None:
+            model.load_state_dict(best_state)
     set_gradient_checkpointing(model, False)
     return history
 
@@ -372,5 +384,6 @@ __all__ = [
     "layer_grad_norms",
     "TrainConfig",
     "evaluate_loss",
+    "micro_batch_groups",
     "train_translation",
 ]

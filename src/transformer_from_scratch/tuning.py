@@ -7,7 +7,6 @@ learning-rate range test, parameter budgets, a search space for Optuna, and the 
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from transformer_from_scratch.practice import param_groups
 from transformer_from_scratch.practice import warmup_cosine
 from transformer_from_scratch.regularization import add_drop_path
 from transformer_from_scratch.train import Batch
+from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import lr_lambda
 from transformer_from_scratch.train import num_tokens
@@ -152,29 +152,6 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
 
 
 # Taught in notebook 15 · Tuning and generalisation
-def accumulate_gradients(
-    model: Transformer,
-    micro_batches: list[Batch],
-    label_smoothing: float = 0.0,
-    total_tokens: int | None = None,
-    scale: float = 1.0,
-) -> float:
-    """Backward through every micro-batch, each loss weighted by its share of the graded tokens.
-
-    The gradients add up to those of one pass over the concatenated batch (mean over all its
-    tokens); `total_tokens` and `scale` let a distributed run count the tokens of every process.
-    Returns the loss of the whole batch."""
-    counts = [num_tokens(b) for b in micro_batches]
-    total = sum(counts) if total_tokens is None else total_tokens
-    loss_sum = 0.0
-    for batch, count in zip(micro_batches, counts, strict=True):
-        loss = sequence_loss(model, batch, label_smoothing) * (count * scale / total)
-        loss.backward()
-        loss_sum += loss.item()
-    return loss_sum / scale
-
-
-# Taught in notebook 15 · Tuning and generalisation
 @torch.no_grad()
 def dataset_loss(model: Transformer, data: Batch, batch_size: int = 512) -> float:
     """Mean cross-entropy (no smoothing) over all graded tokens of `data`, in eval mode."""
@@ -224,42 +201,33 @@ def fit(
     `val_data` and on `train_data`, both in eval mode, then `callback(step, model, history)` runs;
     a true result stops the run. Seconds count the training only, not the evaluations."""
     check_int("eval_every", eval_every, minimum=0)
-    device = next(model.parameters()).device
     optimizer = make_optimizer(model, recipe)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-    stream = batches(recipe, train_data)
-    history: dict = {"loss": [], "lr": [], "eval_step": [], "train_loss": [], "val_loss": []}
-    seconds = cpu_seconds = 0.0
-    steps = range(1, recipe.steps + 1)
-    if progress:
-        from tqdm.auto import tqdm
+    trainer = Trainer(
+        model,
+        optimizer,
+        scheduler,
+        label_smoothing=recipe.label_smoothing,
+        clip_norm=recipe.clip_norm,
+    )
+    history = trainer.history  # "loss" and "lr" per update; the evaluations are added here
+    history.update(eval_step=[], train_loss=[], val_loss=[])
 
-        steps = tqdm(steps, desc="training", leave=False)
-    for step in steps:
-        start, cpu_start = time.perf_counter(), time.process_time()
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        micro = split_batch(next(stream), recipe.accum_steps)
-        loss = accumulate_gradients(model, micro, recipe.label_smoothing)
-        nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
-        history["lr"].append(optimizer.param_groups[0]["lr"])  # the rate of this update
-        optimizer.step()
-        scheduler.step()
-        history["loss"].append(loss)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds += time.perf_counter() - start
-        cpu_seconds += time.process_time() - cpu_start
-        if eval_every and (step % eval_every == 0 or step == recipe.steps):
-            history["eval_step"].append(step)
-            if train_data is not None:
-                history["train_loss"].append(dataset_loss(model, train_data))
-            if val_data is not None:
-                history["val_loss"].append(dataset_loss(model, val_data))
-            history["seconds"], history["cpu_seconds"] = seconds, cpu_seconds
-            if callback is not None and callback(step, model, history):
-                break
-    history["seconds"], history["cpu_seconds"] = seconds, cpu_seconds
+    def evaluate(t: Trainer) -> bool:
+        if not eval_every or (t.step % eval_every != 0 and t.step != recipe.steps):
+            return False
+        history["eval_step"].append(t.step)
+        if train_data is not None:
+            history["train_loss"].append(dataset_loss(model, train_data))
+        if val_data is not None:
+            history["val_loss"].append(dataset_loss(model, val_data))
+        history["seconds"], history["cpu_seconds"] = t.seconds, t.cpu_seconds
+        return callback is not None and bool(callback(t.step, model, history))
+
+    trainer.add_callback("after_update", evaluate)
+    stream = (split_batch(batch, recipe.accum_steps) for batch in batches(recipe, train_data))
+    trainer.fit(stream, recipe.steps, progress=progress, leave=False)
+    history["seconds"], history["cpu_seconds"] = trainer.seconds, trainer.cpu_seconds
     model.eval()
     return history
 
@@ -333,27 +301,27 @@ def lr_range_test(
     check_int("steps", steps, minimum=2)
     check_probability("smoothing", smoothing)
     model = build_model(recipe)
-    optimizer = make_optimizer(model, recipe)
-    stream = batches(recipe)
+    trainer = Trainer(model, make_optimizer(model, recipe), clip_norm=recipe.clip_norm)
+    rates = [lr_min * (lr_max / lr_min) ** (i / (steps - 1)) for i in range(steps)]
     result: dict[str, list[float]] = {"lr": [], "loss": [], "smoothed": []}
-    average, best = 0.0, math.inf
-    model.train()
-    for i in range(steps):
-        lr = lr_min * (lr_max / lr_min) ** (i / (steps - 1))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(model, split_batch(next(stream), recipe.accum_steps))
-        nn.utils.clip_grad_norm_(model.parameters(), recipe.clip_norm)
-        optimizer.step()
-        average = smoothing * average + (1 - smoothing) * loss
-        smoothed = average / (1 - smoothing ** (i + 1))  # bias-corrected running mean
-        result["lr"].append(lr)
+    state = {"average": 0.0, "best": math.inf}
+
+    def set_rate(t: Trainer) -> None:  # before update i + 1: the i-th rate of the sweep
+        for group in t.optimizer.param_groups:
+            group["lr"] = rates[t.step]
+
+    def record(t: Trainer) -> bool:
+        i, loss = t.step - 1, t.history["loss"][-1]
+        state["average"] = smoothing * state["average"] + (1 - smoothing) * loss
+        smoothed = state["average"] / (1 - smoothing ** (i + 1))  # bias-corrected running mean
+        result["lr"].append(rates[i])
         result["loss"].append(loss)
         result["smoothed"].append(smoothed)
-        best = min(best, smoothed)
-        if not math.isfinite(loss) or smoothed > stop_factor * best:
-            break
+        state["best"] = min(state["best"], smoothed)
+        return not math.isfinite(loss) or smoothed > stop_factor * state["best"]  # True: stop
+
+    trainer.add_callback("before_update", set_rate).add_callback("after_update", record)
+    trainer.fit((split_batch(batch, recipe.accum_steps) for batch in batches(recipe)), steps)
     return result
 
 
@@ -482,7 +450,6 @@ __all__ = [
     "lr_factor",
     "make_optimizer",
     "split_batch",
-    "accumulate_gradients",
     "dataset_loss",
     "batches",
     "fit",
