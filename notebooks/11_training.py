@@ -337,7 +337,7 @@ from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import causal_mask, padding_mask
-from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.model import Transformer, TransformerConfig
 from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.utils import get_device, set_seed
 
@@ -754,7 +754,9 @@ def train_model(
 # The recipe is a frozen dataclass, `ReversalRecipe` (nanoGPT's `GPTConfig` is a dataclass too;
 # ours is also frozen and checks itself): typed fields with
 # the tutorial's values as defaults, checked when it is made, and immutable, so a run cannot
-# change the recipe it was given. `REVERSAL_RECIPE` is the default one; `reversal_recipe(**changes)`
+# change the recipe it was given. The model's part of it is handed over as notebook 10's
+# `TransformerConfig` (`recipe.model_config`), which is what `train_reversal` builds: the
+# architecture is described in one place, the recipe adds the data and the training. `REVERSAL_RECIPE` is the default one; `reversal_recipe(**changes)`
 # returns a copy with some fields changed (`dataclasses.replace`), and names the known fields
 # when a keyword is misspelt. `train_reversal` takes the same keywords.
 #
@@ -791,6 +793,20 @@ class ReversalRecipe:
         check_probability("label_smoothing", self.label_smoothing)
         check_choice("embedding_init", self.embedding_init, ("paper", "default"))
 
+    @property
+    def model_config(self) -> TransformerConfig:
+        """The architecture this recipe trains, as notebook 10's configuration."""
+        return recipe_model_config(self)
+
+
+def recipe_model_config(recipe) -> TransformerConfig:
+    """A reversal recipe's architecture: its vocabulary on both sides, its sizes and its dropout
+    (notebook 15's Recipe hands its model over the same way)."""
+    return TransformerConfig(
+        recipe.vocab_size, recipe.vocab_size, d_model=recipe.d_model, num_heads=recipe.num_heads,
+        d_ff=recipe.d_ff, num_layers=recipe.num_layers, dropout_p=recipe.dropout_p,
+    )  # fmt: skip
+
 
 REVERSAL_RECIPE = ReversalRecipe()  # the tutorial's recipe, as this notebook trains it
 
@@ -821,10 +837,7 @@ def train_reversal(
     """
     recipe = reversal_recipe(**changes)
     set_seed(recipe.seed)  # the weights and the dropout masks
-    model = Transformer(
-        recipe.vocab_size, recipe.vocab_size, d_model=recipe.d_model, num_heads=recipe.num_heads,
-        d_ff=recipe.d_ff, num_layers=recipe.num_layers, dropout_p=recipe.dropout_p,
-    )
+    model = Transformer(recipe.model_config)
     if recipe.embedding_init == "default":
         embedding_generator = torch.Generator().manual_seed(recipe.seed + 2)
         with torch.no_grad():

@@ -112,6 +112,7 @@ from transformer_from_scratch.checks import check_int
 from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.model import TransformerConfig
 from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.practice import param_groups
 from transformer_from_scratch.practice import warmup_cosine
@@ -119,6 +120,7 @@ from transformer_from_scratch.train import Batch
 from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import lr_lambda
+from transformer_from_scratch.train import recipe_model_config
 from transformer_from_scratch.train import num_tokens
 from transformer_from_scratch.train import sequence_loss
 @dataclass(frozen=True)
@@ -177,6 +179,11 @@ class Recipe:
         for beta in self.betas:
             check_float("betas", beta, 0.0, 1.0, high_open=True)
 
+    @property
+    def model_config(self) -> TransformerConfig:
+        """The architecture this recipe trains (DropPath is added by build_model)."""
+        return recipe_model_config(self)
+
     def replace(self, **changes) -> "Recipe":
         """A copy with `changes`; unknown names are a TypeError, bad values a ValueError."""
         return dataclasses.replace(self, **changes)
@@ -203,15 +210,7 @@ TUTORIAL_RECIPE = Recipe(
 def build_model(recipe: Recipe) -> Transformer:
     """The recipe's Transformer on the CPU, its weights drawn after torch.manual_seed(seed)."""
     torch.manual_seed(recipe.seed)
-    model = Transformer(
-        recipe.vocab_size,
-        recipe.vocab_size,
-        d_model=recipe.d_model,
-        num_heads=recipe.num_heads,
-        d_ff=recipe.d_ff,
-        num_layers=recipe.num_layers,
-        dropout_p=recipe.dropout_p,
-    )
+    model = Transformer(recipe.model_config)
     if recipe.drop_path_p > 0:
         add_drop_path(model, recipe.drop_path_p)
     return model
@@ -707,14 +706,7 @@ plt.show()
 def count_parameters(recipe: Recipe) -> int:
     """The parameters of the recipe's Transformer, counted on a model built without memory."""
     with torch.device("meta"):  # real modules, no storage: any size counts in milliseconds
-        model = Transformer(
-            recipe.vocab_size,
-            recipe.vocab_size,
-            d_model=recipe.d_model,
-            num_heads=recipe.num_heads,
-            d_ff=recipe.d_ff,
-            num_layers=recipe.num_layers,
-        )
+        model = Transformer(recipe.model_config)
     return sum(p.numel() for p in model.parameters())
 
 

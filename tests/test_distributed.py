@@ -18,9 +18,9 @@ from transformer_from_scratch.distributed import parse_arguments
 from transformer_from_scratch.distributed import rank_batches
 from transformer_from_scratch.distributed import torchrun_environment
 from transformer_from_scratch.distributed import train_distributed
+from transformer_from_scratch.train import accumulate_gradients
 from transformer_from_scratch.train import load_checkpoint
 from transformer_from_scratch.tuning import Recipe
-from transformer_from_scratch.train import accumulate_gradients
 from transformer_from_scratch.tuning import build_model
 from transformer_from_scratch.tuning import lr_factor
 from transformer_from_scratch.tuning import make_optimizer

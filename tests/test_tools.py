@@ -226,6 +226,22 @@ def clone(tmp_path) -> Path:
     return tmp_path
 
 
+def test_swallowed_list_items_are_found_as_a_markdown_renderer_sees_them():
+    continued = "   The rest of answer 1, after a code cell.\n2. Answer two.\n3. Answer three."
+    assert notebooks.swallowed_list_items(continued) == ["2. Answer two.", "3. Answer three."]
+    assert notebooks.swallowed_list_items(continued.replace("\n2.", "\n\n2.")) == []
+    assert notebooks.swallowed_list_items("1. one\n   more of one\n2. two") == []  # a list
+    assert notebooks.swallowed_list_items("In the year\n2017. it was") == []  # a year, not a list
+
+
+def test_check_catches_a_list_folded_into_a_paragraph(pair):
+    ipynb = pair.with_suffix(".ipynb")
+    nb = nbformat.read(ipynb, as_version=4)
+    nb.cells.append(nbformat.v4.new_markdown_cell("   the end of answer 1\n2. answer two"))
+    nbformat.write(nb, ipynb)
+    assert any("does not start a list item" in p for p in notebooks.problems_in(pair))
+
+
 @pytest.mark.parametrize("newer", [".py", ".ipynb"])
 def test_sync_changes_nothing_whichever_file_is_newer(clone, newer):
     """`make sync` on a fresh clone: jupytext --sync in either direction is the identity."""

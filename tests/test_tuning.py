@@ -8,13 +8,13 @@ import torch
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.regularization import DropPath
+from transformer_from_scratch.train import accumulate_gradients
 from transformer_from_scratch.train import lr_lambda
 from transformer_from_scratch.train import num_tokens
 from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.tuning import TUNED_RECIPE
 from transformer_from_scratch.tuning import TUTORIAL_RECIPE
 from transformer_from_scratch.tuning import Recipe
-from transformer_from_scratch.train import accumulate_gradients
 from transformer_from_scratch.tuning import batches
 from transformer_from_scratch.tuning import build_model
 from transformer_from_scratch.tuning import count_parameters
@@ -254,3 +254,11 @@ def test_search_space_objective_and_seeded_studies():
     assert math.isfinite(study.best_value)
     with pytest.raises(ValueError):
         make_study("grid")
+
+
+def test_recipe_model_config_builds_the_models_of_build_model_and_count_parameters():
+    recipe = Recipe(d_model=32, num_heads=2, d_ff=48, num_layers=1, dropout_p=0.1)
+    assert recipe.model_config.d_ff == 48 and recipe.model_config.dropout_p == 0.1
+    model = build_model(recipe)
+    assert model.config == recipe.model_config
+    assert count_parameters(recipe) == sum(p.numel() for p in model.parameters())

@@ -400,6 +400,32 @@ def problems_in(py: Path) -> list[str]:
     for i, cell in enumerate(nb.cells):
         if re.search(r"\bTODO\b|\bFIXME\b|\bTBD\b", cell.source):
             found.append(f"{name}: cell {i} has placeholder text")
+        if cell.cell_type == "markdown":
+            for line in swallowed_list_items(cell.source):
+                found.append(
+                    f"{name}: cell {i}: {line[:40]!r} does not start a list item (CommonMark: a "
+                    "list that interrupts a paragraph must start at 1): add a blank line before it"
+                )
+    return found
+
+
+def swallowed_list_items(markdown: str) -> list[str]:
+    """Lines like '2. ...' that a Markdown renderer folds into the paragraph above them.
+
+    CommonMark lets an ordered list interrupt a paragraph only if it starts at 1, so a solutions
+    list continued after a code cell ('   (text of item 1)' then '2. ...') renders as one run-on
+    paragraph in JupyterLab and on the site. Found with the parser JupyterLab's renderer follows."""
+    from markdown_it import MarkdownIt  # jupytext's dependency
+
+    found, stack = [], []
+    for token in MarkdownIt("commonmark").parse(markdown):
+        if token.type == "paragraph_open":
+            stack.append(token)
+        elif token.type == "paragraph_close":
+            stack.pop()
+        elif token.type == "inline" and stack:
+            found += [line for line in token.content.split("\n")[1:]
+                      if re.match(r"\s*\d{1,2}[.)]\s", line)]  # fmt: skip
     return found
 
 

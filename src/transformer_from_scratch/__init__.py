@@ -132,6 +132,7 @@ from .train import get_reversal_model
 from .train import load_checkpoint
 from .train import lr_lambda
 from .train import num_tokens
+from .train import recipe_model_config
 from .train import reversal_correct
 from .train import reversal_recipe
 from .train import save_checkpoint

@@ -29,6 +29,7 @@ from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.model import Transformer
+from transformer_from_scratch.model import TransformerConfig
 from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.utils import get_device
 from transformer_from_scratch.utils import set_seed
@@ -342,6 +343,21 @@ class ReversalRecipe:
         check_probability("label_smoothing", self.label_smoothing)
         check_choice("embedding_init", self.embedding_init, ("paper", "default"))
 
+    @property
+    def model_config(self) -> TransformerConfig:
+        """The architecture this recipe trains, as notebook 10's configuration."""
+        return recipe_model_config(self)
+
+
+# Taught in notebook 11 · Training
+def recipe_model_config(recipe) -> TransformerConfig:
+    """A reversal recipe's architecture: its vocabulary on both sides, its sizes and its dropout
+    (notebook 15's Recipe hands its model over the same way)."""
+    return TransformerConfig(
+        recipe.vocab_size, recipe.vocab_size, d_model=recipe.d_model, num_heads=recipe.num_heads,
+        d_ff=recipe.d_ff, num_layers=recipe.num_layers, dropout_p=recipe.dropout_p,
+    )  # fmt: skip
+
 
 # Taught in notebook 11 · Training
 REVERSAL_RECIPE = ReversalRecipe()  # the tutorial's recipe, as this notebook trains it
@@ -375,15 +391,7 @@ def train_reversal(
     """
     recipe = reversal_recipe(**changes)
     set_seed(recipe.seed)  # the weights and the dropout masks
-    model = Transformer(
-        recipe.vocab_size,
-        recipe.vocab_size,
-        d_model=recipe.d_model,
-        num_heads=recipe.num_heads,
-        d_ff=recipe.d_ff,
-        num_layers=recipe.num_layers,
-        dropout_p=recipe.dropout_p,
-    )
+    model = Transformer(recipe.model_config)
     if recipe.embedding_init == "default":
         embedding_generator = torch.Generator().manual_seed(recipe.seed + 2)
         with torch.no_grad():
@@ -588,6 +596,7 @@ __all__ = [
     "Trainer",
     "train_model",
     "ReversalRecipe",
+    "recipe_model_config",
     "REVERSAL_RECIPE",
     "reversal_recipe",
     "train_reversal",
