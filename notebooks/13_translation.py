@@ -1,7 +1,7 @@
 # %% [markdown]
 # # 13 · A real translation task
 #
-# **What you will build:** everything it takes to train the Transformer on a real task, end to end, each piece checked: English number words translated into German ("three hundred and forty-two thousand and seven" → "dreihundertzweiundvierzigtausendsieben"), a corpus made offline with disjoint splits by number; byte-pair encoding written from scratch (`bpe`) beside the Hugging Face `tokenizers` library; a `Dataset`, dynamic padding and batches by tokens with length bucketing (`translation`); and the practice of training (`practice`): AdamW with decay on weight matrices only (not on norms and biases), warmup and cosine decay, gradient clipping, label smoothing, gradient accumulation checked against a larger batch, mixed precision, gradient checkpointing, early stopping and checkpoints that resume bit for bit (on the CPU). Last, the trained model is scored on numbers it never saw, with greedy and beam search, sacrebleu's BLEU and chrF and exact match; its errors are sorted by kind, and its cross-attention shows German putting units before tens.
+# **What you will build:** everything it takes to train the Transformer on a real task, end to end, each piece checked: English number words translated into German ("three hundred and forty-two thousand and seven" → "dreihundertzweiundvierzigtausendsieben"), a corpus made offline with disjoint splits by number; byte-pair encoding written from scratch (`bpe`) beside the Hugging Face `tokenizers` library; a `Dataset`, dynamic padding and batches by tokens with length bucketing (`translation`); and the practice of training (`practice`): AdamW with decay on weight matrices only (not on norms and biases), warmup and cosine decay, gradient clipping, label smoothing, gradient accumulation checked against a larger batch, mixed precision, gradient checkpointing, early stopping and checkpoints that resume bit for bit (on the CPU). Last, the trained model is scored on numbers it never saw, with greedy and beam search, sacrebleu's BLEU and chrF and exact match; an early checkpoint and a split of round thousands show where it fails, its errors are sorted by kind, and its cross-attention shows German putting units before tens.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/13_translation.ipynb) · Assumes: [10 · The full model](10_full_model.ipynb), [11 · Training](11_training.ipynb), [12 · Generation](12_generation.ipynb).
 
@@ -1132,8 +1132,13 @@ assert naive_error > 1e-4  # the mean of means is a different gradient, 100x the
 #
 # Most of a Transformer's time goes into matrix products, and those run faster in 16-bit
 # floats on hardware built for them. `torch.amp.autocast` runs chosen operations (matmuls,
-# linear layers) in a 16-bit type and keeps precision-sensitive ones (softmax, norms, the
-# loss) in float32; the weights and the optimizer stay float32. Two 16-bit formats:
+# linear layers) in a 16-bit type; the weights and the optimizer stay float32. Which
+# operations it holds in float32 depends on the device: on a CUDA GPU the precision-sensitive
+# ones (softmax, layer norm, the losses); on the CPU only the losses and a list of delicate ops,
+# so there a softmax of bfloat16 scores runs in bfloat16 (try `F.softmax(x.bfloat16(), -1)`
+# under `torch.autocast("cpu")`). In this course's model the norms see float32 all the same,
+# because the residual stream stays float32 (a float32 tensor plus a bfloat16 sublayer output
+# is float32), and the loss is computed on logits cast to float32. Two 16-bit formats:
 #
 # | | exponent bits | mantissa bits | range | needs loss scaling |
 # |---|---|---|---|---|
@@ -1144,8 +1149,10 @@ assert naive_error > 1e-4  # the mean of means is a different gradient, 100x the
 # gradients stay representable, divide the gradients back before the step, and skip a step
 # whose gradients overflowed. (The source tutorial imports these from `torch.cuda.amp`, which
 # is deprecated; `torch.amp` is the current API, with the device type as first argument.) On
-# the CPU, autocast supports bfloat16, which is what this notebook measures here; on a CUDA
-# GPU the cell below also measures float16 with the scaler.
+# the CPU autocast takes bfloat16 and, in recent PyTorch, float16 as well; few CPUs have
+# float16 arithmetic (and some have bfloat16), so this notebook measures bfloat16 on the CPU,
+# and `train_translation` below refuses float16 there. On a CUDA GPU the cell below also
+# measures float16 with the scaler.
 
 # %%
 #| export practice
@@ -1215,7 +1222,9 @@ for name in amp_dtypes[1:]:
 # instructions (recent Intel Xeons with AMX or AVX-512 BF16, AMD Zen 4) run the products
 # faster, older ones lose time to the casts (or, without bfloat16 instructions, to
 # converting every number); the cell above prints what yours does. On a recent GPU the products
-# run on tensor cores and a step is typically several times faster. The training below stays
+# run on tensor cores, which pays off for large matrices; at this notebook's size (width 64,
+# batches of a few thousand tokens) a GPU step is bound by kernel launches, not arithmetic, so
+# expect little gain from autocast there either. The training below stays
 # in float32 on the CPU: many CPUs have no bfloat16 instructions, and a float32 run is the
 # reference the 16-bit results are compared with. (float32 does
 # not make the numbers the same on every machine: the order in which a matrix product adds
@@ -1396,7 +1405,11 @@ def load_training_state(path: str | os.PathLike, map_location=None) -> dict:
 
 # %% [markdown]
 # The loop also records the gradient's norm per block at every step: a "gradient-flow" plot
-# (the second source tutorial recommends one), which shows whether every layer learns and none explodes.
+# (the second source tutorial recommends one), which shows whether any part's gradient vanishes
+# or explodes. It does not show how fast a part learns: the norms are over groups of very
+# different sizes (an embedding table against a block), and the step Adam takes is about the
+# learning rate per weight whatever the gradient's size (notebook 09). The update relative to
+# the weights, $\lVert \Delta W \rVert / \lVert W \rVert$ per step, would say that.
 
 # %%
 #| export practice
@@ -1531,7 +1544,10 @@ def train_translation(
         raise ValueError("resume=True needs the checkpoint_dir to resume from")
     device = next(model.parameters()).device
     if config.amp_dtype == "float16" and device.type == "cpu":
-        raise ValueError("float16 autocast is for GPUs; on the CPU use amp_dtype='bfloat16'")
+        raise ValueError(
+            "float16 autocast is for GPUs here (few CPUs compute in float16, and its loss "
+            "scaling buys nothing there); on the CPU use amp_dtype='bfloat16'"
+        )
     set_gradient_checkpointing(model, config.gradient_checkpointing)
     optimizer = torch.optim.AdamW(
         param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
@@ -1649,6 +1665,11 @@ def train_translation(
 # restored. (On a GPU some kernels, such as the atomic additions of an embedding's backward,
 # add in a varying order unless `torch.use_deterministic_algorithms(True)` is set, so there
 # the check allows float rounding.)
+#
+# And the negative controls, to show the check can fail: the same resume from a copy of the
+# checkpoint that lacks one piece of the state, once with another random generator state
+# (other dropout masks in epoch 3) and once with the optimizer's moments emptied (Adam starts
+# its averages again). Each must end somewhere else.
 
 # %% tags=["nbval-ignore-output"]
 small_pairs = torch.utils.data.Subset(datasets["train"], range(600))
@@ -1700,6 +1721,7 @@ with tempfile.TemporaryDirectory() as tmp:
         stop_after_epoch=2,
         progress=False,
     )
+    after_two = load_training_state(Path(tmp) / "b" / "last.pt")  # the state at the "crash"
     resumed = small_model(seed=2)  # other weights: all must come from the checkpoint
     history_resumed = train_translation(
         resumed,
@@ -1711,8 +1733,27 @@ with tempfile.TemporaryDirectory() as tmp:
         progress=False,
     )
     checkpoint_keys = sorted(load_training_state(Path(tmp) / "b" / "last.pt"))
+    controls = {}
+    for missing in ("random generator state", "optimizer moments"):
+        state = dict(after_two)
+        if missing == "random generator state":
+            torch.manual_seed(123)
+            state["rng"] = rng_state()  # a valid state, but not the one of the crash
+        else:
+            state["optimizer"] = {**after_two["optimizer"], "state": {}}  # no moments, step 0
+        folder = Path(tmp) / missing.replace(" ", "_")
+        save_training_state(folder / "last.pt", state)
+        control = small_model(seed=2)
+        train_translation(control, small_loader, small_valid, small_config,
+                          checkpoint_dir=folder, resume=True, progress=False)  # fmt: skip
+        controls[missing] = max(
+            float((a - b).abs().max())
+            for a, b in zip(straight.state_dict().values(), control.state_dict().values(), strict=True)
+        )
 print("a checkpoint holds:", checkpoint_keys)
 print("validation loss per epoch:", [round(x, 3) for x in history_resumed["val_loss"]])
+for missing, difference in controls.items():
+    print(f"resumed with another {missing}: largest weight difference {difference:.1e}")
 
 # %%
 if device.type == "cpu":  # CPU kernels are deterministic: the same bits
@@ -1726,6 +1767,8 @@ else:  # some GPU kernels (atomic adds in backward) vary in the last bits from r
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert_close(a, b, rtol=1e-3, atol=1e-4)
     assert_close(history_straight["val_loss"], history_resumed["val_loss"], rtol=1e-3, atol=1e-4)
+for missing, difference in controls.items():  # the negative controls end elsewhere
+    assert difference > 1e-4, missing  # 1e-4: the tolerance a GPU run is allowed above
 
 # %% [markdown]
 # ## Training the model
@@ -1751,7 +1794,7 @@ model = Transformer(
 
 
 def cuda_has_bf16() -> bool:
-    """bfloat16 in hardware, not emulated (torch < 2.6 has no including_emulation argument)."""
+    """bfloat16 in hardware, not emulated (the including_emulation argument came with torch 2.4)."""
     if device.type != "cuda":
         return False
     if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
@@ -1887,7 +1930,8 @@ plt.show()
 # on a log scale. Every block receives a gradient of the same order: the largest mean norm (the
 # output head's) is about 7 times the smallest (the encoder's final norm's) here, printed after
 # the figure and bounded at 50 by the assert. None is starved (a vanishing
-# gradient would sit decades lower) and none explodes.
+# gradient would sit decades lower) and none explodes. (A statement about the gradients: how much
+# each block's weights move is Adam's business, as said above.)
 
 # %% jupyter={"source_hidden": true}
 grad_names = list(history["grad_norms"][0])
@@ -1954,8 +1998,10 @@ assert grad_spread < 50  # the same order of magnitude, give or take
 #   therefore **0**, right or wrong: the measure does not fit this task. It is reported on
 #   characters too (`tokenize="char"`), where it does.
 #
-# The scores come from `sacrebleu`, the reference implementation, so they are comparable with
-# published numbers and not another home-made variant.
+# The scores come from `sacrebleu`, the reference implementation, so they are computed the
+# standard way (its defaults fix the tokenisation and the smoothing) and not by another
+# home-made variant. That does not make them comparable with published translation results:
+# a character BLEU on number words can only be compared with another run of this task.
 
 # %%
 #| export
@@ -2040,7 +2086,9 @@ for s in scores.values():
 # the cell below asks which number the model actually wrote: it spells out every number one
 # digit away from the right one, and every number with two neighbouring digits swapped, and
 # looks the translation up among them. A swapped units and tens digit would be the signature
-# of German's reordering going wrong.
+# of German's reordering going wrong. One more kind is on the list because the errors of the
+# next section showed it: the last block written as a copy of the thousands block
+# (342,057 → "…tausenddreihundertzweiundvierzig", 342,342).
 #
 # Here there is nothing to sort: the greedy decoder writes all 2,000 test numbers right (the
 # count is printed by the cell; a run on other hardware may differ by an error or two). The
@@ -2065,6 +2113,8 @@ def explain_error(n: int, hypothesis: str) -> str:
         if i < 5 and digits[i] != digits[i + 1]:
             swapped = digits[:i] + digits[i + 1] + digits[i] + digits[i + 2 :]
             candidates[int(swapped)] = f"{DIGIT_NAMES[5 - i - 1]} and {DIGIT_NAMES[5 - i]} swapped"
+    if n >= 1000:  # the last block written as a copy of the thousands block: 342,057 -> 342,342
+        candidates[(n // 1000) * 1001] = "thousands block repeated"
     for m, kind in candidates.items():
         if number_to_words(m, "de") == hypothesis:
             return kind
@@ -2090,7 +2140,113 @@ assert (
 )  # the analysis works
 assert explain_error(342_057, number_to_words(342_058, "de")) == "units digit wrong"
 assert explain_error(42, "dreihundert") == "not a number one digit away"
+assert explain_error(29_000, number_to_words(29_029, "de")) == "thousands block repeated"
 
+# %% [markdown]
+# ### Where it fails: an early checkpoint and a harder split
+#
+# A model that makes no mistakes on the test set cannot show what the measures above are for:
+# greedy and beam search agree, chrF and exact match are both 100, and there is no error to
+# sort. Two evaluations where the model is not perfect:
+#
+# - **An early checkpoint**: the same model, recipe and data, stopped after its first epoch
+#   (`stop_after_epoch=1`; on the CPU it is the first 90 updates of the run above, bit for bit,
+#   so its validation loss is that of epoch 1 above). Its token accuracy was 87 %, which
+#   leaves most numbers with at least one wrong token among their ten or so.
+# - **A harder split for the trained model**: every round thousand (1,000, 2,000, …, 999,000)
+#   that is not in the training split. Its German ends on "tausend" with nothing after it, a
+#   form that the random training numbers above 1,000 hold only about once in a thousand
+#   (counted below): it tests whether the model composes a form it has hardly seen from
+#   blocks it knows, not whether it remembers them.
+
+# %% tags=["nbval-ignore-output"]
+set_seed(0)  # as for `model`: the same initial weights
+early_model = Transformer(
+    src_tokenizer.vocab_size, tgt_tokenizer.vocab_size,
+    d_model=64, num_heads=4, d_ff=256, num_layers=2, dropout_p=0.0, max_len=MAX_LEN,
+).to(device)  # fmt: skip
+early_history = train_translation(
+    early_model, train_loader, valid_loader, config, stop_after_epoch=1, progress=False
+)
+train_numbers = {n for n, _, _ in corpus["train"]}
+round_numbers = [n for n in range(1000, 1_000_000, 1000) if n not in train_numbers]
+round_in_train = sum(n >= 1000 and n % 1000 == 0 for n in train_numbers)
+round_en = [number_to_words(n, "en") for n in round_numbers]
+round_de = [number_to_words(n, "de") for n in round_numbers]
+hard_cases = {  # name: (model, numbers, English, German)
+    "trained, test split": (model, test_numbers, test_en, test_de),
+    "epoch 1, test split": (early_model, test_numbers, test_en, test_de),
+    "trained, round thousands": (model, round_numbers, round_en, round_de),
+}
+hard = {}
+for name, (m, numbers, en, de) in hard_cases.items():
+    if m is model and numbers is test_numbers:
+        greedy, beam = greedy_de, beam_de  # translated above
+    else:
+        greedy = translate(m, src_tokenizer, tgt_tokenizer, en, beam_size=1)
+        beam = translate(m, src_tokenizer, tgt_tokenizer, en, beam_size=4)
+    errors = [(n, h, r) for n, h, r in zip(numbers, greedy, de, strict=True) if h != r]
+    hard[name] = {
+        "greedy": score_translations(greedy, de), "beam": score_translations(beam, de),
+        "differ": sum(g != b for g, b in zip(greedy, beam, strict=True)), "n": len(numbers),
+        "errors": errors, "kinds": Counter(explain_error(n, h) for n, h, _ in errors),
+    }  # fmt: skip
+print(f"epoch 1's validation loss {early_history['val_loss'][0]:.3f} (the run above: "
+      f"{history['val_loss'][0]:.3f}); round thousands in training: {round_in_train} of "
+      f"{sum(n >= 1000 for n in train_numbers):,d} numbers >= 1000\n")  # fmt: skip
+print(f"{'':26s} {'numbers':>7s}  exact match: greedy   beam   chrF: greedy   beam   greedy != beam")
+for name, r in hard.items():
+    g, b = r["greedy"], r["beam"]
+    print(f"{name:26s} {r['n']:7,d}  {g['exact_match']:18.1f} % {b['exact_match']:5.1f} %"
+          f"  {g['chrf']:12.1f} {b['chrf']:6.1f}  {r['differ']:8,d}")  # fmt: skip
+for name in ("epoch 1, test split", "trained, round thousands"):
+    print(f"\n{name}: {len(hard[name]['errors'])} greedy errors, by kind")
+    for kind, count in hard[name]["kinds"].most_common(5):
+        print(f"  {count:5,d}  {kind}")
+    for n, hyp, ref in hard[name]["errors"][:3]:
+        print(f"  {n:>7,d}  model: {hyp}\n  {'':7s}  truth: {ref}")
+
+# %%
+early, trained, rounds = (hard[k] for k in hard_cases)
+if device.type == "cpu":  # the first epoch of the same run (bit for bit on the CPU)
+    assert abs(early_history["val_loss"][0] - history["val_loss"][0]) < 1e-4
+assert round_in_train < 0.005 * len(train_numbers)  # the form is rare in training
+# The early checkpoint is wrong on most numbers, and the measures now tell things apart:
+assert early["greedy"]["exact_match"] < 75 < trained["greedy"]["exact_match"]
+assert early["greedy"]["chrf"] > early["greedy"]["exact_match"] + 10  # partial credit
+assert early["differ"] > 0.02 * early["n"]  # beam search changes many outputs
+assert len(early["kinds"]) >= 3  # errors of several kinds, not one
+tens = early["kinds"]["tens digit wrong"] + early["kinds"]["ten-thousands digit wrong"]
+hundreds = early["kinds"]["hundreds digit wrong"] + early["kinds"]["hundred-thousands digit wrong"]
+assert tens > 2 * hundreds  # the reordered digit goes wrong, the digit in order rarely
+# The trained model on the harder split: mostly right, and no better than on the test split.
+assert trained["greedy"]["exact_match"] >= rounds["greedy"]["exact_match"] > 50
+
+
+# %% [markdown]
+# What the three rows show (the counts are this run's; another machine's run differs in the
+# details):
+#
+# - **Exact match and chrF part ways.** The early checkpoint gets about a fifth of the numbers
+#   exactly right and still scores a chrF in the 80s: most of its characters are right, because
+#   most of its mistakes are one block among three or four. chrF measures how close a
+#   translation is; exact match, whether it is usable. For numbers only the second matters,
+#   which is why it is the target above; for sentences, where many translations are right,
+#   chrF is the better guide.
+# - **Beam search matters when the model is unsure.** On the trained model greedy and beam
+#   agree almost everywhere: each step's most likely token is far ahead. On the early
+#   checkpoint beam search changes about a quarter of the outputs and gets a few more numbers
+#   exactly right, because a more likely sequence is more often the right one; it cannot fix
+#   what the model has not learned.
+# - **The errors have a pattern.** Most of the early model's errors are further off than one
+#   digit, but among those that are one digit away the tens digits dominate (the tens and the
+#   ten-thousands, together about three in four): the digit that German writes *after* its
+#   unit, "vierund**zwanzig**", the one that needs the reordering. The hundreds, written in
+#   the English order, almost never go wrong. The trained model has learnt the order; its
+#   remaining errors sit where training had little to say. On the round thousands nearly all of
+#   them are one kind: after "tausend" it writes the thousands block a second time
+#   ("zehntausendzehn" for 10,000), where the German should stop. A test set drawn like the
+#   training set hides this; a split built to probe one form finds it.
 
 # %% [markdown]
 # ### Where the decoder looks

@@ -1470,8 +1470,11 @@ print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False
 # %% [markdown]
 # Read the two ratios above as this machine's, not as a law. The memory is less, but not half: the
 # activations autocast keeps for the backward are 16-bit, while the float32 weights, their
-# gradients, the logits cast back for the loss and the ops autocast leaves in float32 (layer norm,
-# softmax) are not. The time depends on whether the hardware has fast 16-bit matmuls. A CPU with
+# gradients, the logits cast back for the loss and the float32 residual stream are not. (Which
+# ops autocast holds in float32 depends on the device: on a CUDA GPU softmax and layer norm
+# among them; on the CPU only the losses and a list of delicate ops, so a softmax of bfloat16
+# scores runs in bfloat16 there. The course's norms still see float32 because the residual
+# stream stays float32: a float32 tensor plus a bfloat16 sublayer output is float32.) The time depends on whether the hardware has fast 16-bit matmuls. A CPU with
 # bfloat16 instructions (`avx512_bf16` or `amx_bf16` in `/proc/cpuinfo`, printed above) runs
 # them fast enough to pay back much of the cost of casting each matmul's inputs first: on such a
 # CPU autocast took between about 0.8 and 1.3 times float32's time in our runs, varying from run

@@ -261,7 +261,10 @@ def train_translation(
         raise ValueError("resume=True needs the checkpoint_dir to resume from")
     device = next(model.parameters()).device
     if config.amp_dtype == "float16" and device.type == "cpu":
-        raise ValueError("float16 autocast is for GPUs; on the CPU use amp_dtype='bfloat16'")
+        raise ValueError(
+            "float16 autocast is for GPUs here (few CPUs compute in float16, and its loss "
+            "scaling buys nothing there); on the CPU use amp_dtype='bfloat16'"
+        )
     set_gradient_checkpointing(model, config.gradient_checkpointing)
     optimizer = torch.optim.AdamW(
         param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
