@@ -314,6 +314,7 @@ print(f"untrained loss {loss.item():.4f}  vs  ln V = {math.log(VOCAB):.4f} (a un
 #| export
 """Training on the reversal task: the paper's schedule, the loop, exact match and checkpoints."""
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -1285,9 +1286,9 @@ def watch(curve: dict, every: int = 100, snapshots: dict | None = None, at: tupl
 
 
 # %% [markdown]
-# The run takes under three minutes on one CPU thread, the 25 exact-match evaluations
-# included: the cell prints the CPU time it used (64 ms per step in the stored run), and the
-# wall-clock time, which is longer on a machine busy with other work. On a GPU it uses the GPU;
+# The run takes three to four minutes on one CPU thread, the 25 exact-match evaluations
+# included: the cell prints the CPU time it used (60 to 95 ms per step in our runs, the most on
+# a machine busy with other work), and the wall-clock time. On a GPU it uses the GPU;
 # there the steps are short and bound by kernel launches, so expect well under a minute (an
 # estimate; the bar shows the real rate).
 # A GPU draws its dropout masks from its own generator, so a GPU run is another run of the same
@@ -1633,12 +1634,13 @@ plt.show()
 #
 # ### What changed from the tutorial, and the evidence for it
 #
-# **Steps.** In the stored run one training step took about 64 ms on one CPU thread,
-# exact-match evaluations included (printed in section 6). `make` and CI run every kernel with one
+# **Steps.** One training step took 60 to 95 ms of CPU time on one thread in our runs,
+# exact-match evaluations included (the stored run's figure is printed in section 6). `make` and CI run every kernel with one
 # thread (`tools/kernel.env` sets `OMP_NUM_THREADS=1`), which keeps the stored numbers
-# reproducible; in JupyterLab or on Colab PyTorch uses all cores, so your timings, and the last
-# bits of the arithmetic, can differ (`torch.set_num_threads(1)` gives the same setting). The tutorial's 6,000 steps would take about six
-# and a half minutes for one model, and an ablation on the same budget as long again (the appendix says
+# reproducible, and so does `make lab`; in a Jupyter you start yourself or on Colab PyTorch uses
+# all cores, so your timings, and the last
+# bits of the arithmetic, can differ (`torch.set_num_threads(1)` gives the same setting). The tutorial's 6,000 steps would take six to
+# nine and a half minutes for one model, and an ablation on the same budget as long again (the appendix says
 # why that matters here). The schedule has no end point (it depends only on the step), so a
 # shorter run is exactly the first part of the tutorial's run, and the question is how early the
 # results settle. In the stored run, exact match was 252 of 256 at step 1,000, 253 at steps
@@ -1662,7 +1664,8 @@ plt.show()
 # | seeds at 256/256 | 0 of 4 | 0 of 4 | 0 of 4 | 1 of 4 | 1 of 4 | 4 of 4 |
 # | default init (ablation) | 7–13 | 18–34 | | | | |
 #
-# Every seed is at 256/256 at step 2,500; one (seed 3) got there at step 1,400 already, the others
+# Every seed is at 256/256 at step 2,500; one (seed 3) first reached it at step 1,400 and dipped
+# below it again before step 2,500, the others
 # wobble between 253 and 256 in the last few hundred steps (seed 1 sits at 253 or 254 from step
 # 2,100 to 2,400). So 2,500 steps is where all four runs are at or within a few sequences of the
 # perfect score, and the one evaluation at 2,500 happens to find all four at 256; a few hundred
@@ -2107,9 +2110,11 @@ assert cheat_loss < honest_loss / 5 and cheat_em <= 5
 #   onto the final name is atomic on POSIX file systems: a reader sees the old file or the new
 #   one, never a mixture, and a crash leaves at worst a stray temporary file.
 # - **Safe load.** `torch.load` unpickles, and unpickling can run arbitrary code.
-#   `weights_only=True` restricts it to tensors and plain containers, numbers and strings, which
-#   is all a checkpoint needs. So the metadata is checked at save time to be made of those
-#   types only, or a checkpoint could be saved that cannot be loaded.
+#   `weights_only=True` (the default since torch 2.6; the course passes it for older versions)
+#   restricts it to tensors and plain containers, numbers and strings, which is all a checkpoint
+#   needs. So the metadata is checked at save time to be made of those
+#   types only, matched exactly (a namedtuple or a `defaultdict` is a subclass that saves and
+#   then fails to load), or a checkpoint could be saved that cannot be loaded.
 #
 # Any failure to read (a missing file, a truncated one, foreign bytes, or a file that is not
 # one of ours) becomes a `CheckpointError`, a `ValueError` that names the path.
@@ -2123,20 +2128,23 @@ class CheckpointError(ValueError):
     """A checkpoint file that is missing, truncated, corrupt or not written by save_checkpoint."""
 
 
-_SAFE_SCALARS = (str, int, float, bool, type(None), torch.Tensor)
+_SAFE_SCALARS = (str, int, float, bool, type(None))
 
 
 def _check_safe(value, where: str) -> None:
-    """Raise a TypeError unless torch.load(weights_only=True) can read `value` back."""
-    if isinstance(value, dict):
+    """Raise a TypeError unless torch.load(weights_only=True) can read `value` back.
+
+    The types are matched exactly: a subclass (a namedtuple, a defaultdict, an IntEnum) saves,
+    and then the weights-only loader refuses it; OrderedDict, as in a state_dict, is allowed."""
+    if type(value) in (dict, collections.OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, str | int):
+            if type(key) not in (str, int):
                 raise TypeError(f"{where}: keys must be str or int, got {type(key).__name__}")
             _check_safe(item, f"{where}[{key!r}]")
-    elif isinstance(value, list | tuple):
+    elif type(value) in (list, tuple):
         for i, item in enumerate(value):
             _check_safe(item, f"{where}[{i}]")
-    elif not isinstance(value, _SAFE_SCALARS):
+    elif type(value) not in (*_SAFE_SCALARS, torch.Tensor, nn.Parameter):
         raise TypeError(
             f"{where} is a {type(value).__name__}; a checkpoint's metadata may hold only "
             "tensors, numbers, strings, None and lists/tuples/dicts of them"

@@ -80,7 +80,7 @@ device = get_device()
 # Notebook 11 trained the tutorial's model (930,828 parameters) to reverse sequences of 3 to 8
 # symbols. `get_reversal_model` loads its checkpoint, or, when there is none yet (on Colab, where
 # every notebook opens in a fresh runtime, or if you skipped notebook 11), trains it again with
-# the same recipe and seed and saves it: about four minutes on one CPU thread, well under a
+# the same recipe and seed and saves it: three to four minutes on one CPU thread, well under a
 # minute on a GPU (an estimate), with a progress bar. On a CPU that gives notebook 11's weights
 # bit for bit (with this PyTorch, on this kind of CPU); on a GPU, or with another PyTorch, it is another run of the same recipe, so the
 # checks below assert bounds that hold over the four seeds of notebook 11's seed study, and the
@@ -683,7 +683,7 @@ cache_gap = (stepped - logits).abs().max().item()
 print(f"largest logit difference: {cache_gap:.1e}")
 
 # %%
-tolerance = 1e-4 if device.type == "cpu" else 1e-3  # a GPU may use other kernels (and TF32)
+tolerance = 1e-4 if device.type == "cpu" else 1e-3  # a GPU uses other kernels (TF32 if enabled)
 assert_close(stepped, logits, atol=tolerance, rtol=tolerance)
 assert cache_gap < tolerance
 
@@ -832,8 +832,10 @@ plt.show()
 # not limited by arithmetic: each step launches the same few dozen small operations whether they
 # cover one position or sixteen, so the fixed cost per operation dominates, and the cache cannot
 # remove it. Only as the prefix grows does the uncached loop's quadratic work show. On a large
-# model, or a long output, the arithmetic is what dominates, and the cache's savings approach the
-# FLOP ratio.
+# model or a long output the cache saves far more time, but its speed-up does not approach the
+# FLOP ratio: a cached step does little arithmetic on a lot of memory (every weight, and the
+# whole cache, read to produce one token per sequence), so it is bound by memory bandwidth, and
+# its time falls far less than its FLOPs do.
 #
 # **The KV cache turns each step from a pass over the whole prefix into a pass over one
 # position: the same tokens, about $n/2$ times less arithmetic.**

@@ -1734,9 +1734,9 @@ with tempfile.TemporaryDirectory() as tmp:
     )
     checkpoint_keys = sorted(load_training_state(Path(tmp) / "b" / "last.pt"))
     controls = {}
-    for missing in ("random generator state", "optimizer moments"):
+    for missing in ("another random generator state", "emptied optimizer moments"):
         state = dict(after_two)
-        if missing == "random generator state":
+        if missing == "another random generator state":
             torch.manual_seed(123)
             state["rng"] = rng_state()  # a valid state, but not the one of the crash
         else:
@@ -1753,7 +1753,7 @@ with tempfile.TemporaryDirectory() as tmp:
 print("a checkpoint holds:", checkpoint_keys)
 print("validation loss per epoch:", [round(x, 3) for x in history_resumed["val_loss"]])
 for missing, difference in controls.items():
-    print(f"resumed with another {missing}: largest weight difference {difference:.1e}")
+    print(f"resumed with {missing}: largest weight difference {difference:.1e}")
 
 # %%
 if device.type == "cpu":  # CPU kernels are deterministic: the same bits
@@ -2155,7 +2155,7 @@ assert explain_error(29_000, number_to_words(29_029, "de")) == "thousands block 
 #   leaves most numbers with at least one wrong token among their ten or so.
 # - **A harder split for the trained model**: every round thousand (1,000, 2,000, …, 999,000)
 #   that is not in the training split. Its German ends on "tausend" with nothing after it, a
-#   form that the random training numbers above 1,000 hold only about once in a thousand
+#   form that the random training numbers above 1,000 hold fewer than once in a thousand
 #   (counted below): it tests whether the model composes a form it has hardly seen from
 #   blocks it knows, not whether it remembers them.
 
@@ -2207,7 +2207,7 @@ for name in ("epoch 1, test split", "trained, round thousands"):
         print(f"  {n:>7,d}  model: {hyp}\n  {'':7s}  truth: {ref}")
 
 # %%
-early, trained, rounds = (hard[k] for k in hard_cases)
+trained, early, rounds = (hard[k] for k in hard_cases)  # in the order of the table
 if device.type == "cpu":  # the first epoch of the same run (bit for bit on the CPU)
     assert abs(early_history["val_loss"][0] - history["val_loss"][0]) < 1e-4
 assert round_in_train < 0.005 * len(train_numbers)  # the form is rare in training

@@ -113,8 +113,8 @@ from transformer_from_scratch.model import TransformerConfig
 #
 # and both $S$ and $P$ are $T \times T$: at $T = 8192$ one float32 copy is 256 MiB, per head and
 # per sequence, while $Q$, $K$, $V$ and $O$ together are 8 MiB. For training it is worse:
-# autograd keeps $P$ (and the masked scores) for the backward pass, so the $T\times T$ matrices
-# live until the gradients are computed.
+# autograd keeps $P$ (the softmax's backward needs its output; with a mask, the boolean mask
+# too) for the backward pass, so the $T\times T$ matrices live until the gradients are computed.
 #
 # `peak_memory` (notebook 02) measures, not computes: it reads the allocator's record of what
 # was allocated and freed while a function ran. One head, $d_k = 64$:
@@ -204,7 +204,9 @@ print("streamed:", [round(x, 4) for x in streamed.tolist()])
 # %% [markdown]
 # ## 3 · Tiled attention
 #
-# FlashAttention (Dao et al., 2022) applies this to whole tiles: a block of `block_q` queries
+# FlashAttention (Dao et al., 2022) applies this to whole tiles, and the loop below is in the
+# order of FlashAttention-2 (Dao, 2023): the outer loop over query blocks, the inner one over key
+# blocks, and the division by $\ell$ once per query block at the end. A block of `block_q` queries
 # against a block of `block_k` keys is one small matmul; the running $m$, $\ell$ and $a$ of the
 # query block are updated after every key block. The largest temporary is one
 # `block_q × block_k` tile, whatever $T$ is. On a GPU the tile lives in fast on-chip memory and
@@ -1276,31 +1278,42 @@ assert abs(counted - (flops_linear + flops_attention)) / counted < 0.01
 
 # %% [markdown]
 # The formula and PyTorch's `FlopCounterMode` (which counts every matmul as it runs) agree. At
-# these lengths attention is a few per cent of the work; at $T \approx 6d$ its share would be
-# about a half, which is where tiling starts to matter for time as well as for memory.
+# these lengths attention is a few per cent of the work. Per token and layer the projections and
+# the feed-forward network cost $12d^2$ multiply-adds in an encoder layer and $16d^2$ in a decoder
+# layer (its cross-attention has projections too), attention's two $T$-long products $2Td$ and,
+# in a decoder layer, $4Td$ (self- and cross-attention, $S = T$): attention is half the
+# arithmetic at $T = 6d$ in an encoder layer and $T = 4d$ in a decoder layer. FLOPs are not
+# where a fused attention kernel's speed comes from, though: it wins by never writing the
+# $T \times T$ matrices to memory and reading them back, so on a GPU FlashAttention pays long
+# before attention is half the arithmetic.
 #
 # ### The machine's peak and the model FLOPs utilisation
 #
 # **Model FLOPs utilisation** (MFU; Chowdhery et al., 2022) is the FLOPs a step needs divided
-# by its time, as a fraction of what the hardware could do. The peak here is measured, not taken
-# from a data sheet: a large float32 matmul, one thread.
+# by its time, as a fraction of the hardware's theoretical peak (from its data sheet: vector
+# width, FMA units, clock). This cell divides by a *measured* peak instead, a large float32
+# matmul on one thread, which is lower than the theoretical one and so gives a higher MFU;
+# `make bench` reports both, `mfu_measured_peak` and `mfu_theoretical_peak`.
 #
 # One more overhead sits outside the model: the optimizer. Adam updates each of the model's 92
 # parameter tensors with about a dozen element-wise operations (two moment updates, a square
 # root, a division, ...), one tensor and one operation at a time: over a thousand small calls
-# per step, each paying Python's and the dispatcher's fixed cost. `Adam(fused=True)` (on the CPU
-# since torch 2.4) does each tensor's whole update in one kernel. It is the same update:
+# per step, each paying Python's and the dispatcher's fixed cost (on a GPU, Adam already defaults
+# to its `foreach` form, which batches the tensors into a few calls). `Adam(fused=True)` (on the
+# CPU since torch 2.4) does each tensor's whole update in one kernel. It is the same update:
 
 # %% tags=["nbval-ignore-output"]
 fused_check = {}
 for fused in (False, True):
     fused_model = copy.deepcopy(bench_fast)
     torch.manual_seed(1)  # the same dropout masks for both
-    make_train_step(fused_model, *train_batch, fused=fused)()
+    fused_train_step = make_train_step(fused_model, *train_batch, fused=fused)
+    for _ in range(5):  # five steps: after the first, Adam's moments shape the update
+        fused_train_step()
     fused_check[fused] = torch.cat([p.detach().flatten() for p in fused_model.parameters()])
 fused_moved = (fused_check[False] - torch.cat([p.detach().flatten()
                                                for p in bench_fast.parameters()])).abs().max()
-print(f"one step moved the weights by up to {fused_moved:.1e}; fused and plain Adam differ by "
+print(f"five steps moved the weights by up to {fused_moved:.1e}; fused and plain Adam differ by "
       f"up to {(fused_check[True] - fused_check[False]).abs().max():.1e}")
 
 # %%
@@ -1318,8 +1331,12 @@ try:
     A = torch.randn(1024, 1024, generator=gen).to(device)
     fused_step = make_train_step(copy.deepcopy(bench_fast), *train_batch, fused=True)
     matmul_s = time_call(lambda: A @ A, warmup=1, repeats=5)
-    fast_step_s = time_call(steps["fast path"], warmup=1, repeats=5)
-    fused_step_s = time_call(fused_step, warmup=1, repeats=5)
+    fused_step(), steps["fast path"]()  # warm-up
+    turns = [  # in turns, so that both see the same state of the machine
+        (time_call(steps["fast path"], warmup=0, repeats=1), time_call(fused_step, warmup=0, repeats=1))
+        for _ in range(7)
+    ]
+    fast_step_s, fused_step_s = (sorted(t)[len(t) // 2] for t in zip(*turns, strict=True))  # medians
 finally:
     torch.set_num_threads(threads)
 peak_flops = 2 * 1024**3 / matmul_s
@@ -1333,19 +1350,23 @@ for name, seconds in (("Adam", fast_step_s), ("fused Adam", fused_step_s)):
           f"{counted / seconds / 1e9:4.1f} GFLOP/s; MFU {mfu[name]:.2f}")
 
 # %% [markdown]
-# On this course's CPUs the fused optimizer takes a few milliseconds off the step, and the step
-# reaches a little over half of the peak. `make bench` reports it, timed in turns with the
+# Timed in turns (seven of each, the medians), the fused optimizer's step was a few per cent
+# faster in our runs, 3 to 6 ms of about 75; a single pair of timings can show the opposite,
+# the difference being of the order of one step's run-to-run noise. The step reaches about half
+# of the measured peak. `make bench` reports it, timed in turns with the
 # matmul, as `mfu_measured_peak`: 0.50–0.54 in our runs on an AVX2 server CPU, short of section 8's goal of
 # 0.55, and 0.56–0.60 on the AVX-512 one that stored these outputs (the cell above times the
 # matmul and the step one after the other, five times each, so its MFU moves more from run to
 # run than `make bench`'s, whose peak and step are timed in turns). Where does the rest go? In
 # the profile of section 5 the matmuls took somewhat over half of the fast path's step (about
-# three fifths in our runs), and in our runs they ran at about 0.8 of the peak themselves: with
-# 512 rows of width 128 they are too small to reach the speed of a 1024 × 1024 one, so even a
-# step with no other work would stop near 0.8. The rest is element-wise work on activations of
+# three fifths in our runs), and in our runs they ran at about 0.8 of the peak themselves (the
+# profile's matmul time against their FLOPs; the profile is section 5's, this ratio is not
+# printed there): with 512 rows of width 128 they are too small to reach the speed of a
+# 1024 × 1024 one, so even a step with no other work would stop near 0.8. The rest is element-wise work on activations of
 # a megabyte or so (dropout masks; the feed-forward's ReLU and its gradient; layer norm;
 # softmax), copies, the optimizer and Python. (Three fifths of the time at 0.8 of the peak
-# gives about 0.5 by itself; the other operators add FLOPs too, at a far lower rate, and the
+# gives about 0.5 by itself; the other operators' arithmetic is not counted in the model FLOPs
+# at all, `FlopCounterMode` counts the matmuls, so their time only lowers the MFU; and the
 # profile and this cell are different runs, so the two agree only roughly.) On a GPU the same
 # step would have a much lower MFU, since the model is far too small to fill it.
 
@@ -1395,7 +1416,7 @@ assert cache_formula <= allocated <= 2 * cache_formula
 #   that multiplies the loss before the backward and divides the gradients before the step.
 #
 # Which one is fast depends on the hardware: bfloat16 needs bf16 units (CPUs with AVX-512 BF16
-# or AMX, Apple silicon, NVIDIA GPUs from Ampere, sm80, on); older GPUs such as Colab's T4
+# or AMX, Apple silicon from M2 on, NVIDIA GPUs from Ampere, sm80, on); older GPUs such as Colab's T4
 # (sm75) have float16 tensor cores but no bf16 ones. The cell below picks float16 (with a
 # scaler) on a CUDA GPU without native bf16, and bfloat16 everywhere else:
 

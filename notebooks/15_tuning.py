@@ -493,7 +493,10 @@ plt.show()
 # and **stochastic depth**, which is new: during training, each residual branch of each block is
 # skipped, for a whole sequence at a time, with probability $p$; the kept ones are scaled by
 # $1/(1-p)$ so that the expected output is unchanged, as with dropout; in evaluation nothing is
-# dropped (Huang et al., 2016, *Deep Networks with Stochastic Depth*). Dropout zeroes single
+# dropped. Huang et al. (2016, *Deep Networks with Stochastic Depth*) drop a block for the whole
+# mini-batch at once; the per-sample form used here, each sequence its own draw, is the one of
+# FractalNet's drop-path (Larsson et al., 2017) and of timm's `DropPath`, which most code uses
+# today. Dropout zeroes single
 # entries of a branch's output; DropPath zeroes the whole branch for a sample, so for that sample
 # the block is, on that branch, the identity.
 
@@ -696,8 +699,8 @@ plt.show()
 # and we know of none: the scaling-law studies (Kaplan et al., 2020) found instead that at a
 # fixed parameter count the loss depends only weakly on the shape over a wide range, and
 # $d_{\text{model}} \propto \sqrt{N_{\text{heads}}}$ would make the head size
-# $d_{\text{model}}/N_{\text{heads}}$ shrink as heads are added, the opposite of what models
-# do. What can be tested is the question behind it: at an equal number of parameters, is deeper
+# $d_{\text{model}}/N_{\text{heads}}$ shrink as heads are added, while published models keep it
+# about constant (64 or 128) as they grow, adding heads in proportion to the width. What can be tested is the question behind it: at an equal number of parameters, is deeper
 # or wider better *here*? `width_for_budget` finds, for a given depth, the width whose model has
 # the parameter count closest to a budget (counted on the `meta` device: no memory, no time).
 
@@ -817,8 +820,9 @@ print(f"final validation loss, small γ / default: {gamma_val[1] / gamma_val[0]:
 # without a source we do not teach it as a rule.
 
 # %% [markdown]
-# **The learning-rate range test** (Smith, 2017, *Cyclical Learning Rates*): one short run in
-# which the rate grows geometrically at every update, from far too small to far too large,
+# **The learning-rate range test** (Smith, 2017, *Cyclical Learning Rates*, where the rate grows
+# linearly; the geometric sweep used here is fast.ai's `lr_find`, which covers many decades in
+# few updates): one short run in which the rate grows geometrically at every update, from far too small to far too large,
 # recording the loss. At the smallest rates the loss barely moves (here it declines slowly), then
 # it falls faster, reaches a minimum, and climbs as the rate becomes too large. A good peak rate lies below the bottom of that curve: the
 # common reading takes the rate of the minimum divided by ten, or the rate where the loss falls
@@ -834,9 +838,9 @@ def lr_range_test(
     smoothing: float = 0.9,
     stop_factor: float = 4.0,
 ) -> dict[str, list[float]]:
-    """Smith's range test: one update per rate, the rate growing geometrically from lr_min to
-    lr_max, on a fresh model and fresh batches; stops once the smoothed loss passes
-    stop_factor times its best. Returns the rates, the losses and the smoothed losses."""
+    """A range test (Smith's, swept geometrically as fast.ai's lr_find): one update per rate,
+    from lr_min to lr_max, on a fresh model and fresh batches; stops once the smoothed loss
+    passes stop_factor times its best. Returns the rates, the losses and the smoothed losses."""
     check_float("lr_min", lr_min, 0.0, low_open=True)
     check_float("lr_max", lr_max, lr_min, low_open=True)
     check_int("steps", steps, minimum=2)
@@ -892,8 +896,8 @@ print(f"{len(range_result['lr'])} updates; lowest smoothed loss at lr {lr_readin
 # %% [markdown]
 # In our run the stop rule (smoothed loss above four times its best) did not fire: the test
 # ran all its 100 updates, up to a rate of 1. The running mean lags the raw loss by about ten
-# updates (a fraction $0.9^{10} \approx 0.35$ of the weight is older than that), a third of a
-# decade of rate here, so the smoothed minimum sits a little to the right of the raw one; the
+# updates (a fraction $0.9^{10} \approx 0.35$ of the weight is older than that), half a
+# decade of rate here (the 100 updates span five decades), so the smoothed minimum sits a little to the right of the raw one; the
 # division by ten leaves room for that. **Check** (bands): the curve has the shape described, a
 # minimum inside the range at least 0.5 nats below the start, and a smoothed loss at the largest
 # rate more than twice that minimum; and the suggested rate is in the range that trains (between
@@ -965,9 +969,10 @@ plt.show()
 # $\ell(\mathbf{x})/g(\mathbf{x})$; Bergstra et al. show that under this model maximising EI is
 # maximising that ratio. It handles log-scaled, integer and conditional knobs easily, and costs
 # little per trial. A **pruner** saves more: every trial reports its validation loss as it trains,
-# and the median pruner stops a trial whose loss at a step is worse than the median of the earlier
-# trials at the same step. Optuna's `MedianPruner` takes that median over the *completed* trials
-# only, so when most trials are pruned it rests on the few that finished.
+# and the median pruner stops a trial whose *best* loss so far (not its latest one) is worse than
+# the median of the earlier trials' losses at the same step. Optuna's `MedianPruner` takes that
+# median over the *completed* trials only, so when most trials are pruned it rests on the few
+# that finished.
 #
 # Here the search tunes the memorising model of section 2 (its validation loss after 150 steps on
 # the 64 sequences): the peak rate, the warm-up, dropout and weight decay. The search picks the
@@ -1131,8 +1136,9 @@ plt.show()
 # one, and Optuna's study keeps every trial, its knobs and its reports for a later look.
 #
 # In our run the pruner was harsh: 9 and 8 of the 12 trials were pruned, because the median it
-# compares against rested on only the 3 or 4 trials that had completed, and a trial that was
-# worse than them at any report was cut. TPE's nine guided trials were all pruned, so both
+# compares against rested on only the 3 or 4 trials that had completed, and at every report a
+# trial's best loss so far had to beat their median at that step: a trial that learnt more slowly
+# than they did early on was cut before it could catch up. TPE's nine guided trials were all pruned, so both
 # studies kept the same best trial, one of the three random starts they share, and the two
 # lines in the left panel coincide. A fairer setting lets more trials finish before pruning
 # starts (a larger `n_startup_trials` for the pruner) or prunes only the clearly bad (Optuna's

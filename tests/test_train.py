@@ -1,9 +1,12 @@
 """Unit tests of transformer_from_scratch.train (notebook 11)."""
 
+import collections
 import contextlib
 import dataclasses
+import enum
 import math
 import os
+import pickle
 
 import pytest
 import torch
@@ -674,3 +677,39 @@ def test_a_recipe_hands_its_model_over_as_a_transformer_config():
         assert torch.equal(a, b)  # the same draws: stored runs rebuild bit for bit
     with pytest.raises(ValueError, match="divisible"):
         Transformer(reversal_recipe(d_model=10, num_heads=4).model_config)
+
+
+Pair = collections.namedtuple("Pair", "a b")  # module level: torch.save must find the classes
+
+
+class Size(enum.IntEnum):
+    SMALL = 1
+
+
+class Name(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    "value",
+    [Pair(1, 2), collections.defaultdict(int, a=1), Size.SMALL, Name("x"), {Size.SMALL: 1}],
+    ids=["namedtuple", "defaultdict", "IntEnum", "str subclass", "IntEnum key"],
+)
+def test_checkpoint_metadata_refuses_subclasses_that_would_not_load(tmp_path, value):
+    """Each of these saves with torch.save and is then refused by the weights-only loader."""
+    path = tmp_path / "raw.pt"
+    torch.save({"meta": value}, path)
+    with pytest.raises(pickle.UnpicklingError):  # what save_checkpoint must prevent
+        torch.load(path, weights_only=True)
+    with pytest.raises(TypeError):
+        save_checkpoint(tmp_path / "m.pt", tiny_model(), when=value)
+
+
+def test_checkpoint_metadata_of_plain_types_round_trips(tmp_path, capsys):
+    meta = {"steps": 3, "loss": 0.5, "ok": True, "name": "x", "none": None,
+            "pairs": [(1, 2.0), ("a", torch.ones(2))], "nested": {1: [torch.zeros(1)]},
+            "ordered": collections.OrderedDict(a=torch.ones(1))}  # fmt: skip
+    save_checkpoint(tmp_path / "m.pt", tiny_model(), **meta)
+    _, loaded = load_checkpoint(tmp_path / "m.pt")
+    assert loaded["pairs"][0] == (1, 2.0) and loaded["nested"][1][0].shape == (1,)
+    assert torch.equal(loaded["ordered"]["a"], torch.ones(1))

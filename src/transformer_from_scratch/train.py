@@ -4,6 +4,7 @@
 
 """Training on the reversal task: the paper's schedule, the loop, exact match and checkpoints."""
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -458,21 +459,24 @@ class CheckpointError(ValueError):
 
 
 # Taught in notebook 11 · Training
-_SAFE_SCALARS = (str, int, float, bool, type(None), torch.Tensor)
+_SAFE_SCALARS = (str, int, float, bool, type(None))
 
 
 # Taught in notebook 11 · Training
 def _check_safe(value, where: str) -> None:
-    """Raise a TypeError unless torch.load(weights_only=True) can read `value` back."""
-    if isinstance(value, dict):
+    """Raise a TypeError unless torch.load(weights_only=True) can read `value` back.
+
+    The types are matched exactly: a subclass (a namedtuple, a defaultdict, an IntEnum) saves,
+    and then the weights-only loader refuses it; OrderedDict, as in a state_dict, is allowed."""
+    if type(value) in (dict, collections.OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, str | int):
+            if type(key) not in (str, int):
                 raise TypeError(f"{where}: keys must be str or int, got {type(key).__name__}")
             _check_safe(item, f"{where}[{key!r}]")
-    elif isinstance(value, list | tuple):
+    elif type(value) in (list, tuple):
         for i, item in enumerate(value):
             _check_safe(item, f"{where}[{i}]")
-    elif not isinstance(value, _SAFE_SCALARS):
+    elif type(value) not in (*_SAFE_SCALARS, torch.Tensor, nn.Parameter):
         raise TypeError(
             f"{where} is a {type(value).__name__}; a checkpoint's metadata may hold only "
             "tensors, numbers, strings, None and lists/tuples/dicts of them"

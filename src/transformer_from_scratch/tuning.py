@@ -285,9 +285,9 @@ def lr_range_test(
     smoothing: float = 0.9,
     stop_factor: float = 4.0,
 ) -> dict[str, list[float]]:
-    """Smith's range test: one update per rate, the rate growing geometrically from lr_min to
-    lr_max, on a fresh model and fresh batches; stops once the smoothed loss passes
-    stop_factor times its best. Returns the rates, the losses and the smoothed losses."""
+    """A range test (Smith's, swept geometrically as fast.ai's lr_find): one update per rate,
+    from lr_min to lr_max, on a fresh model and fresh batches; stops once the smoothed loss
+    passes stop_factor times its best. Returns the rates, the losses and the smoothed losses."""
     check_float("lr_min", lr_min, 0.0, low_open=True)
     check_float("lr_max", lr_max, lr_min, low_open=True)
     check_int("steps", steps, minimum=2)
