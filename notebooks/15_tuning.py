@@ -313,6 +313,15 @@ def batches(
             yield tuple(t[index] for t in data)
 
 
+def recipe_trainer(model: nn.Module, recipe: Recipe, trainer_class: type = Trainer, **options) -> Trainer:
+    """Notebook 11's Trainer (or a subclass) with the recipe's optimizer, schedule, label smoothing
+    and clipping; `options` go to the trainer."""
+    optimizer = make_optimizer(model, recipe)  # the groups depend on shapes, not on names
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
+    return trainer_class(model, optimizer, scheduler, label_smoothing=recipe.label_smoothing,
+                         clip_norm=recipe.clip_norm, **options)  # fmt: skip
+
+
 def fit(
     model: Transformer,
     recipe: Recipe,
@@ -329,11 +338,7 @@ def fit(
     `val_data` and on `train_data`, both in eval mode, then `callback(step, model, history)` runs;
     a true result stops the run. Seconds count the training only, not the evaluations."""
     check_int("eval_every", eval_every, minimum=0)
-    optimizer = make_optimizer(model, recipe)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-    trainer = Trainer(
-        model, optimizer, scheduler, label_smoothing=recipe.label_smoothing, clip_norm=recipe.clip_norm
-    )
+    trainer = recipe_trainer(model, recipe)
     history = trainer.history  # "loss" and "lr" per update; the evaluations are added here
     history.update(eval_step=[], train_loss=[], val_loss=[])
 
@@ -1424,11 +1429,8 @@ def train_distributed(
         model = build_model(recipe).to(device)  # the same seed: the same weights everywhere
         torch.manual_seed(recipe.seed + 1000 * (rank + 1))  # but each rank its own dropout
         ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-        optimizer = make_optimizer(model, recipe)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-        trainer = DistributedTrainer(
-            ddp, optimizer, scheduler, label_smoothing=recipe.label_smoothing, clip_norm=recipe.clip_norm
-        )  # clipping sees the synchronised gradients: the same on all ranks
+        # Clipping sees the synchronised gradients: the same on all ranks.
+        trainer = recipe_trainer(ddp, recipe, DistributedTrainer)
         losses = []
 
         def save_gradients(t: Trainer) -> None:  # the last update's, synchronised, not clipped

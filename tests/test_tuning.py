@@ -8,6 +8,7 @@ import torch
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.regularization import DropPath
+from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import accumulate_gradients
 from transformer_from_scratch.train import lr_lambda
 from transformer_from_scratch.train import num_tokens
@@ -25,6 +26,7 @@ from transformer_from_scratch.tuning import lr_range_test
 from transformer_from_scratch.tuning import make_optimizer
 from transformer_from_scratch.tuning import make_splits
 from transformer_from_scratch.tuning import make_study
+from transformer_from_scratch.tuning import recipe_trainer
 from transformer_from_scratch.tuning import search_objective
 from transformer_from_scratch.tuning import search_space
 from transformer_from_scratch.tuning import split_batch
@@ -262,3 +264,24 @@ def test_recipe_model_config_builds_the_models_of_build_model_and_count_paramete
     model = build_model(recipe)
     assert model.config == recipe.model_config
     assert count_parameters(recipe) == sum(p.numel() for p in model.parameters())
+
+
+def test_recipe_trainer_takes_the_recipes_optimizer_schedule_and_clipping():
+    recipe = Recipe(d_model=16, num_heads=2, d_ff=32, num_layers=1, lr=1e-3, warmup=4,
+                    steps=20, label_smoothing=0.1, clip_norm=0.5, weight_decay=0.1)  # fmt: skip
+    model = build_model(recipe)
+    trainer = recipe_trainer(model, recipe)
+    assert isinstance(trainer, Trainer) and trainer.model is model
+    assert (trainer.label_smoothing, trainer.clip_norm) == (0.1, 0.5)
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in trainer.optimizer.param_groups] == [0.1, 0.0]
+    rates = []
+    for _ in range(6):
+        rates.append(trainer.optimizer.param_groups[0]["lr"])
+        trainer.scheduler.step()
+    assert rates == pytest.approx([1e-3 * lr_factor(s, recipe) for s in range(6)])
+
+    class Recording(Trainer):
+        pass
+
+    assert type(recipe_trainer(model, recipe, Recording, no_sync=None)) is Recording

@@ -153,6 +153,7 @@ from .tuning import lr_range_test
 from .tuning import make_optimizer
 from .tuning import make_splits
 from .tuning import make_study
+from .tuning import recipe_trainer
 from .tuning import search_objective
 from .tuning import search_space
 from .tuning import split_batch

@@ -29,8 +29,7 @@ from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import save_checkpoint
 from transformer_from_scratch.tuning import Recipe
 from transformer_from_scratch.tuning import build_model
-from transformer_from_scratch.tuning import lr_factor
-from transformer_from_scratch.tuning import make_optimizer
+from transformer_from_scratch.tuning import recipe_trainer
 from transformer_from_scratch.tuning import split_batch
 
 # Taught in notebook 15 · Tuning and generalisation
@@ -153,15 +152,8 @@ def train_distributed(
         model = build_model(recipe).to(device)  # the same seed: the same weights everywhere
         torch.manual_seed(recipe.seed + 1000 * (rank + 1))  # but each rank its own dropout
         ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
-        optimizer = make_optimizer(model, recipe)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-        trainer = DistributedTrainer(
-            ddp,
-            optimizer,
-            scheduler,
-            label_smoothing=recipe.label_smoothing,
-            clip_norm=recipe.clip_norm,
-        )  # clipping sees the synchronised gradients: the same on all ranks
+        # Clipping sees the synchronised gradients: the same on all ranks.
+        trainer = recipe_trainer(ddp, recipe, DistributedTrainer)
         losses = []
 
         def save_gradients(t: Trainer) -> None:  # the last update's, synchronised, not clipped

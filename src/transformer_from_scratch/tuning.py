@@ -184,6 +184,18 @@ def batches(
 
 
 # Taught in notebook 15 · Tuning and generalisation
+def recipe_trainer(
+    model: nn.Module, recipe: Recipe, trainer_class: type = Trainer, **options
+) -> Trainer:
+    """Notebook 11's Trainer (or a subclass) with the recipe's optimizer, schedule, label smoothing
+    and clipping; `options` go to the trainer."""
+    optimizer = make_optimizer(model, recipe)  # the groups depend on shapes, not on names
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
+    return trainer_class(model, optimizer, scheduler, label_smoothing=recipe.label_smoothing,
+                         clip_norm=recipe.clip_norm, **options)  # fmt: skip
+
+
+# Taught in notebook 15 · Tuning and generalisation
 def fit(
     model: Transformer,
     recipe: Recipe,
@@ -200,15 +212,7 @@ def fit(
     `val_data` and on `train_data`, both in eval mode, then `callback(step, model, history)` runs;
     a true result stops the run. Seconds count the training only, not the evaluations."""
     check_int("eval_every", eval_every, minimum=0)
-    optimizer = make_optimizer(model, recipe)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, recipe))
-    trainer = Trainer(
-        model,
-        optimizer,
-        scheduler,
-        label_smoothing=recipe.label_smoothing,
-        clip_norm=recipe.clip_norm,
-    )
+    trainer = recipe_trainer(model, recipe)
     history = trainer.history  # "loss" and "lr" per update; the evaluations are added here
     history.update(eval_step=[], train_loss=[], val_loss=[])
 
@@ -444,6 +448,7 @@ __all__ = [
     "split_batch",
     "dataset_loss",
     "batches",
+    "recipe_trainer",
     "fit",
     "make_splits",
     "count_parameters",
