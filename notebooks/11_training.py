@@ -462,9 +462,10 @@ def num_tokens(batch: Batch) -> int:
 
 
 # %% [markdown]
-# One update, written once for the whole course. Notebook 13 adds mixed precision and gradient
+# One update, written once for the library. Notebook 13 adds mixed precision and gradient
 # accumulation to it, notebook 15 a validation curve, early stopping and several processes; none
-# of them writes a second loop. They *extend* this one, the way minGPT's `Trainer` does: a few
+# of them writes a second loop (notebook 14 times a bare step of its own, to measure the
+# arithmetic and nothing else). They *extend* this one, the way minGPT's `Trainer` does: a few
 # fixed places in the update where a callback may run, and two methods a subclass may replace.
 #
 # `accumulate_gradients` runs the backward pass of one or more *micro-batches* (pieces of one
@@ -481,7 +482,12 @@ def num_tokens(batch: Batch) -> int:
 # there, notebook 15's range test), zero the gradients, accumulate, run the `after_backward`
 # callbacks (the gradients are complete and unscaled there: the place to measure them), clip the
 # global norm, record the rate, step the optimizer and the schedule, record the loss, run the
-# `after_update` callbacks. `fit` repeats it over an iterator of micro-batch lists, with a
+# `after_update` callbacks. `trainer.step` counts the updates: a `before_update` callback sees
+# those done so far (0 at first), an `after_backward` or `after_update` callback the number of
+# the update it is in (1 for the first). The history gets this update's rate and loss only after
+# the optimizer's step, so an `after_backward` callback that reads `history["loss"][-1]` reads
+# the previous update's. `seconds` counts the time in `update`, except the `after_update`
+# callbacks, where evaluations go. `fit` repeats it over an iterator of micro-batch lists, with a
 # progress bar; an `after_update` callback that returns `True` stops the run (early stopping).
 # Notebook 15's `DistributedTrainer` replaces one method, `count_tokens` (it counts the tokens of
 # every process), and sets `gradient_scale` and `no_sync`.
@@ -504,7 +510,8 @@ def accumulate_gradients(
     The gradients add up to those of one pass over the concatenated batch (the mean over all its
     graded tokens). `total_tokens` and `scale` let a distributed run count every process's tokens;
     `autocast()` wraps each forward pass, `scaler` scales each loss before its backward, and
-    `no_sync()` wraps all but the last micro-batch. Returns the loss of the whole batch."""
+    `no_sync()` wraps all but the last micro-batch. Returns the loss of the whole batch (with
+    `total_tokens` of several processes: this process's share of it)."""
     if not micro_batches:
         raise ValueError("accumulate_gradients needs at least one micro-batch")
     counts = [num_tokens(b) for b in micro_batches]
@@ -555,9 +562,9 @@ class Trainer:
         self.gradient_scale = 1.0  # a distributed trainer sets the number of processes
         self.callbacks: dict[str, list[Callable]] = {event: [] for event in self.EVENTS}
         self.history: dict[str, list[float]] = {"loss": [], "lr": []}
-        self.step = 0  # updates done
+        self.step = 0  # updates done; from after_backward on, the number of the current one
         self.should_stop = False  # set when an after_update callback returns True
-        self.seconds = self.cpu_seconds = 0.0  # spent in update(), not in the callbacks
+        self.seconds = self.cpu_seconds = 0.0  # in update(), the after_update callbacks excluded
 
     def add_callback(self, event: str, fn: Callable[["Trainer"], bool | None]) -> "Trainer":
         """Run fn(trainer) at `event` (one of Trainer.EVENTS) of every update."""
@@ -651,7 +658,9 @@ class Trainer:
 # before clipping and `after_update` sees it clipped; a `True` from an `after_update` callback
 # stops `fit`. With `clip_norm=1e-3` every gradient of a fresh model is far larger than the
 # bound, so the two norms must differ: were the clipping done before the `after_backward`
-# callbacks, or not at all, an assert below would fail. (`trainer.step` counts the updates
+# callbacks, or not at all, an assert below would fail; and the step SGD takes, measured on the
+# weights, must be that of the clipped gradient (clipping after the optimizer's step would pass
+# the first two asserts and fail this one). (`trainer.step` counts the updates
 # done: 0 in the first `before_update`, 1 once the first backward pass is in.)
 
 # %%
@@ -659,11 +668,16 @@ def gradient_norm(model: nn.Module) -> float:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()
 
 
-def recorder(event: str, log: list, norms: list) -> Callable[[Trainer], bool]:
+def recorder(event: str, log: list, norms: list, moves: list) -> Callable[[Trainer], bool]:
     def callback(t: Trainer) -> bool:
         log.append((t.step, event))
-        if event != "before_update":
+        weights = torch.cat([p.detach().flatten() for p in t.model.parameters()])
+        if event == "before_update":
+            moves.append(weights)  # to measure the step the optimizer takes
+        else:
             norms.append((event, gradient_norm(t.model)))
+        if event == "after_update":
+            moves[-1] = (weights - moves[-1]).norm().item()
         return event == "after_update" and t.step == 3  # stop after the third update
 
     return callback
@@ -673,9 +687,9 @@ with torch.random.fork_rng():  # the global generator's state is left as it was
     torch.manual_seed(0)
     demo = Transformer(VOCAB, VOCAB, d_model=16, num_heads=2, d_ff=32, num_layers=1, dropout_p=0.0)
     demo_trainer = Trainer(demo, torch.optim.SGD(demo.parameters(), lr=0.1), clip_norm=1e-3)
-    events, norms = [], []
+    events, norms, moves = [], [], []
     for event in Trainer.EVENTS:
-        demo_trainer.add_callback(event, recorder(event, events, norms))
+        demo_trainer.add_callback(event, recorder(event, events, norms, moves))
     demo_batches = ([make_batch(8, MAX_LEN, VOCAB, torch.Generator().manual_seed(i))] for i in range(100))
     demo_history = demo_trainer.fit(demo_batches, steps=10)
 
@@ -684,6 +698,8 @@ assert events == [(s - 1, "before_update") if e == 0 else (s, Trainer.EVENTS[e])
 assert demo_trainer.step == len(demo_history["loss"]) == 3  # stopped after 3 of 10
 for (_, before), (_, after) in zip(norms[0::2], norms[1::2], strict=True):
     assert before > 100 * demo_trainer.clip_norm and abs(after - demo_trainer.clip_norm) < 1e-6
+# SGD steps by lr times the gradient it is given: 0.1 x 1e-3 only if it got the clipped one
+assert all(abs(move - 0.1 * demo_trainer.clip_norm) < 1e-6 for move in moves)
 for k in range(3):
     print(f"update {k + 1}: " + " -> ".join(f"{e} (step {s})" for s, e in events[3 * k : 3 * k + 3]))
 print("after_backward: gradient norm > 100 x clip_norm; after_update: clip_norm")
@@ -693,7 +709,7 @@ print("after_backward: gradient norm > 100 x clip_norm; after_update: clip_norm"
 # The loop. Adam gets a base rate of 1.0 because `LambdaLR` *multiplies* the base rate by the
 # lambda, so the schedule is the actual rate. `LambdaLR` asks for the rate of the first update
 # with step 0, so the lambda is shifted by one: update $s$ (counting from 1) uses
-# $\mathrm{lr}(s)$, and the peak falls on update $w$ exactly. The batches come from their own
+# $\mathrm{lr}(s)$, and the peak falls on update $w$ exactly. Given a generator (`train_reversal` passes one), the batches come from their own
 # `torch.Generator`, so the data do not depend on how many random numbers the model's
 # initialisation or dropout consumed: two models trained with the same generator seed see the
 # same batches, in the same order.

@@ -1619,6 +1619,7 @@ def train_translation(
         val_loss, val_acc = evaluate_loss(
             model, valid_loader, config.amp_dtype, config.label_smoothing
         )
+        # The mean of the epoch's update losses (each its own token mean), a curve to watch.
         history["train_loss"].append(sum(epoch_losses) / len(epoch_losses))
         history["val_loss"].append(val_loss)
         history["val_acc"].append(val_acc)
@@ -1655,6 +1656,19 @@ def train_translation(
             model.load_state_dict(best_state)
     set_gradient_checkpointing(model, False)
     return history
+
+
+# %% [markdown]
+# With `accumulation_steps=4`, `micro_batch_groups` hands the trainer the epoch's batches four at
+# a time; an epoch whose count is not a multiple of four ends with a smaller update. On this
+# notebook's training batches (the sampler's batches of indices: the same grouping, no data
+# loaded):
+
+# %%
+groups = [len(group) for group in micro_batch_groups(train_loader.batch_sampler, 4)]
+assert sum(groups) == len(train_loader) and set(groups[:-1]) == {4} and 1 <= groups[-1] <= 4
+print(f"{len(train_loader)} batches an epoch -> {len(groups)} updates of 4 micro-batches, "
+      f"the last of {groups[-1]}")
 
 
 # %% [markdown]

@@ -387,6 +387,28 @@ print(f"token-weighted accumulation: equal (float64); naive average: off by "
 
 
 # %% [markdown]
+# The same through `fit`, the path the experiments below take: five updates with `accum_steps=4`
+# against five with one batch, in float64 and without dropout, must end at the same weights;
+# a `fit` that dropped or mis-weighted a micro-batch would not. The micro-batches the trainer
+# was given are counted too.
+
+# %%
+fit_recipe = acc_recipe.replace(steps=5, warmup=2, batch_size=64)
+fit_weights, fit_micro = {}, {}
+for parts in (1, 4):
+    fit_model = build_model(fit_recipe).double()
+    seen = []  # the batch size of every forward pass, recorded by a hook
+    fit_model.register_forward_pre_hook(lambda module, args, seen=seen: seen.append(args[0].shape[0]))
+    fit(fit_model, fit_recipe.replace(accum_steps=parts))
+    fit_weights[parts] = torch.cat([p.detach().flatten() for p in fit_model.parameters()])
+    fit_micro[parts] = seen
+assert fit_micro[1] == [64] * 5 and fit_micro[4] == [16] * 20  # what the trainer was given
+assert_close(fit_weights[4], fit_weights[1], rtol=1e-9, atol=1e-11)
+print(f"fit: {len(fit_micro[4])} forward passes of 16 sequences = {len(fit_micro[1])} of 64, "
+      "the same weights (float64)")
+
+
+# %% [markdown]
 # ## 2. Over- and underfitting, on purpose
 #
 # The reversal task normally draws fresh sequences at every step. Short sequences do come back
@@ -851,7 +873,8 @@ def lr_range_test(
     check_int("steps", steps, minimum=2)
     check_probability("smoothing", smoothing)
     model = build_model(recipe)
-    trainer = Trainer(model, make_optimizer(model, recipe), clip_norm=recipe.clip_norm)
+    trainer = Trainer(model, make_optimizer(model, recipe), label_smoothing=recipe.label_smoothing,
+                      clip_norm=recipe.clip_norm)  # the loss fit trains on; the rate set by hand
     rates = [lr_min * (lr_max / lr_min) ** (i / (steps - 1)) for i in range(steps)]
     result: dict[str, list[float]] = {"lr": [], "loss": [], "smoothed": []}
     state = {"average": 0.0, "best": math.inf}
@@ -1288,8 +1311,9 @@ print(f"tuned: 256/256 at step {tuned['solved_step']}, {fresh_correct}/1024 on f
 # PyTorch's documentation recommends DDP instead, even on one machine.
 #
 # The script. `rank_batches` is the data side; `DistributedTrainer` is notebook 11's `Trainer`
-# with one method replaced (`count_tokens` adds up the graded tokens of every process, an
-# all-reduce) and two settings: `no_sync` is DDP's, and `gradient_scale` is the number of
+# with two methods replaced (`count_tokens` adds up the graded tokens of every process, an
+# all-reduce; `accumulate` adds up the processes' shares of the loss, so that the history and
+# the progress bar show the global batch's loss on every rank) and two settings: `no_sync` is DDP's, and `gradient_scale` is the number of
 # processes, because DDP *averages* the gradients over the $W$ ranks where the token-weighted
 # loss wants their sum ($\times W$ undoes the average). `train_distributed` is one process's run,
 # and `main` is the command line, run when torchrun starts the module.
@@ -1381,7 +1405,8 @@ class DistributedTrainer(Trainer):
     """Trainer for one process of a data-parallel run: `ddp` a DistributedDataParallel model.
 
     Each update's loss is the token mean over the micro-batches of *every* process, so the
-    averaged gradients equal those of one process on the concatenated global batch."""
+    averaged gradients equal those of one process on the concatenated global batch, and the loss
+    it records is that of the global batch."""
 
     def __init__(self, ddp: DistributedDataParallel, optimizer, scheduler=None, **options):
         if not isinstance(ddp, DistributedDataParallel):
@@ -1394,6 +1419,13 @@ class DistributedTrainer(Trainer):
         total = torch.tensor(float(super().count_tokens(micro_batches)), device=device)
         dist.all_reduce(total)  # the graded tokens of the whole global batch
         return total
+
+    def accumulate(self, micro_batches: list[Batch]) -> float:
+        """The backward passes; returns the loss of the global batch, the same on every rank."""
+        device = next(self.model.parameters()).device
+        share = torch.tensor(super().accumulate(micro_batches), device=device)
+        dist.all_reduce(share)  # each rank returned its share of the global loss: their sum
+        return share.item()
 
 
 # %%
@@ -1438,9 +1470,7 @@ def train_distributed(
                 torch.save({k: p.grad.cpu() for k, p in model.named_parameters()}, gradients)
 
         def log(t: Trainer) -> None:
-            step_loss = torch.tensor(t.history["loss"][-1], device=device)
-            dist.all_reduce(step_loss)  # this rank's share of the global loss, summed
-            losses.append(step_loss.item())
+            losses.append(t.history["loss"][-1])  # the global batch's loss, on every rank
             if log_every and t.step % log_every == 0 and rank == 0:
                 print(f"step {t.step:5d}  loss {losses[-1]:.4f}", flush=True)
 
@@ -1662,4 +1692,35 @@ print("same loss after 40 steps with 1 and 2 processes")
 # 3. Find the smallest training set on which the small model of section 2 no longer overfits
 #    (gap below 0.1). How does it compare with the number of possible sequences?
 # 4. Run `train_distributed` with `--accum-steps 4` and check it against one process, as in
-#    section 7. Remove the `no_sync` context: does the result change? Does the time?
+#    section 7. Then set `trainer.no_sync = None` after the trainer is built (every micro-batch's
+#    backward then synchronises): does the result change? Does the time?
+#
+# **Solutions.**
+#
+# 1. SOLUTION_ONE
+# 2. With a fixed number of steps, a trial with batches of 128 sees four times the sequences
+#    (and does four times the arithmetic) of one with batches of 32, so the search would reward
+#    large batches for the extra data and compute they are given, not for being a better
+#    setting. Give every trial the same budget of sequences instead: draw `batch_size` from a
+#    few values, say `trial.suggest_categorical("batch_size", [16, 32, 64, 128])`, and set
+#    `steps = SEQUENCES // batch_size` in the objective. Report to the pruner against the
+#    sequences seen, `trial.report(loss, step * batch_size)`, so that it compares trials at equal
+#    data; and search the rate together with the batch size, since the best rate grows with it
+#    (roughly with its square root for Adam: Malladi et al., 2022).
+# 3. Trained as in section 2 (400 updates, batches of 32), on the first $n$ sequences of the
+#    4,096: the gap between validation and training loss, averaged over the last three
+#    evaluations, was 1.65 at $n = 128$, 0.63 at 256, 0.10 at 512, 0.05 at 1,024 and 0.02 at
+#    2,048 nats (one seed; `fit(build_model(SMALL), SMALL, train_data=tuple(t[:n] for t in
+#    plenty_set), val_data=val_set, eval_every=25)`). So about 500 to 1,000 sequences are
+#    enough. There are $\sum_{L=3}^{8} 9^L \approx 4.8 \times 10^7$ possible sequences (9
+#    symbols, lengths 3 to 8): the model stops overfitting after seeing a few in a hundred
+#    thousand of them, because reversal is a rule that every sequence shows, not a table to
+#    memorise. It is the number of *examples of the rule* that matters, not the size of the space.
+# 4. The check passes as in section 7 (the weighting by tokens is the same whatever the number
+#    of micro-batches). Without `no_sync` the result is the same to float rounding: DDP's
+#    all-reduce averages, which is linear, so averaging after every micro-batch and summing the
+#    averages gives the average of the sums (the order of the additions changes, so the last
+#    bits may). The time grows: each micro-batch's backward now all-reduces every gradient, four
+#    times the communication per update, which is the cost `no_sync` exists to save. On two
+#    processes of one machine the all-reduce is cheap, so the difference is small there and
+#    large across machines.

@@ -103,7 +103,8 @@ class DistributedTrainer(Trainer):
     """Trainer for one process of a data-parallel run: `ddp` a DistributedDataParallel model.
 
     Each update's loss is the token mean over the micro-batches of *every* process, so the
-    averaged gradients equal those of one process on the concatenated global batch."""
+    averaged gradients equal those of one process on the concatenated global batch, and the loss
+    it records is that of the global batch."""
 
     def __init__(self, ddp: DistributedDataParallel, optimizer, scheduler=None, **options):
         if not isinstance(ddp, DistributedDataParallel):
@@ -118,6 +119,13 @@ class DistributedTrainer(Trainer):
         total = torch.tensor(float(super().count_tokens(micro_batches)), device=device)
         dist.all_reduce(total)  # the graded tokens of the whole global batch
         return total
+
+    def accumulate(self, micro_batches: list[Batch]) -> float:
+        """The backward passes; returns the loss of the global batch, the same on every rank."""
+        device = next(self.model.parameters()).device
+        share = torch.tensor(super().accumulate(micro_batches), device=device)
+        dist.all_reduce(share)  # each rank returned its share of the global loss: their sum
+        return share.item()
 
 
 # Taught in notebook 15 · Tuning and generalisation
@@ -161,9 +169,7 @@ def train_distributed(
                 torch.save({k: p.grad.cpu() for k, p in model.named_parameters()}, gradients)
 
         def log(t: Trainer) -> None:
-            step_loss = torch.tensor(t.history["loss"][-1], device=device)
-            dist.all_reduce(step_loss)  # this rank's share of the global loss, summed
-            losses.append(step_loss.item())
+            losses.append(t.history["loss"][-1])  # the global batch's loss, on every rank
             if log_every and t.step % log_every == 0 and rank == 0:
                 print(f"step {t.step:5d}  loss {losses[-1]:.4f}", flush=True)
 

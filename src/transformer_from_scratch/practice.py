@@ -336,6 +336,7 @@ def train_translation(
         val_loss, val_acc = evaluate_loss(
             model, valid_loader, config.amp_dtype, config.label_smoothing
         )
+        # The mean of the epoch's update losses (each its own token mean), a curve to watch.
         history["train_loss"].append(sum(epoch_losses) / len(epoch_losses))
         history["val_loss"].append(val_loss)
         history["val_acc"].append(val_acc)

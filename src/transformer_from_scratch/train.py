@@ -108,7 +108,8 @@ def accumulate_gradients(
     The gradients add up to those of one pass over the concatenated batch (the mean over all its
     graded tokens). `total_tokens` and `scale` let a distributed run count every process's tokens;
     `autocast()` wraps each forward pass, `scaler` scales each loss before its backward, and
-    `no_sync()` wraps all but the last micro-batch. Returns the loss of the whole batch."""
+    `no_sync()` wraps all but the last micro-batch. Returns the loss of the whole batch (with
+    `total_tokens` of several processes: this process's share of it)."""
     if not micro_batches:
         raise ValueError("accumulate_gradients needs at least one micro-batch")
     counts = [num_tokens(b) for b in micro_batches]
@@ -162,9 +163,9 @@ class Trainer:
         self.gradient_scale = 1.0  # a distributed trainer sets the number of processes
         self.callbacks: dict[str, list[Callable]] = {event: [] for event in self.EVENTS}
         self.history: dict[str, list[float]] = {"loss": [], "lr": []}
-        self.step = 0  # updates done
+        self.step = 0  # updates done; from after_backward on, the number of the current one
         self.should_stop = False  # set when an after_update callback returns True
-        self.seconds = self.cpu_seconds = 0.0  # spent in update(), not in the callbacks
+        self.seconds = self.cpu_seconds = 0.0  # in update(), the after_update callbacks excluded
 
     def add_callback(self, event: str, fn: Callable[["Trainer"], bool | None]) -> "Trainer":
         """Run fn(trainer) at `event` (one of Trainer.EVENTS) of every update."""

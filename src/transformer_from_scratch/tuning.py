@@ -297,7 +297,12 @@ def lr_range_test(
     check_int("steps", steps, minimum=2)
     check_probability("smoothing", smoothing)
     model = build_model(recipe)
-    trainer = Trainer(model, make_optimizer(model, recipe), clip_norm=recipe.clip_norm)
+    trainer = Trainer(
+        model,
+        make_optimizer(model, recipe),
+        label_smoothing=recipe.label_smoothing,
+        clip_norm=recipe.clip_norm,
+    )  # the loss fit trains on; the rate set by hand
     rates = [lr_min * (lr_max / lr_min) ** (i / (steps - 1)) for i in range(steps)]
     result: dict[str, list[float]] = {"lr": [], "loss": [], "smoothed": []}
     state = {"average": 0.0, "best": math.inf}
