@@ -444,7 +444,8 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 # Every other series (heads, layers, dimensions, variants such as "raw" against "scaled",
 # settings) takes the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
 # that order; reference lines (a theory curve, "uniform") are grey. So blue, orange and green
-# never mean anything else. Heatmaps use colour *maps* instead: a sequential one (`Blues`) for
+# keep the meanings of the table (one or two each, never mixed in one figure) and are not used
+# for anything else. Heatmaps use colour *maps* instead: a sequential one (`Blues`) for
 # weights in $[0, 1]$, a diverging one (`RdBu_r`, centred on zero) for signed numbers.
 
 # %%

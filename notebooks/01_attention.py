@@ -766,7 +766,8 @@ assert spread[1][1] - spread[1][0] > 3 * (spread[1024][1] - spread[1024][0])
 # Panel (c) is the gradient with respect to the logits; on the way back to $q$ the chain rule
 # multiplies it by $\partial(q \cdot k)/\partial q = k$, a vector of length about $\sqrt{d_k}$,
 # and, with the scale, by $1/\sqrt{d_k}$. For scaled scores the two factors cancel, and for raw
-# scores the extra factor is at most $\sqrt{1024} = 32$, far too little to make up for the
+# scores the extra factor is about $\sqrt{1024} = 32$ (the length of $k$; not a strict bound,
+# but a random $k$'s length stays close to $\sqrt{d_k}$), far too little to make up for the
 # thousandfold drop measured above.
 #
 # **Takeaway: raw dot products have variance $d_k$, which drives the softmax into saturation

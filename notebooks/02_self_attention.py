@@ -892,7 +892,7 @@ plt.show()
 # sequences the quadratic term wins. Doubling $T$ quadruples both the work and the memory of the
 # weights. At $T = 32{,}768$ one head's weights in float32 take $4\,\text{GiB}$; that is why long
 # contexts are expensive, and why FlashAttention (Dao et al., 2022) computes attention without ever
-# storing $A$ (notebook 14, efficient attention, planned).
+# storing $A$ ([notebook 14](14_efficient_attention.ipynb) writes that algorithm).
 #
 # We measure the three costs in turn: the work exactly, the memory exactly, and the time roughly.
 # The measuring tools work on any function, not only on attention, and later notebooks need them

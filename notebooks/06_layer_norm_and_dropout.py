@@ -673,7 +673,10 @@ def dropout(x: torch.Tensor, p: float, training: bool = True,
 # A check needs many samples. We drop out the same random vector $x$ (of 256 features) 2,000
 # times with $p = 0.1$, with our function and with `nn.Dropout`. Each feature's sample mean
 # then has standard error $|x_i|\sqrt{p/((1-p)\,S)}$ with $S = 2000$ samples; we allow six
-# standard errors, so the check would fail about once in a million seeds, not just for
+# standard errors, so the check would fail about once in 330,000 seeds (the count of kept
+# draws is binomial, and its tail beyond six standard errors is $6 \times 10^{-9}$ per feature,
+# three times the normal's; over 256 features and two implementations that is $3 \times
+# 10^{-6}$), not just for
 # this one. The fraction of zeros among the 512,000 draws has standard error
 # $\sqrt{p(1-p)/512000} \approx 0.0004$, and we allow 0.003.
 

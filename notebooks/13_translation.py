@@ -1670,7 +1670,6 @@ assert sum(groups) == len(train_loader) and set(groups[:-1]) == {4} and 1 <= gro
 print(f"{len(train_loader)} batches an epoch -> {len(groups)} updates of 4 micro-batches, "
       f"the last of {groups[-1]}")
 
-
 # %% [markdown]
 # **The check that matters for checkpoints:** train a small model for 3 epochs in one go; train
 # the same model for 2 epochs, "crash", build a *new* model with other weights, resume it from

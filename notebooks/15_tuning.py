@@ -385,7 +385,6 @@ assert naive_error > 1e-4
 print(f"token-weighted accumulation: equal (float64); naive average: off by "
       f"{naive_error:.1%} of the gradient's norm")
 
-
 # %% [markdown]
 # The same through `fit`, the path the experiments below take: five updates with `accum_steps=4`
 # against five with one batch, in float64 and without dropout, must end at the same weights;
