@@ -1696,7 +1696,17 @@ print("same loss after 40 steps with 1 and 2 processes")
 #
 # **Solutions.**
 #
-# 1. SOLUTION_ONE
+# 1. We ran it: for seeds 0 to 4, `make_study(sampler, seed=s, n_startup_trials=3,
+#    n_warmup_steps=50)` and 30 trials of the section's objective for each sampler (300 trials,
+#    about 25 minutes on one thread: `tools/search_study.py`). Best validation loss after 30
+#    trials, TPE against random: 1.321 / 1.321, 1.341 / 1.341, 1.345 / 1.373, 1.366 / 1.606, 1.354 / 1.409; the mean 1.345
+#    against 1.410. TPE was never behind, ahead on three seeds of five, and ahead on average from
+#    about the fourth trial (the first after the three shared random start-ups): its mean best
+#    was 1.385 against 1.443 after 10 trials and 1.347 against 1.410 after 20. On seeds 0 and 1
+#    both kept one of their three shared start-up trials: the pruner cut 14 to 27 of every 30
+#    trials (median 24), so few guided trials finished at all. To compare the samplers rather
+#    than the pruner, run it again with `pruner=False` or a larger `n_startup_trials`; and
+#    five seeds are still few, so read "ahead on average" as a tendency, not a law.
 # 2. With a fixed number of steps, a trial with batches of 128 sees four times the sequences
 #    (and does four times the arithmetic) of one with batches of 32, so the search would reward
 #    large batches for the extra data and compute they are given, not for being a better
