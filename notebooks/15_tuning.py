@@ -1251,8 +1251,9 @@ print(f"tutorial recipe after the same {tuned_steps} steps: {tutorial['exact'][-
 # perfect score on them is no evidence; the tuned model is scored again on 1,024 sequences from
 # another generator seed, and must get at least 97 % of them right (99 % in our run; the bound
 # leaves room for another machine's run). Another seed does not make a disjoint set: short
-# sequences are few, and most of the length-3 ones of such a draw were among the 256 too; the
-# long ones, nearly all new, carry the score.
+# sequences are few ($9^3 = 729$ of length 3), so a second draw repeats many of the first's, and
+# training on fresh sequences has met nearly all of them; the long ones, nearly all new, are
+# what tests generalisation.
 
 # %% tags=["nbval-ignore-output"]
 assert tuned["solved_step"] is not None  # solved within the recipe's 600 steps
