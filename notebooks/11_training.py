@@ -1410,7 +1410,7 @@ for b in range(3):
 # %% [markdown]
 # **Check:** 250 or more of the 256 are right (the stored run: 256; every seed of the study: 256; the tutorial: all 256). And they are not remembered: replaying the training generator lists every one of
 # the $64 \times 2500$ training sequences, and most test sequences, nearly all the long ones among
-# them, never occurred in training.
+# them, never occurred in training; at least 97 % of *those* must be right too.
 
 # %%
 assert correct >= 250
@@ -1427,6 +1427,9 @@ for L in range(3, MAX_LEN + 1):
     print(f"{L:6d}  {int(at_L.sum()):14d}  {int((in_training & at_L).sum()):16d}")
 long_new = int((~in_training & (test_len >= 6)).sum())
 assert long_new > 100 and int((~in_training).sum()) > 128
+right = reversal_correct(model, test_src, test_out, test_len).cpu()  # the 256 of `correct`
+assert int(right.sum()) == correct
+assert right[~in_training].float().mean() >= 0.97  # and the new ones are reversed right
 print(f"{int((~in_training).sum())} of the 256 never occurred in training")
 
 # %% [markdown]
