@@ -1120,7 +1120,7 @@ print(f"largest gradient difference, mean of means: {naive_error:.0e}")
 
 # %%
 assert len({b[1].shape[1] for b in micro}) > 1  # the micro-batches have different widths
-assert len({num_tokens(b) for b in micro}) == len(micro)  # and different token counts
+assert len({num_tokens(b) for b in micro}) > 1  # and different token counts
 for g_acc, g_lib, g_big in zip(grads_accumulated, grads_library, grads_big, strict=True):
     assert_close(g_acc, g_big, rtol=1e-4, atol=1e-6)  # the same update, to float tolerance
     assert_close(g_lib, g_big, rtol=1e-4, atol=1e-6)
