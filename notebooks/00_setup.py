@@ -342,34 +342,14 @@ def check_broadcast(
 
 # %% [markdown]
 # Where do the checks run? At the **public boundary**: the function or module a reader calls.
-# But a Transformer's `forward` calls its stacks, which call blocks, which call attention, each
-# of them public too. Checking the same mask in all of them would repeat the work several
-# times per call, so an entry point that has checked its inputs says so, with the context
-# manager `validated()`, and the entry points it calls skip their checks while it is open:
-
-# %%
-#| export checks
-_VALIDATED = contextvars.ContextVar("transformer_from_scratch_validated", default=False)
-
-
-@contextlib.contextmanager
-def validated() -> Iterator[None]:
-    """Inside, inputs were checked by an outer entry point: inner ones skip their checks."""
-    token = _VALIDATED.set(True)
-    try:
-        yield
-    finally:
-        _VALIDATED.reset(token)
-
-
-def checking() -> bool:
-    """True unless an enclosing `validated()` block checked the inputs (or torch.compile traces)."""
-    return not (_VALIDATED.get() or torch.compiler.is_compiling())
-
+# An entry point that has checked its inputs says so with the context manager `validated()`,
+# and the entry points it calls skip their checks while it is open, so a mask is checked once
+# per call, not once per layer. `checking()` tells a function whether to check; the appendix at
+# the end shows how the two work.
 
 # %% [markdown]
 # **Check:** each mistake gets the exception its kind calls for, and a message that names the
-# argument; inside `validated()`, `checking()` is off, and it is on again afterwards.
+# argument.
 
 # %%
 mistakes = {  # the functions just defined above, not the installed package's copies
@@ -391,9 +371,6 @@ for label, (call, expected) in mistakes.items():
     else:
         raise AssertionError(f"{label} was accepted")
 assert check_int("T", torch.tensor(7), minimum=1) == 7  # 0-d integer tensors are ints
-with validated():
-    assert not checking()
-assert checking()
 
 
 # %% [markdown]
@@ -457,7 +434,7 @@ OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
 # %% jupyter={"source_hidden": true}
 import matplotlib.pyplot as plt
-from matplotlib.colors import to_hex, to_rgb
+from matplotlib.colors import to_rgb
 
 
 def text_color(color) -> str:
@@ -482,14 +459,40 @@ fig.tight_layout()
 saved = save_figure(fig, "course_colors")
 plt.show()
 
+# %% [markdown]
+# **Check** `save_figure` and `find_figures_dir`, on a scratch folder: the file is a PNG, saving
+# the same figure again gives the same bytes (no version or date is written into it, so git sees
+# no change), a name that is not a bare stem is refused, and the figures folder is found from a
+# folder inside the repository but not from outside one.
+
 # %%
-assert saved is None or saved.stat().st_size > 0
-# The figure shows the palette: one bar per entry, in order, in the entry's colour and labelled.
-# (That OTHER_COLORS never reuses a role's colour is a property of the constants: a unit test.)
-for ax, entries, _ in rows:
-    assert [to_hex(bar.get_facecolor()) for bar in ax.patches] == [color for _, color in entries]
-    assert [text.get_text() for text in ax.texts] == [name for name, _ in entries]
-assert find_figures_dir(Path("/")) is None
+import tempfile
+
+with tempfile.TemporaryDirectory() as scratch:
+    repo = Path(scratch) / "repo"
+    (repo / "figures").mkdir(parents=True)
+    (repo / "pyproject.toml").touch()
+    (repo / "notebooks" / "deep").mkdir(parents=True)
+    assert find_figures_dir(repo / "notebooks" / "deep") == (repo / "figures").resolve()
+    assert find_figures_dir(Path(scratch)) is None  # no repository above the scratch folder
+
+    first = save_figure(fig, "palette", directory=repo / "figures")
+    png = first.read_bytes()
+    assert first.name == "palette.png" and png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert b"matplotlib" not in png  # no "Software: matplotlib x.y" entry
+    assert save_figure(fig, "palette", directory=repo / "figures").read_bytes() == png
+    for bad in ("", "sub/palette", "palette.png"):
+        try:
+            save_figure(fig, bad, directory=repo / "figures")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"save_figure accepted the name {bad!r}")
+assert saved is None or saved == find_figures_dir() / "course_colors.png"
+# The label colours: black on a light colour, white on a dark one.
+assert text_color("white") == "black" and text_color("black") == "white"
+assert [text_color(c) for c in (COLORS["query"], COLORS["accent"], OTHER_COLORS[3])] == [
+    "white", "white", "black"]
 
 # %% [markdown]
 # ## Shapes and names
@@ -564,6 +567,77 @@ holder = Weights()
 assert not holder.scaled(3.0).requires_grad  # no_grad below add_to_class: the method has it
 assert holder.doubled().requires_grad  # no_grad above: the class got the plain function
 assert not doubled(holder).requires_grad  # ... and only the top-level name is wrapped
+
+# %% [markdown]
+# ## Appendix · Under the hood: `validated()`
+#
+# A Transformer's `forward` calls its stacks, which call blocks, which call attention, each of
+# them public too. Checking the same mask in all of them would repeat the work several times per
+# call. So an entry point that has checked its inputs opens `validated()`, and the ones it calls
+# ask `checking()` before they check. The flag lives in a `contextvars.ContextVar` rather than a
+# global variable, so that a thread (or an asyncio task) that opens `validated()` switches the
+# checks off for itself only, not for another one running the model at the same time; and
+# `reset(token)` restores the value from before, so `validated()` blocks nest. `checking()` is
+# also off while `torch.compile` traces a function (`torch.compiler.is_compiling()`).
+
+# %%
+#| export checks
+_VALIDATED = contextvars.ContextVar("transformer_from_scratch_validated", default=False)
+
+
+@contextlib.contextmanager
+def validated() -> Iterator[None]:
+    """Inside, inputs were checked by an outer entry point: inner ones skip their checks."""
+    token = _VALIDATED.set(True)
+    try:
+        yield
+    finally:
+        _VALIDATED.reset(token)
+
+
+def checking() -> bool:
+    """True unless an enclosing `validated()` block checked the inputs (or torch.compile traces)."""
+    return not (_VALIDATED.get() or torch.compiler.is_compiling())
+
+
+# %% [markdown]
+# **Check:** inside `validated()`, `checking()` is off; it is off in a nested block too, and on
+# again once the outer block closes, also when the block ends with an exception. And while
+# another thread sits inside `validated()`, this one still checks.
+
+# %%
+import threading
+
+assert checking()
+with validated():
+    assert not checking()
+    with validated():
+        assert not checking()
+    assert not checking()  # the inner block restored the outer value, not the default
+assert checking()
+try:
+    with validated():
+        raise KeyError("inside")
+except KeyError:
+    pass
+assert checking()
+
+inside, release = threading.Event(), threading.Event()
+
+
+def hold_validated():
+    with validated():
+        inside.set()  # the other thread is now inside its validated() block...
+        release.wait(timeout=10)
+
+
+worker = threading.Thread(target=hold_validated)
+worker.start()
+assert inside.wait(timeout=10)
+still_checking = checking()  # ...and this thread's flag is untouched
+release.set()
+worker.join()
+assert still_checking and checking()
 
 # %% [markdown]
 # Next: [01 · Attention](01_attention.ipynb), where the weighted average at the heart of the

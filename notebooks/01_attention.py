@@ -515,6 +515,13 @@ print(f"logits {sharpen}z: max s_i = {s_sharp.max().item():.4f}, ||J||_F = {norm
 assert 1 - s_sharp.max() <= 5 * math.exp(-sharpen * delta)
 assert norm_sharp <= 4 * (1 - s_sharp.max())
 assert delta <= 0.2 or s_sharp.max() > 0.99   # the guarantee, whatever these six logits are
+# What is left at 32z: outside the 2 x 2 block of the two largest logits, every entry has a
+# factor s_i or s_j of a smaller logit, so it is at most the third-largest weight.
+top_two_idx = z.topk(2).indices
+rest = torch.ones(6, 6, dtype=torch.bool)
+rest[top_two_idx.unsqueeze(-1), top_two_idx] = False               # all but the 2 x 2 block
+third_weight = s_sharp.sort(descending=True).values[2]
+assert (J_sharp[rest].abs() <= third_weight).all()
 
 draws = torch.randn(100_000, 6, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
 top_two_d = draws.topk(2, dim=-1).values                                  # (N, 2)
@@ -528,12 +535,15 @@ assert near_one_hot[lead > 0.2].all() and not near_one_hot.all()
 print(f"random draws near one-hot at {sharpen}z: {near_one_hot.double().mean():.1%}; "
       f"draws with a lead > 0.2: {(lead > 0.2).double().mean():.1%}, every one of them near "
       f"one-hot; largest lead among the draws that are not: {lead[~near_one_hot].max():.3f}")
+print(f"J at {sharpen}z: largest entry in the block of the top two logits "
+      f"{J_sharp[~rest].abs().max():.1e}, elsewhere {J_sharp[rest].abs().max():.1e} "
+      f"(third-largest weight {third_weight:.1e})")
 
 # %% jupyter={"source_hidden": true}
-fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2))
-limit = J_ours.abs().max().item()
+fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.4))
 titles = ("logits $z$", f"logits ${sharpen}z$")
 for ax, J, s, title in zip(axes, (J_ours, J_sharp), (softmax(z), s_sharp), titles, strict=True):
+    limit = J.abs().max().item()  # each panel on its own scale, centred on zero
     im = ax.imshow(J, cmap="RdBu_r", vmin=-limit, vmax=limit)
     ax.set_title(f"Jacobian for {title}\nmax $s_i$ = {s.max().item():.4f}, "
                  f"$\\|J\\|_F$ = {torch.linalg.matrix_norm(J).item():.4f}")
@@ -541,11 +551,21 @@ for ax, J, s, title in zip(axes, (J_ours, J_sharp), (softmax(z), s_sharp), title
     ax.set_ylabel("$i$ (weight $s_i$)")
     ax.set_xticks(range(6), range(1, 7))
     ax.set_yticks(range(6), range(1, 7))
-    fig.colorbar(im, ax=ax, label=r"$\partial s_i / \partial z_j$")
+    bar = fig.colorbar(im, ax=ax, label=r"$\partial s_i / \partial z_j$")
+    bar.formatter.set_powerlimits((-2, 2))  # the right panel's scale in units of 1e-4
+axes[1].text(0.5, -0.27, f"colour scale {J_ours.abs().max() / J_sharp.abs().max():.0f} times "
+             "finer than on the left", transform=axes[1].transAxes, ha="center", fontsize=9)
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# On a colour scale of its own, the right panel shows what is left of the Jacobian at $32z$: a
+# $2 \times 2$ block on the largest logit and the runner-up (here logits 2 and 4), and nothing
+# else visible. Every other entry has a factor $s_i$ or $s_j$ of a smaller logit, so it is at
+# most the third-largest weight (printed above; here more than seven orders of magnitude below
+# the block). The little gradient that still passes only moves weight between the two that
+# nearly tie.
+#
 # **Takeaway: the softmax's Jacobian is $\operatorname{diag}(s) - ss^\top$; it vanishes as the
 # softmax approaches one-hot, so a saturated softmax passes almost no gradient.**
 #

@@ -40,6 +40,7 @@ from matplotlib.colors import ListedColormap, PowerNorm
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from transformer_from_scratch.attention import scaled_dot_product_attention
 from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
@@ -132,18 +133,28 @@ def mask_colorbar(fig, image, axes, show_bool=True):
 
 
 # %% jupyter={"source_hidden": true}
-fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), layout="constrained")
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.9), layout="constrained")
 image = draw_mask(axes[0], allowed, "mask $M$")
 mask_colorbar(fig, image, axes[0])
-shown = scores.detach().masked_fill(~allowed, float("nan"))  # blocked scores -> "bad" colour
-# Blocked cells in black: coolwarm's own middle (a score near 0) is a light grey.
-score_cmap = plt.get_cmap("coolwarm").with_extremes(bad="black")
-plot_attention(shown, ax=axes[1], cmap=score_cmap, vmin=-2.5, vmax=2.5, label="score",
-               title=r"scores $s_{ij}$ (blocked: $-\infty$, black)")
-plot_attention(attn, ax=axes[2], vmax=1, title=r"weights $\alpha_{ij}$ (rows sum to 1)")
+# Blocked cells look the same in all three panels: the mask's light grey, hatched. Dark never
+# means "blocked": in the mask it means "may attend", in the weights a large weight.
+blocked_grey = MASK_CMAP.colors[0]
+shown_scores = scores.detach().masked_fill(~allowed, float("nan"))  # blocked -> "bad" colour
+shown_weights = attn.detach().masked_fill(~allowed, float("nan"))
+plot_attention(shown_scores, ax=axes[1], cmap=plt.get_cmap("RdBu_r").with_extremes(bad=blocked_grey),
+               vmin=-2.5, vmax=2.5, label="score", title=r"scores $s_{ij}$ (blocked: $-\infty$)")
+plot_attention(shown_weights, ax=axes[2], cmap=plt.get_cmap("Blues").with_extremes(bad=blocked_grey),
+               vmax=1, title=r"weights $\alpha_{ij}$ (blocked: exactly 0)")
+for ax in axes:
+    for i, j in (~allowed).nonzero().tolist():
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///",
+                               edgecolor="#9a9a9a", linewidth=0))
 for ax in axes[1:]:
     ax.set_xlabel("key position $j$")
     ax.set_ylabel("query position $i$")
+fig.legend(handles=[Patch(facecolor=blocked_grey, edgecolor="#9a9a9a", hatch="///",
+                          label="blocked pair: mask False, score $-\\infty$, weight 0")],
+           loc="outside lower center", fontsize=10)
 fig.suptitle("A mask removes keys before the softmax; the allowed keys share all the weight")
 plt.show()
 
@@ -647,9 +658,10 @@ assert torch.tensor(loss_naive_2).isnan()
 #
 # The built-ins have no single answer here. `F.scaled_dot_product_attention` returned NaN for such
 # a row up to torch 2.4 (pytorch/pytorch#103963). From torch 2.5 its reference ("math") kernel
-# uses a *safe* softmax that returns zeros for a row with no allowed key
-# (pytorch/pytorch#133882), but the fused kernels a GPU may pick have their own code for this
-# case, and a later version may change it again. `nn.MultiheadAttention`, when it returns the
+# uses a *safe* softmax that returns zeros for a row with no allowed key (the math-path change
+# is pytorch/pytorch#131844). The fused kernels that a GPU may pick do not go through that
+# softmax: the same stack of changes updated each of them separately (#131863, landed as
+# #133882), each in its own code, and a later version may change any of them again. `nn.MultiheadAttention`, when it returns the
 # attention weights (its default, `need_weights=True`), computes them with a plain softmax, as the
 # naive code above does. With `need_weights=False` it calls `F.scaled_dot_product_attention` and
 # passes whatever that returns through its output projection; a zero context comes out as
@@ -862,6 +874,37 @@ except RuntimeError as err:
     print("float16:", err)
 print(attn_big[1, 0, 4:].round(decimals=4))
 
+# %% [markdown]
+# **Check, the `torch.finfo(dtype).min` convention.** A float mask that holds the most negative
+# finite number of the dtype, instead of $-\infty$, is what libraries build when one code path
+# must serve every dtype. On a row with an allowed key it changes nothing: a score plus
+# `finfo.min` is so far below the rest that its weight underflows to exactly 0. On a fully masked
+# row every entry equals `finfo.min` (a score of order 1 is far below the spacing of floats
+# there), so the softmax is **uniform**: not zeros, not NaN. The convention lives in the mask, not
+# in the function: our `scaled_dot_product_attention` gives the uniform row too, because no
+# score is $-\infty$, and so does the built-in.
+
+# %%
+for dtype in (torch.float32, torch.float64):
+    smallest = torch.finfo(dtype).min  # float32: about -3.4e38
+    min_mask = torch.zeros(square.shape, dtype=dtype).masked_fill(~square, smallest)  # (B, 1, T, T)
+    Q_m, K_m, V_m = (t.to(dtype) for t in (Q, K, V))
+    context_min, attn_min = scaled_dot_product_attention(Q_m, K_m, V_m, mask=min_mask)
+    assert not attn_min.isnan().any() and not context_min.isnan().any()
+    # Rows with a key: exactly the weights of the -inf mask (blocked weights exactly 0).
+    assert (attn_min.masked_select(full_rows & ~square) == 0).all()
+    torch.testing.assert_close(attn_min[full_rows], attn_naive[full_rows].to(dtype))
+    # Empty rows (queries 4 and 5 of sequence 1): uniform weights, the plain mean of the values.
+    empty_weights = attn_min[1, 0, 4:]  # (2, T)
+    assert (empty_weights == empty_weights[:, :1]).all()  # every key gets the same weight
+    torch.testing.assert_close(empty_weights, torch.full((2, T), 1 / T, dtype=dtype))
+    torch.testing.assert_close(context_min[1, 0, 4:], V_m[1, 0].mean(dim=0).expand(2, d_k))
+    # The built-in, with the same float mask, gives the same context.
+    torch.testing.assert_close(F.scaled_dot_product_attention(Q_m, K_m, V_m, attn_mask=min_mask),
+                               context_min)
+    print(f"{str(dtype):14s} finfo.min = {smallest:.3g}; empty rows' weights:",
+          [round(w, 4) for w in empty_weights[0].tolist()])
+
 # %% jupyter={"source_hidden": true}
 panels = [("$-\\infty$ + plain softmax: NaN", attn_naive[1, 0]),
           ("$-10^9$ + plain softmax: uniform", attn_big[1, 0]),
@@ -926,6 +969,48 @@ flipped = F.scaled_dot_product_attention(Q_c, K_c, V_c, attn_mask=~combined)
 assert not torch.allclose(flipped.nan_to_num(), ours_context, atol=1e-3)
 
 # %% [markdown]
+# ### `is_causal` when there are more keys than queries
+#
+# `causal_mask(T)` is square, and so far $T_q = T_k$. A decoder that generates with a **KV cache**
+# (notebook 12) breaks that: the keys and values of the $T_k - T_q$ earlier tokens are kept, and
+# only the $T_q$ new tokens make queries. New query $i$ sits at position $i + (T_k - T_q)$, so it
+# must see keys $0, \dots, i + T_k - T_q$: the triangle aligned to the **bottom-right** corner,
+# $M_{ij} = [\, j \le i + T_k - T_q \,]$. `F.scaled_dot_product_attention(..., is_causal=True)`
+# aligns it to the **top-left** instead, $M_{ij} = [\, j \le i \,]$, as if the queries were the
+# first $T_q$ positions; PyTorch spells the other alignment
+# `torch.nn.attention.bias.causal_lower_right(T_q, T_k)`. With the course's square mask you pick
+# the alignment by slicing rows: `causal_mask(T_k)[..., -T_q:, :]` is the bottom-right one, the
+# rows of the last $T_q$ positions.
+#
+# **Check:** a cache of 5 tokens and 3 new queries, so $T_q = 3$, $T_k = 8$. The bottom-right
+# slice gives exactly the last three rows of the full causal pass (what a cached decoder must
+# reproduce) and equals `causal_lower_right`; `is_causal=True` equals the top-left slice, and
+# its answers differ from the full pass.
+
+# %%
+T_cache, T_new = 5, 3
+T_all = T_cache + T_new  # T_k = 8 keys; T_q = 3 queries, at positions 5, 6, 7
+g = torch.Generator().manual_seed(12)
+Q_all, K_all, V_all = torch.randn(3, 1, 1, T_all, d_k, generator=g)  # each (1, h=1, T_k, d_k)
+Q_new = Q_all[..., T_cache:, :]  # (1, 1, T_q, d_k): only the new tokens ask
+full_pass, _ = scaled_dot_product_attention(Q_all, K_all, V_all, mask=causal_mask(T_all))
+
+bottom_right = causal_mask(T_all)[..., -T_new:, :]  # (1, 1, T_q, T_k): j <= i + T_k - T_q
+top_left = causal_mask(T_all)[..., :T_new, :]  # (1, 1, T_q, T_k): j <= i
+cached, _ = scaled_dot_product_attention(Q_new, K_all, V_all, mask=bottom_right)
+torch.testing.assert_close(cached, full_pass[..., T_cache:, :])  # the cache changes nothing
+torch.testing.assert_close(
+    F.scaled_dot_product_attention(Q_new, K_all, V_all, attn_mask=causal_lower_right(T_new, T_all)),
+    cached)
+builtin_causal = F.scaled_dot_product_attention(Q_new, K_all, V_all, is_causal=True)
+torch.testing.assert_close(builtin_causal,
+                           scaled_dot_product_attention(Q_new, K_all, V_all, mask=top_left)[0])
+gap = (builtin_causal - full_pass[..., T_cache:, :]).abs().amax(dim=-1)  # (1, 1, T_q)
+assert (gap > 1e-3).all()  # every new query reads the wrong keys
+print("keys each new query sees: bottom-right", bottom_right.sum(dim=-1).flatten().tolist(),
+      "top-left (is_causal=True)", top_left.sum(dim=-1).flatten().tolist())
+
+# %% [markdown]
 # **Check, `nn.MultiheadAttention`:** with one head and identity projections it computes exactly
 # $\operatorname{softmax}(x x^\top / \sqrt{d})\, x$, so it must agree with ours on $Q = K = V = x$,
 # outputs and weights, once its masks are flipped: `~combined` as `attn_mask`, or `~causal` plus
@@ -953,10 +1038,14 @@ for out, weights_mha in [(out_a, weights_a), (out_b, weights_b)]:
     torch.testing.assert_close(weights_mha, ours_x_attn)
 
 wrong, _ = mha(x_seq, x_seq, x_seq, attn_mask=causal_mask(T_comb)[0, 0])  # our mask, unflipped
-assert not torch.allclose(wrong[:, 0], ours_x[:, 0], atol=1e-3)  # query 0 reads keys 1..6, not 0
-# The last query may read every key, so the unflipped mask blocks it from all of them: whatever
-# nn.MultiheadAttention makes of a row with no key (NaN in some versions), it is not our answer.
-assert not torch.allclose(wrong[:, -1], ours_x[:, -1], atol=1e-3)
+# Query 0 reads keys 1..6 instead of key 0: finite, and far from our answer. (A NaN fails here,
+# since every comparison with NaN is False.)
+assert ((wrong[:, 0] - ours_x[:, 0]).abs().amax(dim=-1) > 1e-3).all()
+# The last query may read every key, so the unflipped mask blocks it from all of them: a row
+# with no key, which nn.MultiheadAttention (need_weights=True) sends through a plain softmax.
+# Whatever this torch makes of it, NaN or numbers, it must not be our answer.
+last_wrong = wrong[:, -1]  # (B, d_k)
+assert last_wrong.isnan().all() or ((last_wrong - ours_x[:, -1]).abs().amax(dim=-1) > 1e-3).all()
 print("unflipped causal mask, query 0 of sequence 0, largest error:",
       round((wrong[0, 0] - ours_x[0, 0]).abs().max().item(), 3))
 
@@ -1018,6 +1107,8 @@ plt.show()
 # | query with no key | `scaled_dot_product_attention` returns zero weights and context | row of $(\dots, T_q, T_k)$ |
 # | `nn.MultiheadAttention` | `attn_mask=~mask`, `key_padding_mask=~pad[:, 0, 0]` | $(B \cdot h, T_q, T_k)$, $(B, T_k)$ |
 # | float mask, any API | `zeros.masked_fill(~mask, -inf)` | as the bool mask |
+# | float mask with `torch.finfo(dtype).min` | a query with no key gets *uniform* weights | as the bool mask |
+# | causal with a KV cache ($T_q < T_k$) | `causal_mask(T_k)[..., -T_q:, :]` (bottom-right); not `is_causal=True` (top-left) | $(1, 1, T_q, T_k)$ |
 #
 # ## Exercises
 #
