@@ -774,11 +774,15 @@ plt.show()
 #    encoder and of the decoder stack (notebook 04's `PositionalEncoding(dropout_p=...)`). In
 #    the paper, $P_{\text{drop}} = 0.1$.
 # 2. **On the attention weights**, after the softmax and before they average the values. The
-#    paper does not mention it: it is an implementation choice, made by the authors'
-#    tensor2tensor library, by PyTorch's layers (`nn.MultiheadAttention(dropout=...)`, which
-#    `nn.TransformerEncoderLayer` gives its one `dropout` rate), by
-#    `F.scaled_dot_product_attention(dropout_p=...)` and by this course's
-#    `scaled_dot_product_attention` (notebooks 02–03). It usually gets the same rate, 0.1.
+#    paper does not mention it, and the authors' tensor2tensor library did not use it in the
+#    paper's era: its `transformer_base_v1` settings have `attention_dropout = 0.0` (and
+#    `relu_dropout = 0.0`, the dropout inside the feed-forward network), with only the residual
+#    dropout at 0.1. The later `transformer_base_v2` set both to 0.1, in the same change that
+#    moved the library to pre-norm (`layer_preprocess_sequence = "n"`). PyTorch's layers
+#    (`nn.MultiheadAttention(dropout=...)`, which `nn.TransformerEncoderLayer` gives its one
+#    `dropout` rate), `F.scaled_dot_product_attention(dropout_p=...)` and this course's
+#    `scaled_dot_product_attention` (notebooks 02–03) all offer it; its rate is a choice,
+#    0.1 in PyTorch's layers and in tensor2tensor's v2 settings, 0 in the paper-era ones.
 # 3. **On the output of every sub-layer** (attention or feed-forward), before it is added to the
 #    residual stream. In the paper, $P_{\text{drop}} = 0.1$. The residual path itself is never
 #    dropped.
@@ -860,8 +864,8 @@ ax.add_patch(FancyBboxPatch((0.55, 2.75), 9.85, 7.95, boxstyle="round,pad=0.05,r
 ax.text(10.3, 10.55, "one pre-norm encoder block", ha="right", va="top", fontsize=9, color="0.35")
 legend_text = ("(1) on the sum of embeddings and positional encodings:\n"
                "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)\n"
-               "(2) on the attention weights: not in the paper; an implementation\n"
-               "     choice (tensor2tensor, PyTorch's layers, this course), usually 0.1\n"
+               "(2) on the attention weights: not in the paper (0 in tensor2tensor's\n"
+               "     paper-era settings); 0.1 in its later pre-norm v2 and in PyTorch's layers\n"
                "(3) on each sub-layer's output, before the residual add:\n"
                "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)")
 ax.text(0.2, -0.55, legend_text, ha="left", va="top", fontsize=9, linespacing=1.5,
@@ -912,9 +916,13 @@ print("eval:  two passes equal: ", torch.equal(eval_a, eval_b))
 # %% [markdown]
 # **Check:** training passes are random and evaluation passes deterministic; with the
 # sub-layer's output dropout at $p = 1$ the sub-layer is exactly the identity, because dropout
-# acts on the branch and never on the residual path; and PyTorch's own encoder layer puts its
-# single `dropout=0.1` default in the same places: the paper's (each sub-layer's output), the
-# attention weights, and one more inside the feed-forward network.
+# acts on the branch and never on the residual path; and PyTorch's own (pre-norm) encoder layer
+# drops out in the same places, plus one inside the feed-forward network. Its one `dropout` rate
+# (default 0.1) goes to four sites; built with 0 and then one site at a time set to $p = 1$ in
+# training mode, the layer must compute what that site predicts, up to float rounding: without
+# the self-attention's output (`dropout1`), without the FFN's output (`dropout2`), with attention
+# weights of zero (the attention returns only its output bias), or with an FFN that returns only
+# its second bias (`dropout`, after the activation).
 
 # %%
 assert not torch.equal(train_a, train_b)
@@ -924,10 +932,45 @@ all_dropped = PreNormSelfAttention(d_model=32, num_heads=4, dropout_p=0.0).to(de
 all_dropped.dropout = nn.Dropout(1.0)  # zero the whole sub-layer output
 assert torch.equal(all_dropped(embeddings), embeddings)
 
-builtin = nn.TransformerEncoderLayer(d_model=32, nhead=4, batch_first=True)
-assert builtin.self_attn.dropout == 0.1  # (2) attention weights
-assert builtin.dropout1.p == 0.1 and builtin.dropout2.p == 0.1  # (3) after each sub-layer
-assert builtin.dropout.p == 0.1  # the extra one inside the feed-forward network
+
+
+def builtin_with_one_site_dropped(site: str) -> nn.TransformerEncoderLayer:
+    """PyTorch's pre-norm encoder layer in training mode, dropout 0 except p = 1 at `site`."""
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dropout=0.0, batch_first=True,
+                                       norm_first=True).to(device).train()
+    with torch.no_grad():  # random biases and norm parameters (fresh ones are 0 and 1)
+        for param in layer.parameters():
+            if param.dim() == 1:
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    if site == "attention weights":
+        layer.self_attn.dropout = 1.0  # (2), inside nn.MultiheadAttention
+    else:
+        setattr(layer, site, nn.Dropout(1.0))
+    return layer
+
+
+def builtin_attention(layer, h):  # (B, T, D) -> (B, T, D)
+    return layer.self_attn(h, h, h, need_weights=False)[0]
+
+
+def builtin_ffn(layer, h):  # (B, T, D) -> (B, T, D), with the layer's inner dropout
+    return layer.linear2(layer.dropout(layer.activation(layer.linear1(h))))
+
+
+assert nn.TransformerEncoderLayer(d_model=32, nhead=4).dropout1.p == 0.1  # the default rate
+with torch.no_grad():
+    x_in = embeddings
+    layer = builtin_with_one_site_dropped("dropout1")  # (3) on the attention's output
+    assert_close(layer(x_in), x_in + builtin_ffn(layer, layer.norm2(x_in)))
+    layer = builtin_with_one_site_dropped("dropout2")  # (3) on the FFN's output
+    assert_close(layer(x_in), x_in + builtin_attention(layer, layer.norm1(x_in)))
+    layer = builtin_with_one_site_dropped("attention weights")  # (2) every weight zeroed
+    h_mid = x_in + layer.self_attn.out_proj.bias  # the attention contributes only its bias
+    assert_close(layer(x_in), h_mid + builtin_ffn(layer, layer.norm2(h_mid)))
+    layer = builtin_with_one_site_dropped("dropout")  # the extra one, inside the FFN
+    h_mid = x_in + builtin_attention(layer, layer.norm1(x_in))
+    assert_close(layer(x_in), h_mid + layer.linear2.bias)
+print("PyTorch's encoder layer: dropout acts after each sub-layer, on the attention weights, inside the FFN")
 
 # %% [markdown]
 # Dropout on the attention weights has one visible side effect: a row of weights no longer sums
@@ -950,8 +993,9 @@ assert_close(row_sums.mean(dim=0), torch.ones(6), atol=6 * math.sqrt(0.1 / 0.9 /
 
 # %% [markdown]
 # **Dropout goes on the embeddings and on every sub-layer's output before the residual add (the
-# paper's two places, $P_{\text{drop}} = 0.1$ in the base model), usually on the attention
-# weights as well (an implementation choice), and never on the residual path.**
+# paper's two places, $P_{\text{drop}} = 0.1$ in the base model), optionally on the attention
+# weights as well (an implementation choice the paper-era code did not make), and never on the
+# residual path.**
 #
 # ## Recap
 #

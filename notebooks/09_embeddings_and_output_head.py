@@ -298,9 +298,14 @@ assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every
 #    Two set-ups that start out identical therefore train differently.
 #
 # **Check (the second point; the first is checked in the section on tying):** two tables that
-# give the same inputs, one step of Adam on each with the same loss and learning rate. On its first step Adam moves every entry with a non-zero
-# gradient by exactly the learning rate (up to its $\epsilon$), so the input behind the multiply
-# moves $\sqrt{d_\text{model}}$ times further.
+# give the same inputs, one optimiser step on each with the same loss and learning rate. By the
+# chain rule the multiplied table's gradient is $\sqrt{d_\text{model}}$ times the other's. What
+# the check tests is Adam's side of the argument: its first update is
+# $m / (\sqrt{v} + \epsilon) = g / (|g| + \epsilon)$, so every entry with a non-zero gradient
+# moves by the learning rate in *both* tables, and the input behind the multiply moves
+# $\sqrt{d_\text{model}}$ times further. That ratio is Adam's doing, not the multiply's alone:
+# plain SGD, whose step is proportional to the gradient, makes the ratio $d_\text{model}$
+# (the larger gradient *and* the multiply), and the same cell measures it too.
 
 # %%
 set_seed(0)
@@ -316,17 +321,36 @@ tokens = src.to(device)  # (B, T_src)
 x_start = (table_scaled(tokens) * math.sqrt(d_model)).detach()  # (B, T_src, d)
 assert_close(table_plain(tokens), x_start)  # the same input at initialisation
 x_goal = torch.randn(B, T_max, d_model, generator=generator).to(device)  # any loss of the input will do
-moved = {}
-for name, table, scale in (("N(0, 1/d), times sqrt(d)", table_scaled, math.sqrt(d_model)),
-                           ("N(0, 1), no multiply", table_plain, 1.0)):
-    optimizer = torch.optim.Adam(table.parameters(), lr=1e-3)
-    (table(tokens) * scale - x_goal).pow(2).sum().backward()
-    optimizer.step()  # the same learning rate for both
-    moved[name] = (table(tokens) * scale - x_start).norm().item()  # how far the input moved
-    print(f"{name:>24}: the input moved by {moved[name]:.4f}")
-ratio = moved["N(0, 1/d), times sqrt(d)"] / moved["N(0, 1), no multiply"]
-assert abs(ratio / math.sqrt(d_model) - 1) < 1e-3
-print(f"ratio {ratio:.3f} = sqrt({d_model}) = {math.sqrt(d_model):.3f}")
+scaled_start = table_scaled.weight.detach().clone()  # each optimiser starts from these tables
+plain_start = table_plain.weight.detach().clone()
+moved, grad_norm, entry_step = {}, {}, {}  # (optimiser, set-up) -> a number
+for opt_name, make_optimizer in (("Adam", torch.optim.Adam), ("SGD", torch.optim.SGD)):
+    for name, table, scale, start in (("times sqrt(d)", table_scaled, math.sqrt(d_model), scaled_start),
+                                      ("no multiply", table_plain, 1.0, plain_start)):
+        with torch.no_grad():
+            table.weight.copy_(start)
+        table.zero_grad()
+        optimizer = make_optimizer(table.parameters(), lr=1e-3)  # the same learning rate for all
+        (table(tokens) * scale - x_goal).pow(2).sum().backward()
+        optimizer.step()
+        key = (opt_name, name)
+        grad_norm[key] = table.weight.grad.norm().item()
+        used = table.weight.grad.abs() > 0  # entries of the rows the batch uses
+        entry_step[key] = (table.weight - start)[used].abs().detach()  # how far each entry moved
+        moved[key] = (table(tokens) * scale - x_start).norm().item()  # how far the input moved
+        print(f"{opt_name:>4}, {name:>13}: gradient norm {grad_norm[key]:8.1f}, median entry step "
+              f"{entry_step[key].median().item():.2e}, the input moved by {moved[key]:.4g}")
+ratio_adam = moved[("Adam", "times sqrt(d)")] / moved[("Adam", "no multiply")]
+ratio_sgd = moved[("SGD", "times sqrt(d)")] / moved[("SGD", "no multiply")]
+print(f"input moved, with the multiply / without: Adam {ratio_adam:.2f} (sqrt(d) = {math.sqrt(d_model):.2f}), "
+      f"SGD {ratio_sgd:.1f} (d = {d_model})")
+
+# %%
+assert abs(grad_norm[("Adam", "times sqrt(d)")] / grad_norm[("Adam", "no multiply")] / math.sqrt(d_model) - 1) < 1e-3
+for name in ("times sqrt(d)", "no multiply"):  # Adam: every used entry moves by the learning rate
+    assert_close(entry_step[("Adam", name)], torch.full_like(entry_step[("Adam", name)], 1e-3), rtol=1e-3, atol=0)
+assert abs(ratio_adam / math.sqrt(d_model) - 1) < 1e-3  # so the input moves sqrt(d) times further
+assert abs(ratio_sgd / d_model - 1) < 1e-3  # SGD: d times further
 
 
 # %% [markdown]

@@ -327,9 +327,10 @@ else:
 # paper's (Vaswani et al., 2017, §5.4): the sum of embedding and positional encoding above
 # (`model.pos.dropout`), and the output of every sub-layer before it is added to the residual
 # stream (each block's `dropout1`, `dropout2`, ...:
-# $x + \mathrm{Dropout}(\mathrm{sublayer}(\mathrm{norm}(x)))$, notebook 08). The third, as in the
-# authors' code and in `nn.Transformer`, is on the attention weights inside every attention
-# layer (notebook 06).
+# $x + \mathrm{Dropout}(\mathrm{sublayer}(\mathrm{norm}(x)))$, notebook 08). The third is on the
+# attention weights inside every attention layer (notebook 06), as in `nn.Transformer` and in the
+# authors' tensor2tensor from its `transformer_base_v2` settings on (the same version that moved
+# it to pre-norm); its paper-era `transformer_base_v1` settings left attention dropout at 0.
 #
 # The source and the target get separate embedding tables (their vocabularies may differ) and
 # share the positional encoding, which has no parameters. The constructor builds the parts from
@@ -532,10 +533,28 @@ def decode(
 # queries of two different lengths, it has to be a mask over source keys only, broadcastable to
 # $(B, h, 1, T_\text{src})$, which `padding_mask` is. `tgt_mask` is the decoder's `self_mask`.
 # Like `nn.Transformer`, the model applies no mask it is not given: a forgotten causal mask lets
-# the decoder read the answer (shown below).
+# the decoder read the answer (shown below). Two things guard against that. A `tgt_mask` that is
+# given must be causal: if any query may attend to a later key (an entry above the diagonal that
+# is `True`, or finite in a float mask), `forward` raises a `ValueError`. It checks `forward` only:
+# `decode` also serves generation with a cache (notebook 12), where the masks cover a part of the
+# sequence. And `make_masks`, after the next cell, builds both masks from the token ids, so that
+# there is nothing to forget.
 
 # %%
 #| export
+def _check_causal(name: str, mask: torch.Tensor | None, T: int) -> None:
+    """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys."""
+    if mask is None:
+        return
+    later = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(1)  # (T, T): key after query
+    may_attend = mask if mask.dtype == torch.bool else mask > float("-inf")
+    if (may_attend & later).any():
+        raise ValueError(
+            f"{name} lets a target position attend to later positions, the tokens it must "
+            "predict: combine causal_mask(T_tgt) with the padding, or build it with make_masks"
+        )
+
+
 @add_to_class(Transformer)
 def forward(
     self,
@@ -558,11 +577,38 @@ def forward(
             "build it with padding_mask",
         )  # fmt: skip
         check_broadcast("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
+        _check_causal("tgt_mask", tgt_mask, T_tgt)
     with validated():  # checked once, here: encode and decode skip their checks
         enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
         # src_mask again, as cross_mask: the decoder attends over the same source positions.
         dec_out = self.decode(tgt, enc_out, tgt_mask, src_mask)  # (B, T_tgt, d_model)
     return self.out_proj(dec_out)  # (B, T_tgt, d_model) -> (B, T_tgt, tgt_vocab_size)
+
+
+# %% [markdown]
+# Both masks follow from the ids: the source's real tokens are its keys, for the encoder and the
+# cross-attention alike; the target's are the real tokens among the earlier ones. `make_masks`
+# writes that down, with `PAD` (notebook 09) as the padding id. Unlike `padding_mask(lengths, T)`,
+# it finds the padding wherever it is, not only at the end.
+
+# %%
+#| export
+def make_masks(
+    src: torch.Tensor,  # (B, T_src) source ids
+    tgt_in: torch.Tensor,  # (B, T_tgt) target ids fed to the decoder
+    pad: int = PAD,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src_mask (B, 1, 1, T_src), tgt_mask (B, 1, T_tgt, T_tgt)), True = may attend."""
+    check_tensor("src", src, dim=2, kind="int")
+    check_tensor("tgt_in", tgt_in, dim=2, kind="int")
+    check_int("pad", pad)
+    if src.shape[0] != tgt_in.shape[0]:
+        shapes = f"src {tuple(src.shape)} and tgt_in {tuple(tgt_in.shape)}"
+        raise ValueError(f"{shapes} have different batch sizes")
+    src_mask = (src != pad)[:, None, None, :]  # (B, 1, 1, T_src): the real source keys
+    tgt_real = (tgt_in != pad)[:, None, None, :]  # (B, 1, 1, T_tgt): the real target keys
+    tgt_mask = causal_mask(tgt_in.shape[1], device=tgt_in.device) & tgt_real  # (B, 1, T_tgt, T_tgt)
+    return src_mask, tgt_mask
 
 
 # %% [markdown]
@@ -675,8 +721,7 @@ src, tgt_in, tgt_out = src.to(device), tgt_in.to(device), tgt_out.to(device)
 B, T_src = src.shape
 T_tgt = tgt_in.shape[1]
 
-src_mask = padding_mask(src_lengths, T_src).to(device)  # (B, 1, 1, T_src)
-tgt_mask = causal_mask(T_tgt, device=device) & padding_mask(tgt_lengths, T_tgt).to(device)  # (B, 1, T, T)
+src_mask, tgt_mask = make_masks(src, tgt_in)  # (B, 1, 1, T_src), (B, 1, T_tgt, T_tgt)
 
 model.eval()  # dropout off: the same logits on every call
 logits = model(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # (B, T_tgt, V)
@@ -684,10 +729,13 @@ loss = F.cross_entropy(logits.reshape(-1, VOCAB), tgt_out.reshape(-1), ignore_in
 print(f"logits {tuple(logits.shape)}, loss of the untrained model {loss.item():.3f} (log 12 = {math.log(12):.3f})")
 
 # %% [markdown]
-# **Check:** `forward` is exactly `encode`, then `decode`, then `out_proj`; in evaluation mode
-# two calls agree bit for bit, and in training mode dropout makes them differ.
+# **Check:** `make_masks` gives notebook 05's masks built from the lengths; `forward` is exactly
+# `encode`, then `decode`, then `out_proj`; in evaluation mode two calls agree bit for bit, and
+# in training mode dropout makes them differ.
 
 # %%
+assert torch.equal(src_mask, padding_mask(src_lengths, T_src).to(device))
+assert torch.equal(tgt_mask, causal_mask(T_tgt, device=device) & padding_mask(tgt_lengths, T_tgt).to(device))
 with torch.no_grad():
     enc_out = model.encode(src, src_mask)  # (B, T_src, d_model)
     dec_out = model.decode(tgt_in, enc_out, self_mask=tgt_mask, cross_mask=src_mask)  # (B, T_tgt, d)
@@ -765,12 +813,14 @@ def dependency_maps(model: Transformer, src, tgt, src_mask, tgt_mask) -> dict:
 # %% [markdown]
 # The first sequence of the batch (source length 5, target length 6), twice: with the correct
 # masks, and with the causal part of `tgt_mask` forgotten, that is with the target's padding
-# mask alone.
+# mask alone. `forward` refuses that mask (the section *Clear errors*), so the second run turns
+# the checks off with `validated()`, the context in which the model's parts skip theirs.
 
 # %%
 tgt_padding_only = padding_mask(tgt_lengths, T_tgt).to(device)  # (B, 1, 1, T_tgt): no causal part
 maps = dependency_maps(model, src, tgt_in, src_mask, tgt_mask)
-maps_no_causal = dependency_maps(model, src, tgt_in, src_mask, tgt_padding_only)
+with validated():  # forward refuses a non-causal tgt_mask; with the checks off it runs, to show why
+    maps_no_causal = dependency_maps(model, src, tgt_in, src_mask, tgt_padding_only)
 
 # %% [markdown]
 # **Check:** with the masks, $\text{logits}_t$ depends on the target inputs $0..t$ only (lower
@@ -1185,6 +1235,7 @@ plt.show()
 # | add & norm (pre-norm), with dropout | `x + dropout(sublayer(norm(x)))`: each block's `dropout1`, `dropout2`, ... | $(B, S, d)$ |
 # | $N\times$ encoder block | `encoder.layers` (`nn.ModuleList`) | $(B, S, d)$ |
 # | encoder output | `encoder.norm`, `model.encode(src, src_mask)` | $(B, S, d)$ |
+# | the masks, from the ids | `make_masks(src, tgt_in)`; `forward` refuses a non-causal `tgt_mask` | $(B, 1, 1, S)$, $(B, 1, T, T)$ |
 # | masked self-attention, its weights | `decoder.layers[i].self_attn`, `tgt_mask` | $(B, T, d)$; $(B, h, T, T)$ |
 # | cross-attention, its weights | `decoder.layers[i].cross_attn`, keys/values `enc_out`, `src_mask` | $(B, T, d)$; $(B, h, T, S)$ |
 # | $N\times$ decoder block | `decoder.layers` | $(B, T, d)$ |
@@ -1293,6 +1344,9 @@ bad_calls = {
     "src_mask for another length": lambda: model(src, tgt_in, src_mask=padding_mask(src_lengths, T_src + 1).to(device)),
     "src_mask per query": lambda: model(src, tgt_in, src_mask=src_mask & causal_mask(T_src, device=device)),
     "tgt_mask of the source's length": lambda: model(src, tgt_in, src_mask, causal_mask(T_src, device=device)),
+    "tgt_mask without the causal part": lambda: model(src, tgt_in, src_mask, tgt_padding_only),
+    "make_masks with float ids": lambda: make_masks(src.float(), tgt_in),
+    "make_masks, batches differ": lambda: make_masks(src, tgt_in[:1]),
     "enc_out from another batch": lambda: model.decode(tgt_in, enc_out[:1]),
 }
 for what, call in bad_calls.items():
@@ -1304,8 +1358,8 @@ for what, call in bad_calls.items():
         raise AssertionError(f"{what}: accepted")
 
 # %% [markdown]
-# **The model checks ids, lengths, batch sizes and mask shapes at the door and names what is
-# wrong.**
+# **The model checks ids, lengths, batch sizes, mask shapes and the causal mask at the door and
+# names what is wrong.**
 #
 # ## Exercises
 #
@@ -1318,8 +1372,9 @@ for what, call in bad_calls.items():
 #    vocabularies have 12 tokens), check the new parameter count against 930,828, and check that
 #    one backward pass puts gradient from all three uses into the one shared matrix.
 # 3. **Prefixes.** Generation (notebook 12) decodes a growing prefix one token at a time. Show
-#    that, with the causal mask, decoding the first $k$ target tokens gives exactly the first $k$
-#    rows of decoding the whole target, for every $k$; and that without the mask it does not.
+#    that, with the causal mask, decoding the first $k$ target tokens gives the first $k$ rows of
+#    decoding the whole target, for every $k$, up to float32 rounding (a shorter input may take
+#    other kernels, which add in another order); and that without the mask it does not.
 #
 # **Solutions.**
 #

@@ -18,6 +18,7 @@ from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.model import TransformerConfig
 from transformer_from_scratch.model import embed_tokens
 from transformer_from_scratch.model import init_token_embedding
+from transformer_from_scratch.model import make_masks
 from transformer_from_scratch.positional import PositionalEncoding
 from transformer_from_scratch.reference import TorchTransformer
 from transformer_from_scratch.reference import torch_parameter
@@ -486,3 +487,72 @@ def test_decode_enc_out_errors():
         model.decode(tgt_in, enc_out[0])
     with pytest.raises(TypeError, match="enc_out must be a torch.Tensor"):
         model.decode(tgt_in, None)
+
+
+# ---------------------------------------------------------------- masks from ids, causal guard
+def test_make_masks_shapes_and_values():
+    src, tgt_in, _, src_len, tgt_len, src_mask, tgt_mask = reversal_batch()
+    got_src, got_tgt = make_masks(src, tgt_in)
+    assert got_src.shape == (2, 1, 1, 7) and got_tgt.shape == (2, 1, 8, 8)
+    assert got_src.dtype == got_tgt.dtype == torch.bool
+    assert torch.equal(got_src, src_mask) and torch.equal(got_tgt, tgt_mask)
+    # padding anywhere, not only at the end; another pad id
+    ids = torch.tensor([[4, 0, 5]])
+    s, t = make_masks(ids, ids)
+    assert s[0, 0, 0].tolist() == [True, False, True]
+    assert t[0, 0].tolist() == [[True, False, False], [True, False, False], [True, False, True]]
+    s, _ = make_masks(ids, ids, pad=4)
+    assert s[0, 0, 0].tolist() == [False, True, True]
+    model = small_model().eval()
+    with torch.no_grad():
+        expected = model(src, tgt_in, src_mask, tgt_mask)
+        assert_close(model(src, tgt_in, *make_masks(src, tgt_in)), expected)
+
+
+def test_make_masks_bad_input():
+    src, tgt_in, *_ = reversal_batch()
+    with pytest.raises(TypeError, match="src must hold integers"):
+        make_masks(src.float(), tgt_in)
+    with pytest.raises(TypeError, match="tgt_in must hold integers"):
+        make_masks(src, tgt_in == PAD)
+    with pytest.raises(TypeError, match="tgt_in must be a torch.Tensor"):
+        make_masks(src, tgt_in.tolist())
+    with pytest.raises(ValueError, match=r"src must be 2-D, got shape \(7,\)"):
+        make_masks(src[0], tgt_in)
+    with pytest.raises(ValueError, match="tgt_in must be 2-D"):
+        make_masks(src, tgt_in[None])
+    with pytest.raises(ValueError, match=r"src \(2, 7\) and tgt_in \(1, 8\) have different batch"):
+        make_masks(src, tgt_in[:1])
+    with pytest.raises(TypeError, match="pad"):
+        make_masks(src, tgt_in, pad=0.5)
+
+
+def test_forward_refuses_a_non_causal_tgt_mask():
+    model = small_model().eval()
+    src, tgt_in, _, _, tgt_len, src_mask, tgt_mask = reversal_batch()
+    T = tgt_in.shape[1]
+    ar, strictly_lower = torch.arange(T), causal_mask(T)[0, 0].tril(-1)  # (T,), (T, T)
+    not_causal = {
+        "padding only": padding_mask(tgt_len, T),  # (B, 1, 1, T): the forgotten causal part
+        "all ones": torch.ones(T, T, dtype=torch.bool),
+        "one entry above the diagonal": causal_mask(T) | (ar[:, None] == 2) & (ar == 5),
+        "float zeros": torch.zeros(1, 1, T, T),
+        "float, upper part finite": torch.zeros(T, T).masked_fill(strictly_lower, -math.inf),
+    }
+    for mask in not_causal.values():
+        with pytest.raises(ValueError, match="tgt_mask lets a target position attend to later"):
+            model(src, tgt_in, src_mask, mask)
+    causal_float = torch.zeros(T, T).masked_fill(~causal_mask(T)[0, 0], -math.inf)
+    with torch.no_grad():
+        expected = model(src, tgt_in, src_mask, causal_mask(T))
+        for mask in (causal_mask(T), causal_mask(T)[0, 0], causal_float, tgt_mask):
+            model(src, tgt_in, src_mask, mask)  # accepted
+        assert_close(model(src, tgt_in, src_mask, causal_float), expected)
+        one = torch.ones(1, 1, dtype=torch.bool)
+        model(src, tgt_in[:, :1], src_mask, one)  # T = 1: there is no later key
+        model(src, tgt_in, src_mask, None)  # no mask given: nothing to check (as nn.Transformer)
+        with tfs.checks.validated():  # the callers' escape hatch: checks off
+            model(src, tgt_in, src_mask, padding_mask(tgt_len, T))
+        # decode (also the cached path) is not guarded: it sees partial masks
+        enc_out = model.encode(src, src_mask)
+        model.decode(tgt_in, enc_out, self_mask=padding_mask(tgt_len, T), cross_mask=src_mask)

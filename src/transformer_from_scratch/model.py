@@ -23,6 +23,7 @@ from transformer_from_scratch.layers import ACTIVATIONS
 from transformer_from_scratch.layers import Decoder
 from transformer_from_scratch.layers import DecoderCache
 from transformer_from_scratch.layers import Encoder
+from transformer_from_scratch.masks import causal_mask
 from transformer_from_scratch.positional import PositionalEncoding
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
@@ -215,6 +216,7 @@ class Transformer(nn.Module):
                 "build it with padding_mask",
             )  # fmt: skip
             check_broadcast("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
+            _check_causal("tgt_mask", tgt_mask, T_tgt)
         with validated():  # checked once, here: encode and decode skip their checks
             enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
             # src_mask again, as cross_mask: the decoder attends over the same source positions.
@@ -222,4 +224,45 @@ class Transformer(nn.Module):
         return self.out_proj(dec_out)  # (B, T_tgt, d_model) -> (B, T_tgt, tgt_vocab_size)
 
 
-__all__ = ["init_token_embedding", "embed_tokens", "TransformerConfig", "Transformer"]
+# Taught in notebook 10 · The full model
+def _check_causal(name: str, mask: torch.Tensor | None, T: int) -> None:
+    """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys."""
+    if mask is None:
+        return
+    later = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(
+        1
+    )  # (T, T): key after query
+    may_attend = mask if mask.dtype == torch.bool else mask > float("-inf")
+    if (may_attend & later).any():
+        raise ValueError(
+            f"{name} lets a target position attend to later positions, the tokens it must "
+            "predict: combine causal_mask(T_tgt) with the padding, or build it with make_masks"
+        )
+
+
+# Taught in notebook 10 · The full model
+def make_masks(
+    src: torch.Tensor,  # (B, T_src) source ids
+    tgt_in: torch.Tensor,  # (B, T_tgt) target ids fed to the decoder
+    pad: int = PAD,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src_mask (B, 1, 1, T_src), tgt_mask (B, 1, T_tgt, T_tgt)), True = may attend."""
+    check_tensor("src", src, dim=2, kind="int")
+    check_tensor("tgt_in", tgt_in, dim=2, kind="int")
+    check_int("pad", pad)
+    if src.shape[0] != tgt_in.shape[0]:
+        shapes = f"src {tuple(src.shape)} and tgt_in {tuple(tgt_in.shape)}"
+        raise ValueError(f"{shapes} have different batch sizes")
+    src_mask = (src != pad)[:, None, None, :]  # (B, 1, 1, T_src): the real source keys
+    tgt_real = (tgt_in != pad)[:, None, None, :]  # (B, 1, 1, T_tgt): the real target keys
+    tgt_mask = causal_mask(tgt_in.shape[1], device=tgt_in.device) & tgt_real  # (B, 1, T_tgt, T_tgt)
+    return src_mask, tgt_mask
+
+
+__all__ = [
+    "init_token_embedding",
+    "embed_tokens",
+    "TransformerConfig",
+    "Transformer",
+    "make_masks",
+]
