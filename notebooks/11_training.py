@@ -323,6 +323,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from collections.abc import Iterable
+from typing import ClassVar
 from functools import partial
 from pathlib import Path
 
@@ -780,6 +781,9 @@ def train_model(
 # Two entries are there for the experiments further down: `embedding_init="default"` redraws the
 # two embedding tables from PyTorch's default $\mathcal{N}(0, 1)$ (with their own generator, so
 # the rest of the model and the dropout masks are the same), and `label_smoothing`.
+# `build_reversal_model(recipe)` draws the model a recipe describes; notebook 15's `Recipe`
+# extends this class with the training choices that `train_model` fixes (optimiser, schedule,
+# clipping), so there is one description of a reversal run, not two.
 
 # %%
 #| export
@@ -801,28 +805,27 @@ class ReversalRecipe:
     embedding_init: str = "paper"  # or "default": nn.Embedding's N(0, 1)
     seed: int = 0
 
+    # The fewest warm-up steps allowed: the paper's schedule needs at least one.
+    min_warmup: ClassVar[int] = 1
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_len", "d_model", "num_heads", "d_ff", "num_layers",
-                     "batch_size", "steps", "warmup"):
+                     "batch_size", "steps"):
             check_int(name, getattr(self, name), 1)
-        check_int("seed", self.seed)
+        check_int("warmup", self.warmup, self.min_warmup)
+        check_int("seed", self.seed, 0)
         check_probability("dropout_p", self.dropout_p)
         check_probability("label_smoothing", self.label_smoothing)
         check_choice("embedding_init", self.embedding_init, ("paper", "default"))
 
     @property
     def model_config(self) -> TransformerConfig:
-        """The architecture this recipe trains, as notebook 10's configuration."""
-        return recipe_model_config(self)
-
-
-def recipe_model_config(recipe) -> TransformerConfig:
-    """A reversal recipe's architecture: its vocabulary on both sides, its sizes and its dropout
-    (notebook 15's Recipe hands its model over the same way)."""
-    return TransformerConfig(
-        recipe.vocab_size, recipe.vocab_size, d_model=recipe.d_model, num_heads=recipe.num_heads,
-        d_ff=recipe.d_ff, num_layers=recipe.num_layers, dropout_p=recipe.dropout_p,
-    )  # fmt: skip
+        """The architecture this recipe trains, as notebook 10's configuration: its vocabulary
+        on both sides, its sizes and its dropout."""
+        return TransformerConfig(
+            self.vocab_size, self.vocab_size, d_model=self.d_model, num_heads=self.num_heads,
+            d_ff=self.d_ff, num_layers=self.num_layers, dropout_p=self.dropout_p,
+        )  # fmt: skip
 
 
 REVERSAL_RECIPE = ReversalRecipe()  # the tutorial's recipe, as this notebook trains it
@@ -835,6 +838,20 @@ def reversal_recipe(**changes) -> ReversalRecipe:
     if unknown:
         raise ValueError(f"unknown recipe keys {unknown}; known: {known}")
     return dataclasses.replace(REVERSAL_RECIPE, **changes)
+
+
+def build_reversal_model(recipe: ReversalRecipe) -> Transformer:
+    """The recipe's Transformer on the CPU, its weights drawn after torch.manual_seed(seed); with
+    embedding_init="default", both embedding tables redrawn from N(0, 1) (generator seed + 2)."""
+    torch.manual_seed(recipe.seed)
+    model = Transformer(recipe.model_config)
+    if recipe.embedding_init == "default":
+        embedding_generator = torch.Generator().manual_seed(recipe.seed + 2)
+        with torch.no_grad():
+            for embedding in (model.src_embed, model.tgt_embed):
+                nn.init.normal_(embedding.weight, 0.0, 1.0, generator=embedding_generator)
+                embedding.weight[PAD].zero_()  # what nn.Embedding's own init does too
+    return model
 
 
 def train_reversal(
@@ -854,14 +871,7 @@ def train_reversal(
     """
     recipe = reversal_recipe(**changes)
     set_seed(recipe.seed)  # the weights and the dropout masks
-    model = Transformer(recipe.model_config)
-    if recipe.embedding_init == "default":
-        embedding_generator = torch.Generator().manual_seed(recipe.seed + 2)
-        with torch.no_grad():
-            for embedding in (model.src_embed, model.tgt_embed):
-                nn.init.normal_(embedding.weight, 0.0, 1.0, generator=embedding_generator)
-                embedding.weight[PAD].zero_()  # what nn.Embedding's own init does too
-    model = model.to(device)
+    model = build_reversal_model(recipe).to(device)
     history = train_model(
         model,
         recipe.steps,
@@ -2127,7 +2137,8 @@ assert cheat_loss < honest_loss / 5 and cheat_em <= 5
 #   process dies halfway, and a reader (another notebook running at the same time) may find a
 #   half-written one. Writing to a temporary file in the same folder and then `os.replace`-ing it
 #   onto the final name is atomic on POSIX file systems: a reader sees the old file or the new
-#   one, never a mixture, and a crash leaves at worst a stray temporary file.
+#   one, never a mixture, and a crash leaves at worst a stray temporary file. (`os.replace`
+#   works on Windows too, but Python guarantees its atomicity only on POSIX.)
 # - **Safe load.** `torch.load` unpickles, and unpickling can run arbitrary code.
 #   `weights_only=True` (the default since torch 2.6; the course passes it for older versions)
 #   restricts it to tensors and plain containers, numbers and strings, which is all a checkpoint
@@ -2185,8 +2196,9 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
 def atomic_save(obj, path: str | os.PathLike) -> Path:
     """torch.save(obj) to a temporary file beside `path`, flushed to disk, then renamed onto it.
 
-    A crash leaves the old file or the new one, never half of one: the rename replaces the name
-    in one step (os.replace, on POSIX and on Windows), and fsync puts the bytes on disk first."""
+    A crash leaves the old file or the new one, never half of one: on POSIX the rename
+    (os.replace) replaces the name in one step; Windows offers os.replace too, but Python does
+    not promise that it is atomic there. fsync puts the bytes on disk first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A temporary file in the same folder (same file system), then one atomic rename.

@@ -551,11 +551,21 @@ class AttentionCache:
         else:
             self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
 
+    @property
+    def capacity(self) -> int:
+        """Positions there is room for: a growing cache's buffer, else the positions kept."""
+        return self.length if self._buffers is None else self._buffers[0].size(2)
+
     def num_bytes(self) -> int:
         """Bytes of the keys and values kept (not counting a growing buffer's spare room)."""
         if self.keys is None:
             return 0
         return 2 * self.keys.numel() * self.keys.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Bytes the cache holds in memory: what it keeps plus a growing buffer's spare room."""
+        held = self._buffers or (() if self.keys is None else (self.keys, self.values))
+        return sum(tensor.numel() * tensor.element_size() for tensor in held)
 
 
 # %% [markdown]
@@ -597,7 +607,8 @@ grown = AttentionCache()
 for chunk in chunks:
     K_all, V_all = grown.update(chunk, 2 * chunk)
 assert torch.equal(K_all, torch.cat(chunks, dim=2)) and torch.equal(V_all, 2 * K_all)
-assert grown.length == 24 and grown._buffers[0].size(2) == 48
+assert grown.length == 24 and grown.capacity == 48
+assert grown.allocated_bytes() == 2 * grown.num_bytes()  # room for 48, 24 kept
 fixed = AttentionCache(grows=False)
 fixed.update(chunks[0], chunks[0])
 assert fixed.frozen and not grown.frozen

@@ -353,17 +353,20 @@ def test_attention_cache_grows_in_place_and_equals_concatenation():
     capacities = []
     for chunk in chunks:
         K, V = cache.update(chunk, -chunk)
-        capacities.append(cache._buffers[0].size(2))
+        capacities.append(cache.capacity)
     assert torch.equal(K, torch.cat(chunks, dim=2)) and torch.equal(V, -K)
     assert cache.length == 39 and cache.num_bytes() == 2 * 2 * 3 * 39 * 4 * 4
     assert capacities == [16, 16, 16, 74, 74]  # doubled (2 * 37) only when full
+    assert cache.allocated_bytes() == 2 * 2 * 3 * 74 * 4 * 4  # the spare room counts here
 
 
 def test_cross_attention_cache_is_filled_once():
     cache = AttentionCache(grows=False)
     K = torch.randn(2, 3, 5, 4)
-    assert not cache.frozen
+    assert not cache.frozen and cache.capacity == 0 and cache.allocated_bytes() == 0
     assert cache.update(K, K + 1)[0] is K and cache.frozen
+    assert cache.capacity == 5
+    assert cache.allocated_bytes() == cache.num_bytes() == 2 * 2 * 3 * 5 * 4 * 4
     with pytest.raises(RuntimeError, match="filled once"):
         cache.update(K, K)
 

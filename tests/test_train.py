@@ -26,12 +26,12 @@ from transformer_from_scratch.train import CheckpointError
 from transformer_from_scratch.train import ReversalRecipe
 from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import accumulate_gradients
+from transformer_from_scratch.train import build_reversal_model
 from transformer_from_scratch.train import exact_match
 from transformer_from_scratch.train import get_reversal_model
 from transformer_from_scratch.train import load_checkpoint
 from transformer_from_scratch.train import lr_lambda
 from transformer_from_scratch.train import num_tokens
-from transformer_from_scratch.train import recipe_model_config
 from transformer_from_scratch.train import reversal_correct
 from transformer_from_scratch.train import reversal_recipe
 from transformer_from_scratch.train import save_checkpoint
@@ -660,7 +660,7 @@ def test_trainer_rejects_bad_arguments():
 def test_a_recipe_hands_its_model_over_as_a_transformer_config():
     recipe = reversal_recipe(d_model=16, num_heads=2, d_ff=24, num_layers=3, dropout_p=0.2)
     config = recipe.model_config
-    assert isinstance(config, TransformerConfig) and config == recipe_model_config(recipe)
+    assert isinstance(config, TransformerConfig) and build_reversal_model(recipe).config == config
     assert (config.src_vocab_size, config.tgt_vocab_size) == (recipe.vocab_size,) * 2
     assert (config.d_model, config.num_heads, config.d_ff, config.num_layers, config.dropout_p) == (
         16,

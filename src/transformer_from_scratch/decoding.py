@@ -270,11 +270,21 @@ class AttentionCache:
                 self.values.index_select(0, index),
             )
 
+    @property
+    def capacity(self) -> int:
+        """Positions there is room for: a growing cache's buffer, else the positions kept."""
+        return self.length if self._buffers is None else self._buffers[0].size(2)
+
     def num_bytes(self) -> int:
         """Bytes of the keys and values kept (not counting a growing buffer's spare room)."""
         if self.keys is None:
             return 0
         return 2 * self.keys.numel() * self.keys.element_size()
+
+    def allocated_bytes(self) -> int:
+        """Bytes the cache holds in memory: what it keeps plus a growing buffer's spare room."""
+        held = self._buffers or (() if self.keys is None else (self.keys, self.values))
+        return sum(tensor.numel() * tensor.element_size() for tensor in held)
 
     def update(self, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
         """Keep K, V (B, h, T_new, d_k); return all keys and values kept (B, h, T_kept, d_k)."""

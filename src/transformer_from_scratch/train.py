@@ -15,6 +15,7 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -327,6 +328,9 @@ class ReversalRecipe:
     embedding_init: str = "paper"  # or "default": nn.Embedding's N(0, 1)
     seed: int = 0
 
+    # The fewest warm-up steps allowed: the paper's schedule needs at least one.
+    min_warmup: ClassVar[int] = 1
+
     def __post_init__(self) -> None:
         for name in (
             "vocab_size",
@@ -337,28 +341,22 @@ class ReversalRecipe:
             "num_layers",
             "batch_size",
             "steps",
-            "warmup",
         ):
             check_int(name, getattr(self, name), 1)
-        check_int("seed", self.seed)
+        check_int("warmup", self.warmup, self.min_warmup)
+        check_int("seed", self.seed, 0)
         check_probability("dropout_p", self.dropout_p)
         check_probability("label_smoothing", self.label_smoothing)
         check_choice("embedding_init", self.embedding_init, ("paper", "default"))
 
     @property
     def model_config(self) -> TransformerConfig:
-        """The architecture this recipe trains, as notebook 10's configuration."""
-        return recipe_model_config(self)
-
-
-# Taught in notebook 11 · Training
-def recipe_model_config(recipe) -> TransformerConfig:
-    """A reversal recipe's architecture: its vocabulary on both sides, its sizes and its dropout
-    (notebook 15's Recipe hands its model over the same way)."""
-    return TransformerConfig(
-        recipe.vocab_size, recipe.vocab_size, d_model=recipe.d_model, num_heads=recipe.num_heads,
-        d_ff=recipe.d_ff, num_layers=recipe.num_layers, dropout_p=recipe.dropout_p,
-    )  # fmt: skip
+        """The architecture this recipe trains, as notebook 10's configuration: its vocabulary
+        on both sides, its sizes and its dropout."""
+        return TransformerConfig(
+            self.vocab_size, self.vocab_size, d_model=self.d_model, num_heads=self.num_heads,
+            d_ff=self.d_ff, num_layers=self.num_layers, dropout_p=self.dropout_p,
+        )  # fmt: skip
 
 
 # Taught in notebook 11 · Training
@@ -373,6 +371,21 @@ def reversal_recipe(**changes) -> ReversalRecipe:
     if unknown:
         raise ValueError(f"unknown recipe keys {unknown}; known: {known}")
     return dataclasses.replace(REVERSAL_RECIPE, **changes)
+
+
+# Taught in notebook 11 · Training
+def build_reversal_model(recipe: ReversalRecipe) -> Transformer:
+    """The recipe's Transformer on the CPU, its weights drawn after torch.manual_seed(seed); with
+    embedding_init="default", both embedding tables redrawn from N(0, 1) (generator seed + 2)."""
+    torch.manual_seed(recipe.seed)
+    model = Transformer(recipe.model_config)
+    if recipe.embedding_init == "default":
+        embedding_generator = torch.Generator().manual_seed(recipe.seed + 2)
+        with torch.no_grad():
+            for embedding in (model.src_embed, model.tgt_embed):
+                nn.init.normal_(embedding.weight, 0.0, 1.0, generator=embedding_generator)
+                embedding.weight[PAD].zero_()  # what nn.Embedding's own init does too
+    return model
 
 
 # Taught in notebook 11 · Training
@@ -393,14 +406,7 @@ def train_reversal(
     """
     recipe = reversal_recipe(**changes)
     set_seed(recipe.seed)  # the weights and the dropout masks
-    model = Transformer(recipe.model_config)
-    if recipe.embedding_init == "default":
-        embedding_generator = torch.Generator().manual_seed(recipe.seed + 2)
-        with torch.no_grad():
-            for embedding in (model.src_embed, model.tgt_embed):
-                nn.init.normal_(embedding.weight, 0.0, 1.0, generator=embedding_generator)
-                embedding.weight[PAD].zero_()  # what nn.Embedding's own init does too
-    model = model.to(device)
+    model = build_reversal_model(recipe).to(device)
     history = train_model(
         model,
         recipe.steps,
@@ -501,8 +507,9 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
 def atomic_save(obj, path: str | os.PathLike) -> Path:
     """torch.save(obj) to a temporary file beside `path`, flushed to disk, then renamed onto it.
 
-    A crash leaves the old file or the new one, never half of one: the rename replaces the name
-    in one step (os.replace, on POSIX and on Windows), and fsync puts the bytes on disk first."""
+    A crash leaves the old file or the new one, never half of one: on POSIX the rename
+    (os.replace) replaces the name in one step; Windows offers os.replace too, but Python does
+    not promise that it is atomic there. fsync puts the bytes on disk first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A temporary file in the same folder (same file system), then one atomic rename.
@@ -601,9 +608,9 @@ __all__ = [
     "Trainer",
     "train_model",
     "ReversalRecipe",
-    "recipe_model_config",
     "REVERSAL_RECIPE",
     "reversal_recipe",
+    "build_reversal_model",
     "train_reversal",
     "EVAL_SEED",
     "reversal_correct",
