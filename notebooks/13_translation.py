@@ -25,6 +25,7 @@ if "google.colab" in sys.modules:
         )
 
 # %%
+import hashlib
 import inspect
 import math
 import tempfile
@@ -187,8 +188,11 @@ def load_corpus(
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(corpus, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)  # atomic: a reader finds no file or the whole file, never half
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(corpus, ensure_ascii=False))
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    os.replace(tmp, path)  # an atomic rename on POSIX: no file or the whole file, never half
     return corpus
 
 
@@ -323,6 +327,37 @@ def learn_merges(word_counts: dict[str, int], num_merges: int) -> list[tuple[str
 
 
 # %% [markdown]
+# Before the real corpus, a toy one: seven German number words, each once. The cell prints
+# the first eight merges with the count of their pair at the moment it was merged, counted
+# afresh over the words as they stand (not with `learn_merges`' running counts), and checks
+# that each merged pair was the most frequent one then.
+
+# %%
+toy = ["zweiundzwanzig", "dreiundzwanzig", "vierundzwanzig", "zweiunddreißig",
+       "vierunddreißig", "zweihundert", "dreihundert"]  # fmt: skip
+toy_counts = Counter(word for text in toy for word in split_words(text))
+toy_merges = learn_merges(toy_counts, num_merges=8)
+toy_words = {tuple(word): count for word, count in toy_counts.items()}  # word as its symbols
+for rank, pair in enumerate(toy_merges, 1):
+    pair_counts = Counter()
+    for symbols, count in toy_words.items():
+        for adjacent in zip(symbols, symbols[1:], strict=False):
+            pair_counts[adjacent] += count
+    print(f"merge {rank}: {pair[0]!r} + {pair[1]!r} -> {pair[0] + pair[1]!r}, "
+          f"seen {pair_counts[pair]} times")  # fmt: skip
+    assert pair_counts[pair] == max(pair_counts.values())  # the most frequent pair, recounted
+    toy_words = {tuple(merge_pair(list(s), pair)): c for s, c in toy_words.items()}
+toy_pieces = {"".join(symbols)[1:]: list(symbols) for symbols in toy_words}
+print(toy_pieces["zweihundert"], toy_pieces["vierundzwanzig"])
+assert "und" in toy_pieces["zweihundert"]  # "und" inside "hundert": frequency, not grammar
+
+
+# %% [markdown]
+# The first merges are the pairs every word shares ("e" + "i" of "zwei" and "drei", then "und"),
+# and ties go to the alphabetically first pair. The pieces follow frequency, not grammar:
+# "zweihundert" is cut "zw" + "ei" + "h" + "und" + "er" + "t", the "und" of "hundert" taken for
+# the "und" of "zweiundzwanzig". On a real corpus the counts are larger and the pieces longer.
+#
 # The tokenizer holds the alphabet and the merges. Its ids start with the library's reserved
 # ones, `PAD, BOS, EOS = 0, 1, 2`, and `UNK = 3` for a character it never saw, all four from
 # notebook 09's `tokens`. Encoding a word applies the learnt merges *in the order they were learnt*,
@@ -417,7 +452,8 @@ class BPETokenizer:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the tokenizer as JSON (atomically: a crash never leaves half a file)."""
+        """Write the tokenizer as JSON: a temporary file, flushed to disk, then renamed onto
+        path (an atomic rename on POSIX), so a crash leaves the old file or the new one."""
         path = Path(path)
         state = {
             "format": "transformer_from_scratch.bpe/1",
@@ -427,7 +463,10 @@ class BPETokenizer:
             "fingerprint": self.fingerprint(),
         }
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(state, ensure_ascii=False, indent=0), encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(state, ensure_ascii=False, indent=0))
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
         return path
 
@@ -464,23 +503,30 @@ class BPETokenizer:
 # the frequent pieces and keep training to a few seconds, but not any 5,000: a tokenizer can only
 # write characters it has seen, and "zero" is the only English number word with a "z". A random
 # sample without it gives a tokenizer that cannot encode the sentence "zero" (a run under another
-# seed found exactly that). So the sample is the 1,000 building blocks, every number below 1,000,
-# all of them in the training split and together holding every character either language uses,
-# and 4,000 more training sentences. The vocabulary sizes
-# are chosen so that the pieces are the building blocks of numbers, though BPE's pieces follow
-# frequency, not grammar. In English most number words are whole tokens ("▁hundred",
-# "▁thousand", "▁fifty-seven"), but about two in five of the hyphenated tens-and-units are not
-# (counted below): BPE cut "forty-two" into "▁forty-t" + "wo" and "twenty-five" into "▁twen" +
-# "ty-five". In German the pieces are the units with "und" ("zweiund"), the hundreds
-# ("dreihundert") and bare digit stems: seven of the eight tens are *not* tokens of their own but
-# a stem and a suffix, "vier" + "zig", or "vier" + "zigtausend" when "tausend" follows; the
-# irregular one, "dreißig", is a whole token. And every German sentence starts
-# with a lone "▁" token: a German number is one word, so each sentence holds a single pair
-# "▁" + first letter, while the pairs inside the word repeat many times in every sentence;
-# no "▁" + letter pair becomes frequent enough to be merged within 90 tokens (in English, where
-# every sentence has many words, "▁" + "and" and "▁" + "hundred" are). The example below is
-# 342,057 rather than the introduction's 342,007, so that a hyphenated tens-and-units word
-# ("fifty-seven") is among its pieces.
+# seed found exactly that). So the sample is the 1,000 building blocks, every number below
+# 1,000 (all in the training split, and together holding every character either language
+# uses), and 4,000 more training sentences.
+#
+# The vocabulary sizes are chosen so that the pieces are the building blocks of numbers, though
+# BPE's pieces follow frequency, not grammar. In English most number words are whole tokens
+# ("▁hundred", "▁thousand", "▁fifty-seven"), but about two in five of the hyphenated
+# tens-and-units are not (counted below): BPE cut "forty-two" into "▁forty-t" + "wo" and
+# "twenty-five" into "▁twen" + "ty-five".
+#
+# In German the pieces are the units with "und" ("zweiund"), the hundreds ("dreihundert") and
+# bare digit stems: seven of the eight tens are *not* tokens of their own but a stem and a
+# suffix, "vier" + "zig", or "vier" + "zigtausend" when "tausend" follows; the irregular one,
+# "dreißig", is a whole token.
+#
+# A German number is one word, so a sentence holds a single pair of "▁" and its first piece,
+# while the pairs inside the word repeat many times. Such a pair is merged only when one first
+# piece starts many sentences: in these tokenizers "▁" + "neunhundert" (a ninth of the numbers
+# from 100,000 up start with it), and no other. So about nine in ten German sentences start with
+# a lone "▁" token, the others with "▁neunhundert" (both counted below). In English, where every
+# sentence has many words, pieces with the marker are frequent: "▁and", "▁hundred".
+#
+# The example below is 342,057 rather than the introduction's 342,007, so that a hyphenated
+# tens-and-units word ("fifty-seven") is among its pieces.
 
 # %%
 blocks = [row for row in corpus["train"] if row[0] < 1000]  # (number, English, German)
@@ -504,9 +550,11 @@ print(tgt_tokenizer.encode(example_de))
 # The counts behind the paragraph above: the hyphenated English words that are not one token, and
 # how each German tens word is cut. BPE's pieces are findings of these tokenizers, learnt from
 # this split of the numbers: another seed draws other training sentences, and learns other
-# pieces (under one of the seeds `make robust` tries, "dreißig" is cut too). So the paragraph's
-# exact claims are asserted only for the tokenizers of the stored run, recognised by their
-# fingerprints; the share of split words stays within the bound for every seed tried.
+# pieces (under one of the seeds `make robust` tries, "dreißig" is cut too; another merges
+# "▁" with "fünfhundert" and "vierhundert" instead of "neunhundert", and then 79 % of the
+# sentences start with a lone "▁"). So the paragraph's exact claims are asserted only for the
+# tokenizers of the stored run, recognised by their fingerprints; the share of split words and
+# the share of lone "▁" starts stay within bounds for every seed tried.
 
 # %%
 hyphenated = [number_to_words(n, "en") for n in range(21, 100) if n % 10]  # twenty-one ...
@@ -520,15 +568,39 @@ if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZE
     assert len(split_up) == 30 and tens_de["dreißig"] == ["dreißig"]  # the paragraph, exactly
     assert all(pieces[-1] == "zig" and len(pieces) == 2 for word, pieces in tens_de.items() if word != "dreißig")
 
+# %%
+all_de = [de for rows in corpus.values() for _, _, de in rows]  # every German sentence
+first_pieces = Counter(tgt_tokenizer.tokens(de)[0] for de in all_de)
+marked = sorted(t for t in tgt_tokenizer.id_to_token if t.startswith(SPACE) and t != SPACE)
+lone_share = first_pieces[SPACE] / len(all_de)
+print(f"German sentences that start with a lone '▁': {lone_share:.1%}; "
+      f"German tokens that start with '▁': {marked}")  # fmt: skip
+assert lone_share > 0.7  # most sentences, for every seed tried (79 % to 100 %)
+assert set(first_pieces) <= {SPACE, *marked}  # the others start with a merged "▁" piece
+if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZERS:
+    assert marked == ["▁neunhundert"]  # the paragraph, exactly
+    assert first_pieces["▁neunhundert"] == sum(de.startswith("neunhundert") for de in all_de)
+
 # %% [markdown]
-# The check that matters for a tokenizer: **decode(encode(s)) == s**, on every sentence of every
-# split, including the ones it was not trained on.
+# The property a tokenizer needs: **decode(encode(s)) == s**. For a text whose characters are
+# all in the alphabet it holds by construction: a merge only joins two symbols, so the pieces
+# always concatenate back to the word, and the `▁` marks put back the spaces. What can break it
+# is a character the tokenizer never saw: it becomes `UNK`, which decodes to "\ufffd". So the
+# check that can fail is on the characters, and the round trip is run on every sentence of
+# every split, including the ones the tokenizers were not trained on, and on a sentence with a
+# character outside the alphabet, where it must fail.
 
 # %%
 for rows in corpus.values():
     for _, en, de in rows:
+        assert set(en) <= set(src_tokenizer.alphabet) | {" "}, en  # no character unseen
+        assert set(de) <= set(tgt_tokenizer.alphabet) | {" "}, de
         assert src_tokenizer.decode(src_tokenizer.encode(en)) == en, en
         assert tgt_tokenizer.decode(tgt_tokenizer.encode(de)) == de, de
+unseen = "zweiundzwanzig €"  # "€" is not in the German alphabet
+print(tgt_tokenizer.tokens(unseen), "->", repr(tgt_tokenizer.decode(tgt_tokenizer.encode(unseen))))
+assert UNK in tgt_tokenizer.encode(unseen)
+assert tgt_tokenizer.decode(tgt_tokenizer.encode(unseen)) != unseen  # the round trip fails here
 assert tgt_tokenizer.encode(example_de)[0] == BOS and tgt_tokenizer.encode(example_de)[-1] == EOS
 assert tgt_tokenizer.id_to_token[:4] == ["<pad>", "<bos>", "<eos>", "<unk>"] and UNK == 3
 
@@ -537,7 +609,8 @@ assert tgt_tokenizer.id_to_token[:4] == ["<pad>", "<bos>", "<eos>", "<unk>"] and
 # Bad input gets a clear error, not a crash deep inside the model: an empty sentence, a
 # character the tokenizer never saw (with `unknown="error"`; by default it becomes `UNK`), and
 # a saved tokenizer that belongs to another vocabulary. The fingerprint, a hash of the
-# vocabulary, is what a checkpoint stores to recognise its own tokenizer.
+# vocabulary, is also what the training checkpoints below store (`train_translation(...,
+# fingerprints=...)`), so that a run resumed with other tokenizers is refused.
 
 # %%
 def error_of(fn, *args, **kwargs) -> str:
@@ -586,7 +659,6 @@ hf_tokenizer = train_library_bpe(train_de[:5000], vocab_size=90)
 print(hf_tokenizer.get_vocab_size(), hf_tokenizer.encode(example_de).tokens)
 
 # %%
-all_de = [de for rows in corpus.values() for _, _, de in rows]
 ours_lengths = [len(tgt_tokenizer.encode(s, add_special=False)) for s in all_de]
 hf_lengths = [len(e.ids) for e in hf_tokenizer.encode_batch(all_de)]
 assert [hf_tokenizer.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>", "<unk>")] == [0, 1, 2, 3]
@@ -809,7 +881,10 @@ batch = collate_translations([datasets["train"][i] for i in range(3)])
 for name, t in zip(("src", "tgt_in", "tgt_out", "src_lengths"), batch, strict=False):
     print(f"{name:12s} {tuple(t.shape)}")
 src, tgt_in, tgt_out, src_lengths = batch
-assert src.size(1) == int(src_lengths.max())  # padded to the longest in the batch, no further
+beyond = torch.arange(src.size(1)) >= src_lengths[:, None]  # (B, T_src): past each length
+assert beyond.any() and not beyond.all(dim=0).any()  # some padding; no column of padding only
+assert torch.equal(src == PAD, beyond)  # PAD exactly where the position is past the length
+assert torch.equal(padding_mask(src_lengths, src.size(1))[:, 0, 0], ~beyond)  # the mask agrees
 assert (tgt_in[:, 0] == BOS).all()
 for row, (_, tgt_row) in enumerate(datasets["train"][i] for i in range(3)):
     n = len(tgt_row)  # BOS ... EOS
@@ -817,7 +892,6 @@ for row, (_, tgt_row) in enumerate(datasets["train"][i] for i in range(3)):
         tgt_out[row, : n - 1], tgt_row[1:]
     )
     assert (tgt_out[row, n - 1 :] == PAD).all()  # after EOS, only padding
-assert torch.equal(padding_mask(src_lengths, src.size(1))[:, 0, 0], src != PAD)  # mask = not PAD
 
 # %% [markdown]
 # How much padding does bucketing save? The same token budget, with and without sorting the
@@ -845,6 +919,12 @@ for name, batches_, waste_ in (
 assert waste_bucketed <= waste_random / 2  # at most half the waste
 assert sorted(i for b in bucketed for i in b) == list(range(len(lengths)))  # each pair once
 assert all(len(b) * max(lengths[i] for i in b) <= MAX_TOKENS for b in bucketed)  # the budget
+pairs_random = np.mean([len(b) for b in random_batches])
+pairs_bucketed = np.mean([len(b) for b in bucketed])
+# The prose below, with bounds that hold for every seed tried (18-21 %, 7 %, 145-152, 178):
+assert 0.15 < waste_random < 0.25  # "a fifth" of the positions of random batches are padding
+assert waste_bucketed < 0.1  # bucketed batches: "more than nine tenths real tokens"
+assert 130 < pairs_random < 165 and 165 < pairs_bucketed < 195  # "some 145", "about 180"
 
 # %% jupyter={"source_hidden": true}
 fig, (ax_len, ax_waste) = plt.subplots(1, 2, figsize=(10, 3.4))
@@ -854,14 +934,14 @@ ax_len.set(
     ylabel="pairs",
     title="Lengths in the training set",
 )
-for batches, name, color in (
-    (random_batches, "random", COLORS["torch"]),
-    (bucketed, "bucketed", COLORS["ours"]),
-):
-    waste = [padding_fraction([b], src_lengths_train, tgt_lengths_train) for b in batches]
-    ax_waste.hist(
-        np.array(waste) * 100, bins=np.linspace(0, 36, 37), alpha=0.7, color=color, label=name
-    )
+waste_per_batch = [
+    100 * np.array([padding_fraction([b], src_lengths_train, tgt_lengths_train) for b in batches])
+    for batches in (random_batches, bucketed)
+]
+ax_waste.hist(  # two lists: their bars side by side in each bin, neither hides the other
+    waste_per_batch, bins=np.linspace(0, 36, 19), color=[COLORS["torch"], COLORS["ours"]],
+    label=["random", "bucketed"],
+)  # fmt: skip
 ax_waste.set(
     xlabel="padding in a batch, src and tgt (%)",
     ylabel="batches",
@@ -873,8 +953,9 @@ save_figure(fig, "13_padding_waste")
 plt.show()
 
 # %% [markdown]
-# Random batches pad each sentence to the longest of some 145 random ones, and a fifth of their
-# positions are padding; bucketed batches are more than nine tenths real tokens. (The budget
+# Random batches pad each sentence to the longest of some 145 random ones, and about a fifth of
+# their positions are padding; bucketed batches are more than nine tenths real tokens (both
+# bounded by the asserts above). (The budget
 # counts a pair by its longer side, so bucketed batches, with fewer wasted positions, also fit
 # more pairs: about 180.) The loader is then ordinary PyTorch: the sampler decides which
 # indices go together, the collate function pads them.
@@ -995,8 +1076,8 @@ for name, p in probe.named_parameters():
 # ### Warmup, then cosine decay
 #
 # Adam's moment estimates are poor in the first steps, and a full learning rate then can throw
-# the weights far off; a linear **warmup** ramps the rate up. The source tutorial's schedule
-# then decays like $1/\sqrt{t}$: $\eta_t = \eta_\max \min\bigl(t/t_w, \sqrt{t_w/t}\bigr)$, which
+# the weights far off; a linear **warmup** ramps the rate up. The paper's schedule, which the
+# main source tutorial, "Deep Learning: Transformers", uses (notebook 11), then decays like $1/\sqrt{t}$: $\eta_t = \eta_\max \min\bigl(t/t_w, \sqrt{t_w/t}\bigr)$, which
 # never reaches zero and needs no idea of how long training lasts. When the number of steps is
 # known, most recipes today decay along a half cosine to a small floor instead:
 #
@@ -1147,8 +1228,8 @@ assert naive_error > 1e-4  # the mean of means is a different gradient, 100x the
 #
 # float16 needs a **gradient scaler**: multiply the loss by a large factor so that small
 # gradients stay representable, divide the gradients back before the step, and skip a step
-# whose gradients overflowed. (The source tutorial imports these from `torch.cuda.amp`, which
-# is deprecated; `torch.amp` is the current API, with the device type as first argument.) On
+# whose gradients overflowed. (The second source tutorial, "Building a Transformer from Scratch
+# in PyTorch", imports these from `torch.cuda.amp`, which is deprecated; `torch.amp` is the current API, with the device type as first argument.) On
 # the CPU autocast takes bfloat16 and, in recent PyTorch, float16 as well; few CPUs have
 # float16 arithmetic (and some have bfloat16), so this notebook measures bfloat16 on the CPU,
 # and `train_translation` below refuses float16 there. On a CUDA GPU the cell below also
@@ -1217,21 +1298,27 @@ for name in amp_dtypes[1:]:
 
 # %% [markdown]
 # The 16-bit step's gradient points the same way as float32's (cosine above 0.99) without being
-# identical: the products really ran in 16 bits. The real test of the accuracy comes after
-# training, on the trained model. The speed depends on the processor: CPUs with bfloat16
-# instructions (recent Intel Xeons with AMX or AVX-512 BF16, AMD Zen 4) run the products
-# faster, older ones lose time to the casts (or, without bfloat16 instructions, to
-# converting every number); the cell above prints what yours does. On a recent GPU the products
-# run on tensor cores, which pays off for large matrices; at this notebook's size (width 64,
-# batches of a few thousand tokens) a GPU step is bound by kernel launches, not arithmetic, so
-# expect little gain from autocast there either. The training below stays
-# in float32 on the CPU: many CPUs have no bfloat16 instructions, and a float32 run is the
-# reference the 16-bit results are compared with. (float32 does
-# not make the numbers the same on every machine: the order in which a matrix product adds
-# its terms differs between BLAS libraries and thread counts, and so do the last bits. That
-# is why the trained model's scores below are printed and bounded, not asserted exactly.) On
-# a GPU the training uses bfloat16 autocast where the hardware has it (compute capability 8.0
-# and up), float16 with the gradient scaler otherwise.
+# identical: the products really ran in 16 bits. This model is untrained, which is enough to show
+# that autocast works, but not that it is accurate where it matters: an untrained model's
+# outputs are nearly uniform whatever the arithmetic. The same comparison, and the loss and
+# accuracy, are repeated on the trained model after training.
+#
+# The speed depends on the processor. CPUs with bfloat16 instructions (recent Intel Xeons with
+# AMX or AVX-512 BF16, AMD Zen 4) run the products faster; older ones lose time to the casts
+# (or, without bfloat16 instructions, to converting every number). The cell above prints what
+# yours does. On a recent GPU the products run on tensor cores, which pays off for large
+# matrices; at this notebook's size (width 64, batches of a few thousand tokens) a GPU step is
+# bound by kernel launches, not arithmetic, so expect little gain from autocast there either.
+#
+# The training below stays in float32 on the CPU: many CPUs have no bfloat16 instructions, and
+# a float32 run is the reference the 16-bit results are compared with. On a GPU it uses
+# bfloat16 autocast where the hardware has it (compute capability 8.0 and up), float16 with
+# the gradient scaler otherwise.
+#
+# float32 does not make the numbers the same on every machine: the order in which a matrix
+# product adds its terms differs between BLAS libraries and thread counts, and so do the last
+# bits. That is why the trained model's scores below are printed and bounded, not asserted
+# exactly.
 
 # %% [markdown]
 # ### Gradient checkpointing
@@ -1405,8 +1492,8 @@ def load_training_state(path: str | os.PathLike, map_location=None) -> dict:
 
 # %% [markdown]
 # The loop also records the gradient's norm per block at every step: a "gradient-flow" plot
-# (the second source tutorial recommends one), which shows whether any part's gradient vanishes
-# or explodes. It does not show how fast a part learns: the norms are over groups of very
+# (the second source tutorial, "Building a Transformer from Scratch in PyTorch", recommends
+# one), which shows whether any part's gradient vanishes or explodes. It does not show how fast a part learns: the norms are over groups of very
 # different sizes (an embedding table against a block), and the step Adam takes is about the
 # learning rate per weight whatever the gradient's size (notebook 09). The update relative to
 # the weights, $\lVert \Delta W \rVert / \lVert W \rVert$ per step, would say that.
@@ -1504,7 +1591,7 @@ def evaluate_loss(
 # loader (`micro_batch_groups`, the last group of an epoch shorter when $k$ does not divide the
 # number of batches). Around it, `train_translation` keeps what is per epoch: the validation
 # pass, early stopping, the checkpoints, and at the end the weights of the best epoch (from
-# `best.pt`, or from memory when there is no folder).
+# `best.pt`, or from memory when there is no folder). It is built below in four stages.
 
 # %%
 #| export practice
@@ -1522,33 +1609,19 @@ def micro_batch_groups(loader: Iterable, k: int) -> Iterator[list]:
         yield group
 
 
-def train_translation(
-    model: nn.Module,
-    train_loader,
-    valid_loader,
-    config: TrainConfig,
-    checkpoint_dir: str | os.PathLike | None = None,
-    resume: bool = False,
-    stop_after_epoch: int | None = None,
-    progress: bool = True,
-) -> dict:
-    """Train with everything in this notebook; return the history (losses, rates, grad norms).
+# %% [markdown]
+# **Stage 1, the configuration becomes a trainer.** AdamW with the groups above, the warmup and
+# cosine schedule over the whole run, the scaler (active only for float16), and notebook 11's
+# `Trainer` with the autocast context and the gradient-norm callback. The schedule's length is
+# counted on epoch 0's batches, so that a resumed run gets the same schedule as an
+# uninterrupted one.
 
-    Each epoch ends with a validation pass, early stopping and, with checkpoint_dir, two
-    checkpoints: last.pt (everything needed to resume exactly) and best.pt (the best weights,
-    loaded back into the model at the end). stop_after_epoch simulates an interruption.
-    """
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs the checkpoint_dir to resume from")
+# %%
+#| export practice
+def _make_trainer(model: nn.Module, train_loader, config: TrainConfig) -> tuple[Trainer, int]:
+    """Notebook 11's Trainer with this notebook's optimizer, schedule, scaler and callback; and
+    the number of updates per epoch."""
     device = next(model.parameters()).device
-    if config.amp_dtype == "float16" and device.type == "cpu":
-        raise ValueError(
-            "float16 autocast is for GPUs here (few CPUs compute in float16, and its loss "
-            "scaling buys nothing there); on the CPU use amp_dtype='bfloat16'"
-        )
-    set_gradient_checkpointing(model, config.gradient_checkpointing)
     optimizer = torch.optim.AdamW(
         param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
     )
@@ -1563,7 +1636,6 @@ def train_translation(
     )
     # Loss scaling keeps small float16 gradients from underflowing; bf16 and fp32 need none.
     scaler = torch.amp.GradScaler(device.type, enabled=config.amp_dtype == "float16")
-    stopper = EarlyStopping(config.patience)
     # Notebook 11's loop, extended: autocast around each forward pass, the scaler around each
     # backward, and the per-layer gradient norms measured where the gradients are complete.
     trainer = Trainer(
@@ -1575,29 +1647,144 @@ def train_translation(
         "after_backward", lambda t: t.history["grad_norms"].append(layer_grad_norms(t.model))
     )
     trainer.history.update(grad_norms=[], train_loss=[], val_loss=[], val_acc=[])
+    return trainer, steps_per_epoch
+
+
+# %% [markdown]
+# **Stage 2, the end of an epoch.** The mean training loss of its updates, a validation pass
+# (loss per token and token accuracy) into the history, and early stopping's verdict on it.
+
+# %%
+#| export practice
+def _end_epoch(
+    trainer: Trainer, valid_loader, config: TrainConfig, stopper: EarlyStopping, epoch: int,
+    first_update: int,
+) -> bool:  # fmt: skip
+    """Validate, record the epoch in the history; True if its validation loss is the best yet."""
+    history = trainer.history
+    epoch_losses = history["loss"][first_update:]
+    val_loss, val_acc = evaluate_loss(
+        trainer.model, valid_loader, config.amp_dtype, config.label_smoothing
+    )
+    # The mean of the epoch's update losses (each its own token mean), a curve to watch.
+    history["train_loss"].append(sum(epoch_losses) / len(epoch_losses))
+    history["val_loss"].append(val_loss)
+    history["val_acc"].append(val_acc)
+    return stopper.step(epoch, val_loss)
+
+
+# %% [markdown]
+# **Stage 3, the checkpoints.** `last.pt` holds everything a resumed run needs; `best.pt` the
+# weights of the best epoch so far. Both also hold the fingerprints of the tokenizers that made
+# the ids (when the caller gives them): a resumed run with other tokenizers is refused, like one
+# with another configuration (only `epochs` may grow), since the same ids would mean other
+# pieces.
+
+# %%
+#| export practice
+def _training_state(
+    trainer: Trainer, stopper: EarlyStopping, epoch: int, config: TrainConfig,
+    fingerprints: dict | None,
+) -> dict:  # fmt: skip
+    """Everything last.pt holds: what it takes to go on as if training had never stopped."""
+    return {
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": trainer.scaler.state_dict(),
+        "early_stopping": stopper.state_dict(),
+        "history": trainer.history,
+        "rng": rng_state(),
+        "epoch": epoch,
+        "config": asdict(config),
+        "fingerprints": fingerprints,
+    }
+
+
+def _resume(
+    trainer: Trainer, stopper: EarlyStopping, state: dict, config: TrainConfig,
+    fingerprints: dict | None,
+) -> int:  # fmt: skip
+    """Load last.pt's state into the run; refuse another configuration or other tokenizers.
+    Return the epoch to continue with."""
+    changed = {k: (v, getattr(config, k)) for k, v in state["config"].items()
+               if k != "epochs" and getattr(config, k) != v}  # fmt: skip
+    if changed:
+        raise ValueError(
+            f"the checkpoint was trained with another configuration: {changed} "
+            "(stored, given); resuming would mix two runs"
+        )
+    if state.get("fingerprints") != fingerprints:
+        raise ValueError(
+            f"the checkpoint was trained with other tokenizers: fingerprints "
+            f"{state.get('fingerprints')} stored, {fingerprints} given; their ids would mean "
+            "other pieces to the model"
+        )
+    trainer.model.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.scaler.load_state_dict(state["scaler"])
+    stopper.load_state_dict(state["early_stopping"])
+    trainer.history = state["history"]
+    trainer.step = len(trainer.history["loss"])
+    set_rng_state(state["rng"])
+    return state["epoch"] + 1
+
+
+# %% [markdown]
+# **Stage 4, the run.** The arguments checked, a fresh start or a resume, then the epochs: one
+# `fit` of the trainer over the epoch's groups of micro-batches, the end of the epoch, the
+# checkpoints, and a stop when early stopping says so (or at `stop_after_epoch`, which simulates
+# an interruption). A finished run ends with the weights of its best epoch.
+
+# %%
+#| export practice
+def train_translation(
+    model: nn.Module,
+    train_loader,
+    valid_loader,
+    config: TrainConfig,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    stop_after_epoch: int | None = None,
+    progress: bool = True,
+    fingerprints: dict[str, str] | None = None,
+) -> dict:
+    """Train with everything in this notebook; return the history (losses, rates, grad norms).
+
+    Each epoch ends with a validation pass, early stopping and, with checkpoint_dir, two
+    checkpoints: last.pt (everything needed to resume exactly) and best.pt (the best weights,
+    loaded back into the model at the end). stop_after_epoch simulates an interruption.
+    fingerprints (e.g. {"src": ..., "tgt": ...}, the tokenizers' fingerprints) are stored in
+    both; resuming with other ones is refused.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if fingerprints is not None and not (
+        isinstance(fingerprints, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprints.items())
+    ):
+        raise TypeError(f"fingerprints must be a dict of str to str, got {fingerprints!r}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs the checkpoint_dir to resume from")
+    device = next(model.parameters()).device
+    if config.amp_dtype == "float16" and device.type == "cpu":
+        raise ValueError(
+            "float16 autocast is for GPUs here (few CPUs compute in float16, and its loss "
+            "scaling buys nothing there); on the CPU use amp_dtype='bfloat16'"
+        )
+    set_gradient_checkpointing(model, config.gradient_checkpointing)
+    trainer, steps_per_epoch = _make_trainer(model, train_loader, config)
+    stopper = EarlyStopping(config.patience)
     start_epoch, best_state = 0, None
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if resume:
         state = load_training_state(directory / "last.pt", map_location=device)
-        changed = {k: (v, getattr(config, k)) for k, v in state["config"].items()
-                   if k != "epochs" and getattr(config, k) != v}  # fmt: skip
-        if changed:
-            raise ValueError(
-                f"the checkpoint was trained with another configuration: {changed} "
-                "(stored, given); resuming would mix two runs"
-            )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        stopper.load_state_dict(state["early_stopping"])
-        trainer.history = state["history"]
-        trainer.step = len(trainer.history["loss"])
-        set_rng_state(state["rng"])
-        start_epoch = state["epoch"] + 1
+        start_epoch = _resume(trainer, stopper, state, config, fingerprints)
     else:
         torch.manual_seed(config.seed)  # dropout draws the same masks on every run
     history = trainer.history
+    sampler = getattr(train_loader, "batch_sampler", None)
 
     # One bar for the whole run (its total counts epoch 0's steps per epoch, an estimate), gone
     # when training ends. One redraw every 2 s at most: a bar that redraws every step floods
@@ -1615,36 +1802,15 @@ def train_translation(
         first = len(history["loss"])
         bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
         trainer.fit(micro_batch_groups(train_loader, config.accumulation_steps), progress=bar)
-        epoch_losses = history["loss"][first:]
-        val_loss, val_acc = evaluate_loss(
-            model, valid_loader, config.amp_dtype, config.label_smoothing
-        )
-        # The mean of the epoch's update losses (each its own token mean), a curve to watch.
-        history["train_loss"].append(sum(epoch_losses) / len(epoch_losses))
-        history["val_loss"].append(val_loss)
-        history["val_acc"].append(val_acc)
-        improved = stopper.step(epoch, val_loss)
+        improved = _end_epoch(trainer, valid_loader, config, stopper, epoch, first)
         if improved and directory is None:  # no folder: the best weights are kept in memory
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if directory is not None:
+            state = _training_state(trainer, stopper, epoch, config, fingerprints)
             if improved:
-                save_training_state(
-                    directory / "best.pt", {"model": model.state_dict(), "epoch": epoch}
-                )
-            save_training_state(
-                directory / "last.pt",
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict(),
-                    "early_stopping": stopper.state_dict(),
-                    "history": history,
-                    "rng": rng_state(),
-                    "epoch": epoch,
-                    "config": asdict(config),
-                },
-            )
+                best = {"model": state["model"], "epoch": epoch, "fingerprints": fingerprints}
+                save_training_state(directory / "best.pt", best)
+            save_training_state(directory / "last.pt", state)
         if stopper.should_stop or (stop_after_epoch is not None and epoch + 1 >= stop_after_epoch):
             break
     bar.close()
@@ -1682,7 +1848,8 @@ print(f"{len(train_loader)} batches an epoch -> {len(groups)} updates of 4 micro
 # And the negative controls, to show the check can fail: the same resume from a copy of the
 # checkpoint that lacks one piece of the state, once with another random generator state
 # (other dropout masks in epoch 3) and once with the optimizer's moments emptied (Adam starts
-# its averages again). Each must end somewhere else.
+# its averages again). Each must end somewhere else. Last, the checkpoint holds the two
+# tokenizers' fingerprints: resuming with another German tokenizer is refused before any step.
 
 # %% tags=["nbval-ignore-output"]
 small_pairs = torch.utils.data.Subset(datasets["train"], range(600))
@@ -1698,6 +1865,7 @@ small_valid = DataLoader(
     collate_fn=collate_translations,
 )
 small_config = TrainConfig(epochs=3, lr=1e-3, warmup_steps=5, seed=1)
+FINGERPRINTS = {"src": src_tokenizer.fingerprint(), "tgt": tgt_tokenizer.fingerprint()}
 
 
 def small_model(seed: int) -> Transformer:
@@ -1733,6 +1901,7 @@ with tempfile.TemporaryDirectory() as tmp:
         checkpoint_dir=Path(tmp) / "b",
         stop_after_epoch=2,
         progress=False,
+        fingerprints=FINGERPRINTS,
     )
     after_two = load_training_state(Path(tmp) / "b" / "last.pt")  # the state at the "crash"
     resumed = small_model(seed=2)  # other weights: all must come from the checkpoint
@@ -1744,8 +1913,14 @@ with tempfile.TemporaryDirectory() as tmp:
         checkpoint_dir=Path(tmp) / "b",
         resume=True,
         progress=False,
+        fingerprints=FINGERPRINTS,
     )
     checkpoint_keys = sorted(load_training_state(Path(tmp) / "b" / "last.pt"))
+    other_tokenizers = error_of(
+        train_translation, small_model(seed=2), small_loader, small_valid, small_config,
+        checkpoint_dir=Path(tmp) / "b", resume=True, progress=False,
+        fingerprints={**FINGERPRINTS, "tgt": src_tokenizer.fingerprint()},  # a wrong tokenizer
+    )  # fmt: skip
     controls = {}
     for missing in ("another random generator state", "emptied optimizer moments"):
         state = dict(after_two)
@@ -1758,12 +1933,14 @@ with tempfile.TemporaryDirectory() as tmp:
         save_training_state(folder / "last.pt", state)
         control = small_model(seed=2)
         train_translation(control, small_loader, small_valid, small_config,
-                          checkpoint_dir=folder, resume=True, progress=False)  # fmt: skip
+                          checkpoint_dir=folder, resume=True, progress=False,
+                          fingerprints=FINGERPRINTS)  # fmt: skip
         controls[missing] = max(
             float((a - b).abs().max())
             for a, b in zip(straight.state_dict().values(), control.state_dict().values(), strict=True)
         )
 print("a checkpoint holds:", checkpoint_keys)
+print("resumed with other tokenizers:", other_tokenizers[:90], "...")
 print("validation loss per epoch:", [round(x, 3) for x in history_resumed["val_loss"]])
 for missing, difference in controls.items():
     print(f"resumed with {missing}: largest weight difference {difference:.1e}")
@@ -1782,11 +1959,13 @@ else:  # some GPU kernels (atomic adds in backward) vary in the last bits from r
     assert_close(history_straight["val_loss"], history_resumed["val_loss"], rtol=1e-3, atol=1e-4)
 for missing, difference in controls.items():  # the negative controls end elsewhere
     assert difference > 1e-4, missing  # 1e-4: the tolerance a GPU run is allowed above
+assert "fingerprints" in checkpoint_keys and "other tokenizers" in other_tokenizers  # refused
 
 # %% [markdown]
 # ## Training the model
 #
-# The model is notebook 10's `Transformer`, smaller than the tutorial's default so that it
+# The model is notebook 10's `Transformer`, smaller than the default of the main source
+# tutorial ("Deep Learning: Transformers") so that it
 # trains in one and a half to three minutes on one CPU thread (96 s and 176 s on two runs here;
 # longer on a busy machine; the course's checks run every kernel at one thread, set in
 # `tools/kernel.env`, while a Jupyter of your own uses all cores, so your times will differ): $d_\text{model} = 64$, 4 heads, $d_\text{ff} = 4 d_\text{model} = 256$
@@ -1824,7 +2003,9 @@ print(f"{sum(p.numel() for p in model.parameters()):,d} parameters; {config}")
 
 # %% tags=["nbval-ignore-output"]
 start = time.perf_counter()
-history = train_translation(model, train_loader, valid_loader, config, checkpoint_dir=CHECKPOINTS)
+history = train_translation(
+    model, train_loader, valid_loader, config, checkpoint_dir=CHECKPOINTS, fingerprints=FINGERPRINTS
+)
 train_seconds = time.perf_counter() - start
 for epoch, (train_loss, val_loss, val_acc) in enumerate(
     zip(history["train_loss"], history["val_loss"], history["val_acc"], strict=False), 1
@@ -1834,9 +2015,42 @@ for epoch, (train_loss, val_loss, val_acc) in enumerate(
     )
 print(f"{len(history['loss'])} steps in {train_seconds:.0f} s")
 
+# %% [markdown]
+# Early stopping, checked against the history: the best epoch is the one of lowest validation
+# loss, the run either used all its epochs or stopped exactly `patience` epochs after its best,
+# and the model that `train_translation` returned holds the best epoch's weights (`best.pt`), not
+# the last epoch's. The checkpoint also names the tokenizers its ids belong to.
+
 # %%
-assert len(history["val_loss"]) >= 5  # early stopping did not end it before it learnt
+last_state = load_training_state(CHECKPOINTS / "last.pt")
+best_state = load_training_state(CHECKPOINTS / "best.pt")
+best_epoch = int(np.argmin(history["val_loss"]))  # 0-based, as EarlyStopping counts
+assert last_state["early_stopping"]["best_epoch"] == best_state["epoch"] == best_epoch
+assert last_state["early_stopping"]["best"] == min(history["val_loss"])
+epochs_run = len(history["val_loss"])
+assert epochs_run == config.epochs or epochs_run - 1 - best_epoch == config.patience
+assert all(torch.equal(p, best_state["model"][k].to(p.device)) for k, p in model.state_dict().items())
+assert last_state["fingerprints"] == best_state["fingerprints"] == FINGERPRINTS
 assert max(history["val_acc"]) > 0.97  # next-token accuracy on unseen numbers
+
+
+# %% [markdown]
+# A few findings of this one run are quoted below (the cross-attention of one number). Another
+# machine's run, or another seed's, learns other weights, so, as in notebook 12, they are
+# asserted only when the weights are the stored run's: `STORED_RUN` compares a hash of every
+# weight's bits with the stored run's.
+
+# %%
+def weights_fingerprint(m: nn.Module) -> str:
+    """A short hash of every weight's bits: equal only for the very same trained run."""
+    digest = hashlib.sha256()
+    for name, tensor in m.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+STORED_RUN = weights_fingerprint(model) == "fbd4d0977549f563"  # the run whose outputs are stored
 
 # %% [markdown]
 # Why does the loss stop near 0.77 and not at 0? Label smoothing (notebook 11) trains towards
@@ -1861,10 +2075,16 @@ assert min(history["val_loss"]) - smoothing_floor < 0.03  # within 0.03 nats of 
 # An untrained model predicts nearly uniform probabilities, and its loss is close to
 # $\ln 90$ whatever the arithmetic; the trained model is where 16-bit errors would show. The
 # same validation set through the same weights, in float32 and under autocast (the loss and
-# accuracy over the whole set; the logits and top tokens over its first batch). Here bfloat16
-# moved the validation loss by about $10^{-5}$ (its fifth or sixth significant figure), the
-# logits by a few hundredths, and no predicted token; the asserts fail if the loss moves by
-# 0.01, the accuracy by half a point, or a top token in a hundred changes.
+# accuracy over the whole set; the logits and top tokens over its first batch; the whole
+# gradient of each batch). Here bfloat16 moved the validation loss by about $10^{-5}$ (its fifth
+# or sixth significant figure), the logits by a few hundredths, and no predicted token; the
+# asserts fail if the loss moves by 0.01, the accuracy by half a point, or a top token in a
+# hundred changes.
+#
+# The gradient agrees less than on the untrained model: the trained model's loss sits at its
+# floor, so its gradient is small, and bfloat16's rounding is a larger share of it (cosines of
+# 0.96 to 1.0 per batch in our runs, against 0.99 and more untrained). It still points the same
+# way: the asserts fail if a batch's cosine falls to 0.8 or their mean to 0.9.
 
 # %% tags=["nbval-ignore-output"]
 check_amp = "bfloat16" if device.type != "cuda" or cuda_has_bf16() else "float16"
@@ -1886,6 +2106,27 @@ print(
     f"validation loss: float32 {loss_fp32:.6f}, {check_amp} {loss_16:.6f} (difference {loss_16 - loss_fp32:+.1e})"
 )
 print(f"token accuracy:  float32 {acc_fp32:.4%}, {check_amp} {acc_16:.4%}")
+
+
+def batch_gradient(m: nn.Module, batch, amp_dtype) -> torch.Tensor:
+    """One batch's whole gradient, flattened (float16's loss scaled first; the cosine ignores it)."""
+    m.zero_grad(set_to_none=True)
+    with amp_autocast(device, amp_dtype):
+        loss = sequence_loss(m, batch, label_smoothing=config.label_smoothing)
+    (loss * (2.0**12 if amp_dtype == "float16" else 1.0)).backward()
+    flat = torch.cat([p.grad.float().flatten() for p in m.parameters()])
+    m.zero_grad(set_to_none=True)
+    return flat
+
+
+trained_cosines = [
+    float(torch.nn.functional.cosine_similarity(
+        batch_gradient(model, b, check_amp), batch_gradient(model, b, None), dim=0
+    ))
+    for b in valid_loader
+]  # fmt: skip
+print(f"gradient per validation batch, cosine of {check_amp} with float32: "
+      f"{min(trained_cosines):.3f} to {max(trained_cosines):.3f}")  # fmt: skip
 print(
     f"largest logit difference {float((logits_16.float() - logits_fp32).abs().max()):.3f} "
     f"(logits span {float(logits_fp32.min()):.1f} to {float(logits_fp32.max()):.1f}); same top token: {same_argmax:.2%}"
@@ -1896,6 +2137,7 @@ assert logits_16.dtype == getattr(torch, check_amp)  # autocast really ran in 16
 assert not torch.equal(logits_16.float(), logits_fp32)  # and it changed the numbers
 assert abs(loss_16 - loss_fp32) < 0.01 and abs(acc_16 - acc_fp32) < 0.005
 assert same_argmax > 0.99
+assert min(trained_cosines) > 0.8 and np.mean(trained_cosines) > 0.9  # the same direction
 
 # %% jupyter={"source_hidden": true}
 fig, (ax_loss, ax_acc, ax_lr) = plt.subplots(1, 3, figsize=(13, 3.4))
@@ -1917,8 +2159,11 @@ ax_loss.set(
     xlabel="epoch",
     ylabel="cross-entropy per token (nats)",
     title="Loss, both with label smoothing 0.1",
-    ylim=(0.5, 3),
+    yscale="log",  # the first steps near ln V and the last near the floor, all on the axes
+    ylim=(0.9 * smoothing_floor, 1.15 * max(history["loss"])),
 )
+ax_loss.set_yticks([0.8, 1, 1.5, 2, 3, 4], ["0.8", "1", "1.5", "2", "3", "4"])
+ax_loss.minorticks_off()
 ax_loss.axhline(smoothing_floor, color="gray", lw=0.8, ls=":", label="floor: entropy of the target")
 ax_loss.legend()
 ax_acc.plot(epochs_axis, 100 * np.array(history["val_acc"]), "o-", color=COLORS["accent"])
@@ -1941,7 +2186,7 @@ plt.show()
 #
 # The gradient-flow plot: the norm of each block's gradient at every step (before clipping),
 # on a log scale. Every block receives a gradient of the same order: the largest mean norm (the
-# output head's) is about 7 times the smallest (the encoder's final norm's) here, printed after
+# output head's) is about 8 times the smallest (the encoder's final norm's) here, printed after
 # the figure and bounded at 50 by the assert. None is starved (a vanishing
 # gradient would sit decades lower) and none explodes. (A statement about the gradients: how much
 # each block's weights move is Adam's business, as said above.)
@@ -1950,7 +2195,7 @@ plt.show()
 grad_names = list(history["grad_norms"][0])
 grad_table = np.array([[step[name] for name in grad_names] for step in history["grad_norms"]])
 fig, (ax_lines, ax_bars) = plt.subplots(
-    1, 2, figsize=(12, 3.8), gridspec_kw={"width_ratios": [1.4, 1]}
+    1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.4, 1]}
 )
 palette = [
     COLORS["query"],
@@ -1969,7 +2214,9 @@ ax_lines.set(
     ylabel="gradient L2 norm",
     title="Gradient norm per part of the model",
 )
-ax_lines.legend(fontsize=7, ncol=2)
+ax_lines.legend(  # below the panel, outside the curves
+    fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False
+)
 ax_bars.barh(grad_names[::-1], grad_table.mean(axis=0)[::-1], color=COLORS["ours"])
 ax_bars.set(xlabel="mean gradient L2 norm", title="Gradient flow, averaged over training")
 fig.tight_layout()
@@ -2234,6 +2481,11 @@ hundreds = early["kinds"]["hundreds digit wrong"] + early["kinds"]["hundred-thou
 assert tens > 2 * hundreds  # the reordered digit goes wrong, the digit in order rarely
 # The trained model on the harder split: mostly right, and no better than on the test split.
 assert trained["greedy"]["exact_match"] >= rounds["greedy"]["exact_match"] > 50
+if STORED_RUN:  # the stored run's counts, quoted below
+    one_digit = sum(c for k, c in early["kinds"].items() if k.endswith("digit wrong"))
+    assert 0.75 < tens / one_digit < 0.85  # "about four in five"
+    assert rounds["kinds"].most_common(1)[0] == ("thousands block repeated", 18)
+    assert len(rounds["errors"]) == 26
 
 
 # %% [markdown]
@@ -2253,12 +2505,12 @@ assert trained["greedy"]["exact_match"] >= rounds["greedy"]["exact_match"] > 50
 #   what the model has not learned.
 # - **The errors have a pattern.** Most of the early model's errors are further off than one
 #   digit, but among those that are one digit away the tens digits dominate (the tens and the
-#   ten-thousands, together about three in four): the digit that German writes *after* its
+#   ten-thousands, together about four in five here): the digit that German writes *after* its
 #   unit, "vierund**zwanzig**", the one that needs the reordering. The hundreds, written in
 #   the English order, almost never go wrong. The trained model has learnt the order; its
-#   remaining errors sit where training had little to say. On the round thousands nearly all of
-#   them are one kind: after "tausend" it writes the thousands block a second time
-#   ("zehntausendzehn" for 10,000), where the German should stop. A test set drawn like the
+#   remaining errors sit where training had little to say. On the round thousands most of them
+#   are one kind (18 of 26 here): after "tausend" it writes the thousands block a second time
+#   ("achtzehntausendachtzehn" for 18,000), where the German should stop. A test set drawn like the
 #   training set hides this; a split built to probe one form finds it.
 
 # %% [markdown]
@@ -2341,7 +2593,9 @@ if crossings:
     crossing_share = sum(crossings) / len(crossings)
     print(f"{len(reordered_right)} reordered numbers, {len(crossings)} unit/tens pairs: "
           f"the alignment crosses at {crossing_share:.0%} of them")
-    assert len(crossings) > 100 and crossing_share > 0.6  # 89 % in our run; other seeds vary
+    assert len(crossings) > 100 and crossing_share > 0.6  # every seed tried; the runs vary
+    if STORED_RUN:
+        assert round(100 * crossing_share) == 89  # the stored run's share
 else:  # the rows are found by their pieces: a tokenizer without "...und" pieces has none
     print("no unit piece ending in 'und' in these tokenizers: the measure does not apply")
 if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZERS:
@@ -2365,20 +2619,41 @@ save_figure(fig, "13_cross_attention")
 plt.show()
 
 # %% [markdown]
-# What follows describes our run's weights (another machine's run, or another seed, learns
-# other ones; the statistic above is what is asserted). In layer 2, the rows that write a
-# hundreds or a units piece look almost only at the English
-# piece they translate: "siebenhundert" at "▁seven", "einund" at "ty-one", "achtund" at
-# "ty-eight". The unit comes from the *right* of the English tens, and the row after it,
-# which writes the tens, looks further left: "sieb" mostly at "▁seven" (of seventy-eight),
-# while "acht" spreads its weight over "▁hundred", "▁eigh" and "ty-one"; in layer 1 "acht"
-# peaks on "▁eigh". So the alignment crosses once in each half of the number, the first half
-# in layer 1, the second in layer 2. The rows that write pieces which follow from what is already written, the leading
-# "▁" and the final "zig", have little to look up: they spread their weight and park much of
-# it on `<bos>` and `<eos>` ("zigtausend" is different: whether "tausend" follows depends on
-# the source, and its row does look at "▁thousand"). Layer 1 is blurrier throughout. This is
-# one number, picked because it has a reordering in each half; the count over all reordered
-# test numbers above says how typical its crossing is.
+# What the figure shows depends on the run: another machine's run, or another seed's, may draw
+# another number and weigh it otherwise. What holds for every run is the statistic above. The
+# observations below are those of the stored run, and the cell after them asserts them only
+# when the weights are the stored run's (`STORED_RUN`).
+#
+# The stored run draws 936,072, whose English is cut into "▁thirty-s" + "ix" (36) and "▁seven" +
+# "ty-two" (72). In both halves the unit row looks further right in the English than the tens
+# row after it:
+#
+# - "sechsund" peaks on "ix" in both layers, and "dreißig" on "▁thirty-s", to its left;
+# - "zweiund" peaks on "ty-two" in both layers (with most of its weight there in layer 2), and in
+#   layer 2 "sieb" peaks on "▁seven", to its left.
+#
+# So the alignment crosses once in each half, the second time in layer 2 only: in layer 1 "sieb"
+# peaks on `<eos>`. The other rows look where their piece comes from: "▁neunhundert" at
+# "▁hundred" and, in layer 2, "tausend" at "▁thousand". The final "zig", which follows from
+# "sieb" with nothing left to look up, parks most of its weight on `<eos>` in layer 2. Layer 1
+# is blurrier throughout: its rows' largest weights are smaller.
+
+# %%
+peak_of = [  # per layer: the English piece each German row looks at most
+    {tgt_labels[r]: src_labels[c] for r, c in enumerate(w[0].mean(0).argmax(-1).tolist())}
+    for w in layer_weights
+]
+if STORED_RUN:  # the observations above, for the stored run's weights only
+    assert shown_n == 936_072 and crossing_rows(shown_n) == [True, True]
+    for layer in (0, 1):
+        assert peak_of[layer]["sechsund"] == "ix" and peak_of[layer]["dreißig"] == "▁thirty-s"
+        assert peak_of[layer]["zweiund"] == "ty-two" and peak_of[layer]["▁neunhundert"] == "▁hundred"
+    assert peak_of[1]["sieb"] == "▁seven" and peak_of[0]["sieb"] == "<eos>"
+    assert peak_of[1]["tausend"] == "▁thousand" and peak_of[1]["zig"] == "<eos>"
+    zweiund_row = tgt_labels.index("zweiund")
+    assert float(layer_weights[1][0].mean(0)[zweiund_row].max()) > 0.5  # most of its weight
+    row_maxima = [float(w[0].mean(0).max(-1).values.mean()) for w in layer_weights]
+    assert row_maxima[0] < row_maxima[1]  # layer 1 blurrier
 
 # %% [markdown]
 # **A real task needs the whole pipeline: disjoint splits, a tokenizer that round-trips, batches
@@ -2390,16 +2665,16 @@ plt.show()
 # | piece | code | checked by |
 # |---|---|---|
 # | corpus and splits | `split_numbers`, `number_to_words`, `load_corpus` | splits share no number |
-# | tokenizer | `BPETokenizer.train / encode / decode / save / load`, `UNK = 3` | round trip on every sentence; vs Hugging Face `tokenizers` |
+# | tokenizer | `BPETokenizer.train / encode / decode / save / load`, `UNK = 3` | round trip on every sentence, and its failure on an unseen character; vs Hugging Face `tokenizers` |
 # | dataset | `TranslationDataset(pairs, src_tok, tgt_tok, max_len)` | too-long pairs refused |
 # | dynamic padding | `collate_translations` → `(src, tgt_in, tgt_out, src_lengths)` | padded to the longest in the batch |
 # | batches by tokens | `TokenBatchSampler(lengths, max_tokens, bucket=True)`, `padding_fraction` | at most half the padding of random batches |
 # | AdamW groups | `param_groups(model, weight_decay)` | decay on matrices (embeddings too), none on norms and biases |
 # | schedule | `warmup_cosine(step, warmup, total, min_ratio)` | peak at the end of warmup, then monotone |
 # | accumulation | `accumulate_gradients(model, micro_batches)`, `micro_batch_groups(loader, k)` | equals one big batch, micro-batches of different widths |
-# | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | same gradient direction; trained model's loss and accuracy as float32's |
+# | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | same gradient direction, untrained and trained; trained model's loss and accuracy as float32's |
 # | checkpointing | `set_gradient_checkpointing(model)` | same gradients, less memory |
-# | early stopping, checkpoints | `EarlyStopping`, `save_training_state`, `load_training_state` | resumed = uninterrupted, `torch.equal` on the CPU |
+# | early stopping, checkpoints | `EarlyStopping`, `save_training_state`, `load_training_state` | resumed = uninterrupted, `torch.equal` on the CPU; other tokenizers refused; the best epoch's weights returned |
 # | the loop | `train_translation(model, train, valid, TrainConfig(...))`, on notebook 11's `Trainer` | curves, gradient flow |
 # | evaluation | `translate`, `score_translations` | exact match and chrF on unseen numbers |
 #

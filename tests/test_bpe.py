@@ -140,6 +140,17 @@ def test_save_and_load_round_trip(tokenizer, tmp_path):
     assert not (tmp_path / "tok.json.tmp").exists()  # written atomically
 
 
+def test_save_puts_the_bytes_on_disk_before_the_rename(tokenizer, tmp_path, monkeypatch):
+    import os
+
+    calls = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append("replace"), replace(a, b))[1])
+    tokenizer.save(tmp_path / "tok.json")
+    assert calls == ["fsync", "replace"]
+
+
 def test_load_refuses_another_vocabulary_and_bad_files(tokenizer, tmp_path):
     other = BPETokenizer.train(["abc abd"], vocab_size=12)
     path = other.save(tmp_path / "other.json")

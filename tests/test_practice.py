@@ -310,3 +310,22 @@ def test_resume_refuses_another_configuration(tmp_path):
     history = train_translation(tiny_model(), train, valid, longer, tmp_path, resume=True,
                                 progress=False)  # fmt: skip
     assert len(history["val_loss"]) == 4
+
+
+def test_checkpoints_store_the_tokenizers_and_resume_refuses_others(tmp_path):
+    train, valid = loaders(make_items(24))
+    config = TrainConfig(epochs=2, lr=3e-3, warmup_steps=2)
+    fingerprints = {"src": "aaaa", "tgt": "bbbb"}
+    train_translation(tiny_model(), train, valid, config, tmp_path, stop_after_epoch=1,
+                      progress=False, fingerprints=fingerprints)  # fmt: skip
+    assert load_training_state(tmp_path / "last.pt")["fingerprints"] == fingerprints
+    assert load_training_state(tmp_path / "best.pt")["fingerprints"] == fingerprints
+    for other in ({"src": "aaaa", "tgt": "cccc"}, None):
+        with pytest.raises(ValueError, match="other tokenizers"):
+            train_translation(tiny_model(), train, valid, config, tmp_path, resume=True,
+                              progress=False, fingerprints=other)  # fmt: skip
+    with pytest.raises(TypeError, match="fingerprints"):
+        train_translation(tiny_model(), train, valid, config, fingerprints=["aaaa"])
+    history = train_translation(tiny_model(), train, valid, config, tmp_path, resume=True,
+                                progress=False, fingerprints=dict(fingerprints))  # fmt: skip
+    assert len(history["val_loss"]) == 2

@@ -81,6 +81,18 @@ def test_load_corpus_caches_and_reads_back(tmp_path):
         load_corpus(tmp_path, 1200, tgt_lang="en")
 
 
+def test_load_corpus_puts_the_bytes_on_disk_before_the_rename(tmp_path, monkeypatch):
+    import os
+
+    calls = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append("replace"), replace(a, b))[1])
+    load_corpus(tmp_path, num_numbers=1500, seed=0, tgt_lang="de")
+    assert calls == ["fsync", "replace"]
+    assert [f.name for f in tmp_path.iterdir() if f.suffix == ".tmp"] == []
+
+
 def test_dataset_items_have_bos_and_eos(tokenizers):
     dataset = TranslationDataset(PAIRS, *tokenizers, max_len=40)
     src, tgt = dataset[3]

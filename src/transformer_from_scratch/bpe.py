@@ -174,7 +174,8 @@ class BPETokenizer:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the tokenizer as JSON (atomically: a crash never leaves half a file)."""
+        """Write the tokenizer as JSON: a temporary file, flushed to disk, then renamed onto
+        path (an atomic rename on POSIX), so a crash leaves the old file or the new one."""
         path = Path(path)
         state = {
             "format": "transformer_from_scratch.bpe/1",
@@ -184,7 +185,10 @@ class BPETokenizer:
             "fingerprint": self.fingerprint(),
         }
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(state, ensure_ascii=False, indent=0), encoding="utf-8")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(state, ensure_ascii=False, indent=0))
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(tmp, path)
         return path
 

@@ -239,33 +239,10 @@ def micro_batch_groups(loader: Iterable, k: int) -> Iterator[list]:
 
 
 # Taught in notebook 13 · A real translation task
-def train_translation(
-    model: nn.Module,
-    train_loader,
-    valid_loader,
-    config: TrainConfig,
-    checkpoint_dir: str | os.PathLike | None = None,
-    resume: bool = False,
-    stop_after_epoch: int | None = None,
-    progress: bool = True,
-) -> dict:
-    """Train with everything in this notebook; return the history (losses, rates, grad norms).
-
-    Each epoch ends with a validation pass, early stopping and, with checkpoint_dir, two
-    checkpoints: last.pt (everything needed to resume exactly) and best.pt (the best weights,
-    loaded back into the model at the end). stop_after_epoch simulates an interruption.
-    """
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    if resume and checkpoint_dir is None:
-        raise ValueError("resume=True needs the checkpoint_dir to resume from")
+def _make_trainer(model: nn.Module, train_loader, config: TrainConfig) -> tuple[Trainer, int]:
+    """Notebook 11's Trainer with this notebook's optimizer, schedule, scaler and callback; and
+    the number of updates per epoch."""
     device = next(model.parameters()).device
-    if config.amp_dtype == "float16" and device.type == "cpu":
-        raise ValueError(
-            "float16 autocast is for GPUs here (few CPUs compute in float16, and its loss "
-            "scaling buys nothing there); on the CPU use amp_dtype='bfloat16'"
-        )
-    set_gradient_checkpointing(model, config.gradient_checkpointing)
     optimizer = torch.optim.AdamW(
         param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
     )
@@ -280,7 +257,6 @@ def train_translation(
     )
     # Loss scaling keeps small float16 gradients from underflowing; bf16 and fp32 need none.
     scaler = torch.amp.GradScaler(device.type, enabled=config.amp_dtype == "float16")
-    stopper = EarlyStopping(config.patience)
     # Notebook 11's loop, extended: autocast around each forward pass, the scaler around each
     # backward, and the per-layer gradient norms measured where the gradients are complete.
     trainer = Trainer(
@@ -292,29 +268,125 @@ def train_translation(
         "after_backward", lambda t: t.history["grad_norms"].append(layer_grad_norms(t.model))
     )
     trainer.history.update(grad_norms=[], train_loss=[], val_loss=[], val_acc=[])
+    return trainer, steps_per_epoch
+
+
+# Taught in notebook 13 · A real translation task
+def _end_epoch(
+    trainer: Trainer, valid_loader, config: TrainConfig, stopper: EarlyStopping, epoch: int,
+    first_update: int,
+) -> bool:  # fmt: skip
+    """Validate, record the epoch in the history; True if its validation loss is the best yet."""
+    history = trainer.history
+    epoch_losses = history["loss"][first_update:]
+    val_loss, val_acc = evaluate_loss(
+        trainer.model, valid_loader, config.amp_dtype, config.label_smoothing
+    )
+    # The mean of the epoch's update losses (each its own token mean), a curve to watch.
+    history["train_loss"].append(sum(epoch_losses) / len(epoch_losses))
+    history["val_loss"].append(val_loss)
+    history["val_acc"].append(val_acc)
+    return stopper.step(epoch, val_loss)
+
+
+# Taught in notebook 13 · A real translation task
+def _training_state(
+    trainer: Trainer, stopper: EarlyStopping, epoch: int, config: TrainConfig,
+    fingerprints: dict | None,
+) -> dict:  # fmt: skip
+    """Everything last.pt holds: what it takes to go on as if training had never stopped."""
+    return {
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": trainer.scaler.state_dict(),
+        "early_stopping": stopper.state_dict(),
+        "history": trainer.history,
+        "rng": rng_state(),
+        "epoch": epoch,
+        "config": asdict(config),
+        "fingerprints": fingerprints,
+    }
+
+
+# Taught in notebook 13 · A real translation task
+def _resume(
+    trainer: Trainer, stopper: EarlyStopping, state: dict, config: TrainConfig,
+    fingerprints: dict | None,
+) -> int:  # fmt: skip
+    """Load last.pt's state into the run; refuse another configuration or other tokenizers.
+    Return the epoch to continue with."""
+    changed = {k: (v, getattr(config, k)) for k, v in state["config"].items()
+               if k != "epochs" and getattr(config, k) != v}  # fmt: skip
+    if changed:
+        raise ValueError(
+            f"the checkpoint was trained with another configuration: {changed} "
+            "(stored, given); resuming would mix two runs"
+        )
+    if state.get("fingerprints") != fingerprints:
+        raise ValueError(
+            f"the checkpoint was trained with other tokenizers: fingerprints "
+            f"{state.get('fingerprints')} stored, {fingerprints} given; their ids would mean "
+            "other pieces to the model"
+        )
+    trainer.model.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.scaler.load_state_dict(state["scaler"])
+    stopper.load_state_dict(state["early_stopping"])
+    trainer.history = state["history"]
+    trainer.step = len(trainer.history["loss"])
+    set_rng_state(state["rng"])
+    return state["epoch"] + 1
+
+
+# Taught in notebook 13 · A real translation task
+def train_translation(
+    model: nn.Module,
+    train_loader,
+    valid_loader,
+    config: TrainConfig,
+    checkpoint_dir: str | os.PathLike | None = None,
+    resume: bool = False,
+    stop_after_epoch: int | None = None,
+    progress: bool = True,
+    fingerprints: dict[str, str] | None = None,
+) -> dict:
+    """Train with everything in this notebook; return the history (losses, rates, grad norms).
+
+    Each epoch ends with a validation pass, early stopping and, with checkpoint_dir, two
+    checkpoints: last.pt (everything needed to resume exactly) and best.pt (the best weights,
+    loaded back into the model at the end). stop_after_epoch simulates an interruption.
+    fingerprints (e.g. {"src": ..., "tgt": ...}, the tokenizers' fingerprints) are stored in
+    both; resuming with other ones is refused.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if fingerprints is not None and not (
+        isinstance(fingerprints, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprints.items())
+    ):
+        raise TypeError(f"fingerprints must be a dict of str to str, got {fingerprints!r}")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs the checkpoint_dir to resume from")
+    device = next(model.parameters()).device
+    if config.amp_dtype == "float16" and device.type == "cpu":
+        raise ValueError(
+            "float16 autocast is for GPUs here (few CPUs compute in float16, and its loss "
+            "scaling buys nothing there); on the CPU use amp_dtype='bfloat16'"
+        )
+    set_gradient_checkpointing(model, config.gradient_checkpointing)
+    trainer, steps_per_epoch = _make_trainer(model, train_loader, config)
+    stopper = EarlyStopping(config.patience)
     start_epoch, best_state = 0, None
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if resume:
         state = load_training_state(directory / "last.pt", map_location=device)
-        changed = {k: (v, getattr(config, k)) for k, v in state["config"].items()
-                   if k != "epochs" and getattr(config, k) != v}  # fmt: skip
-        if changed:
-            raise ValueError(
-                f"the checkpoint was trained with another configuration: {changed} "
-                "(stored, given); resuming would mix two runs"
-            )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        stopper.load_state_dict(state["early_stopping"])
-        trainer.history = state["history"]
-        trainer.step = len(trainer.history["loss"])
-        set_rng_state(state["rng"])
-        start_epoch = state["epoch"] + 1
+        start_epoch = _resume(trainer, stopper, state, config, fingerprints)
     else:
         torch.manual_seed(config.seed)  # dropout draws the same masks on every run
     history = trainer.history
+    sampler = getattr(train_loader, "batch_sampler", None)
 
     # One bar for the whole run (its total counts epoch 0's steps per epoch, an estimate), gone
     # when training ends. One redraw every 2 s at most: a bar that redraws every step floods
@@ -332,36 +404,15 @@ def train_translation(
         first = len(history["loss"])
         bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
         trainer.fit(micro_batch_groups(train_loader, config.accumulation_steps), progress=bar)
-        epoch_losses = history["loss"][first:]
-        val_loss, val_acc = evaluate_loss(
-            model, valid_loader, config.amp_dtype, config.label_smoothing
-        )
-        # The mean of the epoch's update losses (each its own token mean), a curve to watch.
-        history["train_loss"].append(sum(epoch_losses) / len(epoch_losses))
-        history["val_loss"].append(val_loss)
-        history["val_acc"].append(val_acc)
-        improved = stopper.step(epoch, val_loss)
+        improved = _end_epoch(trainer, valid_loader, config, stopper, epoch, first)
         if improved and directory is None:  # no folder: the best weights are kept in memory
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if directory is not None:
+            state = _training_state(trainer, stopper, epoch, config, fingerprints)
             if improved:
-                save_training_state(
-                    directory / "best.pt", {"model": model.state_dict(), "epoch": epoch}
-                )
-            save_training_state(
-                directory / "last.pt",
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "scaler": scaler.state_dict(),
-                    "early_stopping": stopper.state_dict(),
-                    "history": history,
-                    "rng": rng_state(),
-                    "epoch": epoch,
-                    "config": asdict(config),
-                },
-            )
+                best = {"model": state["model"], "epoch": epoch, "fingerprints": fingerprints}
+                save_training_state(directory / "best.pt", best)
+            save_training_state(directory / "last.pt", state)
         if stopper.should_stop or (stop_after_epoch is not None and epoch + 1 >= stop_after_epoch):
             break
     bar.close()

@@ -94,8 +94,11 @@ def load_corpus(
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(corpus, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)  # atomic: a reader finds no file or the whole file, never half
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(corpus, ensure_ascii=False))
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    os.replace(tmp, path)  # an atomic rename on POSIX: no file or the whole file, never half
     return corpus
 
 
