@@ -83,8 +83,9 @@ if device.type == "mps":  # PyTorch keeps no record of peak memory on MPS, and t
 # %%
 #| export
 """Efficient attention: tiled attention with the online softmax and a recomputing backward (the
-FlashAttention algorithm in plain PyTorch), and the switch to the fast path of the course's model
-(whose attention half lives in the attention module, beside the from-scratch code)."""
+loop of FlashAttention-2, Dao 2023, in plain PyTorch), and the switch to the fast path of the
+course's model (whose attention half lives in the attention module, beside the from-scratch
+code)."""
 
 import dataclasses
 import math
@@ -157,9 +158,11 @@ for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem, strict=True):
 # The forward pass peaks at about two $T \times T$ matrices (the scores and the weights exist at
 # once while the softmax runs), the training step at about three. Both grow as $T^2$:
 
-# %%
+# %% tags=["nbval-ignore-output"]
 slope_fwd, slope_train = fit_slope(lengths, naive_fwd_mem), fit_slope(lengths, naive_train_mem)
 print(f"memory ~ T^k: forward k = {slope_fwd:.2f}, forward+backward k = {slope_train:.2f}")
+
+# %%
 assert 1.9 < slope_fwd < 2.1 and 1.9 < slope_train < 2.1
 for T, fwd, train in zip(lengths, naive_fwd_mem, naive_train_mem, strict=True):
     square = T * T * 4  # bytes of one (T, T) float32 matrix
@@ -222,10 +225,19 @@ print("streamed:", [round(x, 4) for x in streamed.tolist()])
 # %%
 #| export
 def _tile_scores(
-    Q_i: Tensor, K_j: Tensor, mask: Tensor | None, causal: bool, i0: int, j0: int, scale: float
+    Q_i: Tensor,
+    K_j: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    i0: int,
+    j0: int,
+    scale: float,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Masked scores of one tile: (..., bq, d_k) @ (..., d_k, bk) -> (..., bq, bk)."""
-    S = (Q_i @ K_j.transpose(-2, -1)).mul_(scale)
+    """Masked scores of one tile, in `dtype` (default Q's): (..., bq, d_k) @ (..., d_k, bk) ->
+    (..., bq, bk)."""
+    dtype = Q_i.dtype if dtype is None else dtype
+    S = (Q_i.to(dtype) @ K_j.to(dtype).transpose(-2, -1)).mul_(scale)  # .to: a no-op if equal
     bq, bk = Q_i.size(-2), K_j.size(-2)
     if mask is not None:  # already expanded to (..., T_q, T_k): slicing is a view
         m = mask[..., i0 : i0 + bq, j0 : j0 + bk]
@@ -245,11 +257,19 @@ def _key_starts(T_k: int, block_k: int, causal: bool, i1: int) -> range:
     return range(0, min(T_k, i1) if causal else T_k, block_k)
 
 
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs (as FlashAttention-2 accumulates), else the inputs' own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 # %% [markdown]
 # The forward pass. Besides the output it returns each row's **log-sum-exp**
 # $L = m + \log \ell$, one number per query: it is all the backward pass needs to rebuild any
 # tile of weights, since $p_{ij} = e^{s_{ij} - L_i}$. (A row with no allowed key gets
-# $L = +\infty$, so that the rebuilt weights are $e^{-\infty} = 0$.)
+# $L = +\infty$, so that the rebuilt weights are $e^{-\infty} = 0$.) With 16-bit inputs
+# (bfloat16, float16) the scores, $m$, $\ell$, $a$ and $L$ are float32, as in FlashAttention-2:
+# a running sum over thousands of keys kept in bfloat16's 8 bits of precision would lose the
+# small terms (section 7 measures what that costs); `acc_dtype` overrides the choice.
 
 # %%
 #| export
@@ -261,28 +281,33 @@ def tiled_attention_forward(
     causal: bool = False,
     block_q: int = 256,
     block_k: int = 256,
+    acc_dtype: torch.dtype | None = None,  # default: float32 for 16-bit inputs, else Q's dtype
 ) -> tuple[Tensor, Tensor]:
-    """Attention one (block_q x block_k) tile at a time, online softmax: O (..., T_q, d_v), L."""
+    """Attention one (block_q x block_k) tile at a time, online softmax: O (..., T_q, d_v) in Q's
+    dtype, L (..., T_q, 1) in the accumulators' dtype."""
     scale = 1.0 / math.sqrt(Q.size(-1))
     T_q, T_k = Q.size(-2), K.size(-2)
+    acc_dtype = _accumulator_dtype(Q.dtype) if acc_dtype is None else acc_dtype
     O = Q.new_empty(*Q.shape[:-1], V.size(-1))  # (..., T_q, d_v)
-    L = Q.new_empty(*Q.shape[:-1], 1)  # (..., T_q, 1): log-sum-exp of each row
+    L = Q.new_empty(*Q.shape[:-1], 1, dtype=acc_dtype)  # (..., T_q, 1): log-sum-exp of each row
     for i0 in range(0, T_q, block_q):
         Q_i = Q[..., i0 : i0 + block_q, :]  # (..., bq, d_k)
-        m = Q_i.new_full((*Q_i.shape[:-1], 1), -math.inf)  # running max of each row
-        ell = Q_i.new_zeros((*Q_i.shape[:-1], 1))  # running sum of exp(s - m)
-        acc = Q_i.new_zeros((*Q_i.shape[:-1], V.size(-1)))  # running sum of exp(s - m) v
+        stats = (*Q_i.shape[:-1], 1)
+        m = Q_i.new_full(stats, -math.inf, dtype=acc_dtype)  # running max of each row
+        ell = Q_i.new_zeros(stats, dtype=acc_dtype)  # running sum of exp(s - m)
+        acc = Q_i.new_zeros((*Q_i.shape[:-1], V.size(-1)), dtype=acc_dtype)  # sum of exp(s - m) v
         for j0 in _key_starts(T_k, block_k, causal, i0 + Q_i.size(-2)):
-            S = _tile_scores(Q_i, K[..., j0 : j0 + block_k, :], mask, causal, i0, j0, scale)
+            S = _tile_scores(Q_i, K[..., j0 : j0 + block_k, :], mask, causal, i0, j0, scale,
+                             acc_dtype)
             m_new = torch.maximum(m, S.amax(dim=-1, keepdim=True))
             m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: no shift
             P = S.sub_(m_safe).exp_()  # in place: the tile's scores are not needed again
             rescale = (m - m_safe).exp_()  # (..., bq, 1), 0 where m was -inf
             ell.mul_(rescale).add_(P.sum(dim=-1, keepdim=True))
-            acc.mul_(rescale).add_(P @ V[..., j0 : j0 + block_k, :])  # (..., bq, d_v)
+            acc.mul_(rescale).add_(P @ V[..., j0 : j0 + block_k, :].to(acc_dtype))  # (.., bq, d_v)
             m = m_new
         no_key = ell == 0  # rows that could attend to nothing: zeros, as in notebook 05
-        O[..., i0 : i0 + block_q, :] = acc.div_(ell.masked_fill(no_key, 1.0))
+        O[..., i0 : i0 + block_q, :] = acc.div_(ell.masked_fill(no_key, 1.0))  # to O's dtype
         m_safe = m.masked_fill(torch.isneginf(m), 0.0)
         L[..., i0 : i0 + block_q, :] = (m_safe + ell.log()).masked_fill(no_key, math.inf)
     return O, L
@@ -321,9 +346,12 @@ def tiled_attention_backward(
     block_q: int = 256,
     block_k: int = 256,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ, dK, dV of tiled attention, each tile's weights rebuilt from Q, K and L = logsumexp."""
+    """dQ, dK, dV of tiled attention, each tile's weights rebuilt from Q, K and L = logsumexp.
+    Computed and accumulated in L's dtype (float32 for 16-bit inputs), returned in the inputs'."""
     scale = 1.0 / math.sqrt(Q.size(-1))
     T_q, T_k = Q.size(-2), K.size(-2)
+    dtypes = Q.dtype, K.dtype, V.dtype
+    dO, Q, K, V, O = (t.to(L.dtype) for t in (dO, Q, K, V, O))  # L's: the accumulators' dtype
     D = (dO * O).sum(dim=-1, keepdim=True)  # (..., T_q, 1) = rowsum(P * dP), without P
     dQ, dK, dV = torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
     for i0 in range(0, T_q, block_q):
@@ -337,7 +365,7 @@ def tiled_attention_backward(
             dS = (dO_i @ V_j.transpose(-2, -1)).sub_(D_i).mul_(P)  # the softmax's backward
             dQ[..., i0:i1, :] += (dS @ K_j).mul_(scale)
             dK[..., j0:j1, :] += (dS.transpose(-2, -1) @ Q_i).mul_(scale)
-    return dQ, dK, dV
+    return dQ.to(dtypes[0]), dK.to(dtypes[1]), dV.to(dtypes[2])  # no copies if already so
 
 
 class TiledAttention(torch.autograd.Function):
@@ -480,11 +508,13 @@ print(f"T={T_long}: forward naive {naive_long / MiB:.1f} MiB, tiled {tiled_long 
 # lengths, since the tiles are a fixed cost), in training too, where from $T = 2048$ on it is under
 # 1/8 of the naive step's:
 
-# %%
-assert tiled_long <= naive_long / 8
+# %% tags=["nbval-ignore-output"]
 slope_tiled_fwd, slope_tiled_train = fit_slope(lengths, tiled_fwd_mem), fit_slope(lengths,
                                                                                   tiled_train_mem)
 print(f"tiled memory ~ T^k: forward k = {slope_tiled_fwd:.2f}, training k = {slope_tiled_train:.2f}")
+
+# %%
+assert tiled_long <= naive_long / 8
 assert slope_tiled_fwd < 1.2 and slope_tiled_train < 1.2
 assert all(t < n / 8 for t, n in zip(tiled_train_mem[2:], naive_train_mem[2:], strict=True))
 
@@ -509,26 +539,94 @@ ax.legend(fontsize=8)
 save_figure(fig, "14_attention_memory")
 plt.show()
 
+
 # %% [markdown]
 # **Tiling with the online softmax turns attention's memory from $O(T^2)$ into $O(T)$, with the
 # same values and gradients.** (At these lengths the fitted exponents are well below 1: a fixed
 # cost, the tiles, is a large part of the peak.) Speed is another matter: our Python loop launches many
 # small matmuls. FlashAttention gets its speed from running this loop inside one GPU kernel,
 # where a tile never leaves on-chip memory.
+#
+# ### Without the custom backward
+#
+# Is the custom `autograd.Function` needed, or would autograd through the tiled loop do? Our
+# `tiled_attention_forward` updates its tiles in place, which autograd refuses to differentiate
+# (it needs the values that the in-place operations overwrite). Written without in-place
+# operations, the same loop is differentiable, and autograd keeps what each operation's backward
+# needs: every tile's weights $P$, so all $T \times T$ of them again, in pieces. The peak memory
+# of a training step, measured as above (fewer lengths: this one is slow):
+
+# %%
+def looped_attention(Q, K, V, block_q=256, block_k=256):
+    """The tiled forward pass without in-place operations, differentiated by autograd."""
+    scale = 1.0 / math.sqrt(Q.size(-1))
+    outputs = []
+    for i0 in range(0, Q.size(-2), block_q):
+        Q_i = Q[..., i0 : i0 + block_q, :]  # (..., bq, d_k)
+        m = Q_i.new_full((*Q_i.shape[:-1], 1), -math.inf)
+        ell = Q_i.new_zeros((*Q_i.shape[:-1], 1))
+        acc = Q_i.new_zeros((*Q_i.shape[:-1], V.size(-1)))
+        for j0 in range(0, K.size(-2), block_k):
+            S = Q_i @ K[..., j0 : j0 + block_k, :].transpose(-2, -1) * scale  # (..., bq, bk)
+            m_new = torch.maximum(m, S.amax(dim=-1, keepdim=True))
+            P = torch.exp(S - m_new)  # autograd keeps this tile for the backward
+            rescale = torch.exp(m - m_new)
+            ell = rescale * ell + P.sum(dim=-1, keepdim=True)
+            acc = rescale * acc + P @ V[..., j0 : j0 + block_k, :]
+            m = m_new
+        outputs.append(acc / ell)
+    return torch.cat(outputs, dim=-2)  # (..., T_q, d_v)
+
+
+Qs, Ks, Vs = make_qkv(300, requires_grad=True)
+assert_close(looped_attention(Qs, Ks, Vs, 64, 64), scaled_dot_product_attention(Qs, Ks, Vs)[0])
+short = lengths[:3]
+looped_train_mem = []
+for T in short:
+    Qg, Kg, Vg = make_qkv(T, requires_grad=True)
+    looped_train_mem.append(peak_memory(lambda Q=Qg, K=Kg, V=Vg: looped_attention(Q, K, V).sum()
+                                        .backward(), device))
+
+# %% tags=["nbval-ignore-output"]
+slope_looped = fit_slope(short, looped_train_mem)
+slope_custom = fit_slope(short, tiled_train_mem[:3])
+for T, looped, custom in zip(short, looped_train_mem, tiled_train_mem, strict=False):
+    print(f"T={T:5d}: training, autograd through the loop {looped / MiB:6.1f} MiB, "
+          f"recomputing backward {custom / MiB:5.2f} MiB")
+print(f"memory ~ T^k: autograd through the loop k = {slope_looped:.2f}, "
+      f"recomputing backward k = {slope_custom:.2f}")
+
+# %%
+assert slope_looped > 1.5 and slope_looped > slope_custom + 0.7
+assert all(lo > 2 * T * T * 4 for lo, T in zip(looped_train_mem, short, strict=True))  # > 2 T x T
+
+# %% [markdown]
+# **The tiling saves memory in the forward pass; the recomputing backward is what keeps the
+# training step's memory linear.** Autograd through the loop keeps more than two $T \times T$
+# float32 matrices' worth of tiles (at least every tile's weights $P$, and more of what the
+# rescaling's backward needs): back on the quadratic slope of the naive attention.
 
 # %% [markdown]
 # ## 4 · PyTorch's fused kernels
 #
 # `F.scaled_dot_product_attention(Q, K, V, attn_mask, dropout_p, is_causal)` computes the same
-# function and picks a **backend** by device, dtype and arguments:
+# function and picks a **backend** (`torch.nn.attention.SDPBackend`) by device, dtype and
+# arguments: the first, in a fixed order of preference, whose checks the call passes. What
+# disqualifies each, in torch 2.13 (the checks are in PyTorch's `sdp_utils.cpp` and
+# `sdp_utils_cpp.cpp`, under `aten/src/ATen/native/transformers/`; they change between
+# releases, and the PyTorch documentation of `scaled_dot_product_attention` and `SDPBackend`
+# lists the backends, not every check):
 #
-# | backend | where | what it is |
-# |---|---|---|
-# | `MATH` | everywhere | the naive formula in ATen ops, $T \times T$ in memory; the fallback |
-# | `FLASH_ATTENTION` | CPU (a tiled C++ kernel), CUDA sm80+ (FlashAttention-2, fp16/bf16) | this notebook's algorithm, fused |
-# | `EFFICIENT_ATTENTION` | CUDA | the memory-efficient kernel (Rabe and Staats, 2021; xFormers): tiled, any mask |
-# | `CUDNN_ATTENTION` | recent NVIDIA GPUs | cuDNN's fused attention |
+# | backend | what it is | devices and dtypes | `attn_mask` | `dropout_p > 0` |
+# |---|---|---|---|---|
+# | `MATH` | the naive formula in ATen ops, $T \times T$ in memory: the fallback | all | any | yes |
+# | `FLASH_ATTENTION`, CPU | a tiled C++ kernel, this notebook's algorithm | float32, float64, bf16, fp16 | bool or float | **no** |
+# | `FLASH_ATTENTION`, CUDA | FlashAttention-2 (Dao, 2023) | sm80+ (A100, L4, RTX 30xx on), fp16 or bf16 only; $d_k \le 256$ | **none** (`is_causal` only) | yes |
+# | `EFFICIENT_ATTENTION` | the memory-efficient kernel (Rabe and Staats, 2021; xFormers): tiled | CUDA; float32, fp16, bf16 | bool or float | yes |
+# | `CUDNN_ATTENTION` | cuDNN's fused attention | recent NVIDIA GPUs; fp16, bf16 | depends on the cuDNN version | depends on the version |
 #
+# So on a GPU a padding mask rules out the flash kernel (the efficient one takes it), float32
+# rules out flash and cuDNN, and on the CPU dropout rules out flash, leaving the math backend.
 # `torch.nn.attention.sdpa_kernel` restricts the choice, which lets us ask which backends run on
 # this machine (a backend that cannot serve the call raises a `RuntimeError`; the warnings that
 # explain why are silenced here):
@@ -568,6 +666,46 @@ print(f"{device.type}, {kernel_dtype}: " + ", ".join(
 
 # %%
 assert runs_here["math"]  # the reference implementation runs everywhere
+
+
+# %% [markdown]
+# The same question for the arguments, on this machine, for the flash backend against the
+# math one: a causal call, a boolean and a float mask, dropout, bfloat16 inputs and a head
+# size of 512:
+
+# %%
+def backend_runs(backend, dtype=kernel_dtype, d_k=64, **kwargs):
+    """Whether F.scaled_dot_product_attention runs with only `backend` allowed."""
+    q, k, v = make_qkv(128, d_k=d_k, heads=2, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, k, v, **kwargs)
+            return True
+        except RuntimeError:
+            return False
+
+
+probe_mask = causal_mask(128, device=device)
+probes = {"is_causal": {"is_causal": True}, "bool mask": {"attn_mask": probe_mask},
+          "float mask": {"attn_mask": torch.zeros(128, 128, dtype=kernel_dtype, device=device)},
+          "dropout 0.1": {"dropout_p": 0.1}, "bfloat16": {"dtype": torch.bfloat16},
+          "d_k = 512": {"d_k": 512}}
+probe_runs = {name: {b: backend_runs(BACKENDS[b], **kw) for b in ("math", "flash")}
+              for name, kw in probes.items()}
+
+# %% tags=["nbval-ignore-output"]
+for name, ok in probe_runs.items():
+    print(f"{name:>12}: " + ", ".join(f"{b} {'runs' if r else 'refuses'}" for b, r in ok.items()))
+
+# %%
+assert all(ok["math"] for ok in probe_runs.values())  # the fallback takes every argument
+
+# %% [markdown]
+# On the CPU that stored these outputs the flash kernel took both masks, bfloat16 and
+# $d_k = 512$, and refused only dropout: which is why the fast path of section 5 computes
+# attention with dropout itself on a CPU. (On a CUDA GPU the rows differ, as the table says.)
 
 # %% [markdown]
 # Memory and time at $T = 2048$, four heads: the naive attention, ours tiled, and PyTorch's
@@ -609,25 +747,16 @@ assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (noteboo
 # `W_k`, `W_v`, `W_o`, the norms' `weight` and `bias`, so the same `state_dict`) and changes
 # only how the forward pass computes:
 #
-# 1. **Packed projections.** Notebook 03's projections already hold all heads in one matrix
-#    each; the fast path packs further: self-attention concatenates $W_q, W_k, W_v$ into one
-#    $(3d, d)$ matrix and projects once; cross-attention projects $K, V$ of the encoder's output together.
-#    One large matmul is faster than three small ones, and the heads are views of its output.
-# 2. **Fused attention.** `F.scaled_dot_product_attention` with `is_causal=True` when the mask is
-#    the causal one (its kernel then skips the tiles above the diagonal). Our masks already mean
-#    what its boolean masks mean. A row with no allowed key gets zeros from PyTorch's CPU kernels
-#    (since torch 2.5), but some GPU kernels have returned NaN for it; the fast path opens such
-#    a row to every key and zeroes its output, so every backend follows notebook 05's policy.
-#    One exception: with dropout in training on the CPU, PyTorch's flash kernel has
-#    no dropout and falls back to the math backend, so there the fast path does the math itself,
-#    with the faster dropout below.
-# 3. **Fused layer norm.** `F.layer_norm`, one kernel instead of five operations.
-# 4. **A faster dropout on the CPU.** `F.dropout` draws its mask with `bernoulli_`, which on a
-#    CPU is slower (the timing below says by how much here) than drawing uniforms and
-#    comparing: $u \ge p$ with $u \sim U[0, 1)$ keeps an element with probability $1 - p$, the
-#    same distribution. The fast path uses it on the attention weights, the largest dropout of
-#    the model: those of a batch of 16 sequences of 128 tokens with 4 heads hold a million numbers
-#    per layer ($16 \cdot 4 \cdot 128^2$), against $16 \cdot 128 \cdot 128$ for a sub-layer's output.
+# | piece | from scratch | fast path | why |
+# |---|---|---|---|
+# | projections | three matmuls, $W_q$, $W_k$, $W_v$ (each already holds all heads) | one, with the three concatenated into a $(3d, d)$ matrix (cross-attention: $W_k, W_v$ into $(2d, d)$); the heads are views of its output | one large matmul is faster than three small ones |
+# | attention | notebook 02's formula, $T \times T$ weights in memory | `F.scaled_dot_product_attention`; `is_causal=True` for the causal mask, so its kernel skips the tiles above the diagonal | a fused kernel (section 4) |
+# | a row with no allowed key | zeros (notebook 05's policy) | the row opened to every key, its output then zeroed | PyTorch's CPU kernels give zeros (since torch 2.5), some GPU kernels have given NaN |
+# | attention in training with dropout, on a CPU | as above | notebook 02's arithmetic, with the dropout below | the CPU flash kernel refuses dropout (section 4's probe), and the math backend would draw with `bernoulli_` |
+# | layer norm | five operations | `F.layer_norm` | one kernel |
+# | dropout on the attention weights, on a CPU | `F.dropout`: a mask from `bernoulli_` | `fast_dropout`: keep where $u \ge p$, $u \sim U[0, 1)$ | the same distribution, cheaper draws (timed below); the weights are the model's largest dropout: $16 \cdot 4 \cdot 128^2$ numbers a layer for 16 sequences of 128 tokens and 4 heads, against $16 \cdot 128 \cdot 128$ for a sub-layer's output |
+#
+# Our boolean masks already mean what PyTorch's do (True: may attend), so they pass through.
 #
 # Where does the fast path live? Not in a second set of classes. Notebook 03 gave
 # `MultiHeadAttention` a switch, `fast`, and notebook 06 gave `LayerNorm` one: each module computes
@@ -853,6 +982,61 @@ for name, p in scratch_model.named_parameters():
 print(f"logits and all {len(grads_fast)} gradients equal (to float32 rounding)")
 
 # %% [markdown]
+# That was evaluation mode. In training mode the fast path takes other branches (dropout on the
+# attention weights, `fused_attention`'s CPU branch), and with dropout on the two models cannot
+# agree number for number: they draw different masks. So the check comes in two parts. With
+# `dropout_p=0`, training mode must give the same logits and gradients:
+
+# %%
+set_seed(0)
+scratch_p0 = Transformer(12, 12, dropout_p=0.0).to(device).train()
+fast_p0 = use_fast_path(copy.deepcopy(scratch_p0)).train()
+logits_p0 = {}
+for name, mdl in (("scratch", scratch_p0), ("fast", fast_p0)):
+    mdl.zero_grad()
+    logits_p0[name] = mdl(src, tgt, src_mask, tgt_mask)  # (B, T, V), in training mode
+    logits_p0[name].square().mean().backward()
+assert scratch_p0.training and fast_p0.training
+assert_close(logits_p0["fast"], logits_p0["scratch"], atol=1e-5, rtol=1e-5)
+grads_fast_p0 = dict(fast_p0.named_parameters())
+for name, p in scratch_p0.named_parameters():
+    assert_close(grads_fast_p0[name].grad, p.grad, atol=1e-5, rtol=1e-4)
+print(f"training mode, dropout 0: logits and all {len(grads_fast_p0)} gradients equal")
+
+# %% [markdown]
+# With dropout on, the two attentions must drop the same *fraction* of the weights, $p$, and
+# scale the survivors by $1/(1-p)$. A setting that makes the dropped weights visible in the
+# output: $Q = K = 0$ makes every weight $1/T$, and $V = I$ (the $T \times T$ identity) copies
+# the weights into the output, so that the output is zero exactly where a weight was dropped.
+# Over $n$ weights the dropped fraction has a standard deviation of $\sqrt{p(1-p)/n}$; the
+# check allows six of them, which a correct dropout exceeds with a probability of about
+# $2 \cdot 10^{-9}$, whatever the seed:
+
+# %%
+p_drop, T_d = 0.1, 64
+Q_d = torch.zeros(2, 4, T_d, T_d, device=device)  # every score 0: every weight 1 / T_d
+V_d = torch.eye(T_d, device=device).expand(2, 4, T_d, T_d)  # the output row = the weights row
+torch.manual_seed(0)
+dropped_by = {
+    "fast path (fused_attention)": fused_attention(Q_d, Q_d, V_d, None, False, dropout_p=p_drop),
+    "from scratch (notebook 02)": scaled_dot_product_attention(Q_d, Q_d, V_d, dropout_p=p_drop,
+                                                               training=True)[0],
+}
+drop_sd = math.sqrt(p_drop * (1 - p_drop) / Q_d.numel())
+drop_fraction = {name: (out == 0).float().mean().item() for name, out in dropped_by.items()}
+
+# %% tags=["nbval-ignore-output"]
+for name, fraction in drop_fraction.items():
+    print(f"{name}: dropped {fraction:.4f} of the weights (p = {p_drop}, "
+          f"standard deviation {drop_sd:.4f})")
+
+# %%
+for name, out in dropped_by.items():
+    assert abs(drop_fraction[name] - p_drop) < 6 * drop_sd, name
+    kept = out[out != 0]  # survivors: (1 / T_d) / (1 - p)
+    assert_close(kept, torch.full_like(kept, 1 / T_d / (1 - p_drop)))
+
+# %% [markdown]
 # The path that training on a CPU takes with dropout on is the other branch of
 # `fused_attention`, the arithmetic of notebook 02 with the faster dropout. **Check** it against
 # notebook 02's function with a dropout probability too small to drop anything ($10^{-12}$), so
@@ -1072,7 +1256,7 @@ assert step_time["fast path"] < 1.5 * step_time["nn.Transformer"]
 assert all(math.isfinite(step()) for step in steps.values())
 
 # %% [markdown]
-# Why are the three so close? The largest part of each step is the matmuls (about half, in the
+# Why are the three so close? The largest part of each step is the matmuls (half or more, in the
 # profile below): projections, feed-forward and their gradients, the same arithmetic in all
 # three models. Where the fast path wins (`make bench`,
 # section 8, run on a quiet machine), it wins on what is around them: fewer and fused operations
@@ -1178,7 +1362,7 @@ assert profiles["fast path"].get("aten::uniform_", 0.0) > 0.0  # attention weigh
 assert profiles["nn.Transformer"].get("aten::uniform_", 0.0) == 0.0  # F.dropout: bernoulli_
 
 # %% [markdown]
-# The two models do the same matmuls, and in both they are about half of the step (the shares
+# The two models do the same matmuls, and in both they are half of the step or more (the shares
 # are printed above). With the vectorised kernels this CPU picks by itself they are also the
 # largest group; under `ATEN_CPU_CAPABILITY=default` (plain scalar element-wise kernels) the
 # element-wise "everything else" grows past them, so the check above asserts a share, not a rank. The fast path's matmuls alone are a fraction of
@@ -1361,36 +1545,134 @@ finally:
 peak_flops = 2 * 1024**3 / matmul_s
 mfu = {name: counted / seconds / peak_flops
        for name, seconds in (("Adam", fast_step_s), ("fused Adam", fused_step_s))}
+# The rate of the step's matmuls alone: every FLOP counted is a matmul's, over the matmuls' time
+# in section 5's profile. The profile records CPU time, which on a GPU is the kernels' launch,
+# not their run, so the ratio means something on a CPU only.
+matmul_rate = (counted / (by_group["fast path"]["matmul"] / 1e3) / peak_flops
+               if device.type == "cpu" else None)
 
 # %% tags=["nbval-ignore-output"]
 print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s")
 for name, seconds in (("Adam", fast_step_s), ("fused Adam", fused_step_s)):
     print(f"fast path with {name:>10}: {1e3 * seconds:5.1f} ms a step = "
           f"{counted / seconds / 1e9:4.1f} GFLOP/s; MFU {mfu[name]:.2f}")
-
-# %% [markdown]
-# Timed in turns (seven of each, the medians), the fused optimizer's step was a few per cent
-# faster in our runs, 3 to 6 ms of about 75; a single pair of timings can show the opposite,
-# the difference being of the order of one step's run-to-run noise. The step reaches about half
-# of the measured peak. `make bench` reports it, timed in turns with the
-# matmul, as `mfu_measured_peak`: 0.50–0.54 in our runs on an AVX2 server CPU, short of section 8's goal of
-# 0.55, and 0.56–0.60 on the AVX-512 one that stored these outputs (the cell above times the
-# matmul and the step one after the other, five times each, so its MFU moves more from run to
-# run than `make bench`'s, whose peak and step are timed in turns). Where does the rest go? In
-# the profile of section 5 the matmuls took somewhat over half of the fast path's step (about
-# three fifths in our runs), and in our runs they ran at about 0.8 of the peak themselves (the
-# profile's matmul time against their FLOPs; the profile is section 5's, this ratio is not
-# printed there): with 512 rows of width 128 they are too small to reach the speed of a
-# 1024 × 1024 one, so even a step with no other work would stop near 0.8. The rest is element-wise work on activations of
-# a megabyte or so (dropout masks; the feed-forward's ReLU and its gradient; layer norm;
-# softmax), copies, the optimizer and Python. (Three fifths of the time at 0.8 of the peak
-# gives about 0.5 by itself; the other operators' arithmetic is not counted in the model FLOPs
-# at all, `FlopCounterMode` counts the matmuls, so their time only lowers the MFU; and the
-# profile and this cell are different runs, so the two agree only roughly.) On a GPU the same
-# step would have a much lower MFU, since the model is far too small to fill it.
+print(f"fused / plain step time: {fused_step_s / fast_step_s:.2f}")
+if matmul_rate is not None:
+    print(f"the step's matmuls alone (section 5's profile): {matmul_rate:.2f} of the measured peak")
 
 # %%
 assert all(0.0 < value < 1.0 for value in mfu.values())  # a sanity check of the two measurements
+assert fused_step_s < 2 * fast_step_s  # not slower beyond the noise (which is large here)
+assert matmul_rate is None or 0.3 < matmul_rate < 2.5  # FLOPs and profile roughly consistent
+
+
+# %% [markdown]
+# Both steps do the same update; which is faster, and by how much, moves from run to run on a
+# shared machine: the printed ratio ranged from about 0.65 to 1.3 in our runs on this course's
+# 2-core CPUs, so the notebook asserts only that the fused step is not twice as slow. `make bench` reports the fused step's MFU as
+# `mfu_measured_peak`, with the matmul timed in turns with the step (section 8's table: 0.53
+# and 0.44 on two of our machines, against a goal of 0.55); this cell times the matmul and the
+# steps one after the other, so its MFU moves more from run to run.
+#
+# Where does the rest go? The last line printed divides the FLOPs that `FlopCounterMode`
+# counted (all of them matmul FLOPs) by the matmuls' own time in section 5's profile: the rate
+# of the step's matmuls as a fraction of the measured peak. In our runs it came out between
+# about two thirds (on a busy machine) and 1.05 (the profile and this cell are different runs,
+# so the ratio is rough, and can come out above 1): small as they are (512 rows of width 128),
+# the step's matmuls run at most of the speed of the 1024 × 1024 one that defines the peak. So most of the
+# gap between the MFU and 1 is not slow matmuls but everything else: element-wise work on activations of a megabyte or so (dropout
+# masks; the feed-forward's ReLU and its gradient; layer norm; softmax), copies, the optimizer
+# and Python. Their time counts in the step, their arithmetic is not counted in the model
+# FLOPs, so the MFU is about the matmuls' share of the step's time (section 5's profile prints
+# it) times their rate. On a GPU the same step would have a much lower MFU, since the model is
+# far too small to fill it.
+#
+# ### Bytes moved: tiled attention on the roofline
+#
+# FLOPs count the arithmetic; the **roofline** model (Williams et al., 2009) asks whether the
+# arithmetic or the memory traffic sets the time. A kernel's **arithmetic intensity** $I$ is its
+# FLOPs per byte moved between main memory and the processor. A machine with peak $\pi$ (FLOP/s)
+# and memory bandwidth $\beta$ (bytes/s) runs a kernel at most at $\min(\pi, I\beta)$: below
+# the machine's **balance** $\pi / \beta$ a kernel is memory-bound. For one head's forward
+# pass, with $d = d_k = d_v$, counting each tensor once per pass over it:
+#
+# - **naive** (section 1): $QK^\top$ reads $Q$ and $K$ and writes $S$; the softmax reads $S$ and
+#   writes $P$; $PV$ reads $P$ and $V$ and writes $O$: $4Td + 4T^2$ numbers, at least;
+# - **tiled** (section 3): $Q$ is read once, $K$ and $V$ once per query block ($T / b_q$ times),
+#   $O$ written once, and the tiles never leave fast memory (on a GPU; on a CPU, its caches):
+#   $2Td + 2T^2 d / b_q$ numbers.
+#
+# Both do $4T^2 d$ FLOPs in their two matmuls. With 4-byte numbers, for $T \gg d$ the naive
+# intensity tends to $d/4$ (16 FLOP/byte for $d = 64$), the tiled one to $b_q / 2$ (128 for our
+# 256-row tiles): **the tile size sets the intensity**. In bytes, with $d = 64$:
+
+# %%
+def attention_bytes(T, d=64, block_q=256, bytes_per_number=4):
+    """Bytes one head's forward pass moves: (naive, tiled), and its matmul FLOPs."""
+    naive = (4 * T * d + 4 * T * T) * bytes_per_number
+    tiled = (2 * T * d + 2 * T * T * d // block_q) * bytes_per_number
+    return naive, tiled, 4 * T * T * d
+
+
+print(f"{'T':>6}{'GFLOP':>8}{'naive MB':>10}{'tiled MB':>10}{'naive FLOP/B':>14}{'tiled FLOP/B':>14}")
+intensity = {}
+for T in (512, 2048, 8192):
+    naive_b, tiled_b, flops_T = attention_bytes(T)
+    intensity[T] = (flops_T / naive_b, flops_T / tiled_b)
+    print(f"{T:>6}{flops_T / 1e9:>8.3f}{naive_b / 1e6:>10.1f}{tiled_b / 1e6:>10.1f}"
+          f"{intensity[T][0]:>14.1f}{intensity[T][1]:>14.1f}")
+assert all(tiled > 4 * naive for naive, tiled in intensity.values())
+assert intensity[8192][0] < 64 / 4 < intensity[8192][1] < 256 / 2  # the limits d/4 and b_q/2
+
+# %% [markdown]
+# This machine's balance: the measured matmul peak above against the bandwidth of a copy of a
+# 256 MiB tensor (read once, written once), one thread:
+
+# %% tags=["nbval-ignore-output"]
+torch.set_num_threads(1)
+try:
+    big = torch.empty(2**26, device=device)  # 256 MiB of float32, far larger than the caches
+    big_copy = torch.empty_like(big)
+    copy_s = time_call(lambda src=big, dst=big_copy: dst.copy_(src), warmup=1, repeats=5)
+finally:
+    torch.set_num_threads(threads)
+bandwidth = 2 * big.numel() * big.element_size() / copy_s  # bytes read and written per second
+balance = peak_flops / bandwidth
+del big, big_copy
+print(f"bandwidth {bandwidth / 1e9:.1f} GB/s, matmul peak {peak_flops / 1e9:.1f} GFLOP/s: "
+      f"balance {balance:.1f} FLOP/byte")
+
+# %%
+assert 1e8 < bandwidth < 1e14 and balance > 0  # a sanity check of the measurement
+
+# %% jupyter={"source_hidden": true}
+A100_BALANCE = 312e12 / 2.0e12  # data sheet: bf16 tensor cores, HBM2e (A100 80 GB SXM)
+I_axis = torch.logspace(-1, 3, 200)
+fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
+ax.loglog(I_axis, torch.clamp(I_axis / balance, max=1.0), color=COLORS["ours"],
+          label=f"this machine, one thread (balance {balance:.0f} FLOP/byte, measured)")
+ax.loglog(I_axis, torch.clamp(I_axis / A100_BALANCE, max=1.0), color=COLORS["torch"],
+          label=f"A100, bf16 (balance {A100_BALANCE:.0f} FLOP/byte, data sheet)")
+for (name, I_value, style) in (("naive", intensity[2048][0], "--"), ("tiled", intensity[2048][1], ":")):
+    ax.axvline(I_value, color=COLORS["accent"], linestyle=style,
+               label=f"{name} attention, T = 2048, float32: {I_value:.0f} FLOP/byte")
+ax.set_xlabel("arithmetic intensity (FLOP per byte of memory traffic)")
+ax.set_ylabel("attainable fraction of the peak")
+ax.set_ylim(1e-3, 2)
+ax.set_title("Roofline: attention's intensity against the machine's balance")
+ax.legend(fontsize=7, loc="lower right")
+save_figure(fig, "14_roofline")
+plt.show()
+
+# %% [markdown]
+# On this CPU with one thread the balance is low (printed above): both intensities lie to the
+# right of the ridge, so the roofline does not blame memory traffic for the naive attention's
+# time in section 4. It does work that the FLOP count leaves out, though: the element-wise
+# passes over the $T^2$ scores (maximum, subtraction, exponential, sum, division). On a GPU the balance is in the hundreds: on an A100, the naive
+# attention in bfloat16 (2-byte numbers: intensity $d/2 = 32$) is memory-bound at about a fifth
+# of the peak, while query tiles of 128 rows (intensity about $b_q = 128$ in bfloat16) bring
+# it near the ridge. **Tiling raises the arithmetic intensity from $d/4$ to $b_q/2$: that,
+# not fewer FLOPs, is where a fused attention kernel's speed comes from on a GPU.**
 
 # %% [markdown]
 # ### The KV cache in bytes
@@ -1411,10 +1693,7 @@ greedy_decode(endless, src, max_new_tokens=512, src_mask=src_mask, cache=filled)
 layers_n, (B_c, S_c), d_c = scratch_model.config.num_layers, src.shape, scratch_model.d_model
 cache_formula = 2 * layers_n * B_c * d_c * (512 + S_c) * 4  # float32: 4 bytes a number
 allocated = sum(  # the buffers themselves: kept positions plus the spare room of growing ones
-    buffer.numel() * buffer.element_size()
-    for layer in filled.layers
-    for cache in (layer.self_attn, layer.cross_attn)
-    for buffer in (cache._buffers or (cache.keys, cache.values))
+    cache.allocated_bytes() for layer in filled.layers for cache in (layer.self_attn, layer.cross_attn)
 )
 print(f"formula {cache_formula / MiB:.3f} MiB, kept {filled.num_bytes() / MiB:.3f} MiB, "
       f"allocated {allocated / MiB:.3f} MiB")
@@ -1445,7 +1724,68 @@ if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulatio
 else:
     amp_dtype = torch.bfloat16
 amp_name = str(amp_dtype).removeprefix("torch.")
-amp_model = use_fast_path(copy.deepcopy(scratch_model)).eval()
+
+# %% [markdown]
+# How much does a 16-bit forward pass change the model's output? An untrained model is no test:
+# its logits are small and nearly flat, and a comparison of its losses would pass even for
+# logits that were all zero. So first 100 steps of training on the reversal task (in float32),
+# enough for the model to reverse most sequences of 8 symbols, then its logits with and without
+# autocast on held-out sequences:
+
+# %%
+set_seed(0)
+amp_model = use_fast_path(copy.deepcopy(scratch_model)).train()
+amp_optimizer = torch.optim.Adam(amp_model.parameters(), lr=1e-3)
+short_mask = causal_mask(9, device=device)
+for amp_step in range(100):
+    src_t, tgt_in_t, tgt_out_t = reversal_batch(32, 8, seed=1 + amp_step)
+    amp_train_loss = F.cross_entropy(amp_model(src_t, tgt_in_t, tgt_mask=short_mask).flatten(0, 1),
+                                     tgt_out_t.flatten())
+    amp_optimizer.zero_grad(set_to_none=True)
+    amp_train_loss.backward()
+    amp_optimizer.step()
+amp_model.eval()
+held_out = reversal_batch(64, 8, seed=10_000)
+
+
+def held_out_logits(autocast):
+    with torch.no_grad(), torch.autocast(device.type, dtype=amp_dtype, enabled=autocast):
+        return amp_model(held_out[0], held_out[1], tgt_mask=short_mask)  # (B, T, V)
+
+
+logits_fp32, logits_amp = held_out_logits(False), held_out_logits(True)
+logit_error = (logits_amp.float() - logits_fp32).abs()  # (B, T, V)
+logit_scale = logits_fp32.std().item()
+amp_accuracy = (logits_fp32.argmax(-1) == held_out[2]).float().mean().item()
+amp_agree = (logits_amp.argmax(-1) == logits_fp32.argmax(-1)).float().mean().item()
+
+# %% tags=["nbval-ignore-output"]
+print(f"held-out accuracy {amp_accuracy:.3f}; logits: standard deviation {logit_scale:.2f}, "
+      f"largest {logits_fp32.abs().max().item():.2f}")
+print(f"{amp_name} autocast against float32: largest error {logit_error.max().item():.4f}, "
+      f"root mean square {logit_error.square().mean().sqrt().item():.4f} "
+      f"({logit_error.square().mean().sqrt().item() / logit_scale:.4f} of the logits' spread); "
+      f"the same prediction at {amp_agree:.1%} of the positions")
+
+# %% [markdown]
+# The errors are of the order of the 16-bit type's rounding ($2^{-8} \approx 0.004$ relative,
+# for bfloat16) times the logits' size, a fraction of a per cent of their spread, and the
+# predictions hardly change. The check asserts this against the logits' scale, with bounds a few
+# times looser than what we measured, and that the logits did come out of a 16-bit matmul:
+
+# %%
+assert logits_amp.dtype == amp_dtype and logits_fp32.dtype == torch.float32
+assert amp_accuracy > 0.5 and logit_scale > 1.0  # a trained model, not near-zero logits
+rms_error = logit_error.square().mean().sqrt().item()
+assert 0.0 < rms_error < 0.02 * logit_scale  # nonzero: autocast did change the arithmetic
+assert logit_error.max().item() < 0.05 * logits_fp32.abs().max().item()
+assert amp_agree >= 0.98
+
+# %% [markdown]
+# For the timing below, a loss over longer sequences (16 of 32 symbols), with and without
+# autocast:
+
+# %%
 amp_batch = reversal_batch(16, 32)
 amp_mask = causal_mask(33, device=device)
 
@@ -1458,21 +1798,6 @@ def amp_logits(autocast):
 def amp_loss(autocast):
     return F.cross_entropy(amp_logits(autocast).float().flatten(0, 1), amp_batch[2].flatten())
 
-
-loss_fp32, loss_amp = amp_loss(False).item(), amp_loss(True).item()
-
-# %% tags=["nbval-ignore-output"]
-print(f"loss float32 {loss_fp32:.4f}, {amp_name} autocast {loss_amp:.4f}")
-
-# %% [markdown]
-# The difference depends on the hardware's 16-bit arithmetic; it stays a small fraction of the
-# loss. That alone would also pass if autocast did nothing, so the cell checks as well that the
-# logits did come out of a 16-bit matmul, and that the two losses are not the same number:
-
-# %%
-assert amp_logits(True).dtype == amp_dtype and amp_logits(False).dtype == torch.float32
-assert loss_amp != loss_fp32
-assert abs(loss_amp - loss_fp32) < 0.05 * loss_fp32
 
 # %% [markdown]
 # Time and memory of a forward and backward pass. With float16 the backward goes through the
@@ -1506,6 +1831,9 @@ print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False
       f"({amp_time[True] / amp_time[False]:.2f} of the time, "
       f"{amp_mem[True] / amp_mem[False]:.2f} of the memory)")
 
+# %%
+assert amp_mem[True] < amp_mem[False]  # 16-bit activations: less memory on any machine
+assert all(seconds > 0 for seconds in amp_time.values())
 
 # %% [markdown]
 # Read the two ratios above as this machine's, not as a law. The memory is less, but not half: the
@@ -1517,14 +1845,52 @@ print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False
 # stream stays float32: a float32 tensor plus a bfloat16 sublayer output is float32.) The time depends on whether the hardware has fast 16-bit matmuls. A CPU with
 # bfloat16 instructions (`avx512_bf16` or `amx_bf16` in `/proc/cpuinfo`, printed above) runs
 # them fast enough to pay back much of the cost of casting each matmul's inputs first: on such a
-# CPU autocast took between about 0.8 and 1.3 times float32's time in our runs, varying from run
-# to run (this toy model's matmuls are small). A CPU without them computes in bfloat16 by
+# CPU autocast took about as long as float32, within a factor of about 1.5 either way, in our
+# runs, varying from run to run (this toy model's matmuls are small, so the casts weigh); no
+# speed-up is to be expected from it here. A CPU without them computes in bfloat16 by
 # converting back and forth, and autocast can then be several times *slower* than float32 (twelve
 # times, in one of our runs on an AVX2 CPU). Mixed precision
 # on a CPU is a memory saving first, and a speed-up only on the right hardware. On a GPU with tensor cores (float16 on a T4,
 # bfloat16 or float16 on an A100) a model large enough to fill the GPU typically runs about 2×
 # faster or more; this toy model is too small to show it.
 #
+# **16-bit inputs, float32 accumulators.** Our `tiled_attention_forward` keeps its running
+# $m$, $\ell$ and $a$ (and the tile's scores) in float32 when $Q$, $K$, $V$ are bfloat16 or float16,
+# as FlashAttention-2 does; its `acc_dtype` argument lets us see what the 16-bit alternative would
+# cost. At $T = 2048$, one head, bfloat16 inputs, against the float64 attention of the *same*
+# bfloat16 numbers (so that only the arithmetic differs), beside PyTorch's fused kernel:
+
+# %%
+Qh, Kh, Vh = (t.bfloat16() for t in make_qkv(2048, seed=2))
+exact = F.scaled_dot_product_attention(Qh.double(), Kh.double(), Vh.double())  # (1, 1, T, d_k)
+with torch.no_grad():
+    accumulated = {
+        "bfloat16 accumulators": tiled_attention_forward(Qh, Kh, Vh, acc_dtype=torch.bfloat16)[0],
+        "float32 accumulators (default)": tiled_attention_forward(Qh, Kh, Vh)[0],
+        "F.scaled_dot_product_attention": F.scaled_dot_product_attention(Qh, Kh, Vh),
+    }
+accumulation_error = {name: (out.double() - exact).abs().max().item()
+                      for name, out in accumulated.items()}
+largest = exact.abs().max().item()
+half_ulp = 2.0 ** (math.floor(math.log2(largest)) - 8)  # half of bfloat16's spacing there
+
+# %% tags=["nbval-ignore-output"]
+for name, error in accumulation_error.items():
+    print(f"{name:>31}: largest error {error:.5f}")
+print(f"{'rounding the exact output':>31}: at most {half_ulp:.5f}")
+
+# %% [markdown]
+# With float32 accumulators the error is the rounding of the output to bfloat16 and hardly
+# more, of the size of the fused kernel's; with bfloat16 ones every rescaling and every
+# addition over the 2048 keys rounds again, and the error is several times larger:
+
+# %%
+assert all(out.dtype == torch.bfloat16 for out in accumulated.values())
+assert accumulation_error["float32 accumulators (default)"] <= half_ulp + 1e-5  # + float32's
+assert accumulation_error["bfloat16 accumulators"] > 2 * accumulation_error["float32 accumulators (default)"]
+
+
+# %% [markdown]
 # **Gradient checkpointing** keeps only each block's input in the forward pass and recomputes the
 # block's inside during the backward (Chen et al., 2016), saving the activations of all but one
 # block at a time. The cost in arithmetic is one more forward pass of the blocks: a backward
@@ -1649,6 +2015,15 @@ assert ckpt_time["checkpointed"] < 3 * ckpt_time["plain"]
 # 3. **Sharing weights.** In a self-attention call, the fast path concatenates $W_q, W_k, W_v$ at
 #    every step. Why does that not break training, and what would break if it kept the
 #    concatenated copy between steps?
+# 4. **The fast path's dropout.** With dropout on, the fast path and the from-scratch model
+#    cannot give the same numbers (section 5). Show that `fast_dropout` on the CPU is exactly
+#    "keep where $u \ge p$, $u \sim U[0, 1)$, scale by $1/(1-p)$", by drawing the uniforms
+#    yourself from the same seed.
+# 5. **FLOPs when the model widens.** Double `d_model` to 256 and `d_ff` to 1024, with the same
+#    batch. By what factor do a training step's FLOPs grow, and why slightly less than 4?
+# 6. **A KV cache in bytes.** A model with $d = 512$ and 6 decoder layers decodes a batch of 8
+#    with sources of 100 tokens for 400 steps. How large is its cache in float32, and in
+#    bfloat16?
 #
 # **Solutions.**
 #
@@ -1657,11 +2032,16 @@ assert ckpt_time["checkpointed"] < 3 * ckpt_time["plain"]
 
 # %% tags=["nbval-ignore-output"]
 Qx, Kx, Vx = make_qkv(2048)
+tile_mem = {}
 for b in (64, 256, 1024):
     with torch.no_grad():
         t = time_call(lambda b=b: tiled_attention(Qx, Kx, Vx, block_q=b, block_k=b), repeats=1)
-        mem = peak_memory(lambda b=b: tiled_attention(Qx, Kx, Vx, block_q=b, block_k=b), device)
-    print(f"tiles of {b:4d}: {1e3 * t:6.1f} ms, {mem / MiB:5.1f} MiB")
+        tile_mem[b] = peak_memory(lambda b=b: tiled_attention(Qx, Kx, Vx, block_q=b, block_k=b),
+                                  device)
+    print(f"tiles of {b:4d}: {1e3 * t:6.1f} ms, {tile_mem[b] / MiB:5.1f} MiB")
+
+# %%
+assert tile_mem[64] < tile_mem[256] < tile_mem[1024]  # the temporaries grow with the tile
 
 # %% [markdown]
 # 2. Query tile $i$ (counting from 0) sees key tiles $0, \dots, i$, that is $i + 1$ of them:
@@ -1697,5 +2077,40 @@ assert calls == n_tiles * (n_tiles + 1) // 2
 #    next step concatenates the new values. A packed copy kept between steps would be a separate
 #    tensor: the optimizer would update $W_q, W_k, W_v$ and the copy would keep the old numbers.
 #    The cost of concatenating, $3d^2$ numbers a call, is small next to the matmul it feeds.
-#
+# 4. On the CPU `fast_dropout` draws `torch.rand_like(x)` from the global generator and keeps
+#    $u \ge p$; after the same seed, the same uniforms give the same mask:
+
+# %%
+x_drop = torch.rand(4, 8, generator=torch.Generator().manual_seed(3))  # on the CPU
+torch.manual_seed(7)
+ours_dropped = fast_dropout(x_drop, 0.25)
+torch.manual_seed(7)
+uniforms = torch.rand_like(x_drop)
+assert torch.equal(ours_dropped, x_drop * (uniforms >= 0.25) * (1 / 0.75))
+print("fast_dropout kept exactly the elements whose uniform was at least p, scaled by 1 / (1 - p)")
+
+# %% [markdown]
+# 5. Every $d \times d$ weight, and each feed-forward's $d \times d_{ff}$, grows fourfold, but
+#    the output head ($d \times V$) only twofold, and so do attention's $QK^\top$ and $PV$
+#    ($2T_qT_kd$): the factor is a little under 4. `training_flops` of section 6 counts it:
+
+# %%
+set_seed(0)
+wide = Transformer(12, 12, d_model=256, d_ff=1024)
+wide_ratio = sum(training_flops(wide, 64, S_len, T_len)) / (flops_linear + flops_attention)
+print(f"{sum(training_flops(wide, 64, S_len, T_len)) / 1e9:.4f} GFLOP a step, {wide_ratio:.3f} "
+      f"times the d = 128 model's")
+assert 3.9 < wide_ratio < 4.0
+
+# %% [markdown]
+# 6. $2 N B d (n + S)$ numbers: $2 \cdot 6 \cdot 8 \cdot 512 \cdot (400 + 100)$, 24.6 million, so
+#    98.3 MB in float32 and half that in bfloat16 (a growing buffer may hold up to twice as
+#    much, section 6):
+
+# %%
+cache_numbers = 2 * 6 * 8 * 512 * (400 + 100)
+print(f"{cache_numbers:,} numbers: {cache_numbers * 4 / 1e6:.1f} MB in float32, "
+      f"{cache_numbers * 2 / 1e6:.1f} MB in bfloat16")
+
+# %% [markdown]
 # Next: notebook 15, *Tuning and generalisation*.

@@ -141,6 +141,30 @@ def test_forward_returns_logsumexp_and_backward_pieces_match_autograd():
         assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tiled_attention_accumulates_16_bit_inputs_in_float32(dtype):
+    gen = torch.Generator().manual_seed(0)
+    Q, K, V = (torch.randn(1, 2, 512, 32, generator=gen).to(dtype) for _ in range(3))
+    truth = F.scaled_dot_product_attention(Q.double(), K.double(), V.double())
+    O, L = tiled_attention_forward(Q, K, V, block_q=64, block_k=64)
+    O_16, L_16 = tiled_attention_forward(Q, K, V, block_q=64, block_k=64, acc_dtype=dtype)
+    assert O.dtype == dtype and L.dtype == torch.float32 and L_16.dtype == dtype
+    err, err_16 = ((o.double() - truth).abs().max().item() for o in (O, O_16))
+    assert err < err_16 / 2  # float32 accumulators: less error than 16-bit ones
+    eps = torch.finfo(dtype).eps  # the output's own rounding: at most one unit in the last place
+    assert err <= eps * truth.abs().max().item()
+    Qg, Kg, Vg = (t.detach()[:, :, :100].clone().requires_grad_() for t in (Q, K, V))
+    out = tiled_attention(Qg, Kg, Vg, causal=True, block_q=16, block_k=32)
+    dO = torch.randn(out.shape, generator=gen).to(dtype)
+    grads = torch.autograd.grad(out, (Qg, Kg, Vg), dO)
+    Q64, K64, V64 = (t.detach().double().requires_grad_() for t in (Qg, Kg, Vg))
+    ref = F.scaled_dot_product_attention(Q64, K64, V64, is_causal=True)
+    ref_grads = torch.autograd.grad(ref, (Q64, K64, V64), dO.double())
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert_close(g.double(), r, atol=4 * eps, rtol=4 * eps)
+
+
 def test_tiled_attention_empty_rows_have_infinite_logsumexp():
     Q, K, V = (t.detach() for t in qkv(B=2, h=1, T_q=4, T_k=4))
     mask = padding_mask([4, 0], 4).expand(2, 1, 4, 4)

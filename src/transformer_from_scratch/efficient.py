@@ -3,8 +3,9 @@
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """Efficient attention: tiled attention with the online softmax and a recomputing backward (the
-FlashAttention algorithm in plain PyTorch), and the switch to the fast path of the course's model
-(whose attention half lives in the attention module, beside the from-scratch code)."""
+loop of FlashAttention-2, Dao 2023, in plain PyTorch), and the switch to the fast path of the
+course's model (whose attention half lives in the attention module, beside the from-scratch
+code)."""
 
 import dataclasses
 import math
@@ -24,10 +25,19 @@ from transformer_from_scratch.model import TransformerConfig
 
 # Taught in notebook 14 · Efficient attention and a fast path
 def _tile_scores(
-    Q_i: Tensor, K_j: Tensor, mask: Tensor | None, causal: bool, i0: int, j0: int, scale: float
+    Q_i: Tensor,
+    K_j: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    i0: int,
+    j0: int,
+    scale: float,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Masked scores of one tile: (..., bq, d_k) @ (..., d_k, bk) -> (..., bq, bk)."""
-    S = (Q_i @ K_j.transpose(-2, -1)).mul_(scale)
+    """Masked scores of one tile, in `dtype` (default Q's): (..., bq, d_k) @ (..., d_k, bk) ->
+    (..., bq, bk)."""
+    dtype = Q_i.dtype if dtype is None else dtype
+    S = (Q_i.to(dtype) @ K_j.to(dtype).transpose(-2, -1)).mul_(scale)  # .to: a no-op if equal
     bq, bk = Q_i.size(-2), K_j.size(-2)
     if mask is not None:  # already expanded to (..., T_q, T_k): slicing is a view
         m = mask[..., i0 : i0 + bq, j0 : j0 + bk]
@@ -49,6 +59,12 @@ def _key_starts(T_k: int, block_k: int, causal: bool, i1: int) -> range:
 
 
 # Taught in notebook 14 · Efficient attention and a fast path
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit inputs (as FlashAttention-2 accumulates), else the inputs' own dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# Taught in notebook 14 · Efficient attention and a fast path
 def tiled_attention_forward(
     Q: Tensor,  # (..., T_q, d_k)
     K: Tensor,  # (..., T_k, d_k)
@@ -57,28 +73,34 @@ def tiled_attention_forward(
     causal: bool = False,
     block_q: int = 256,
     block_k: int = 256,
+    acc_dtype: torch.dtype | None = None,  # default: float32 for 16-bit inputs, else Q's dtype
 ) -> tuple[Tensor, Tensor]:
-    """Attention one (block_q x block_k) tile at a time, online softmax: O (..., T_q, d_v), L."""
+    """Attention one (block_q x block_k) tile at a time, online softmax: O (..., T_q, d_v) in Q's
+    dtype, L (..., T_q, 1) in the accumulators' dtype."""
     scale = 1.0 / math.sqrt(Q.size(-1))
     T_q, T_k = Q.size(-2), K.size(-2)
+    acc_dtype = _accumulator_dtype(Q.dtype) if acc_dtype is None else acc_dtype
     O = Q.new_empty(*Q.shape[:-1], V.size(-1))  # (..., T_q, d_v)
-    L = Q.new_empty(*Q.shape[:-1], 1)  # (..., T_q, 1): log-sum-exp of each row
+    L = Q.new_empty(*Q.shape[:-1], 1, dtype=acc_dtype)  # (..., T_q, 1): log-sum-exp of each row
     for i0 in range(0, T_q, block_q):
         Q_i = Q[..., i0 : i0 + block_q, :]  # (..., bq, d_k)
-        m = Q_i.new_full((*Q_i.shape[:-1], 1), -math.inf)  # running max of each row
-        ell = Q_i.new_zeros((*Q_i.shape[:-1], 1))  # running sum of exp(s - m)
-        acc = Q_i.new_zeros((*Q_i.shape[:-1], V.size(-1)))  # running sum of exp(s - m) v
+        stats = (*Q_i.shape[:-1], 1)
+        m = Q_i.new_full(stats, -math.inf, dtype=acc_dtype)  # running max of each row
+        ell = Q_i.new_zeros(stats, dtype=acc_dtype)  # running sum of exp(s - m)
+        acc = Q_i.new_zeros((*Q_i.shape[:-1], V.size(-1)), dtype=acc_dtype)  # sum of exp(s - m) v
         for j0 in _key_starts(T_k, block_k, causal, i0 + Q_i.size(-2)):
-            S = _tile_scores(Q_i, K[..., j0 : j0 + block_k, :], mask, causal, i0, j0, scale)
+            S = _tile_scores(
+                Q_i, K[..., j0 : j0 + block_k, :], mask, causal, i0, j0, scale, acc_dtype
+            )
             m_new = torch.maximum(m, S.amax(dim=-1, keepdim=True))
             m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)  # no key seen yet: no shift
             P = S.sub_(m_safe).exp_()  # in place: the tile's scores are not needed again
             rescale = (m - m_safe).exp_()  # (..., bq, 1), 0 where m was -inf
             ell.mul_(rescale).add_(P.sum(dim=-1, keepdim=True))
-            acc.mul_(rescale).add_(P @ V[..., j0 : j0 + block_k, :])  # (..., bq, d_v)
+            acc.mul_(rescale).add_(P @ V[..., j0 : j0 + block_k, :].to(acc_dtype))  # (.., bq, d_v)
             m = m_new
         no_key = ell == 0  # rows that could attend to nothing: zeros, as in notebook 05
-        O[..., i0 : i0 + block_q, :] = acc.div_(ell.masked_fill(no_key, 1.0))
+        O[..., i0 : i0 + block_q, :] = acc.div_(ell.masked_fill(no_key, 1.0))  # to O's dtype
         m_safe = m.masked_fill(torch.isneginf(m), 0.0)
         L[..., i0 : i0 + block_q, :] = (m_safe + ell.log()).masked_fill(no_key, math.inf)
     return O, L
@@ -97,9 +119,12 @@ def tiled_attention_backward(
     block_q: int = 256,
     block_k: int = 256,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ, dK, dV of tiled attention, each tile's weights rebuilt from Q, K and L = logsumexp."""
+    """dQ, dK, dV of tiled attention, each tile's weights rebuilt from Q, K and L = logsumexp.
+    Computed and accumulated in L's dtype (float32 for 16-bit inputs), returned in the inputs'."""
     scale = 1.0 / math.sqrt(Q.size(-1))
     T_q, T_k = Q.size(-2), K.size(-2)
+    dtypes = Q.dtype, K.dtype, V.dtype
+    dO, Q, K, V, O = (t.to(L.dtype) for t in (dO, Q, K, V, O))  # L's: the accumulators' dtype
     D = (dO * O).sum(dim=-1, keepdim=True)  # (..., T_q, 1) = rowsum(P * dP), without P
     dQ, dK, dV = torch.zeros_like(Q), torch.zeros_like(K), torch.zeros_like(V)
     for i0 in range(0, T_q, block_q):
@@ -118,7 +143,7 @@ def tiled_attention_backward(
             dS = (dO_i @ V_j.transpose(-2, -1)).sub_(D_i).mul_(P)  # the softmax's backward
             dQ[..., i0:i1, :] += (dS @ K_j).mul_(scale)
             dK[..., j0:j1, :] += (dS.transpose(-2, -1) @ Q_i).mul_(scale)
-    return dQ, dK, dV
+    return dQ.to(dtypes[0]), dK.to(dtypes[1]), dV.to(dtypes[2])  # no copies if already so
 
 
 # Taught in notebook 14 · Efficient attention and a fast path
