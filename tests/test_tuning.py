@@ -1,5 +1,6 @@
 """Unit tests of transformer_from_scratch.tuning (notebook 15)."""
 
+import dataclasses
 import math
 
 import optuna
@@ -8,13 +9,18 @@ import torch
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.regularization import DropPath
+from transformer_from_scratch.train import REVERSAL_RECIPE
+from transformer_from_scratch.train import ReversalRecipe
 from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import accumulate_gradients
+from transformer_from_scratch.train import build_reversal_model
 from transformer_from_scratch.train import lr_lambda
 from transformer_from_scratch.train import num_tokens
+from transformer_from_scratch.train import reversal_recipe
 from transformer_from_scratch.train import sequence_loss
 from transformer_from_scratch.tuning import TUNED_RECIPE
 from transformer_from_scratch.tuning import TUTORIAL_RECIPE
+from transformer_from_scratch.tuning import EarlyStoppingCallback
 from transformer_from_scratch.tuning import Recipe
 from transformer_from_scratch.tuning import batches
 from transformer_from_scratch.tuning import build_model
@@ -205,6 +211,44 @@ def test_fit_learns_and_is_reproducible():
 
 
 # ---------------------------------------------------------------- range test and budgets
+def test_early_stopping_stops_after_patience_and_restores_the_best_weights():
+    recipe = Recipe(d_model=16, num_heads=2, d_ff=32, num_layers=1, steps=40, warmup=2)
+    model = build_model(recipe)
+    scores = iter([3.0, 2.0, 2.5, 1.95, 2.6, 2.7, 1.0])  # best at the 2nd (1.95 is within 0.1)
+    snapshots = {}
+
+    def metric(m):
+        snapshots[len(snapshots) + 1] = {k: v.clone() for k, v in m.state_dict().items()}
+        return next(scores)
+
+    stopper = EarlyStoppingCallback(metric, every=3, patience=4, min_delta=0.1)
+    trainer = recipe_trainer(model, recipe).add_callback("after_update", stopper)
+    trainer.fit(([b] for b in batches(recipe)), recipe.steps)
+    assert stopper.scores == [(3, 3.0), (6, 2.0), (9, 2.5), (12, 1.95), (15, 2.6), (18, 2.7)]
+    assert (stopper.best, stopper.best_step, stopper.stopped_step) == (2.0, 6, 18)
+    assert trainer.step == 18  # the run stopped at the fourth evaluation without improvement
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in snapshots[2].items())  # step 6's weights
+    assert not all(torch.equal(state[k], v) for k, v in snapshots[6].items())
+    # A run that ends without stopping keeps its last weights until restore() is called.
+    late = EarlyStoppingCallback(lambda m: float(m.training), every=5, patience=100)
+    model2 = build_model(recipe)
+    trainer2 = recipe_trainer(model2, recipe).add_callback("after_update", late)
+    trainer2.fit(([b] for b in batches(recipe)), 10)
+    assert late.stopped_step is None and late.best_step == 5 and trainer2.step == 10
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    assert late.restore() is model2
+    assert not all(torch.equal(before[k], v) for k, v in model2.state_dict().items())
+    with pytest.raises(RuntimeError, match="no best weights"):
+        EarlyStoppingCallback(lambda m: 0.0).restore(model2)
+    with pytest.raises(TypeError, match="callable"):
+        EarlyStoppingCallback(0.5)
+    with pytest.raises(ValueError):
+        EarlyStoppingCallback(lambda m: 0.0, patience=0)
+    with pytest.raises(ValueError):
+        EarlyStoppingCallback(lambda m: 0.0, min_delta=-1.0)
+
+
 def test_lr_range_test_and_suggest_lr():
     result = lr_range_test(TINY, lr_min=1e-4, lr_max=10.0, steps=40)
     lrs = result["lr"]
@@ -264,6 +308,29 @@ def test_recipe_model_config_builds_the_models_of_build_model_and_count_paramete
     model = build_model(recipe)
     assert model.config == recipe.model_config
     assert count_parameters(recipe) == sum(p.numel() for p in model.parameters())
+
+
+def test_recipe_extends_notebook_11s_recipe_and_draws_the_same_model():
+    assert issubclass(Recipe, ReversalRecipe)
+    shared = {f.name for f in dataclasses.fields(ReversalRecipe)}
+    assert shared < {f.name for f in dataclasses.fields(Recipe)}  # one description, extended
+    # The tutorial's recipe is notebook 11's, with the optimiser and schedule train_model fixes.
+    for name in shared - {"steps"}:
+        assert getattr(TUTORIAL_RECIPE, name) == getattr(REVERSAL_RECIPE, name), name
+    small = dict(d_model=16, num_heads=2, d_ff=32, num_layers=1, seed=3)
+    for init in ("paper", "default"):
+        ours = build_model(Recipe(embedding_init=init, **small)).state_dict()
+        nb11 = build_reversal_model(reversal_recipe(embedding_init=init, **small)).state_dict()
+        assert ours.keys() == nb11.keys()
+        assert all(torch.equal(ours[k], nb11[k]) for k in ours)
+    # Notebook 11's recipe needs a warm-up for the paper's schedule; this one allows none.
+    assert Recipe(warmup=0).warmup == 0
+    with pytest.raises(ValueError, match="warmup"):
+        ReversalRecipe(warmup=0)
+    with pytest.raises(ValueError, match="max_len"):
+        Recipe(max_len=2)  # the task needs room for BOS, a token and EOS
+    with pytest.raises(ValueError, match="embedding_init"):
+        Recipe(embedding_init="xavier")  # notebook 11's checks run too
 
 
 def test_recipe_trainer_takes_the_recipes_optimizer_schedule_and_clipping():

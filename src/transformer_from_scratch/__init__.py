@@ -91,6 +91,7 @@ from .model import Transformer
 from .model import TransformerConfig
 from .model import embed_tokens
 from .model import init_token_embedding
+from .model import make_masks
 from .positional import LearnedPositionalEmbedding
 from .positional import PositionalEncoding
 from .positional import RotaryEmbedding
@@ -127,12 +128,12 @@ from .train import ReversalRecipe
 from .train import Trainer
 from .train import accumulate_gradients
 from .train import atomic_save
+from .train import build_reversal_model
 from .train import exact_match
 from .train import get_reversal_model
 from .train import load_checkpoint
 from .train import lr_lambda
 from .train import num_tokens
-from .train import recipe_model_config
 from .train import reversal_correct
 from .train import reversal_recipe
 from .train import save_checkpoint
@@ -142,6 +143,7 @@ from .train import train_model
 from .train import train_reversal
 from .tuning import TUNED_RECIPE
 from .tuning import TUTORIAL_RECIPE
+from .tuning import EarlyStoppingCallback
 from .tuning import Recipe
 from .tuning import batches
 from .tuning import build_model

@@ -157,7 +157,9 @@ def train_distributed(
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")  # reads MASTER_ADDR, MASTER_PORT, RANK
     try:
-        model = build_model(recipe).to(device)  # the same seed: the same weights everywhere
+        # The same seed gives the same weights everywhere; DDP would not need it, since its
+        # constructor broadcasts rank 0's parameters and buffers to every rank.
+        model = build_model(recipe).to(device)
         torch.manual_seed(recipe.seed + 1000 * (rank + 1))  # but each rank its own dropout
         ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
         # Clipping sees the synchronised gradients: the same on all ranks.

@@ -32,7 +32,9 @@ def drop_path(
 
 # Taught in notebook 15 · Tuning and generalisation
 class DropPath(nn.Module):
-    """Stochastic depth (Huang et al., 2016) on a residual branch: drop_path in a module."""
+    """Per-sample stochastic depth on a residual branch (drop-path as in FractalNet, Larsson et
+    al., 2017, and timm): drop_path in a module. Huang et al. (2016) drop a block for the whole
+    mini-batch at once; here each sample draws its own."""
 
     def __init__(self, p: float = 0.0):
         super().__init__()
