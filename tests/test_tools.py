@@ -632,3 +632,32 @@ def test_nbval_runs_wait_longer_for_a_cells_last_messages(monkeypatch):
     notebooks.nbval_in_scratch([notebooks.NOTEBOOKS / "00_setup.ipynb"], jobs=1)
     assert seen["command"][seen["command"].index("-p", 4) + 1] == "nbval_patience"
     assert str(Path(nbval_patience.__file__).parent) in seen["env"]["PYTHONPATH"].split(os.pathsep)
+
+
+def test_nbval_patience_starts_a_dying_kernel_again(monkeypatch):
+    import nbval.kernel
+    import nbval_patience
+
+    calls = []
+
+    def dies_twice(*args, **kwargs):
+        calls.append(kwargs)
+        if len(calls) < 3:
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return "km", "kc"
+
+    monkeypatch.setattr(nbval_patience, "_start_new_kernel", dies_twice)
+    monkeypatch.setattr(nbval.kernel, "start_new_kernel", nbval.kernel.start_new_kernel)
+    nbval_patience.pytest_configure(None)
+    assert nbval.kernel.start_new_kernel is nbval_patience.start_new_kernel
+    assert nbval.kernel.start_new_kernel(kernel_name="k") == ("km", "kc") and len(calls) == 3
+    calls.clear()
+
+    def always_dies(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Kernel died before replying to kernel_info")
+
+    monkeypatch.setattr(nbval_patience, "_start_new_kernel", always_dies)
+    with pytest.raises(RuntimeError, match="kernel_info"):
+        nbval_patience.start_new_kernel()
+    assert len(calls) == nbval_patience.KERNEL_STARTS  # it gives up, with nbval's error
