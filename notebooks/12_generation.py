@@ -204,10 +204,11 @@ print(f"exact match: {int(correct.sum())}/{len(correct)}")
 #
 # **Check.** Nearly every output is exact: 250 or more of 256 (the four seeds of notebook 11's
 # study decoded 255 or 256 of these sources; the bound leaves room for another PyTorch or device). The correct outputs are well formed: `EOS` once and after
-# exactly $L$ symbols, `PAD` after it. And greedy decoding is a fixed point of teacher forcing: feeding its
-# own output back as `tgt_in` in *one* parallel forward pass, the argmax at every position must
-# reproduce the next decoded token. This is an identity between the step-by-step loop and the
-# training-time forward pass; an off-by-one in positions or masks would break it.
+# exactly $L$ symbols, `PAD` after it. Last, a check of the loop's bookkeeping rather than of the
+# model (it holds for any weights): greedy decoding is a fixed point of teacher forcing. Feeding
+# its own output back as `tgt_in` in *one* parallel forward pass, the argmax at every position
+# must reproduce the next decoded token; an off-by-one in the loop's positions or masks would
+# break it.
 
 # %%
 assert int(correct.sum()) >= 250
@@ -455,15 +456,20 @@ for layer in range(num_layers):
 # the 6, head 1 still 0.87 on the 4s. The output's runner-up is the symbol where the attention
 # strays, one position off.
 #
-# **Check.** The least sure step's runner-up sits one source position from the right one: the
-# model hesitates between neighbouring source positions, not between a symbol and a stray token.
-# (Over all steps, not only the least sure one, the study found the runner-up to be the symbol just
-# read at 6 % to 44 % of the steps, depending on the seed, and `EOS` at 4 % or less; so this check
-# is of the stored run's least sure step, and another run may hesitate elsewhere.)
+# That is one step of one run, and one step proves no rule. Take every symbol step whose two
+# neighbouring source positions hold two symbols different from each other and from the right
+# one: a runner-up drawn at random from the 11 tokens other than the chosen one would be one of
+# those two neighbours' symbols $2/11 \approx 18\,\%$ of the time. Over those steps of all 256
+# sources, notebook 11's seed study (`tools/seed_study.md`) found the runner-up to be a
+# neighbour's symbol (the symbol just read, or the next one to emit) at 20 %, 53 %, 46 % and
+# 36 % of the steps for seeds 0 to 3: well above chance for three seeds, but not for seed 0,
+# the stored run. So the
+# hesitation between neighbours is a tendency of some runs, not a law, and the assert below only
+# pins the stored run's example as described above.
 
 # %%
-if STORED_RUN:  # a finding of the stored run (another run may hesitate elsewhere)
-    assert any(abs(pos - right_pos) == 1 for pos in runner_pos), (right_pos, runner_pos)
+if STORED_RUN:  # the stored run's least sure step, as described (not a general rule)
+    assert (ht, right_pos, runner_pos) == (7, 0, [1, 3, 6]), (ht, right_pos, runner_pos)
 
 
 # %% [markdown]
@@ -706,9 +712,11 @@ assert cache_gap < tolerance
 # **Check 2: the same tokens, exactly.** On the trained model and on random models, batch
 # sizes from 1 to 64, padded sources of mixed lengths, and outputs far longer than the sources.
 # A random model never says `EOS` on purpose, so it also exercises rows that finish at different
-# steps. (Exactly on a CPU. A GPU multiplies the one-token steps and the full prefixes with
-# different kernels, which differ in the last bits, and a random model has near-ties between
-# tokens, so there a row may flip; the trained model, whose choices are clear, must still match.)
+# steps. The logits are not bit-identical (check 1: they differ in the last bits, on a CPU too),
+# but the tokens are the argmax, and on a CPU no step here has two tokens closer than that, so
+# the tokens must be identical. A GPU's kernels differ more (TF32, other reduction orders), and a
+# random model has near-ties between tokens, so there a row may flip; the trained model, whose
+# choices are clear, must still match exactly.
 
 # %%
 cached = greedy_decode(model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, use_cache=True)
@@ -800,12 +808,13 @@ for n, speedup, ratio in zip(timing_lengths, speedups, flop_ratio, strict=True):
 # **Check.** The times are this machine's and are not compared. What is asserted on a CPU has a
 # wide margin (the stored run's speed-ups are in the table above): the cache wins at the longest
 # output by more than 1.5× (a comparison between lengths is not asserted: on a busy machine the
-# short timings are the noisiest). The timed work is checked too: each
-# call decoded exactly $n$ tokens. On a GPU nothing is asserted: there
+# short timings are the noisiest). The timed work is guarded too: each call decoded exactly
+# $n$ tokens. That holds by construction (the timing model's `EOS` bias is $-\infty$, so no row
+# can stop early); the assert only catches a change to that setup. On a GPU nothing is asserted: there
 # both loops are bound by kernel launches rather than arithmetic, and the speed-up can be small.
 
 # %%
-for n in timing_lengths:  # the timed work: exactly n new tokens each time, both ways
+for n in timing_lengths:  # a guard of the setup (EOS is impossible): n new tokens, both ways
     for c in (False, True):
         assert greedy_decode(timing_model, one_src, max_new_tokens=n, use_cache=c).tokens.shape == (1, n + 1)
 if device.type == "cpu":

@@ -196,6 +196,39 @@ def test_layer_grad_norms_groups_by_block():
     assert total == pytest.approx(float(expected), rel=1e-4)
 
 
+def test_a_step_that_the_grad_scaler_skips_leaves_the_weights_and_logs_an_inf_row():
+    """A float16 overflow on a GPU, made on the CPU: a hook turns one gradient into inf once.
+
+    The scaler then skips the optimizer step and backs off; the gradient log (notebook 13)
+    records the step's unscaled norms, which are not finite, so "steps taken" = the rows that
+    are all finite.
+    """
+    from transformer_from_scratch.train import Trainer
+
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    trainer = Trainer(model, opt, scaler=scaler)
+    overflows = [True]  # the first backward overflows, the second does not
+    model.out_proj.weight.register_hook(
+        lambda g: g * float("inf") if overflows and overflows.pop() else g
+    )
+    trainer.history["grad_norms"] = []
+    trainer.add_callback(
+        "after_backward", lambda t: t.history["grad_norms"].append(layer_grad_norms(t.model))
+    )
+    batch = collate_translations(make_items(4))
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.update([batch])  # an inf gradient: the step is skipped
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert scaler.get_scale() == 2.0**15  # backed off by half
+    trainer.update([batch])  # a finite scale: this step is taken
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    rows = [list(norms.values()) for norms in trainer.history["grad_norms"]]
+    taken = [all(math.isfinite(v) for v in row) for row in rows]
+    assert taken == [False, True]
+
+
 def test_train_config_validates():
     with pytest.raises(ValueError):
         TrainConfig(epochs=0)
