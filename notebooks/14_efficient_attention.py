@@ -728,9 +728,12 @@ for name in candidates:
 
 # %% [markdown]
 # On this course's CPU the fused kernel was both lean (a few MiB, like ours) and the fastest of
-# the three, its tiles looped over in C++; ours came second, and the naive one last: writing and
-# reading two 64 MiB matrices costs more time than our loop's overhead. The memory part holds on
-# any machine:
+# the three, its tiles looped over in C++; ours came second, and the naive one last. The naive
+# attention builds two 64 MiB matrices (the scores and the weights of four heads at
+# $T = 2048$) and passes over them element by element in its softmax; the tiled ones never build
+# them. Section 6's roofline shows that on this CPU the naive attention's matmuls are not held
+# back by memory traffic, so its extra time is more likely in those element-wise passes over the
+# $T \times T$ matrices (not timed separately here). The memory part holds on any machine:
 
 # %%
 assert kernel_mem["tiled (ours)"] < kernel_mem["naive (notebook 02)"] / 8
@@ -1257,10 +1260,11 @@ assert all(math.isfinite(step()) for step in steps.values())
 
 # %% [markdown]
 # Why are the three so close? The largest part of each step is the matmuls (half or more, in the
-# profile below): projections, feed-forward and their gradients, the same arithmetic in all
-# three models. Where the fast path wins (`make bench`,
-# section 8, run on a quiet machine), it wins on what is around them: fewer and fused operations
-# and the cheaper dropout masks. Against `nn.Transformer` as PyTorch ships it, with its extra
+# profile below): projections, feed-forward and their gradients, the same arithmetic (the same
+# FLOPs) in all three models. Where the fast path is ahead, the profile below finds most of its
+# lead inside the matmuls' time, and a smaller part in dropout's random numbers; in the timing
+# above it tied with `nn.Transformer`, one run on a shared machine (`make bench`, section 8, is
+# the measurement that counts). Against `nn.Transformer` as PyTorch ships it, with its extra
 # dropout, the fast path would look better still, by about a tenth of a step in `make bench`
 # (`train_step_ratio_fast_vs_shipped`), but that tenth is work we skip, not speed we gained.
 #
@@ -1362,8 +1366,16 @@ assert profiles["fast path"].get("aten::uniform_", 0.0) > 0.0  # attention weigh
 assert profiles["nn.Transformer"].get("aten::uniform_", 0.0) == 0.0  # F.dropout: bernoulli_
 
 # %% [markdown]
-# The two models do the same matmuls, and in both they are half of the step or more (the shares
-# are printed above). With the vectorised kernels this CPU picks by itself they are also the
+# The two models do the same matmul work (the same weights applied to the same tokens: the same
+# FLOPs), and in both the matmuls are half of the step or more (the shares are printed above).
+# The same work does not take the same time, though: the profile puts the fast path's matmuls at
+# 142.2 ms a step against 162.7 ms for `nn.Transformer`'s, most of the difference between the
+# two profiled steps (232.3 against 258.2 ms). The profile does not say why. A likely reason,
+# not measured here, is that the same arithmetic is called in other shapes and memory layouts:
+# the fast path projects contiguous $(B, T, d)$ activations with the bias in the same call (its
+# largest operators show more `addmm` and less `mm` than `nn.Transformer`'s), while the
+# batch-first `nn.MultiheadAttention` transposes its inputs to $(T, B, d)$ inside and its output
+# back. With the vectorised kernels this CPU picks by itself the matmuls are also the
 # largest group; under `ATEN_CPU_CAPABILITY=default` (plain scalar element-wise kernels) the
 # element-wise "everything else" grows past them, so the check above asserts a share, not a rank. The fast path's matmuls alone are a fraction of
 # `nn.Transformer`'s whole step well below 0.85 (printed as "its matmuls alone would be"), so
@@ -1373,13 +1385,22 @@ assert profiles["nn.Transformer"].get("aten::uniform_", 0.0) == 0.0  # F.dropout
 # this shape, nine positions, the weights are the small part of the model's dropout
 # ($64 \cdot 4 \cdot 9^2$ numbers per attention layer against $64 \cdot 9 \cdot 128$ per sub-layer
 # output), and the sub-layer outputs go through the blocks' own `nn.Dropout` modules,
-# `bernoulli_` as in `nn.Transformer`; copies that only the fast path makes, since its packed
+# `bernoulli_` as in `nn.Transformer`; copies, which both models make: the fast path's packed
 # projections concatenate $W^Q, W^K, W^V$ anew in every call, forward, and split their gradient,
-# backward, where `nn.MultiheadAttention` *stores* one packed `in_proj_weight`; and "everything
-# else" (element-wise work, layer norm, softmax, the optimizer, Python around each operator).
-# A profile is a picture of where the time goes, not a step time (the timing above and
-# `make bench` are), and on a busy machine its numbers move: each is the smallest of three
-# interleaved profiles. So what would close the
+# backward (its `cat`), where `nn.MultiheadAttention` *stores* one packed `in_proj_weight`; but
+# `nn.Transformer` spends more in `copy_` (10.8 against 5.0 ms in the lists of largest
+# operators, likely its transposes), so the copies row is about even (9.5 against 10.9 ms); and
+# "everything else" (element-wise work, layer norm, softmax, the optimizer).
+#
+# A profile is a picture of where the time goes, not a step time, and its ratio of the two steps
+# (0.90, printed above) is not the timed one (1.00, in the timing cell before): they measure
+# different things, in different runs. The timing is the wall-clock time of whole steps, the
+# median of five turns. The profile sums only the operators' own time, each operator's the
+# smallest of three interleaved rounds (so the sum can mix rounds), and leaves out what happens
+# between operators, Python and the dispatcher: the fast path's profiled step is 232.3 ms, its
+# timed one 323.3 ms. The profiler also adds a cost of its own to every operator call, and on a
+# busy machine the two measurements saw different loads. `make bench`, like the timing cell,
+# uses whole steps' wall-clock time (medians of interleaved runs). So what would close the
 # gap: a stored packed weight (no concatenation, and Adam over one tensor instead of three), the
 # faster mask on the sub-layer outputs too, fused element-wise kernels (what
 # `torch.compile` generates, below), and fewer Python calls per block. The first changes the
@@ -1666,9 +1687,17 @@ plt.show()
 
 # %% [markdown]
 # On this CPU with one thread the balance is low (printed above): both intensities lie to the
-# right of the ridge, so the roofline does not blame memory traffic for the naive attention's
-# time in section 4. It does work that the FLOP count leaves out, though: the element-wise
-# passes over the $T^2$ scores (maximum, subtraction, exponential, sum, division). On a GPU the balance is in the hundreds: on an A100, the naive
+# right of the ridge, so the roofline does not blame the matmuls' memory traffic for the naive
+# attention's time in section 4. What the intensity leaves out is the work between the two
+# matmuls: the element-wise passes over the $T^2$ scores (maximum, subtraction, exponential,
+# sum, division), each reading and writing a $T \times T$ matrix for a few FLOPs per number.
+# That is where section 4 puts the naive attention's extra time.
+#
+# The figure's vertical lines are float32 intensities (4-byte numbers): right for this machine's
+# float32 roof, but the A100's roof is its bfloat16 one, against which the same kernels in
+# bfloat16 would sit at twice the intensities drawn (2-byte numbers). The code draws them as
+# they are; read the A100's roof with the lines moved right by a factor of two. On a GPU the
+# balance is in the hundreds (156 FLOP/byte for the A100 in the figure): on an A100, the naive
 # attention in bfloat16 (2-byte numbers: intensity $d/2 = 32$) is memory-bound at about a fifth
 # of the peak, while query tiles of 128 rows (intensity about $b_q = 128$ in bfloat16) bring
 # it near the ridge. **Tiling raises the arithmetic intensity from $d/4$ to $b_q/2$: that,
@@ -1848,8 +1877,8 @@ assert all(seconds > 0 for seconds in amp_time.values())
 # CPU autocast took about as long as float32, within a factor of about 1.5 either way, in our
 # runs, varying from run to run (this toy model's matmuls are small, so the casts weigh); no
 # speed-up is to be expected from it here. A CPU without them computes in bfloat16 by
-# converting back and forth, and autocast can then be several times *slower* than float32 (twelve
-# times, in one of our runs on an AVX2 CPU). Mixed precision
+# converting back and forth, and autocast can then be several times *slower* than float32 (13.26
+# times in the stored run, on a CPU without them). Mixed precision
 # on a CPU is a memory saving first, and a speed-up only on the right hardware. On a GPU with tensor cores (float16 on a T4,
 # bfloat16 or float16 on an A100) a model large enough to fill the GPU typically runs about 2×
 # faster or more; this toy model is too small to show it.
