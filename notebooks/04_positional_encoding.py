@@ -885,8 +885,199 @@ save_figure(fig, "positional_rope_scores")
 plt.show()
 
 # %% [markdown]
+# ### Where RoPE goes in multi-head attention
+#
+# So far RoPE has rotated bare query and key vectors. Inside the course's `MultiHeadAttention`
+# (notebook 03) it has one place:
+#
+# - **after** the projections $W_q, W_k$ and the split into heads, **before** the scores: the
+#   relative property is a statement about the score $\langle R_m q, R_n k\rangle$, so the
+#   rotation is the last thing done to $q$ and $k$;
+# - on **queries and keys only**, never on values, which do not enter the scores;
+# - **per head**, with the head width $d_k$ as $d_{\text{head}}$: each head makes its own scores,
+#   and each gets all $d_k/2$ frequencies (one $d_{\text{model}}$-wide rotation before the split
+#   would give the fast pairs to the first head and the slow ones to the last);
+# - at the tokens' **absolute** positions $0, 1, 2, \dots$ (or `offset`, `offset + 1`, ...):
+#   no offset $m - n$ is computed anywhere, it comes out of the scores.
+#
+# The library's `forward` splits $Q$, $K$ and $V$ with one helper, `_split_heads`, so there is no
+# hook for "queries and keys only"; the subclass below overrides `forward` and leaves the
+# library's class as it is. Its numbered steps are notebook 03's; the lines marked `# New` add
+# RoPE and a cache of past keys and values, used by the second check. It does self-attention
+# only, where queries and keys have positions in the same sequence. It stays in this notebook:
+# notebook 17 (to come) builds it into a modern decoder block.
+
+# %%
+from transformer_from_scratch.attention import MultiHeadAttention, scaled_dot_product_attention
+
+
+class RotaryMultiHeadAttention(MultiHeadAttention):
+    """Multi-head self-attention with RoPE on each head's queries and keys (Su et al., 2021)."""
+
+    def __init__(self, d_model: int, num_heads: int, max_len: int = 4096):
+        super().__init__(d_model, num_heads)
+        self.rope = RotaryEmbedding(self.d_k, max_len)  # New: rotates one head, width d_k
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, d_model)
+        mask: torch.Tensor | None = None,  # broadcastable to (B, h, T, T_kept + T)
+        offset: int = 0,  # New: the position of x's first token
+        cache=None,  # New: past keys and values, such as GrowingCache below
+        return_attn: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x at positions offset .. offset+T-1 attends to itself (and the cache): (B, T, d_model)."""
+        # 1) Project with the packed matrices, then split into h heads of width d_k.
+        Q = self._split_heads(self.W_q(x))  # (B, T, d_model) -> (B, h, T, d_k)
+        K = self._split_heads(self.W_k(x))
+        V = self._split_heads(self.W_v(x))
+        Q, K = self.rope(Q, K, offset=offset)  # New: (B, h, T, d_k), rotated; V is not
+        if cache is not None:  # New: keep the rotated keys; attend to all keys kept so far
+            K, V = cache.update(K, V)  # (B, h, T_kept + T, d_k)
+        # 2) Attend in all heads at once.
+        context, attn = scaled_dot_product_attention(
+            Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
+        )  # context (B, h, T, d_k), attn (B, h, T, T_kept + T)
+        # 3) Concatenate the heads and mix them with W_o.
+        out = self.W_o(self._combine_heads(context))  # (B, h, T, d_k) -> (B, T, d_model)
+        return (out, attn) if return_attn else out
+
+
+set_seed(0)
+rope_mha = RotaryMultiHeadAttention(d_model=64, num_heads=4).to(device).eval()
+plain_mha = MultiHeadAttention(d_model=64, num_heads=4).to(device).eval()
+plain_mha.load_state_dict(rope_mha.state_dict())  # the same W_q, W_k, W_v, W_o; no RoPE
+seq = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(0)).to(device)  # (B, T, d)
+print(rope_mha.rope, "| state_dict:", list(rope_mha.state_dict()))
+
+
+# %% [markdown]
+# **Check 1: the relative property survives the projections and the heads.** Put the same
+# sequence at positions $0, \dots, 11$ and at $100, \dots, 111$. In each head the score is
+# $\langle R_m q_m, R_n k_n\rangle = q_m^\top R_{n-m}\, k_n$, unchanged when $m$ and $n$ both grow
+# by $s = 100$; so the attention weights are unchanged, and since the values are not rotated, so
+# is the output. With the same weights, three ways to get it wrong:
+#
+# - *rotating the values too*: the weights are still unchanged, but each head's output
+#   $\sum_n a_{mn} R_{n+s} v_n = R_s \sum_n a_{mn} R_n v_n$ comes out turned by $R_s$, and $W_o$
+#   reads it as a different vector;
+# - *rotating $x$ before the projections* (a $d_{\text{model}}$-wide rotation): the score
+#   becomes $x_m R_m^\top W_q W_k^\top R_n x_n^\top$, and $W_q W_k^\top$, caught between the two
+#   rotations, does not commute with them, so the score depends on $m$ and $n$ separately;
+# - *no RoPE, the sinusoid added to $x$*: the same, as at the start of this section.
+
+# %%
+def rotate_values_too(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_mha's forward with V rotated as well (a mistake): (out, attn)."""
+    Q, K, V = (rope_mha._split_heads(W(x)) for W in (rope_mha.W_q, rope_mha.W_k, rope_mha.W_v))
+    Q, K, V = (rope_mha.rope.rotate(t, offset) for t in (Q, K, V))  # (B, h, T, d_k) each
+    context, attn = scaled_dot_product_attention(Q, K, V)
+    return rope_mha.W_o(rope_mha._combine_heads(context)), attn
+
+
+rope_wide = RotaryEmbedding(64).to(device)  # pairs across all of d_model, for the mistake
+sinusoid = PositionalEncoding(64, max_len=256).to(device)
+placements = {  # (x, offset) -> (out, attn), all with the same four projections
+    "RoPE on q, k of each head": lambda x, s: rope_mha(x, offset=s, return_attn=True),
+    "RoPE on q, k and v": rotate_values_too,
+    "RoPE on x, before W_q, W_k": lambda x, s: plain_mha(rope_wide.rotate(x, s), return_attn=True),
+    "sinusoid added to x, no RoPE": lambda x, s: plain_mha(sinusoid(x, offset=s), return_attn=True),
+}
+shift_gaps = {}  # placement -> (largest change of the weights, of the outputs)
+with torch.no_grad():
+    for name, attend in placements.items():
+        (out_0, attn_0), (out_100, attn_100) = attend(seq, 0), attend(seq, 100)
+        shift_gaps[name] = ((attn_100 - attn_0).abs().max().item(),
+                            (out_100 - out_0).abs().max().item())
+print("positions 100..111 instead of 0..11: largest change of")
+print(f"  {'':<30}{'weights':>9}{'outputs':>9}")
+for name, (weight_gap, out_gap) in shift_gaps.items():
+    print(f"  {name:<30}{weight_gap:>9.2f}{out_gap:>9.2f}")
+
+weight_gap, out_gap = shift_gaps["RoPE on q, k of each head"]
+assert weight_gap < 1e-5 and out_gap < 1e-5  # shift-invariant, to float precision
+assert shift_gaps["RoPE on q, k and v"][0] < 1e-5  # the same weights ...
+assert shift_gaps["RoPE on q, k and v"][1] > 0.5  # ... but the output moves
+assert shift_gaps["RoPE on x, before W_q, W_k"][0] > 0.1
+assert shift_gaps["sinusoid added to x, no RoPE"][0] > 0.1
+
+
+# %% [markdown]
+# **Check 2: decoding with a cache, and its offset.** A decoder generates one token at a time.
+# Rather than recompute the keys and values of the whole prefix at every step, it keeps them (a
+# key-value cache) and computes $q, k, v$ for the new token only. With RoPE the new token sits at
+# absolute position $t$ = the number of positions kept, so its query and key are rotated with
+# `offset=cache.length`. The keys kept were rotated at their own positions when they were made,
+# and a key's rotation depends on its own position only, not on the query that reads it: the
+# cache stores them rotated and never touches them again. At step $t$ the score with the key
+# kept from position $s \le t$ is $\langle R_t q_t, R_s k_s\rangle = q_t^\top R_{s-t}\, k_s$,
+# exactly the full causal pass's. So stepping through the sequence must give the outputs of one
+# causal pass over all of it, up to float rounding (the same numbers, summed in another order).
+# One new query needs no mask: everything in the cache is its past.
+#
+# Forgetting the offset rotates every new query and key by $R_0 = I$: RoPE is switched off
+# without an error, and the layer computes plain causal attention, blind to order within what
+# each query reads (section 1). Only position 0, where the offset is 0 anyway, comes out right.
+#
+# The cache here is the least that works: a growing tensor of past keys and values with notebook
+# 12's interface (`update`, `length`). Notebook 12's `AttentionCache` and `KVCache` do it for
+# real in the course's decoder, where positions enter with the input
+# (`PositionalEncoding(x, offset=cache.length)`); notebook 17 (to come) does it with RoPE inside
+# attention, as here.
+
+# %%
+class GrowingCache:
+    """Past keys and values (B, h, T_kept, d_k), appended to at each call."""
+
+    def __init__(self):
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Positions kept: the position of the next token."""
+        return 0 if self.keys is None else self.keys.size(2)
+
+    def update(self, K: torch.Tensor, V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append K, V (B, h, T_new, d_k); return all kept, (B, h, T_kept + T_new, d_k)."""
+        if self.keys is not None:
+            K, V = torch.cat([self.keys, K], dim=2), torch.cat([self.values, V], dim=2)
+        self.keys, self.values = K, V
+        return K, V
+
+
+def decode_step_by_step(x: torch.Tensor, use_offset: bool = True) -> torch.Tensor:
+    """rope_mha on x (B, T, d_model) one token at a time, with a cache: (B, T, d_model)."""
+    cache, outputs = GrowingCache(), []
+    for t in range(x.size(1)):
+        offset = cache.length if use_offset else 0  # the new token's absolute position is t
+        outputs.append(rope_mha(x[:, t : t + 1], offset=offset, cache=cache))  # (B, 1, d_model)
+    assert cache.length == x.size(1)
+    return torch.cat(outputs, dim=1)
+
+
+causal_bool = torch.ones(12, 12, dtype=torch.bool, device=device).tril()  # True = may attend (nb. 05)
+with torch.no_grad():
+    full = rope_mha(seq, mask=causal_bool)  # (B, T, d_model): one pass, positions 0..11
+    stepped = decode_step_by_step(seq)
+    forgot = decode_step_by_step(seq, use_offset=False)
+    no_rope = plain_mha(seq, mask=causal_bool)
+forgot_gap = (forgot - full).abs().amax(dim=(0, 2))  # (T,): per position
+print("largest difference from one causal pass:")
+print(f"  offset = cache.length  {(stepped - full).abs().max().item():.2f}")
+print(f"  offset = 0             {forgot_gap.max().item():.2f}  "
+      f"(at position 0: {forgot_gap[0].item():.2f})")
+
+assert_close(stepped, full, atol=1e-5, rtol=1e-5)  # the cache with its offset: the same outputs
+assert forgot_gap[0] < 1e-5  # without the offset: right at position 0 only,
+assert forgot_gap[1:].min() > 0.01 and forgot_gap.max() > 0.3  # wrong at every later one
+assert_close(forgot, no_rope, atol=1e-5, rtol=1e-5)  # ... because RoPE was switched off
+
+# %% [markdown]
 # **RoPE rotates queries and keys by their positions, so attention scores depend on content
-# and on the offset $m - n$ only, and vector norms are untouched.**
+# and on the offset $m - n$ only, and vector norms are untouched. In multi-head attention it
+# goes on each head's queries and keys, after the projections and before the scores; with a
+# cache, a new token's position is the number of positions kept.**
 #
 # ## 6. Which one generalises? A task that needs order
 #
@@ -1145,6 +1336,7 @@ elif (margin > 0).any() and (margin < 0).any():  # another device's run, where i
 # | add a learned table | `LearnedPositionalEmbedding(max_len, d_model)(x)` | $(B, T, d_{\text{model}}) \to$ same; weight $(\text{max\_len}, d_{\text{model}})$ |
 # | rotate queries and keys | `RotaryEmbedding(d_head)(q, k, offset)`, `.rotate(x, offset)` | $(\dots, T, d_{\text{head}}) \to$ same |
 # | RoPE's relative property | $\langle R_m q, R_n k\rangle = q^\top R_{n-m} k$ | a scalar per $(m, n)$ |
+# | RoPE in multi-head attention | after `_split_heads`: `Q, K = RotaryEmbedding(d_k)(Q, K, offset)`; V untouched; cached decoding: `offset=cache.length` | $(B, h, T, d_k) \to$ same |
 #
 # ## Exercises
 #
