@@ -1028,12 +1028,14 @@ print(f"{len(range_result['lr'])} updates; lowest smoothed loss at lr {lr_readin
 # decade of rate here (the 100 updates span five decades), so the smoothed minimum sits a little to the right of the raw one; the
 # division by ten leaves room for that. **Check** (bands): the curve has the shape described, a
 # minimum inside the range at least 0.5 nats below the start, and a smoothed loss at the largest
-# rate more than twice that minimum. The two readings of the curve agree: the steepest fall lies
-# between the suggested rate (a tenth of the minimum's) and three times it, and the suggested rate
-# is between $10^{-3}$ and $4 \times 10^{-3}$. Outside the notebook, five draws (the recipe's
-# seeds 0–3 and 1000; seed 0 is the run above) suggested $1.7$ to $2.2 \times 10^{-3}$, with the steepest fall 1.4
-# to 2.0 times the suggestion; the sweep's grid steps by a factor of 1.12, so the band is several
-# steps wide on either side.
+# rate more than twice that minimum. The suggested rate (a tenth of the minimum's) is between
+# $10^{-3}$ and $4 \times 10^{-3}$, and the steepest fall lies at or above it (and below the
+# minimum, where the slopes are taken by construction). The two readings of the curve agree only
+# roughly, and the steepest fall is the noisier one: outside the notebook, six draws (the
+# recipe's seed shifted by 0, 1000, ..., 5000; 0 is the run above) suggested $1.7$ to
+# $2.4 \times 10^{-3}$, while the steepest fall lay 1.4 to 5.6 times above the suggestion (a
+# single update's loss moves it by several steps of the sweep's grid, a factor of 1.12 each).
+# So the rule of thumb reads the more stable point of the curve.
 
 # %% tags=["nbval-ignore-output"]
 range_smoothed = range_result["smoothed"]
@@ -1041,7 +1043,7 @@ range_best = int(np.argmin(range_smoothed))
 assert 0 < range_best < len(range_smoothed) - 1
 assert min(range_smoothed) < range_smoothed[0] - 0.5
 assert range_smoothed[-1] > 2 * min(range_smoothed)
-assert lr_reading["suggested"] <= lr_reading["steepest"] <= 3 * lr_reading["suggested"]
+assert lr_reading["suggested"] <= lr_reading["steepest"] < lr_reading["min_loss"]  # the 2nd: by construction
 assert 1e-3 < lr_reading["suggested"] < 4e-3
 print(f"smoothed loss: {range_smoothed[0]:.2f} at the start, {min(range_smoothed):.2f} at the "
       f"minimum, {range_smoothed[-1]:.2f} at lr {range_result['lr'][-1]:.0e}")
