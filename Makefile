@@ -72,7 +72,7 @@ unit: $(STAMP)  ## unit tests of the package, notebook hygiene, site and browser
 nbval: $(STAMP)  ## re-execute every notebook and compare with its stored outputs (strict, in a scratch copy)
 	$(BIN)/python tools/notebooks.py nbval --jobs $(JOBS) $(NB)
 
-robust: $(STAMP) .venv-compat/oldest/.installed  ## every notebook under 3 other seeds, 2 CPU kernels, the oldest torch (about an hour)
+robust: $(STAMP) .venv-compat/oldest/.installed  ## every notebook under 3 other seeds, 2 CPU kernels, the oldest torch (about two hours on two cores)
 	$(BIN)/python tools/robust.py --jobs $(JOBS) $(NB) $(if $(ONLY),--only $(ONLY))
 
 preflight:  ## say at once what `make test` needs that this machine lacks (Chromium, npm)

@@ -20,8 +20,8 @@ This script executes every notebook under perturbations and reports each cell th
 writes tools/robust.md (a table: notebook x perturbation, with times) and tools/robust.json,
 and exits 1 if any cell failed. Each perturbation runs in its own scratch copy, one notebook
 after another (notebook 12 loads the checkpoint that 11 saved there); `--jobs` perturbations
-run side by side, one process each. All of it takes about an hour on two cores: too long for
-CI, run it (`make robust`) before you resolve an issue that touches a notebook.
+run side by side, one process each. All of it takes about two hours on two quiet cores: too
+long for CI, run it (`make robust`) before you resolve an issue that touches a notebook.
 """
 
 from __future__ import annotations
