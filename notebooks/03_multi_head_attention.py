@@ -342,15 +342,15 @@ assert abs(ours_var - 1) < 0.03 and abs(in_var - 0.5) < 0.02 and abs(out_proj_va
 # ## Splitting and combining heads
 #
 # After the packed projection, a tensor of shape $(B, T, d_{\text{model}})$ holds all heads side by
-# side in its last axis. `_split_heads` reshapes the last axis into $(h, d_k)$ and moves the head
+# side in its last axis. `split_heads` reshapes the last axis into $(h, d_k)$ and moves the head
 # axis forward, to $(B, h, T, d_k)$: the head axis then behaves like a second batch axis, and one
-# call to `scaled_dot_product_attention` runs every head at once. `_combine_heads` is the inverse
+# call to `scaled_dot_product_attention` runs every head at once. `combine_heads` is the inverse
 # (the "Concat" of the formula).
 
 # %%
 #| export
 @add_to_class(MultiHeadAttention)
-def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+def split_heads(self, x: torch.Tensor) -> torch.Tensor:
     """(B, T, d_model) -> (B, h, T, d_k): head i gets channels i*d_k .. (i+1)*d_k - 1."""
     B, T, _ = x.shape
     x = x.view(B, T, self.num_heads, self.d_k)  # (B, T, d_model) -> (B, T, h, d_k)
@@ -358,7 +358,7 @@ def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
 
 
 @add_to_class(MultiHeadAttention)
-def _combine_heads(self, x: torch.Tensor) -> torch.Tensor:
+def combine_heads(self, x: torch.Tensor) -> torch.Tensor:
     """(B, h, T, d_k) -> (B, T, d_model): concatenate the heads' outputs again."""
     B, h, T, d_k = x.shape
     x = x.transpose(1, 2)  # (B, h, T, d_k) -> (B, T, h, d_k)
@@ -376,17 +376,17 @@ def _combine_heads(self, x: torch.Tensor) -> torch.Tensor:
 # %%
 mha_small = MultiHeadAttention(d_model=12, num_heads=3)
 x_small = torch.randn(2, 5, 12)  # (B, T, d_model)
-split = mha_small._split_heads(x_small)  # (B, h, T, d_k)
+split = mha_small.split_heads(x_small)  # (B, h, T, d_k)
 
 assert split.shape == (2, 3, 5, 4)
-assert torch.equal(mha_small._combine_heads(split), x_small)  # exact round trip
+assert torch.equal(mha_small.combine_heads(split), x_small)  # exact round trip
 for i in range(mha_small.num_heads):
     assert torch.equal(split[:, i], x_small[..., i * mha_small.d_k : (i + 1) * mha_small.d_k])
 assert split.data_ptr() == x_small.data_ptr() and not split.is_contiguous()  # a view, no copy
-assert mha_small._combine_heads(split).data_ptr() == x_small.data_ptr()  # undoing it: a view too
+assert mha_small.combine_heads(split).data_ptr() == x_small.data_ptr()  # undoing it: a view too
 
 context_small = torch.randn(2, 3, 5, 4)  # (B, h, T, d_k), contiguous, as attention returns it
-combined = mha_small._combine_heads(context_small)  # (B, T, d_model)
+combined = mha_small.combine_heads(context_small)  # (B, T, d_model)
 assert combined.data_ptr() != context_small.data_ptr() and combined.is_contiguous()  # one copy
 assert torch.equal(combined, torch.cat(context_small.unbind(dim=1), dim=-1))  # Concat(head_0, ...)
 print(tuple(x_small.shape), "->", tuple(split.shape), "->", tuple(combined.shape))
@@ -408,7 +408,7 @@ fig = plt.figure(figsize=(11, 2.6))
 grid = fig.add_gridspec(1, 4, width_ratios=[12, 4, 4, 4], wspace=0.35)
 panels = [(owner, channel, "x: (T, d_model)")]
 with torch.no_grad():
-    split_channel = mha_small._split_heads(torch.as_tensor(channel)[None].float())[0]  # (h, T, d_k)
+    split_channel = mha_small.split_heads(torch.as_tensor(channel)[None].float())[0]  # (h, T, d_k)
 for i in range(mha_small.num_heads):
     panels.append((np.full((5, 4), i), split_channel[i].int().numpy(), f"head {i}: (T, d_k)"))
 for g, (colours, labels, title) in enumerate(panels):
@@ -421,7 +421,7 @@ for g, (colours, labels, title) in enumerate(panels):
     ax.set_xticks([])
     ax.set_yticks(range(5))
     ax.set_ylabel("token" if g == 0 else "")
-fig.suptitle("_split_heads: the channel axis is cut into h = 3 blocks of d_k = 4", y=1.04)
+fig.suptitle("split_heads: the channel axis is cut into h = 3 blocks of d_k = 4", y=1.04)
 plt.show()
 
 
@@ -547,12 +547,12 @@ def forward(
     if self.fast and not return_attn and cache is None and x_v is x_k:  # notebook 14
         return self.fast_forward(x_q, None if x_k is x_q else x_k, mask)
     # 1) Project with the packed matrices, then split into h heads of width d_k.
-    Q = self._split_heads(self.W_q(x_q))  # (B, T_q, d_model) -> (B, h, T_q, d_k)
+    Q = self.split_heads(self.W_q(x_q))  # (B, T_q, d_model) -> (B, h, T_q, d_k)
     if cache is not None and cache.frozen:  # x_k never changes (cross-attention): reuse its K, V
         K, V = cache.keys, cache.values  # (B, h, T_k, d_k)
     else:
-        K = self._split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
-        V = self._split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+        K = self.split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+        V = self.split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
         if cache is not None:  # keep them, and attend to every key kept so far
             K, V = cache.update(K, V)  # (B, h, T_kept + T_k, d_k)
     if checking():
@@ -563,7 +563,7 @@ def forward(
             Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
         )  # context (B, h, T_q, d_k), attn (B, h, T_q, T_k)
     # 3) Concatenate the heads and mix them with W_o.
-    out = self.W_o(self._combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
+    out = self.W_o(self.combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
     return (out, attn) if return_attn else out
 
 
@@ -1084,9 +1084,9 @@ plt.show()
 
 # %%
 with torch.no_grad():
-    Q = ours._split_heads(ours.W_q(xq_pad))  # (B, h, T_q, d_k), the inputs of Check 3
-    K = ours._split_heads(ours.W_k(xk_pad))  # (B, h, T_k, d_k)
-    V = ours._split_heads(ours.W_v(xv_pad))  # (B, h, T_k, d_k)
+    Q = ours.split_heads(ours.W_q(xq_pad))  # (B, h, T_q, d_k), the inputs of Check 3
+    K = ours.split_heads(ours.W_k(xk_pad))  # (B, h, T_k, d_k)
+    V = ours.split_heads(ours.W_v(xv_pad))  # (B, h, T_k, d_k)
 Q, K, V = (t.clone().requires_grad_() for t in (Q, K, V))
 
 # PyTorch's fused kernels add up in another order too: the same `tol` as above.
@@ -1101,7 +1101,7 @@ for a, b in zip(grads_ours, grads_torch, strict=True):
     torch.testing.assert_close(a, b, **tol)
 
 with torch.no_grad():  # the whole module with the fused kernel as step 2
-    y_fused = ours.W_o(ours._combine_heads(ctx_torch))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
+    y_fused = ours.W_o(ours.combine_heads(ctx_torch))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
     torch.testing.assert_close(y_fused, ours(*inputs_pad, mask=mask), **tol)
 print("per-head context and its gradients match F.scaled_dot_product_attention")
 
@@ -1143,8 +1143,8 @@ print("per-head context and its gradients match F.scaled_dot_product_attention")
 # %%
 def head_scores(module: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
     """Pre-softmax scores of every head: (B, T, d_model) -> (B, h, T, T)."""
-    Q = module._split_heads(module.W_q(x))  # (B, h, T, d_k)
-    K = module._split_heads(module.W_k(x))  # (B, h, T, d_k)
+    Q = module.split_heads(module.W_q(x))  # (B, h, T, d_k)
+    K = module.split_heads(module.W_k(x))  # (B, h, T, d_k)
     return Q @ K.transpose(-2, -1) / math.sqrt(module.d_k)  # (B, h, T, T)
 
 
@@ -1286,9 +1286,9 @@ assert count(shared) == count(separate) - (32 * 32 + 32)  # tying removes one pr
 # | concept | code | shape |
 # |---|---|---|
 # | packed projections $XW^Q, XW^K, XW^V$ | `self.W_q(x_q)`, `self.W_k(x_k)`, `self.W_v(x_v)` | $(B, T, d_{\text{model}})$ |
-# | split into heads | `self._split_heads(...)` | $(B, T, d_{\text{model}}) \to (B, h, T, d_k)$ |
+# | split into heads | `self.split_heads(...)` | $(B, T, d_{\text{model}}) \to (B, h, T, d_k)$ |
 # | attention in every head | `scaled_dot_product_attention(Q, K, V, mask, ...)` | context $(B, h, T_q, d_k)$, weights $(B, h, T_q, T_k)$ |
-# | Concat | `self._combine_heads(context)` | $(B, h, T_q, d_k) \to (B, T_q, d_{\text{model}})$ |
+# | Concat | `self.combine_heads(context)` | $(B, h, T_q, d_k) \to (B, T_q, d_{\text{model}})$ |
 # | $W^O$ | `self.W_o(...)` | $(B, T_q, d_{\text{model}})$ |
 # | mask (True = may attend) | `mask=` | broadcastable to $(B, h, T_q, T_k)$, e.g. $(B, 1, 1, T_k)$ |
 # | Xavier init | `_reset_parameters()` | $\operatorname{Var}(W) = 1/d_{\text{model}}$, biases $0$ |
@@ -1329,14 +1329,14 @@ with torch.no_grad():
 
 # %%
 with torch.no_grad():
-    Q, K, V = (ours._split_heads(W(x_ex)) for W in (ours.W_q, ours.W_k, ours.W_v))  # (B, h, T, d_k)
+    Q, K, V = (ours.split_heads(W(x_ex)) for W in (ours.W_q, ours.W_k, ours.W_v))  # (B, h, T, d_k)
     context, _ = scaled_dot_product_attention(Q, K, V)  # (B, h, T, d_k)
     W_O = ours.W_o.weight.T  # (h * d_k, d_model): the paper's W^O
     blocks = [W_O[i * ours.d_k : (i + 1) * ours.d_k] for i in range(ours.num_heads)]  # W^O_i: (d_k, d_model)
     per_head = [context[:, i] @ W_O_i for i, W_O_i in enumerate(blocks)]  # (B, T, d_k) -> (B, T, d_model)
     torch.testing.assert_close(sum(per_head) + ours.W_o.bias, ours(x_ex))
     # Head i's term is what W_o makes of the concatenation with every other head's channels zeroed.
-    concat = ours._combine_heads(context)  # (B, T, h * d_k)
+    concat = ours.combine_heads(context)  # (B, T, h * d_k)
     for i, term in enumerate(per_head):
         only_head_i = torch.zeros_like(concat)
         only_head_i[..., i * ours.d_k : (i + 1) * ours.d_k] = concat[..., i * ours.d_k : (i + 1) * ours.d_k]

@@ -900,7 +900,7 @@ plt.show()
 # - at the tokens' **absolute** positions $0, 1, 2, \dots$ (or `offset`, `offset + 1`, ...):
 #   no offset $m - n$ is computed anywhere, it comes out of the scores.
 #
-# The library's `forward` splits $Q$, $K$ and $V$ with one helper, `_split_heads`, so there is no
+# The library's `forward` splits $Q$, $K$ and $V$ with one helper, `split_heads`, so there is no
 # hook for "queries and keys only"; the subclass below overrides `forward` and leaves the
 # library's class as it is. Its numbered steps are notebook 03's; the lines marked `# New` add
 # RoPE and a cache of past keys and values, used by the second check. It does self-attention
@@ -928,9 +928,9 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x at positions offset .. offset+T-1 attends to itself (and the cache): (B, T, d_model)."""
         # 1) Project with the packed matrices, then split into h heads of width d_k.
-        Q = self._split_heads(self.W_q(x))  # (B, T, d_model) -> (B, h, T, d_k)
-        K = self._split_heads(self.W_k(x))
-        V = self._split_heads(self.W_v(x))
+        Q = self.split_heads(self.W_q(x))  # (B, T, d_model) -> (B, h, T, d_k)
+        K = self.split_heads(self.W_k(x))
+        V = self.split_heads(self.W_v(x))
         Q, K = self.rope(Q, K, offset=offset)  # New: (B, h, T, d_k), rotated; V is not
         if cache is not None:  # New: keep the rotated keys; attend to all keys kept so far
             K, V = cache.update(K, V)  # (B, h, T_kept + T, d_k)
@@ -939,7 +939,7 @@ class RotaryMultiHeadAttention(MultiHeadAttention):
             Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
         )  # context (B, h, T, d_k), attn (B, h, T, T_kept + T)
         # 3) Concatenate the heads and mix them with W_o.
-        out = self.W_o(self._combine_heads(context))  # (B, h, T, d_k) -> (B, T, d_model)
+        out = self.W_o(self.combine_heads(context))  # (B, h, T, d_k) -> (B, T, d_model)
         return (out, attn) if return_attn else out
 
 
@@ -969,10 +969,10 @@ print(rope_mha.rope, "| state_dict:", list(rope_mha.state_dict()))
 # %%
 def rotate_values_too(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_mha's forward with V rotated as well (a mistake): (out, attn)."""
-    Q, K, V = (rope_mha._split_heads(W(x)) for W in (rope_mha.W_q, rope_mha.W_k, rope_mha.W_v))
+    Q, K, V = (rope_mha.split_heads(W(x)) for W in (rope_mha.W_q, rope_mha.W_k, rope_mha.W_v))
     Q, K, V = (rope_mha.rope.rotate(t, offset) for t in (Q, K, V))  # (B, h, T, d_k) each
     context, attn = scaled_dot_product_attention(Q, K, V)
-    return rope_mha.W_o(rope_mha._combine_heads(context)), attn
+    return rope_mha.W_o(rope_mha.combine_heads(context)), attn
 
 
 rope_wide = RotaryEmbedding(64).to(device)  # pairs across all of d_model, for the mistake
@@ -1336,7 +1336,7 @@ elif (margin > 0).any() and (margin < 0).any():  # another device's run, where i
 # | add a learned table | `LearnedPositionalEmbedding(max_len, d_model)(x)` | $(B, T, d_{\text{model}}) \to$ same; weight $(\text{max\_len}, d_{\text{model}})$ |
 # | rotate queries and keys | `RotaryEmbedding(d_head)(q, k, offset)`, `.rotate(x, offset)` | $(\dots, T, d_{\text{head}}) \to$ same |
 # | RoPE's relative property | $\langle R_m q, R_n k\rangle = q^\top R_{n-m} k$ | a scalar per $(m, n)$ |
-# | RoPE in multi-head attention | after `_split_heads`: `Q, K = RotaryEmbedding(d_k)(Q, K, offset)`; V untouched; cached decoding: `offset=cache.length` | $(B, h, T, d_k) \to$ same |
+# | RoPE in multi-head attention | after `split_heads`: `Q, K = RotaryEmbedding(d_k)(Q, K, offset)`; V untouched; cached decoding: `offset=cache.length` | $(B, h, T, d_k) \to$ same |
 #
 # ## Exercises
 #

@@ -105,26 +105,15 @@ class _Stack(nn.Module):
 
     block: type[nn.Module]  # EncoderBlock or DecoderBlock, set by the two stacks below
 
-    def __init__(
-        self,
-        num_layers: int,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.0,
-        activation: str = "relu",
-        bias: bool = True,
-        norm_first: bool = True,
-        fast: bool = False,
-    ):
+    def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, **settings):
+        """settings: the block's own keywords after d_ff (dropout_p, activation, bias, norm_first,
+        fast), passed on unchanged, so a stack and its blocks share one set of defaults."""
         super().__init__()
         check_int("num_layers", num_layers, minimum=1)
-        settings = dict(
-            dropout_p=dropout_p, activation=activation, bias=bias, norm_first=norm_first, fast=fast
-        )
         self.layers = nn.ModuleList(
             self.block(d_model, num_heads, d_ff, **settings) for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
+        fast = self.layers[0].norm1.fast  # the final norm takes the fast path when the blocks do
         self.norm = LayerNorm(d_model, fast=fast)  # pre-norm blocks leave the stream unnormalised
         self.num_layers, self.d_model = num_layers, d_model
 
@@ -388,6 +377,12 @@ class TransformerConfig:
                 "every head needs the same width d_k = d_model / num_heads"
             )
 
+    @property
+    def block_settings(self) -> dict:
+        """What every block of both stacks is built with: the block's keywords after d_ff."""
+        names = ("dropout_p", "activation", "bias", "norm_first", "fast")
+        return {name: getattr(self, name) for name in names}
+
 
 # %% [markdown]
 # Bad input should fail at the model's door with a message that names the argument, not deep
@@ -441,15 +436,8 @@ class Transformer(nn.Module):
         self.src_embed = nn.Embedding(c.src_vocab_size, c.d_model, padding_idx=PAD)
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, c.d_model, padding_idx=PAD)
         self.pos = PositionalEncoding(c.d_model, max_len=c.max_len, dropout_p=c.dropout_p)
-        blocks = dict(
-            dropout_p=c.dropout_p,
-            activation=c.activation,
-            bias=c.bias,
-            norm_first=c.norm_first,
-            fast=c.fast,
-        )  # what every block of both stacks is built with
-        self.encoder = Encoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
-        self.decoder = Decoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
+        self.encoder = Encoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **c.block_settings)
+        self.decoder = Decoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **c.block_settings)
         self.out_proj = nn.Linear(c.d_model, c.tgt_vocab_size)  # logits; the loss has the softmax
         # The scale that the sqrt(d_model) multiply in encode/decode assumes (notebook 09).
         init_token_embedding(self.src_embed)
@@ -1228,7 +1216,7 @@ plt.show()
 # | input embedding | `embed_tokens(model.src_embed, src)`: lookup × $\sqrt d$ | $(B, S, d)$ |
 # | output embedding | `embed_tokens(model.tgt_embed, tgt)` | $(B, T, d)$ |
 # | positional encoding ⊕, then dropout | `model.pos` (its `dropout`, training only) | $(B, S, d)$, $(B, T, d)$ |
-# | Q, K, V projections, split into heads | `W_q`, `W_k`, `W_v`, then `_split_heads` | $(B, h, \cdot, d_k)$ |
+# | Q, K, V projections, split into heads | `W_q`, `W_k`, `W_v`, then `split_heads` | $(B, h, \cdot, d_k)$ |
 # | encoder self-attention weights (dropout on them in training) | `scaled_dot_product_attention` inside `self_attn` | $(B, h, S, S)$ |
 # | multi-head attention (concat → $W_o$) | `encoder.layers[i].self_attn` | $(B, S, d)$ |
 # | feed-forward | `encoder.layers[i].ffn` | $(B, S, d)$ |
@@ -1317,7 +1305,7 @@ weights = {n: attention_weights(n) for n in ("encoder.layers.0.self_attn", "deco
 assert weights["encoder.layers.0.self_attn"].shape == (B, h, S, S)
 assert weights["decoder.layers.0.self_attn"].shape == (B, h, T, T)
 assert weights["decoder.layers.0.cross_attn"].shape == (B, h, T, S)
-assert model.encoder.layers[0].self_attn._split_heads(torch.zeros(B, S, d, device=device)).shape == (B, h, S, d // h)
+assert model.encoder.layers[0].self_attn.split_heads(torch.zeros(B, S, d, device=device)).shape == (B, h, S, d // h)
 for name, w in weights.items():
     assert_close(w.sum(dim=-1), torch.ones(w.shape[:-1], device=device))  # rows sum to 1
     print(f"{name:<28} attention weights {tuple(w.shape)}")

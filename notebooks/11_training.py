@@ -319,7 +319,6 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -2243,6 +2242,42 @@ assert cheat_loss < honest_loss / 5 and cheat_em <= 5
 # one of ours) becomes a `CheckpointError`, a `ValueError` that names the path.
 
 # %%
+#| export utils
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb", encoding: str | None = None) -> Iterator:
+    """Open a temporary file beside `path` to write; on a clean exit, flush it to disk and rename
+    it onto `path`; on an error, delete it and leave `path` as it was.
+
+    with atomic_open("run.json", "w", encoding="utf-8") as f: f.write(text)
+
+    The course's one atomic write (checkpoints, tokenizers, cached corpora). On POSIX the rename
+    (os.replace) replaces the name in one step; Windows offers os.replace too, but Python does
+    not promise that it is atomic there. fsync puts the bytes on disk before the name moves."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A temporary file in the same folder (same file system), then one atomic rename.
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+# %%
 #| export
 CHECKPOINT_FORMAT = 1  # bumped whenever the layout of the saved dictionary changes
 
@@ -2287,25 +2322,11 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
 
 
 def atomic_save(obj, path: str | os.PathLike) -> Path:
-    """torch.save(obj) to a temporary file beside `path`, flushed to disk, then renamed onto it.
-
-    A crash leaves the old file or the new one, never half of one: on POSIX the rename
-    (os.replace) replaces the name in one step; Windows offers os.replace too, but Python does
-    not promise that it is atomic there. fsync puts the bytes on disk first."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A temporary file in the same folder (same file system), then one atomic rename.
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
+    """torch.save(obj) to `path` through atomic_open: a crash leaves the old file or the new one,
+    never half of one."""
+    with atomic_open(path) as f:
+        torch.save(obj, f)
+    return Path(path)
 
 
 def load_checkpoint(

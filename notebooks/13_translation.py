@@ -54,6 +54,7 @@ from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.utils import atomic_open
 from transformer_from_scratch.train import accumulate_gradients
 from transformer_from_scratch.train import num_tokens
 from transformer_from_scratch.train import sequence_loss
@@ -186,13 +187,8 @@ def load_corpus(
         split: [(n, number_to_words(n, "en"), number_to_words(n, tgt_lang)) for n in numbers]
         for split, numbers in split_numbers(num_numbers, seed).items()
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(path, "w", encoding="utf-8") as f:  # no file or the whole file, never half
         f.write(json.dumps(corpus, ensure_ascii=False))
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-    os.replace(tmp, path)  # an atomic rename on POSIX: no file or the whole file, never half
     return corpus
 
 
@@ -252,6 +248,7 @@ from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.tokens import UNK  # notebook 09 keeps every reserved id
+from transformer_from_scratch.utils import atomic_open
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPACE = "\u2581"  # "▁" marks the start of a word, as in SentencePiece
@@ -452,8 +449,7 @@ class BPETokenizer:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the tokenizer as JSON: a temporary file, flushed to disk, then renamed onto
-        path (an atomic rename on POSIX), so a crash leaves the old file or the new one."""
+        """Write the tokenizer as JSON with atomic_open: a crash leaves the old file or the new."""
         path = Path(path)
         state = {
             "format": "transformer_from_scratch.bpe/1",
@@ -462,12 +458,8 @@ class BPETokenizer:
             "merges": [list(pair) for pair in self.merges],
             "fingerprint": self.fingerprint(),
         }
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_open(path, "w", encoding="utf-8") as f:  # notebook 11's atomic write
             f.write(json.dumps(state, ensure_ascii=False, indent=0))
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
         return path
 
     @classmethod
@@ -691,10 +683,10 @@ assert [fresh.encode(s) for s in all_de[:2000]] == [tgt_tokenizer.encode(s) for 
 # library is much faster, compiled and parallel. The course's model trains on **our**
 # tokenizer: it is the one you can read, its ids are the library's own `PAD, BOS, EOS` by
 # construction, and its round trip is checked above on every sentence. Its slowness is the
-# price: the cell above printed 2,685 ms for 2,000 German sentences (the library's: 169 ms), so
-# the 20,000 of the corpus take about ten times that, some half a minute on that machine (for
-# German, where every sentence is a different single word, its cache of encoded words never
-# hits, so the time grows with the number of sentences).
+# price: the cell above printed 575 ms for 2,000 German sentences (the library's: 46 ms, twelve
+# times faster), so the 20,000 of the corpus take about ten times that, some six seconds on that
+# machine (for German, where every sentence is a different single word, its cache of encoded
+# words never hits, so the time grows with the number of sentences).
 #
 # **BPE turns an open vocabulary into a closed one: a number never seen spells out from pieces
 # that were.**
@@ -1050,6 +1042,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def check_adam_settings(betas: tuple[float, float], eps: float) -> None:
+    """Adam's betas must be a pair in [0, 1) and eps positive: a ValueError names the bad one."""
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    for beta in betas:
+        check_float("betas", beta, 0.0, 1.0, high_open=True)
+    check_float("eps", eps, 0.0, low_open=True)
+
+
+def make_adamw(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.98),
+    eps: float = 1e-9,
+) -> torch.optim.AdamW:
+    """AdamW over param_groups(model, weight_decay): every AdamW of the course is built here."""
+    check_adam_settings(betas, eps)
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
+
+
 # %%
 probe = Transformer(
     src_tokenizer.vocab_size,
@@ -1308,8 +1321,8 @@ for name in amp_dtypes[1:]:
 # The speed depends on the processor. CPUs with bfloat16 instructions (recent Intel Xeons with
 # AMX or AVX-512 BF16, AMD Zen 4) run the products faster; older ones lose time to the casts
 # (or, without bfloat16 instructions, to converting every number). The cell above prints what
-# yours does; on the CPU that stored these outputs a bfloat16 step took about ten times as
-# long as a float32 one (0.10x). On a recent GPU the products run on tensor cores, which pays
+# yours does; on the CPU that stored these outputs a bfloat16 step took about fourteen times as
+# long as a float32 one (0.07x; an AVX2 CPU without bfloat16 instructions). On a recent GPU the products run on tensor cores, which pays
 # off for large matrices; at this notebook's sizes (width 128 in the cell above, 64 in the
 # model trained below; training batches of at most 2,048 tokens) a GPU step is likely bound by
 # kernel launches, not arithmetic, so expect little gain from autocast there either.
@@ -1536,13 +1549,15 @@ class TrainConfig:
     """How to train: one place for every knob of train_translation."""
 
     epochs: int = 10
-    lr: float = 2e-3  # the peak rate, reached after warmup_steps
+    lr: float = 2e-3  # the peak rate, reached after `warmup` updates
     weight_decay: float = 0.01
-    warmup_steps: int = 50
+    warmup: int = 50  # updates of linear warm-up (notebook 15's Recipe names it alike)
     min_lr_ratio: float = 0.05
     label_smoothing: float = 0.1
     clip_norm: float = 1.0
-    accumulation_steps: int = 1  # micro-batches per optimizer step
+    accum_steps: int = 1  # micro-batches per optimizer step
+    betas: tuple[float, float] = (0.9, 0.98)  # the paper's Adam settings
+    eps: float = 1e-9
     amp_dtype: str | None = None  # None (float32), "bfloat16" or "float16"
     gradient_checkpointing: bool = False
     patience: int = 3  # epochs without a better validation loss before stopping
@@ -1552,13 +1567,14 @@ class TrainConfig:
         check_int("epochs", self.epochs, minimum=1)
         check_float("lr", self.lr, 0.0, low_open=True)
         check_float("weight_decay", self.weight_decay, 0.0)
-        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_int("warmup", self.warmup, minimum=0)
         check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_probability("label_smoothing", self.label_smoothing)
         check_float("clip_norm", self.clip_norm, 0.0, low_open=True)
-        check_int("accumulation_steps", self.accumulation_steps, minimum=1)
+        check_int("accum_steps", self.accum_steps, minimum=1)
         if self.amp_dtype is not None:
             check_choice("amp_dtype", self.amp_dtype, ("bfloat16", "float16"))
+        check_adam_settings(self.betas, self.eps)
         check_int("patience", self.patience, minimum=1)
 
 
@@ -1626,17 +1642,15 @@ def _make_trainer(model: nn.Module, train_loader, config: TrainConfig) -> tuple[
     """Notebook 11's Trainer with this notebook's optimizer, schedule, scaler and callback; and
     the number of updates per epoch."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(
-        param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
-    )
+    optimizer = make_adamw(model, config.lr, config.weight_decay, config.betas, config.eps)
     sampler = getattr(train_loader, "batch_sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(0)  # count epoch 0's batches: a resumed run gets the same schedule
-    steps_per_epoch = math.ceil(len(train_loader) / config.accumulation_steps)
-    total_steps = max(config.epochs * steps_per_epoch, config.warmup_steps + 1)
+    steps_per_epoch = math.ceil(len(train_loader) / config.accum_steps)
+    total_steps = max(config.epochs * steps_per_epoch, config.warmup + 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: warmup_cosine(s, config.warmup_steps, total_steps, config.min_lr_ratio),
+        lambda s: warmup_cosine(s, config.warmup, total_steps, config.min_lr_ratio),
     )
     # Loss scaling keeps small float16 gradients from underflowing; bf16 and fp32 need none.
     scaler = torch.amp.GradScaler(device.type, enabled=config.amp_dtype == "float16")
@@ -1805,7 +1819,7 @@ def train_translation(
             sampler.set_epoch(epoch)  # a new order, the same on every run
         first = len(history["loss"])
         bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
-        trainer.fit(micro_batch_groups(train_loader, config.accumulation_steps), progress=bar)
+        trainer.fit(micro_batch_groups(train_loader, config.accum_steps), progress=bar)
         improved = _end_epoch(trainer, valid_loader, config, stopper, epoch, first)
         if improved and directory is None:  # no folder: the best weights are kept in memory
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -1829,7 +1843,7 @@ def train_translation(
 
 
 # %% [markdown]
-# With `accumulation_steps=4`, `micro_batch_groups` hands the trainer the epoch's batches four at
+# With `accum_steps=4`, `micro_batch_groups` hands the trainer the epoch's batches four at
 # a time; an epoch whose count is not a multiple of four ends with a smaller update. On this
 # notebook's training batches (the sampler's batches of indices: the same grouping, no data
 # loaded):
@@ -1868,7 +1882,7 @@ small_valid = DataLoader(
     batch_sampler=TokenBatchSampler(datasets["valid"].lengths[:200], 4096, shuffle=False),
     collate_fn=collate_translations,
 )
-small_config = TrainConfig(epochs=3, lr=1e-3, warmup_steps=5, seed=1)
+small_config = TrainConfig(epochs=3, lr=1e-3, warmup=5, seed=1)
 FINGERPRINTS = {"src": src_tokenizer.fingerprint(), "tgt": tgt_tokenizer.fingerprint()}
 
 
@@ -1970,7 +1984,7 @@ assert "fingerprints" in checkpoint_keys and "other tokenizers" in other_tokeniz
 #
 # The model is notebook 10's `Transformer`, smaller than the default of the main source
 # tutorial ("Deep Learning: Transformers") so that it
-# trains in minutes on one CPU thread (the stored run printed 720 steps in 429 s, below; the
+# trains in minutes on one CPU thread (the stored run printed 720 steps in 82 s, below; the
 # time depends on the machine and on how busy it is; the course's checks run every kernel at
 # one thread, set in `tools/kernel.env`, while a Jupyter of your own uses all cores, so your
 # times will differ): $d_\text{model} = 64$, 4 heads, $d_\text{ff} = 4 d_\text{model} = 256$
@@ -2001,7 +2015,7 @@ def cuda_has_bf16() -> bool:
 
 train_amp = ("bfloat16" if cuda_has_bf16() else "float16") if device.type == "cuda" else None
 config = TrainConfig(
-    epochs=8, lr=3e-3, warmup_steps=60, min_lr_ratio=0.02, label_smoothing=0.1,
+    epochs=8, lr=3e-3, warmup=60, min_lr_ratio=0.02, label_smoothing=0.1,
     patience=3, amp_dtype=train_amp, seed=0,
 )  # fmt: skip
 print(f"{sum(p.numel() for p in model.parameters()):,d} parameters; {config}")
@@ -2717,9 +2731,9 @@ if STORED_RUN:  # the observations above, for the stored run's weights only
 # 2. The loop stops on the validation *loss*, but what we care about is exact match. Why not
 #    stop on exact match, and what would it cost?
 # 3. You want steps over 4 times more tokens without 4 times the memory. (a) Train with
-#    `accumulation_steps=4` and the same `max_tokens=2048`: what happens to the number of
+#    `accum_steps=4` and the same `max_tokens=2048`: what happens to the number of
 #    optimizer steps, to the learning-rate schedule (warmup and cosine) and to the memory a
-#    step needs? (b) Compare it with `accumulation_steps=1` and `max_tokens=8192`: is it the
+#    step needs? (b) Compare it with `accum_steps=1` and `max_tokens=8192`: is it the
 #    same run? If not, what differs?
 #
 # **Solutions.**
@@ -2753,9 +2767,9 @@ for n in (70, 71, 80, 97):
 #    2000 numbers, so it stays flat for epochs while the loss still falls. The loss is cheap and
 #    smooth; exact match is the final test, computed once.
 # 3. (a) Four micro-batches make one optimizer step: about a quarter as many steps per epoch
-#    (23 instead of 90), so `total_steps` shrinks about four times. `warmup_steps=60` is a
+#    (23 instead of 90), so `total_steps` shrinks about four times. `warmup=60` is a
 #    number of *steps* and does not shrink: the warmup now lasts over 2.5 epochs instead of
-#    two thirds of one, and only the cosine part gets shorter (divide `warmup_steps` by four
+#    two thirds of one, and only the cosine part gets shorter (divide `warmup` by four
 #    to keep the schedule's shape). The activation memory is that of one 2048-token
 #    micro-batch, as before; only the gradients are kept across the four. (b) Not the same
 #    run. Each step's gradient is the exact token mean over its four micro-batches (checked

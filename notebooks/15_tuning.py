@@ -120,7 +120,8 @@ from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.practice import EarlyStopping
-from transformer_from_scratch.practice import param_groups
+from transformer_from_scratch.practice import check_adam_settings
+from transformer_from_scratch.practice import make_adamw
 from transformer_from_scratch.practice import warmup_cosine
 from transformer_from_scratch.train import REVERSAL_RECIPE
 from transformer_from_scratch.train import Batch
@@ -169,11 +170,7 @@ class Recipe(ReversalRecipe):
                 f"weight_decay={self.weight_decay} needs optimizer='adamw': Adam here has no decay"
             )
         check_float("clip_norm", self.clip_norm, 0.0, low_open=True)
-        check_float("eps", self.eps, 0.0, low_open=True)
-        if len(self.betas) != 2:
-            raise ValueError(f"betas must be a pair, got {self.betas!r}")
-        for beta in self.betas:
-            check_float("betas", beta, 0.0, 1.0, high_open=True)
+        check_adam_settings(self.betas, self.eps)  # notebook 13's check of Adam's settings
 
     def replace(self, **changes) -> "Recipe":
         """A copy with `changes`; unknown names are a TypeError, bad values a ValueError."""
@@ -224,8 +221,8 @@ def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
         return torch.optim.Adam(
             model.parameters(), lr=recipe.lr, betas=recipe.betas, eps=recipe.eps
         )
-    groups = param_groups(model, recipe.weight_decay)  # biases and norm gains do not decay
-    return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps)
+    # notebook 13's AdamW: decay on matrices, none on biases and norm gains
+    return make_adamw(model, recipe.lr, recipe.weight_decay, recipe.betas, recipe.eps)
 
 
 # %% [markdown]
@@ -1706,16 +1703,16 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[Recipe, argparse.Nam
     """The command line's recipe (warm-up: 50 steps, or all of them if fewer) and all its
     arguments; the training set is make_batch(train_size, ...) drawn with data_seed."""
     parser = argparse.ArgumentParser(description="Data-parallel reversal training (torchrun)")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=64, help="the global batch")
-    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per rank")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--d-ff", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    # The recipe's knobs, each a flag named after its field (--d-model sets d_model; --dropout
+    # sets dropout_p), with this script's small defaults; the recipe keeps the rest of its own.
+    knobs = dict(
+        steps=100, batch_size=64, accum_steps=1, lr=2e-3, d_model=64, num_heads=4, d_ff=256,
+        num_layers=2, dropout_p=0.0, seed=0,
+    )  # fmt: skip
+    helps = dict(batch_size="the global batch", accum_steps="micro-batches per rank")
+    for name, default in knobs.items():
+        flag = "--dropout" if name == "dropout_p" else "--" + name.replace("_", "-")
+        parser.add_argument(flag, dest=name, type=type(default), default=default, help=helps.get(name))
     parser.add_argument("--train-size", type=int, default=4096, help="fixed training sequences")
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
@@ -1723,12 +1720,7 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[Recipe, argparse.Nam
     parser.add_argument("--log-every", type=int, default=0)
     parser.add_argument("--gradients", default=None, help="file for rank 0's last gradients")
     args = parser.parse_args(argv)
-    recipe = Recipe(
-        d_model=args.d_model, num_heads=args.num_heads, d_ff=args.d_ff,
-        num_layers=args.num_layers, dropout_p=args.dropout, lr=args.lr, steps=args.steps,
-        warmup=min(50, args.steps), batch_size=args.batch_size, accum_steps=args.accum_steps,
-        seed=args.seed,
-    )
+    recipe = Recipe(**{name: getattr(args, name) for name in knobs}, warmup=min(50, args.steps))
     return recipe, args
 
 

@@ -133,6 +133,17 @@ def test_parse_arguments_builds_the_recipe_main_trains():
     assert args.train_size == 4096 and args.data_seed == 0 and args.gradients is None
     with pytest.raises(ValueError):
         parse_arguments(["--batch-size", "10", "--accum-steps", "3"])
+    every = [
+        "--steps", "7", "--batch-size", "12", "--accum-steps", "3", "--lr", "5e-4",
+        "--d-model", "24", "--num-heads", "3", "--d-ff", "40", "--num-layers", "1",
+        "--dropout", "0.25", "--seed", "9",
+    ]  # fmt: skip
+    recipe = parse_arguments(every)[0]  # each flag lands in the recipe field it names
+    assert (recipe.steps, recipe.batch_size, recipe.accum_steps, recipe.lr) == (7, 12, 3, 5e-4)
+    assert (recipe.d_model, recipe.num_heads, recipe.d_ff, recipe.num_layers) == (24, 3, 40, 1)
+    assert (recipe.dropout_p, recipe.seed, recipe.warmup) == (0.25, 9, 7)
+    with pytest.raises(SystemExit):
+        parse_arguments(["--dropout-p", "0.1"])  # the flag is --dropout
 
 
 def test_launched_without_torchrun_it_says_how_to_launch():

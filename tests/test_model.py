@@ -556,3 +556,17 @@ def test_forward_refuses_a_non_causal_tgt_mask():
         # decode (also the cached path) is not guarded: it sees partial masks
         enc_out = model.encode(src, src_mask)
         model.decode(tgt_in, enc_out, self_mask=padding_mask(tgt_len, T), cross_mask=src_mask)
+
+
+def test_block_settings_are_what_every_block_is_built_with():
+    config = TransformerConfig(
+        12, 12, d_model=16, num_heads=2, d_ff=32, num_layers=2, dropout_p=0.2,
+        activation="gelu", bias=False, norm_first=False,
+    )  # fmt: skip
+    assert config.block_settings == dict(
+        dropout_p=0.2, activation="gelu", bias=False, norm_first=False, fast=False
+    )
+    model = Transformer(config)
+    for block in (*model.encoder.layers, *model.decoder.layers):
+        assert block.dropout1.p == 0.2 and type(block.ffn[1]) is nn.GELU
+        assert block.ffn[0].bias is None and block.norm_first is False

@@ -112,11 +112,11 @@ def test_parameter_count(d_model, bias):
 def test_split_combine_round_trip():
     mha = MultiHeadAttention(12, 3)
     x = randn(2, 5, 12)
-    split = mha._split_heads(x)
+    split = mha.split_heads(x)
     assert split.shape == (2, 3, 5, 4)
     for i in range(3):
         assert torch.equal(split[:, i], x[..., 4 * i : 4 * (i + 1)])
-    assert torch.equal(mha._combine_heads(split), x)
+    assert torch.equal(mha.combine_heads(split), x)
 
 
 @pytest.mark.parametrize("T_q, T_k", [(5, 5), (3, 7), (1, 4)])
@@ -188,9 +188,9 @@ def test_parity_per_head_with_f_scaled_dot_product_attention():
     mask = (torch.arange(7)[None, :] < torch.tensor([7, 4])[:, None])[:, None, None, :]
     with torch.no_grad():
         Q, K, V = (
-            mha._split_heads(mha.W_q(x)),
-            mha._split_heads(mha.W_k(m)),
-            mha._split_heads(mha.W_v(m)),
+            mha.split_heads(mha.W_q(x)),
+            mha.split_heads(mha.W_k(m)),
+            mha.split_heads(mha.W_v(m)),
         )
     Q, K, V = (t.clone().requires_grad_() for t in (Q, K, V))
     ctx_ours, _ = scaled_dot_product_attention(Q, K, V, mask=mask)
@@ -204,7 +204,7 @@ def test_parity_per_head_with_f_scaled_dot_product_attention():
     ):
         torch.testing.assert_close(a, b)
     with torch.no_grad():
-        torch.testing.assert_close(mha.W_o(mha._combine_heads(ctx_torch)), mha(x, m, mask=mask))
+        torch.testing.assert_close(mha.W_o(mha.combine_heads(ctx_torch)), mha(x, m, mask=mask))
 
 
 # ---------------------------------------------------------------- dropout

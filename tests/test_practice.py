@@ -13,9 +13,11 @@ from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.practice import EarlyStopping
 from transformer_from_scratch.practice import TrainConfig
 from transformer_from_scratch.practice import amp_autocast
+from transformer_from_scratch.practice import check_adam_settings
 from transformer_from_scratch.practice import evaluate_loss
 from transformer_from_scratch.practice import layer_grad_norms
 from transformer_from_scratch.practice import load_training_state
+from transformer_from_scratch.practice import make_adamw
 from transformer_from_scratch.practice import micro_batch_groups
 from transformer_from_scratch.practice import param_groups
 from transformer_from_scratch.practice import rng_state
@@ -85,6 +87,46 @@ def test_adamw_with_the_groups_leaves_norm_gains_undecayed():
     for name, p in model.named_parameters():
         moved = not torch.equal(before[name], p)
         assert moved == (p.dim() == 2), name  # embeddings too
+
+
+def test_make_adamw_is_adamw_over_the_groups_with_the_given_settings():
+    model = tiny_model()
+    optimizer = make_adamw(model, 3e-4, 0.1, betas=(0.8, 0.9), eps=1e-7)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert all(g["betas"] == (0.8, 0.9) and g["eps"] == 1e-7 for g in optimizer.param_groups)
+    assert all(g["lr"] == 3e-4 for g in optimizer.param_groups)
+    groups = param_groups(model, 0.1)
+    for mine, theirs in zip(optimizer.param_groups, groups, strict=True):
+        assert [id(p) for p in mine["params"]] == [id(p) for p in theirs["params"]]
+
+
+@pytest.mark.parametrize(
+    "betas, eps, match",
+    [((0.9,), 1e-8, "pair"), ((0.9, 1.0), 1e-8, "betas"), ((-0.1, 0.9), 1e-8, "betas"),
+     ((0.9, 0.98), 0.0, "eps"), ("ab", 1e-8, "pair")],
+)  # fmt: skip
+def test_adam_settings_are_checked_by_the_optimizer_and_both_configs(betas, eps, match):
+    with pytest.raises(ValueError, match=match):
+        check_adam_settings(betas, eps)
+    with pytest.raises(ValueError, match=match):
+        make_adamw(tiny_model(), 1e-3, 0.0, betas=betas, eps=eps)
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(betas=betas, eps=eps)
+
+
+def test_train_config_names_its_knobs_as_the_recipe_does():
+    from transformer_from_scratch.tuning import Recipe
+
+    shared = {"lr", "weight_decay", "warmup", "label_smoothing", "clip_norm", "accum_steps"}
+    shared |= {"betas", "eps", "seed"}
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    recipe_fields = {f.name for f in dataclasses.fields(Recipe)}
+    assert shared <= train_fields & recipe_fields
+    with pytest.raises(TypeError):
+        TrainConfig(warmup_steps=5)  # the old name: warmup
+    with pytest.raises(TypeError):
+        TrainConfig(accumulation_steps=2)  # the old name: accum_steps
 
 
 def test_warmup_cosine_shape():
@@ -242,7 +284,7 @@ def test_train_config_validates():
 
 def test_training_lowers_the_loss_and_resumes_exactly(tmp_path):
     train, valid = loaders(make_items(24))
-    config = TrainConfig(epochs=2, lr=3e-3, warmup_steps=2, patience=5)
+    config = TrainConfig(epochs=2, lr=3e-3, warmup=2, patience=5)
     straight = tiny_model(dropout_p=0.1)
     history = train_translation(straight, train, valid, config, tmp_path / "a", progress=False)
     assert history["val_loss"][-1] < history["val_loss"][0]
@@ -258,7 +300,7 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path):
 
 def test_accumulation_in_the_loop_takes_fewer_steps():
     train, valid = loaders(make_items(40))
-    config = TrainConfig(epochs=1, accumulation_steps=2)
+    config = TrainConfig(epochs=1, accum_steps=2)
     history = train_translation(tiny_model(), train, valid, config, progress=False)
     assert len(history["lr"]) == math.ceil(len(train) / 2)
 
@@ -299,7 +341,7 @@ class EpochDependentSampler:
 def test_schedule_does_not_depend_on_where_the_sampler_was_left():
     items = make_items(24)
     _, valid = loaders(items)
-    config = TrainConfig(epochs=2, lr=1e-3, warmup_steps=0, min_lr_ratio=0.0)
+    config = TrainConfig(epochs=2, lr=1e-3, warmup=0, min_lr_ratio=0.0)
     rates = []
     for left_at_epoch in (0, 3):  # a sampler reused after an earlier run was left at epoch 3
         sampler = EpochDependentSampler(len(items))
@@ -321,7 +363,7 @@ def test_micro_batch_groups_cut_the_loader_in_lists_of_k():
 def test_without_a_folder_the_best_epoch_is_kept_in_memory():
     train, valid = loaders(make_items(24))
     # A rate this high makes the last epoch worse than the one before it.
-    config = TrainConfig(epochs=6, lr=0.1, warmup_steps=0, patience=10, min_lr_ratio=1.0)
+    config = TrainConfig(epochs=6, lr=0.1, warmup=0, patience=10, min_lr_ratio=1.0)
     model = tiny_model()
     history = train_translation(model, train, valid, config, progress=False)
     best = min(range(config.epochs), key=history["val_loss"].__getitem__)
@@ -333,7 +375,7 @@ def test_without_a_folder_the_best_epoch_is_kept_in_memory():
 
 def test_resume_refuses_another_configuration(tmp_path):
     train, valid = loaders(make_items(24))
-    config = TrainConfig(epochs=3, lr=3e-3, warmup_steps=2)
+    config = TrainConfig(epochs=3, lr=3e-3, warmup=2)
     train_translation(tiny_model(), train, valid, config, tmp_path, stop_after_epoch=1,
                       progress=False)  # fmt: skip
     with pytest.raises(ValueError, match="another configuration.*'lr'"):
@@ -347,7 +389,7 @@ def test_resume_refuses_another_configuration(tmp_path):
 
 def test_checkpoints_store_the_tokenizers_and_resume_refuses_others(tmp_path):
     train, valid = loaders(make_items(24))
-    config = TrainConfig(epochs=2, lr=3e-3, warmup_steps=2)
+    config = TrainConfig(epochs=2, lr=3e-3, warmup=2)
     fingerprints = {"src": "aaaa", "tgt": "bbbb"}
     train_translation(tiny_model(), train, valid, config, tmp_path, stop_after_epoch=1,
                       progress=False, fingerprints=fingerprints)  # fmt: skip

@@ -44,13 +44,19 @@ def test_defaults_relu_and_no_dropout(cls):
 
 @pytest.mark.parametrize("cls", [Encoder, Decoder])
 def test_a_stack_and_its_block_agree_on_defaults(cls):
-    """Encoder(N, d, h, d_ff).layers[0] is EncoderBlock(d, h, d_ff): same settings, same repr."""
-    block_params = inspect.signature(cls.block.__init__).parameters
+    """Encoder(N, d, h, d_ff).layers[0] is EncoderBlock(d, h, d_ff): same settings, same repr.
+
+    The stack declares no settings of its own (it passes **settings to its blocks), so the two
+    cannot drift apart; a setting the block does not know is the block's TypeError."""
     stack_params = inspect.signature(cls.__init__).parameters
     settings = ("dropout_p", "activation", "bias", "norm_first", "fast")
-    for name in settings:
-        assert stack_params[name].default == block_params[name].default, name
+    assert not set(settings) & set(stack_params)
+    assert set(settings) <= set(inspect.signature(cls.block.__init__).parameters)
     assert repr(cls(1, D, H, D_FF).layers[0]) == repr(cls.block(D, H, D_FF))
+    for fast in (False, True):  # the final norm follows the blocks' fast path
+        assert cls(1, D, H, D_FF, fast=fast).norm.fast is fast
+    with pytest.raises(TypeError, match="dropout"):
+        cls(1, D, H, D_FF, dropout=0.1)  # a misspelt setting is not silently dropped
 
 
 @pytest.mark.parametrize("cls", [Encoder, Decoder])

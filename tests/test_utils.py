@@ -128,3 +128,32 @@ def test_part_colors_one_distinct_colour_per_part_and_no_role_colour():
     assert len(set(colours)) == len(colours)  # no two parts share a colour
     assert not set(colours) & set(utils.COLORS.values())  # the role colours keep their roles
     assert utils.PART_COLORS["layer_norm"] == "#9467bd"  # purple since notebook 06's first figure
+
+
+def test_atomic_open_writes_text_and_bytes_and_leaves_no_temporary_file(tmp_path):
+    with utils.atomic_open(tmp_path / "sub" / "a.txt", "w", encoding="utf-8") as f:
+        f.write("zweiundvierzig")
+    with utils.atomic_open(tmp_path / "b.bin") as f:
+        f.write(b"\x00\x01")
+    assert (tmp_path / "sub" / "a.txt").read_text(encoding="utf-8") == "zweiundvierzig"
+    assert (tmp_path / "b.bin").read_bytes() == b"\x00\x01"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a.txt", "b.bin", "sub"]
+
+
+def test_atomic_open_keeps_the_old_file_whole_when_the_write_fails(tmp_path):
+    path = tmp_path / "state.json"
+    path.write_text("old", encoding="utf-8")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with utils.atomic_open(path, "w", encoding="utf-8") as f:
+            f.write("new, but only half of")
+            raise RuntimeError("disk full")
+    assert path.read_text(encoding="utf-8") == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # the temporary file is gone
+
+
+def test_atomic_open_refuses_modes_that_read_or_append(tmp_path):
+    for mode in ("r", "a", "w+", "ab"):
+        with pytest.raises(ValueError, match="mode"):
+            with utils.atomic_open(tmp_path / "x", mode):
+                pass
+    assert list(tmp_path.iterdir()) == []

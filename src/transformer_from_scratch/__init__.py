@@ -99,9 +99,11 @@ from .positional import sinusoidal_table
 from .practice import EarlyStopping
 from .practice import TrainConfig
 from .practice import amp_autocast
+from .practice import check_adam_settings
 from .practice import evaluate_loss
 from .practice import layer_grad_norms
 from .practice import load_training_state
+from .practice import make_adamw
 from .practice import micro_batch_groups
 from .practice import param_groups
 from .practice import rng_state
@@ -166,6 +168,7 @@ from .utils import COLORS
 from .utils import OTHER_COLORS
 from .utils import PART_COLORS
 from .utils import add_to_class
+from .utils import atomic_open
 from .utils import find_figures_dir
 from .utils import get_device
 from .utils import save_figure

@@ -144,13 +144,13 @@ class MultiHeadAttention(nn.Module):
             if proj.bias is not None:
                 nn.init.zeros_(proj.bias)
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d_model) -> (B, h, T, d_k): head i gets channels i*d_k .. (i+1)*d_k - 1."""
         B, T, _ = x.shape
         x = x.view(B, T, self.num_heads, self.d_k)  # (B, T, d_model) -> (B, T, h, d_k)
         return x.transpose(1, 2)  # (B, T, h, d_k) -> (B, h, T, d_k)
 
-    def _combine_heads(self, x: torch.Tensor) -> torch.Tensor:
+    def combine_heads(self, x: torch.Tensor) -> torch.Tensor:
         """(B, h, T, d_k) -> (B, T, d_model): concatenate the heads' outputs again."""
         B, h, T, d_k = x.shape
         x = x.transpose(1, 2)  # (B, h, T, d_k) -> (B, T, h, d_k)
@@ -197,14 +197,14 @@ class MultiHeadAttention(nn.Module):
         if self.fast and not return_attn and cache is None and x_v is x_k:  # notebook 14
             return self.fast_forward(x_q, None if x_k is x_q else x_k, mask)
         # 1) Project with the packed matrices, then split into h heads of width d_k.
-        Q = self._split_heads(self.W_q(x_q))  # (B, T_q, d_model) -> (B, h, T_q, d_k)
+        Q = self.split_heads(self.W_q(x_q))  # (B, T_q, d_model) -> (B, h, T_q, d_k)
         if (
             cache is not None and cache.frozen
         ):  # x_k never changes (cross-attention): reuse its K, V
             K, V = cache.keys, cache.values  # (B, h, T_k, d_k)
         else:
-            K = self._split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
-            V = self._split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+            K = self.split_heads(self.W_k(x_k))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
+            V = self.split_heads(self.W_v(x_v))  # (B, T_k, d_model) -> (B, h, T_k, d_k)
             if cache is not None:  # keep them, and attend to every key kept so far
                 K, V = cache.update(K, V)  # (B, h, T_kept + T_k, d_k)
         if checking():
@@ -215,7 +215,7 @@ class MultiHeadAttention(nn.Module):
                 Q, K, V, mask=mask, dropout_p=self.dropout_p, training=self.training
             )  # context (B, h, T_q, d_k), attn (B, h, T_q, T_k)
         # 3) Concatenate the heads and mix them with W_o.
-        out = self.W_o(self._combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
+        out = self.W_o(self.combine_heads(context))  # (B, h, T_q, d_k) -> (B, T_q, d_model)
         return (out, attn) if return_attn else out
 
     # Taught in notebook 14 · Efficient attention and a fast path

@@ -18,6 +18,7 @@ from transformer_from_scratch.tokens import BOS
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
 from transformer_from_scratch.tokens import UNK  # notebook 09 keeps every reserved id
+from transformer_from_scratch.utils import atomic_open
 
 # Taught in notebook 13 · A real translation task
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids PAD, BOS, EOS, UNK = 0, 1, 2, 3
@@ -174,8 +175,7 @@ class BPETokenizer:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the tokenizer as JSON: a temporary file, flushed to disk, then renamed onto
-        path (an atomic rename on POSIX), so a crash leaves the old file or the new one."""
+        """Write the tokenizer as JSON with atomic_open: a crash leaves the old file or the new."""
         path = Path(path)
         state = {
             "format": "transformer_from_scratch.bpe/1",
@@ -184,12 +184,8 @@ class BPETokenizer:
             "merges": [list(pair) for pair in self.merges],
             "fingerprint": self.fingerprint(),
         }
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with atomic_open(path, "w", encoding="utf-8") as f:  # notebook 11's atomic write
             f.write(json.dumps(state, ensure_ascii=False, indent=0))
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
         return path
 
     @classmethod

@@ -262,26 +262,15 @@ class _Stack(nn.Module):
 
     block: type[nn.Module]  # EncoderBlock or DecoderBlock, set by the two stacks below
 
-    def __init__(
-        self,
-        num_layers: int,
-        d_model: int,
-        num_heads: int,
-        d_ff: int,
-        dropout_p: float = 0.0,
-        activation: str = "relu",
-        bias: bool = True,
-        norm_first: bool = True,
-        fast: bool = False,
-    ):
+    def __init__(self, num_layers: int, d_model: int, num_heads: int, d_ff: int, **settings):
+        """settings: the block's own keywords after d_ff (dropout_p, activation, bias, norm_first,
+        fast), passed on unchanged, so a stack and its blocks share one set of defaults."""
         super().__init__()
         check_int("num_layers", num_layers, minimum=1)
-        settings = dict(
-            dropout_p=dropout_p, activation=activation, bias=bias, norm_first=norm_first, fast=fast
-        )
         self.layers = nn.ModuleList(
             self.block(d_model, num_heads, d_ff, **settings) for _ in range(num_layers)
         )  # registered as layers.0, layers.1, ...: seen by parameters(), state_dict(), .to()
+        fast = self.layers[0].norm1.fast  # the final norm takes the fast path when the blocks do
         self.norm = LayerNorm(d_model, fast=fast)  # pre-norm blocks leave the stream unnormalised
         self.num_layers, self.d_model = num_layers, d_model
 

@@ -87,6 +87,12 @@ class TransformerConfig:
                 "every head needs the same width d_k = d_model / num_heads"
             )
 
+    @property
+    def block_settings(self) -> dict:
+        """What every block of both stacks is built with: the block's keywords after d_ff."""
+        names = ("dropout_p", "activation", "bias", "norm_first", "fast")
+        return {name: getattr(self, name) for name in names}
+
 
 # Taught in notebook 10 · The full model
 def _check_tokens(name: str, tokens: torch.Tensor, vocab_size: int, max_len: int, offset: int = 0):
@@ -127,15 +133,8 @@ class Transformer(nn.Module):
         self.src_embed = nn.Embedding(c.src_vocab_size, c.d_model, padding_idx=PAD)
         self.tgt_embed = nn.Embedding(c.tgt_vocab_size, c.d_model, padding_idx=PAD)
         self.pos = PositionalEncoding(c.d_model, max_len=c.max_len, dropout_p=c.dropout_p)
-        blocks = dict(
-            dropout_p=c.dropout_p,
-            activation=c.activation,
-            bias=c.bias,
-            norm_first=c.norm_first,
-            fast=c.fast,
-        )  # what every block of both stacks is built with
-        self.encoder = Encoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
-        self.decoder = Decoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **blocks)
+        self.encoder = Encoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **c.block_settings)
+        self.decoder = Decoder(c.num_layers, c.d_model, c.num_heads, c.d_ff, **c.block_settings)
         self.out_proj = nn.Linear(c.d_model, c.tgt_vocab_size)  # logits; the loss has the softmax
         # The scale that the sqrt(d_model) multiply in encode/decode assumes (notebook 09).
         init_token_embedding(self.src_embed)

@@ -50,6 +50,29 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 # Taught in notebook 13 · A real translation task
+def check_adam_settings(betas: tuple[float, float], eps: float) -> None:
+    """Adam's betas must be a pair in [0, 1) and eps positive: a ValueError names the bad one."""
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas!r}")
+    for beta in betas:
+        check_float("betas", beta, 0.0, 1.0, high_open=True)
+    check_float("eps", eps, 0.0, low_open=True)
+
+
+# Taught in notebook 13 · A real translation task
+def make_adamw(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.98),
+    eps: float = 1e-9,
+) -> torch.optim.AdamW:
+    """AdamW over param_groups(model, weight_decay): every AdamW of the course is built here."""
+    check_adam_settings(betas, eps)
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=tuple(betas), eps=eps)
+
+
+# Taught in notebook 13 · A real translation task
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
     """Multiplier of the peak rate: linear warmup to 1, then a cosine down to min_ratio."""
     step = check_int("step", step, minimum=0)
@@ -172,13 +195,15 @@ class TrainConfig:
     """How to train: one place for every knob of train_translation."""
 
     epochs: int = 10
-    lr: float = 2e-3  # the peak rate, reached after warmup_steps
+    lr: float = 2e-3  # the peak rate, reached after `warmup` updates
     weight_decay: float = 0.01
-    warmup_steps: int = 50
+    warmup: int = 50  # updates of linear warm-up (notebook 15's Recipe names it alike)
     min_lr_ratio: float = 0.05
     label_smoothing: float = 0.1
     clip_norm: float = 1.0
-    accumulation_steps: int = 1  # micro-batches per optimizer step
+    accum_steps: int = 1  # micro-batches per optimizer step
+    betas: tuple[float, float] = (0.9, 0.98)  # the paper's Adam settings
+    eps: float = 1e-9
     amp_dtype: str | None = None  # None (float32), "bfloat16" or "float16"
     gradient_checkpointing: bool = False
     patience: int = 3  # epochs without a better validation loss before stopping
@@ -188,13 +213,14 @@ class TrainConfig:
         check_int("epochs", self.epochs, minimum=1)
         check_float("lr", self.lr, 0.0, low_open=True)
         check_float("weight_decay", self.weight_decay, 0.0)
-        check_int("warmup_steps", self.warmup_steps, minimum=0)
+        check_int("warmup", self.warmup, minimum=0)
         check_float("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
         check_probability("label_smoothing", self.label_smoothing)
         check_float("clip_norm", self.clip_norm, 0.0, low_open=True)
-        check_int("accumulation_steps", self.accumulation_steps, minimum=1)
+        check_int("accum_steps", self.accum_steps, minimum=1)
         if self.amp_dtype is not None:
             check_choice("amp_dtype", self.amp_dtype, ("bfloat16", "float16"))
+        check_adam_settings(self.betas, self.eps)
         check_int("patience", self.patience, minimum=1)
 
 
@@ -243,17 +269,15 @@ def _make_trainer(model: nn.Module, train_loader, config: TrainConfig) -> tuple[
     """Notebook 11's Trainer with this notebook's optimizer, schedule, scaler and callback; and
     the number of updates per epoch."""
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(
-        param_groups(model, config.weight_decay), lr=config.lr, betas=(0.9, 0.98), eps=1e-9
-    )
+    optimizer = make_adamw(model, config.lr, config.weight_decay, config.betas, config.eps)
     sampler = getattr(train_loader, "batch_sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(0)  # count epoch 0's batches: a resumed run gets the same schedule
-    steps_per_epoch = math.ceil(len(train_loader) / config.accumulation_steps)
-    total_steps = max(config.epochs * steps_per_epoch, config.warmup_steps + 1)
+    steps_per_epoch = math.ceil(len(train_loader) / config.accum_steps)
+    total_steps = max(config.epochs * steps_per_epoch, config.warmup + 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: warmup_cosine(s, config.warmup_steps, total_steps, config.min_lr_ratio),
+        lambda s: warmup_cosine(s, config.warmup, total_steps, config.min_lr_ratio),
     )
     # Loss scaling keeps small float16 gradients from underflowing; bf16 and fp32 need none.
     scaler = torch.amp.GradScaler(device.type, enabled=config.amp_dtype == "float16")
@@ -403,7 +427,7 @@ def train_translation(
             sampler.set_epoch(epoch)  # a new order, the same on every run
         first = len(history["loss"])
         bar.set_description(f"epoch {epoch + 1}/{config.epochs}")
-        trainer.fit(micro_batch_groups(train_loader, config.accumulation_steps), progress=bar)
+        trainer.fit(micro_batch_groups(train_loader, config.accum_steps), progress=bar)
         improved = _end_epoch(trainer, valid_loader, config, stopper, epoch, first)
         if improved and directory is None:  # no folder: the best weights are kept in memory
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -428,6 +452,8 @@ def train_translation(
 
 __all__ = [
     "param_groups",
+    "check_adam_settings",
+    "make_adamw",
     "warmup_cosine",
     "amp_autocast",
     "set_gradient_checkpointing",

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -33,6 +32,7 @@ from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.model import TransformerConfig
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.utils import atomic_open
 from transformer_from_scratch.utils import get_device
 from transformer_from_scratch.utils import set_seed
 
@@ -505,25 +505,11 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, **meta) -> Path
 
 # Taught in notebook 11 · Training
 def atomic_save(obj, path: str | os.PathLike) -> Path:
-    """torch.save(obj) to a temporary file beside `path`, flushed to disk, then renamed onto it.
-
-    A crash leaves the old file or the new one, never half of one: on POSIX the rename
-    (os.replace) replaces the name in one step; Windows offers os.replace too, but Python does
-    not promise that it is atomic there. fsync puts the bytes on disk first."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # A temporary file in the same folder (same file system), then one atomic rename.
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
+    """torch.save(obj) to `path` through atomic_open: a crash leaves the old file or the new one,
+    never half of one."""
+    with atomic_open(path) as f:
+        torch.save(obj, f)
+    return Path(path)
 
 
 # Taught in notebook 11 · Training

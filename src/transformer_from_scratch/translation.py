@@ -26,6 +26,7 @@ from transformer_from_scratch.decoding import greedy_decode
 from transformer_from_scratch.masks import padding_mask
 from transformer_from_scratch.tokens import EOS
 from transformer_from_scratch.tokens import PAD
+from transformer_from_scratch.utils import atomic_open
 
 # Taught in notebook 13 · A real translation task
 LANGUAGES = ("en", "de", "fr")  # the source is English; German (or French) is the target
@@ -92,13 +93,8 @@ def load_corpus(
         split: [(n, number_to_words(n, "en"), number_to_words(n, tgt_lang)) for n in numbers]
         for split, numbers in split_numbers(num_numbers, seed).items()
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(path, "w", encoding="utf-8") as f:  # no file or the whole file, never half
         f.write(json.dumps(corpus, ensure_ascii=False))
-        f.flush()
-        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-    os.replace(tmp, path)  # an atomic rename on POSIX: no file or the whole file, never half
     return corpus
 
 

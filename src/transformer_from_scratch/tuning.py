@@ -23,7 +23,8 @@ from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.model import Transformer
 from transformer_from_scratch.practice import EarlyStopping
-from transformer_from_scratch.practice import param_groups
+from transformer_from_scratch.practice import check_adam_settings
+from transformer_from_scratch.practice import make_adamw
 from transformer_from_scratch.practice import warmup_cosine
 from transformer_from_scratch.regularization import add_drop_path
 from transformer_from_scratch.train import REVERSAL_RECIPE
@@ -76,11 +77,7 @@ class Recipe(ReversalRecipe):
                 f"weight_decay={self.weight_decay} needs optimizer='adamw': Adam here has no decay"
             )
         check_float("clip_norm", self.clip_norm, 0.0, low_open=True)
-        check_float("eps", self.eps, 0.0, low_open=True)
-        if len(self.betas) != 2:
-            raise ValueError(f"betas must be a pair, got {self.betas!r}")
-        for beta in self.betas:
-            check_float("betas", beta, 0.0, 1.0, high_open=True)
+        check_adam_settings(self.betas, self.eps)  # notebook 13's check of Adam's settings
 
     def replace(self, **changes) -> "Recipe":
         """A copy with `changes`; unknown names are a TypeError, bad values a ValueError."""
@@ -123,8 +120,8 @@ def make_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
         return torch.optim.Adam(
             model.parameters(), lr=recipe.lr, betas=recipe.betas, eps=recipe.eps
         )
-    groups = param_groups(model, recipe.weight_decay)  # biases and norm gains do not decay
-    return torch.optim.AdamW(groups, lr=recipe.lr, betas=recipe.betas, eps=recipe.eps)
+    # notebook 13's AdamW: decay on matrices, none on biases and norm gains
+    return make_adamw(model, recipe.lr, recipe.weight_decay, recipe.betas, recipe.eps)
 
 
 # Taught in notebook 15 · Tuning and generalisation
