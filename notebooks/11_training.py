@@ -561,7 +561,8 @@ class Trainer:
         self.autocast, self.scaler, self.no_sync = autocast, scaler, no_sync
         self.gradient_scale = 1.0  # a distributed trainer sets the number of processes
         self.callbacks: dict[str, list[Callable]] = {event: [] for event in self.EVENTS}
-        self.history: dict[str, list[float]] = {"loss": [], "lr": []}
+        # per update: its loss, its rate, and the gradient norm before clipping
+        self.history: dict[str, list[float]] = {"loss": [], "lr": [], "grad_norm": []}
         self.step = 0  # updates done; from after_backward on, the number of the current one
         self.should_stop = False  # set when an after_update callback returns True
         self.seconds = self.cpu_seconds = 0.0  # in update(), the after_update callbacks excluded
@@ -602,7 +603,8 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # true gradients, to measure and to clip
         self._run("after_backward")
-        nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+        norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)  # before clipping
+        self.history["grad_norm"].append(float(norm))  # > clip_norm: this update was clipped
         self.history["lr"].append(self.optimizer.param_groups[0]["lr"])  # this update's rate
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped if a float16 gradient overflowed
@@ -731,7 +733,7 @@ def train_model(
     schedule: Callable[[int], float] | None = None,
     progress: bool = False,
 ) -> dict[str, list[float]]:
-    """Train on fresh reversal batches (Adam, the paper's schedule); return loss and lr per step.
+    """Train on fresh reversal batches (Adam, the paper's schedule); return the history per step.
 
     `callback(step, model)`, if given, runs after every update (to evaluate or snapshot).
     `schedule(s)`, if given, is the rate of update s (from 1) instead of lr_lambda(s, d, warmup).
@@ -2135,7 +2137,7 @@ plt.show()
 # | hiding source padding | `padding_mask(lengths, T_src)` as `src_mask` | $(B, 1, 1, T_\text{src})$ |
 # | the loss | `F.cross_entropy(..., ignore_index=PAD, label_smoothing=ε)` | mean over $\sum_b (L_b + 1)$ positions |
 # | the schedule | `lr_lambda(s, d_model, w)` via `LambdaLR`, Adam lr = 1 | peak $(d_\text{model} w)^{-1/2}$ at $s = w$ |
-# | the loop | `train_model(model, steps, ...)`, clip at norm 1 | history: loss and lr per step |
+# | the loop | `train_model(model, steps, ...)`, clip at norm 1 | history: loss, lr and pre-clip gradient norm per step |
 # | a fixed recipe | `ReversalRecipe`, `reversal_recipe(**changes)`, `train_reversal(**changes)` | bit-identical on the CPU |
 # | evaluation | `greedy_decode(model, src, max_new_tokens=...)`, `exact_match(model, n=256)` | a `Generation`: `.tokens` $(B, \le L_\max + 2)$, `.log_probs` $(B,)$; 250 or more of 256 |
 # | checkpoints | `save_checkpoint`, `load_checkpoint`, `get_reversal_model` | atomic; `weights_only=True` |

@@ -582,6 +582,9 @@ def test_trainer_runs_the_events_in_order_and_clips_between_them():
     ]  # fmt: skip
     assert log[1][2] > 100 * 1e-3 and log[2][2] == pytest.approx(1e-3, rel=1e-3)  # clipped between
     assert trainer.step == 2 and len(history["loss"]) == len(history["lr"]) == 2
+    # the recorded gradient norm is the one before clipping (what after_backward saw)
+    assert history["grad_norm"] == pytest.approx([log[1][2], log[4][2]], rel=1e-5)
+    assert all(norm > trainer.clip_norm for norm in history["grad_norm"])  # both were clipped
     assert trainer.seconds > 0 and trainer.cpu_seconds > 0
 
 

@@ -163,7 +163,8 @@ class Trainer:
         self.autocast, self.scaler, self.no_sync = autocast, scaler, no_sync
         self.gradient_scale = 1.0  # a distributed trainer sets the number of processes
         self.callbacks: dict[str, list[Callable]] = {event: [] for event in self.EVENTS}
-        self.history: dict[str, list[float]] = {"loss": [], "lr": []}
+        # per update: its loss, its rate, and the gradient norm before clipping
+        self.history: dict[str, list[float]] = {"loss": [], "lr": [], "grad_norm": []}
         self.step = 0  # updates done; from after_backward on, the number of the current one
         self.should_stop = False  # set when an after_update callback returns True
         self.seconds = self.cpu_seconds = 0.0  # in update(), the after_update callbacks excluded
@@ -204,7 +205,8 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # true gradients, to measure and to clip
         self._run("after_backward")
-        nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)
+        norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_norm)  # before clipping
+        self.history["grad_norm"].append(float(norm))  # > clip_norm: this update was clipped
         self.history["lr"].append(self.optimizer.param_groups[0]["lr"])  # this update's rate
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped if a float16 gradient overflowed
@@ -271,7 +273,7 @@ def train_model(
     schedule: Callable[[int], float] | None = None,
     progress: bool = False,
 ) -> dict[str, list[float]]:
-    """Train on fresh reversal batches (Adam, the paper's schedule); return loss and lr per step.
+    """Train on fresh reversal batches (Adam, the paper's schedule); return the history per step.
 
     `callback(step, model)`, if given, runs after every update (to evaluate or snapshot).
     `schedule(s)`, if given, is the rate of update s (from 1) instead of lr_lambda(s, d, warmup).
