@@ -421,9 +421,10 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 # Every other series (heads, layers, dimensions, variants such as "raw" against "scaled",
 # settings) takes the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
 # that order; reference lines (a theory curve, "uniform") are grey. So blue, orange and green
-# keep the meanings of the table (one or two each, never mixed in one figure) and are not used
-# for anything else. Heatmaps use colour *maps* instead: a sequential one (`Blues`) for
-# weights in $[0, 1]$, a diverging one (`RdBu_r`, centred on zero) for signed numbers.
+# keep the meanings of the table and are not used for anything else: blue means queries or
+# ours, never both in one figure, and likewise orange keys or PyTorch's. Heatmaps use colour
+# *maps* instead: a sequential one (`Blues`) for weights in $[0, 1]$, a diverging one
+# (`RdBu_r`, centred on zero) for signed numbers.
 
 # %%
 #| export
@@ -437,10 +438,15 @@ import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
 
 
+def relative_luminance(color) -> float:
+    """WCAG 2's relative luminance: each sRGB channel linearised, then weighted (0 to 1)."""
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in to_rgb(color)]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
 def text_color(color) -> str:
-    """Black on light colours, white on dark ones (by relative luminance)."""
-    r, g, b = to_rgb(color)
-    return "black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.5 else "white"
+    """Black or white, whichever contrasts more with `color`: white below luminance 0.179."""
+    return "white" if relative_luminance(color) < 0.179 else "black"
 
 
 fig, (ax_roles, ax_other) = plt.subplots(2, 1, figsize=(6.5, 2.4))
@@ -463,7 +469,12 @@ plt.show()
 # **Check** `save_figure` and `find_figures_dir`, on a scratch folder: the file is a PNG, saving
 # the same figure again gives the same bytes (no version or date is written into it, so git sees
 # no change), a name that is not a bare stem is refused, and the figures folder is found from a
-# folder inside the repository but not from outside one.
+# folder inside the repository but not from outside one. Also check the labels of the picture:
+# `text_color` picks black or white by WCAG's relative luminance, the rule notebook 02's
+# appendix derives (white and black contrast equally with a colour of luminance 0.179), so every
+# swatch's label reaches WCAG's contrast of 4.5 for small text. A simpler rule, white where the
+# *unlinearised* brightness $0.2126R + 0.7152G + 0.0722B$ is below 0.5, falls short on the
+# course's green.
 
 # %%
 import tempfile
@@ -489,10 +500,25 @@ with tempfile.TemporaryDirectory() as scratch:
         else:
             raise AssertionError(f"save_figure accepted the name {bad!r}")
 assert saved is None or saved == find_figures_dir() / "course_colors.png"
-# The label colours: black on a light colour, white on a dark one.
+# The label colours: black on a light colour, white on a dark one, readable on every swatch.
 assert text_color("white") == "black" and text_color("black") == "white"
 assert [text_color(c) for c in (COLORS["query"], COLORS["accent"], OTHER_COLORS[3])] == [
     "white", "white", "black"]
+
+
+def contrast(color_a, color_b) -> float:
+    """WCAG 2 contrast ratio of two colours: 1 (the same) to 21 (black on white)."""
+    dark, light = sorted((relative_luminance(color_a), relative_luminance(color_b)))
+    return (light + 0.05) / (dark + 0.05)
+
+
+swatches = {**COLORS, **dict(zip(["purple", "brown", "pink", "olive", "cyan"], OTHER_COLORS, strict=True))}
+ours_rule = {name: contrast(text_color(c), c) for name, c in swatches.items()}
+simple_rule = {name: contrast("black" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.5 else "white", c)
+               for name, c in swatches.items() for r, g, b in [to_rgb(c)]}
+print(f"lowest label contrast: text_color {min(ours_rule.values()):.2f}; the simpler rule "
+      f"{min(simple_rule.values()):.2f}, on {min(simple_rule, key=simple_rule.get)}")
+assert min(ours_rule.values()) >= 4.5 > min(simple_rule.values())  # WCAG AA for small text
 
 # %% [markdown]
 # ## Shapes and names

@@ -720,7 +720,8 @@ fig, (ax_a, ax_b, ax_c) = plt.subplots(1, 3, figsize=(16, 5.4))
 
 ax_a.loglog(D_K_VALUES, D_K_VALUES, "--", color="0.5", base=2, label="$y = d_k$")
 ax_a.loglog(D_K_VALUES, np.ones(len(D_K_VALUES)), ":", color="0.5", base=2, label="$y = 1$")
-ax_a.loglog(D_K_VALUES, var_raw, "o", ms=7, base=2, **styles["raw"])
+ax_a.loglog(D_K_VALUES, var_raw, "o", ms=11, mfc="none", mew=2, base=2,
+            **styles["raw"])  # hollow: at d_k = 1 the scaled square sits inside
 ax_a.loglog(D_K_VALUES, var_scaled, "s", ms=6, base=2, **styles["scaled"])
 ax_a.set_title("(a) Variance of the scores")
 ax_a.set_ylabel("measured variance over 16,000 scores")
@@ -823,8 +824,15 @@ def demo_weights(d_k: int) -> tuple[torch.Tensor, torch.Tensor]:
 # argument above holds on average: at every width from 1 to 1024 the standard deviation of the
 # scaled scores (over the 16 keys, averaged over the queries) stays between 0.7 and 1.1, while
 # that of the raw scores grows with the width, to about $\sqrt{1024} = 32$ at $d_k = 1024$.
-# (The average sits a little below 1 at small widths: a standard deviation over only 16
-# scores underestimates the true one, most of all when few coordinates are summed.)
+#
+# The average sits a little below 1 at small widths, and the reason is the query. Given $q$,
+# its 16 raw scores $q \cdot k_j$ are independent normal numbers with standard deviation
+# $\|q\|$, at every width; a standard deviation measured on 16 samples is on average a fixed
+# $0.983$ of the true one (about 1.7 % low), whatever the width. What changes with the width is
+# the mean of the per-query spread $\|q\| / \sqrt{d_k}$: $\mathbb{E}\|q\|^2 = d_k$, but
+# $\mathbb{E}\|q\| < \sqrt{\mathbb{E}\|q\|^2}$, well below when few coordinates are summed
+# ($\sqrt{2/\pi} \approx 0.80$ at $d_k = 1$) and closer as $d_k$ grows. **Check:** at every
+# width, the measured average is $0.983$ times the mean of $\|q\| / \sqrt{d_k}$, within 3 %.
 
 # %%
 g_many = torch.Generator().manual_seed(8)
@@ -840,12 +848,21 @@ raw_spread = {d_k: raw.std(dim=-1).mean().item() for d_k, raw in raw_many.items(
 scaled_spread = {d_k: spread / math.sqrt(d_k) for d_k, spread in raw_spread.items()}
 assert all(0.7 < spread < 1.1 for spread in scaled_spread.values())
 assert 28 < raw_spread[1024] < 36
+# Below 1 at small widths: the mean of ||q|| / sqrt(d_k), times the 16-sample factor c4(16).
+query_spread = {d_k: (q_many[:, :d_k].norm(dim=-1) / math.sqrt(d_k)).mean().item()
+                for d_k in D_K_VALUES}
+c4 = math.sqrt(2 / 15) * math.gamma(8) / math.gamma(7.5)  # E[std of 16 normal samples] / sigma
+assert all(abs(scaled_spread[d_k] / (c4 * query_spread[d_k]) - 1) < 0.03 for d_k in D_K_VALUES)
 w_raw_1024, w_scaled_1024 = demo_weights(1024)  # the demo query, drawn below
 print(f"d_k = 1024, 1,000 queries: largest raw weight > 0.99 for {share_raw:.0%}, "
       f"largest scaled weight < 0.5 for {share_scaled:.0%}")
 print(f"the demo query: largest weight raw {w_raw_1024.max():.3f}, scaled {w_scaled_1024.max():.3f}")
 print("mean std of the scaled scores, d_k = 1 .. 1024:",
       [round(spread, 1) for spread in scaled_spread.values()])
+print(f"mean std of the raw scores at d_k = 1024: {raw_spread[1024]:.1f} (sqrt(1024) = 32)")
+print(f"d_k = 1, 2, 4, 8: mean std of the scaled scores "
+      f"{[round(scaled_spread[d_k], 3) for d_k in (1, 2, 4, 8)]}, {c4:.3f} x mean of "
+      f"||q||/sqrt(d_k) {[round(c4 * query_spread[d_k], 3) for d_k in (1, 2, 4, 8)]}")
 
 
 # %% jupyter={"source_hidden": true}

@@ -293,8 +293,10 @@ assert (moved_full > 1e-3).all()
 # The same fact, for every pair at once: the Jacobian block
 # $\partial c_i / \partial x_j$ says how much output $i$ depends on input $j$. With the causal mask
 # its norm must vanish exactly above the diagonal, so the picture of what each output depends on
-# *is* the picture of the mask. (The eight tokens are distinct; with a repeated token, two inputs
-# would be equal and their columns in the picture identical.)
+# *is* the picture of the mask. (The eight tokens are distinct. A repeated token would not make
+# two columns identical: without a mask, swapping its two equal inputs $j$ and $j'$ changes
+# nothing, so columns $j$ and $j'$ of the left picture would agree except in rows $j$ and $j'$,
+# which trade their entries.)
 
 # %%
 J_full = torch.autograd.functional.jacobian(lambda x: self_attention(x, None), x)
@@ -341,8 +343,8 @@ plt.show()
 # $$M_{b,ij} = [\, j < \ell_b \,].$$
 #
 # It depends on the sequence $b$ and the key $j$, not on the head or the query, so it is stored
-# as $(B, 1, 1, T_k)$. Only keys are masked: every query keeps at least key 0 (section 5 shows what
-# goes wrong otherwise). Lengths are counts, so they must be integers between $0$ and $T_k$.
+# as $(B, 1, 1, T_k)$. Only keys are masked: every query keeps at least key 0, as long as
+# $\ell_b \ge 1$ (section 5 shows what goes wrong otherwise, and builds a length 0). Lengths are counts, so they must be integers between $0$ and $T_k$.
 # The encoder's self-attention needs only this mask, and so does the decoder's cross-attention,
 # whose keys are the encoded source: nothing there is in the future, only some of it is filler.
 
@@ -614,26 +616,32 @@ weights = {name: (torch.randn(*shape, generator=g) / shape[0] ** 0.5).requires_g
                                ("W_out", (d_model, vocab))]}
 
 
-def toy_logits(attention, mask, num_layers=1):
-    """Embed, apply `num_layers` self-attention layers (residual), project to the vocabulary."""
+def toy_logits(attention, mask, num_layers=1, shift=None):
+    """Embed, apply `num_layers` self-attention layers (residual), project to the vocabulary.
+
+    shift (d_model,), for a check in section 5: added to the first layer's output at the padded
+    positions.
+    """
     w = weights
     x = w["embed"][src_tokens]  # (B, T) -> (B, T, d_model)
-    for _ in range(num_layers):
+    for layer in range(num_layers):
         context, _ = attention(x @ w["W_q"], x @ w["W_k"], x @ w["W_v"], mask)
         x = x + context  # (B, T, d_model)
+        if shift is not None and layer == 0:
+            x = x + padded.unsqueeze(-1) * shift  # (B, T, 1) * (d_model,): padded rows only
     return x @ w["W_out"]  # (B, T, d_model) -> (B, T, vocab)
 
 
-def toy_loss(attention, mask, num_layers=1):
+def toy_loss(attention, mask, num_layers=1, shift=None):
     """Cross-entropy of the toy model, ignoring PAD targets."""
-    logits = toy_logits(attention, mask, num_layers)  # (B, T, vocab)
+    logits = toy_logits(attention, mask, num_layers, shift)  # (B, T, vocab)
     return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index=PAD)
 
 
-def loss_and_grads(attention, mask, num_layers=1):
+def loss_and_grads(attention, mask, num_layers=1, shift=None):
     for w in weights.values():
         w.grad = None
-    loss = toy_loss(attention, mask, num_layers)
+    loss = toy_loss(attention, mask, num_layers, shift)
     loss.backward()
     return loss.item(), {name: w.grad.clone() for name, w in weights.items()}
 
@@ -826,8 +834,15 @@ print(attn_ours[1, 0].detach().cpu().round(decimals=3))
 # mask blocks with a weight of exactly 0, and $0 \cdot 0 = 0$ where $0 \cdot \text{NaN}$ was NaN.
 #
 # **Check:** the toy model trains with our attention. The one-layer loss equals the naive one (the
-# real positions are computed identically), every gradient is finite, two layers stay finite, and
-# changing what the model outputs at padded positions changes neither the loss nor a gradient.
+# real positions are computed identically), every gradient is finite, two layers stay finite.
+# Then the two places, one at a time. The loss: overwriting the logits at padded positions
+# changes neither the loss nor a gradient (that is `ignore_index` at work). A later layer: in
+# the two-layer model, add a large vector to the first layer's output at the padded positions;
+# the loss and every gradient must stay exactly as they were. We run that with two masks that
+# block padded keys, the section's causal one and the encoder's kind (padded queries and keys,
+# no causal mask), and with one that does not block them (padded queries only), where the
+# shift must get through. (With the causal mask the padded positions come after every real one,
+# so causality alone already hides them; without it, the padding mask is what does.)
 
 # %%
 def ours(Q, K, V, mask):
@@ -850,6 +865,26 @@ grad_b, = torch.autograd.grad(loss_b, logits)
 assert loss_a.item() == loss_b.item() and torch.equal(grad_a[~padded], grad_b[~padded])
 assert (grad_a[padded] == 0).all()
 print(f"loss: naive {loss_naive:.4f}, ours {loss_ours:.4f}; two layers of ours {loss_ours_2:.4f}")
+
+# A later layer reads a padded position's output only as a key: move those outputs far away.
+shift = 100 * torch.randn(d_model, generator=torch.Generator().manual_seed(8))  # (d_model,)
+two_layer_masks = {  # (B, T, T), True = may attend
+    "causal, padded queries and keys": square_2d,
+    "padded queries and keys, no causal": (key_pad & query_pad)[:, 0],
+    "padded queries only (keys not masked)": query_pad[:, 0].expand(-1, T, T),
+}
+shift_effect = {}  # mask -> largest change of the loss or of any gradient
+for name, mask_2d in two_layer_masks.items():
+    loss_0, grads_0 = loss_and_grads(ours, mask_2d, num_layers=2)
+    loss_1, grads_1 = loss_and_grads(ours, mask_2d, num_layers=2, shift=shift)
+    shift_effect[name] = max(abs(loss_1 - loss_0),
+                             *((grads_1[n] - grads_0[n]).abs().max().item() for n in grads_0))
+print("two layers, padded outputs of layer 1 shifted: largest change of the loss or a gradient")
+for name, change in shift_effect.items():
+    print(f"  {name:<40}{change:.3g}")
+assert shift_effect["causal, padded queries and keys"] < 1e-6
+assert shift_effect["padded queries and keys, no causal"] < 1e-6
+assert shift_effect["padded queries only (keys not masked)"] > 1e-2  # the check can fail
 
 # %% [markdown]
 # ### The alternative: a large negative number instead of $-\infty$
@@ -1053,6 +1088,9 @@ print("unflipped causal mask, query 0 of sequence 0, largest error:",
 # **Check, float masks:** a float mask of $0$ (keep) and $-\infty$ (block) is added to the scores
 # by all three, so the same float tensor gives the same answer everywhere, and the same answer as
 # our boolean mask.
+#
+# The picture after this check spells one mask, that of sequence 1 of section 4 (causal, length
+# 4 of 7), in the three ways.
 
 # %%
 additive = torch.zeros(combined.shape).masked_fill(~combined, float("-inf"))  # (B, 1, T, T)
@@ -1085,8 +1123,8 @@ for ax, (title, spelled, kind) in zip(axes, spellings, strict=True):
 for ax in axes[1:]:
     ax.set_ylabel("")
 mask_colorbar(fig, image, axes, show_bool=False)  # colour = meaning, whatever the spelling
-fig.suptitle("One mask (sequence 1: causal, length 4 of 7) in three spellings; "
-             "colour = what it means, text = what you pass")
+fig.suptitle("One mask, three spellings (colour: what it means; text: what you pass)",
+             fontsize=13, y=1.05)  # clear of the two-line panel titles
 save_figure(fig, "05_mask_conventions")
 plt.show()
 

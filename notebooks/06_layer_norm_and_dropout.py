@@ -47,9 +47,11 @@ device = get_device()
 
 # %% [markdown]
 # **Colours of the parts.** From here on, figures draw the parts of a Transformer: embeddings,
-# attention, the feed-forward network, `LayerNorm`, dropout, the output head. The parts are not
-# roles (notebook 00), so they get colours of their own, defined once here and used by every
-# figure of notebooks 06–10 that shows a part: `LayerNorm` is always purple, attention always
+# attention, the feed-forward network, `LayerNorm`, dropout, the output head. Notebook 00's
+# `COLORS` are for *roles* (blue for queries and for our implementation, orange for keys and for
+# PyTorch's, green for values, red for the accent); a part is not a role, so the parts get
+# colours of their own, defined once here and used by every figure of notebooks 06–10 that
+# shows a part: `LayerNorm` is always purple, attention always
 # cyan, dropout always pink. A figure that draws parts uses none of these colours for anything
 # else.
 
@@ -382,7 +384,7 @@ plt.show()
 
 # %% [markdown]
 # **Layer norm uses the biased variance (divide by $D$); the unbiased one is off by
-# $\approx 1/(2D)$, which parity tests catch at any width.**
+# $\approx 1/(2D)$, which a float32 parity test caught at every width tested (4 to 1024).**
 #
 # ### What the output looks like
 #
@@ -498,7 +500,7 @@ probe = torch.randn(d_feat, generator=generator)  # the one token we follow, (D,
 batch_norm = nn.BatchNorm1d(d_feat).to(device).train()
 layer_norm = LayerNorm(d_feat).to(device)
 
-bn_outputs, ln_outputs = [], []
+bn_outputs, ln_outputs, batch_stats = [], [], []
 for _ in range(num_batches):
     scale = 0.5 + 2 * torch.rand(1, generator=generator)  # each batch its own spread ...
     shift = torch.randn(1, d_feat, generator=generator)  # ... and its own offset
@@ -507,6 +509,7 @@ for _ in range(num_batches):
     with torch.no_grad():
         bn_outputs.append(batch_norm(batch)[0].cpu())  # (D,)
         ln_outputs.append(layer_norm(batch)[0].cpu())  # (D,)
+    batch_stats.append((batch.mean(dim=0), batch.var(dim=0)))  # per feature; var unbiased
 bn_outputs, ln_outputs = torch.stack(bn_outputs), torch.stack(ln_outputs)  # (12, D) each
 last_batch = batch.clone()  # the 12th batch, (8, D): the mode check below reads it
 
@@ -594,16 +597,29 @@ print(f"change in the real tokens' outputs when padded further: "
       f"LayerNorm {(ln_short - ln_long).abs().max().item():.4f}")
 
 # %% [markdown]
-# Then the modes. `batch_norm` has by now seen 12 batches in training mode and keeps running
-# averages of their statistics; in eval mode it uses those instead of the batch's own, so the
-# same batch comes out differently (a copy is switched between the modes, because a forward pass
-# in training mode updates the averages again). Layer norm has no mode. And a batch holding a single token
-# cannot be batch-normalised in training mode at all.
+# Then the modes. `batch_norm` has by now seen 12 batches in training mode. It does not keep
+# their average: it keeps *running* statistics, updated after each batch as an exponential
+# moving average, $r \leftarrow (1 - m)\,r + m\,s$ with momentum $m = 0.1$ and $s$ the batch's
+# mean (and its unbiased variance), starting from mean 0 and variance 1. After 12 batches the
+# starting values still carry $0.9^{12} \approx 28\,\%$ of the weight. In eval mode it uses
+# these running statistics instead of the batch's own, so the same batch comes out differently
+# (a copy is switched between the modes, because a forward pass in training mode updates them
+# again). Layer norm has no mode. And a batch holding a single token cannot be batch-normalised
+# in training mode at all.
 
 # %%
-bn_modes = copy.deepcopy(batch_norm)  # a copy: training mode updates the running averages
+running_mean, running_var = torch.zeros(d_feat), torch.ones(d_feat)  # BatchNorm1d's start
+for mean_s, var_s in batch_stats:  # the 12 batches, in order
+    running_mean = 0.9 * running_mean + 0.1 * mean_s.cpu()
+    running_var = 0.9 * running_var + 0.1 * var_s.cpu()
+assert_close(batch_norm.running_mean.cpu(), running_mean)  # an exponential moving average ...
+assert_close(batch_norm.running_var.cpu(), running_var)  # ... of the unbiased variance too
+print(f"running statistics: momentum {batch_norm.momentum}, weight left on the start values "
+      f"0.9^{num_batches} = {0.9**num_batches:.2f}")
+
+bn_modes = copy.deepcopy(batch_norm)  # a copy: training mode updates the running statistics
 with torch.no_grad():
-    bn_eval_out = bn_modes.eval()(last_batch)  # the averages of the 12 batches
+    bn_eval_out = bn_modes.eval()(last_batch)  # the running statistics (moving averages)
     bn_train_out = bn_modes.train()(last_batch)  # the batch's own statistics
     ln_train_out = layer_norm.train()(last_batch)
     ln_eval_out = layer_norm.eval()(last_batch)
@@ -621,7 +637,9 @@ print("BatchNorm on a single token:", single_token_error)
 # %% [markdown]
 # **Check:** padding and the mode change batch norm's output for real tokens and leave layer
 # norm's as it was (bit for bit on the CPU; within float32 rounding on a GPU, whose kernels may
-# group the sums differently for another shape); batch norm refuses a batch of one.
+# group the sums differently for another shape); batch norm refuses a batch of one. For layer
+# norm the mode half is a demonstration, not a test: our `forward` never reads
+# `self.training`, so its two outputs are equal by construction.
 
 # %%
 assert (bn_short - bn_long).abs().max() > 0.1
@@ -629,7 +647,7 @@ assert_close(ln_short, ln_long, rtol=0, atol=1e-6)  # on any device: within floa
 if device.type == "cpu":
     assert torch.equal(ln_short, ln_long)  # on the CPU: bit for bit
 assert (bn_train_out - bn_eval_out).abs().max() > 0.1
-assert torch.equal(ln_train_out, ln_eval_out)
+assert torch.equal(ln_train_out, ln_eval_out)  # by construction: LayerNorm has no mode
 assert isinstance(single_token_error, ValueError)  # refused (the message is PyTorch's own)
 
 
@@ -672,13 +690,14 @@ def dropout(x: torch.Tensor, p: float, training: bool = True,
 # %% [markdown]
 # A check needs many samples. We drop out the same random vector $x$ (of 256 features) 2,000
 # times with $p = 0.1$, with our function and with `nn.Dropout`. Each feature's sample mean
-# then has standard error $|x_i|\sqrt{p/((1-p)\,S)}$ with $S = 2000$ samples; we allow six
-# standard errors, so the check would fail about once in 330,000 seeds (the count of kept
-# draws is binomial, and its tail beyond six standard errors is $6 \times 10^{-9}$ per feature,
-# three times the normal's; over 256 features and two implementations that is $3 \times
-# 10^{-6}$), not just for
-# this one. The fraction of zeros among the 512,000 draws has standard error
-# $\sqrt{p(1-p)/512000} \approx 0.0004$, and we allow 0.003.
+# then has standard error $|x_i|\sqrt{p/((1-p)\,S)}$ with $S = 2000$ samples. We allow six
+# standard errors: a false alarm about once in 330,000 seeds (see the note), so the check holds
+# for other seeds, not just this one. The fraction of zeros among the 512,000 draws has
+# standard error $\sqrt{p(1-p)/512000} \approx 0.0004$, and we allow 0.003.
+#
+# *Note.* The number of kept draws of a feature is binomial; its two tails beyond six standard
+# errors hold $6 \times 10^{-9}$ of the probability, three times a normal distribution's.
+# Over 256 features and two implementations that makes $3 \times 10^{-6}$.
 
 # %%
 p, S, D_drop = 0.1, 2000, 256
@@ -864,8 +883,8 @@ ax.add_patch(FancyBboxPatch((0.55, 2.75), 9.85, 7.95, boxstyle="round,pad=0.05,r
 ax.text(10.3, 10.55, "one pre-norm encoder block", ha="right", va="top", fontsize=9, color="0.35")
 legend_text = ("(1) on the sum of embeddings and positional encodings:\n"
                "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)\n"
-               "(2) on the attention weights: not in the paper (0 in tensor2tensor's\n"
-               "     paper-era settings); 0.1 in its later pre-norm v2 and in PyTorch's layers\n"
+               "(2) on the attention weights: not in the paper; an implementation's\n"
+               "     choice (0.1 in PyTorch's layers)\n"
                "(3) on each sub-layer's output, before the residual add:\n"
                "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)")
 ax.text(0.2, -0.55, legend_text, ha="left", va="top", fontsize=9, linespacing=1.5,
@@ -914,15 +933,25 @@ print("train: two passes differ:", not torch.equal(train_a, train_b))
 print("eval:  two passes equal: ", torch.equal(eval_a, eval_b))
 
 # %% [markdown]
-# **Check:** training passes are random and evaluation passes deterministic; with the
-# sub-layer's output dropout at $p = 1$ the sub-layer is exactly the identity, because dropout
-# acts on the branch and never on the residual path; and PyTorch's own (pre-norm) encoder layer
-# drops out in the same places, plus one inside the feed-forward network. Its one `dropout` rate
-# (default 0.1) goes to four sites; built with 0 and then one site at a time set to $p = 1$ in
-# training mode, the layer must compute what that site predicts, up to float rounding: without
-# the self-attention's output (`dropout1`), without the FFN's output (`dropout2`), with attention
-# weights of zero (the attention returns only its output bias), or with an FFN that returns only
-# its second bias (`dropout`, after the activation).
+# **Check:** training passes are random and evaluation passes deterministic.
+#
+# A *demonstration*, not a test: with the sub-layer's output dropout at $p = 1$ the sub-layer
+# returns its input exactly, because dropout acts on the branch and never on the residual path.
+# Any $x + \mathrm{Dropout}_{p=1}(\ldots)$ does that, whatever the branch computes, so it shows
+# where the dropout sits, not that the norm and the attention are right (notebook 08 tests the
+# blocks against PyTorch's).
+#
+# **Check:** PyTorch's own (pre-norm) encoder layer drops out in the same places, plus one
+# inside the feed-forward network. Its one `dropout` rate (default 0.1) goes to four sites. We
+# build it with rate 0, set one site at a time to $p = 1$ in training mode, and compare with
+# what that site predicts, up to float rounding ($h$ is the stream between the two sub-layers):
+#
+# | site at $p = 1$ | where it acts | the layer then computes |
+# |---|---|---|
+# | `dropout1` | the self-attention's output, (3) | $x + \mathrm{FFN}(\mathrm{LN}_2(x))$ |
+# | `dropout2` | the FFN's output, (3) | $x + \mathrm{Attn}(\mathrm{LN}_1(x))$ |
+# | `self_attn.dropout` | the attention weights, (2) | $h + \mathrm{FFN}(\mathrm{LN}_2(h))$ with $h = x + b_o$, the attention's output bias alone |
+# | `dropout` | inside the FFN, after the activation (not in this course) | $h + b_2$, the FFN's second bias alone, with $h = x + \mathrm{Attn}(\mathrm{LN}_1(x))$ |
 
 # %%
 assert not torch.equal(train_a, train_b)
@@ -930,7 +959,7 @@ assert torch.equal(eval_a, eval_b)
 
 all_dropped = PreNormSelfAttention(d_model=32, num_heads=4, dropout_p=0.0).to(device).train()
 all_dropped.dropout = nn.Dropout(1.0)  # zero the whole sub-layer output
-assert torch.equal(all_dropped(embeddings), embeddings)
+assert torch.equal(all_dropped(embeddings), embeddings)  # a demonstration: any x + Dropout_1(...)
 
 
 

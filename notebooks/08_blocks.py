@@ -69,6 +69,9 @@ device = get_device()
 # $$\text{post-norm (the paper, §3.1):}\quad x \leftarrow \mathrm{LayerNorm}\bigl(x + \mathrm{Dropout}(\mathrm{Sublayer}(x))\bigr)$$
 #
 # $$\text{pre-norm:}\quad x \leftarrow x + \mathrm{Dropout}\bigl(\mathrm{Sublayer}(\mathrm{LayerNorm}(x))\bigr)$$
+
+# %% [markdown]
+# ### Two arrangements, two gradient paths
 #
 # The difference looks cosmetic and is not. Number the sub-layers of a stack $l = 0, 1, \dots$,
 # write $S_l$ for the $l$-th one (an attention or an FFN, with its dropout) and $x_l$ for the
@@ -91,15 +94,13 @@ device = get_device()
 # with $J_{\mathrm{LN},l}$ and $J_{S,l}$ the Jacobians of the $l$-th norm and sub-layer: there is
 # no untouched path, and every route from the output to the input passes $L$ normalisations.
 # Xiong et al. (2020, "On Layer Normalization in the Transformer Architecture") work out what
-# that means at initialisation, and the answer is about the *output* end of the stack: in
-# post-norm the parameters next to the output get large gradients, which do not shrink as the
-# stack gets deeper, while in pre-norm those gradients scale like $1/\sqrt{L}$ (the final `LayerNorm`
-# divides the grown stream by its size). Post-norm is also the arrangement that needs a
-# learning-rate warm-up, while pre-norm can train without one. Why is still argued over, and large
-# gradients alone cannot be the whole answer: Adam moves every weight by about the learning rate
-# whatever the size of its gradient (notebook 09). The section *Pre-norm or post-norm* below
-# measures the gradients, trains both arrangements with and without a warm-up, and weighs three
-# accounts of the difference.
+# that means at initialisation, at the *output* end of the stack: in post-norm the parameters
+# next to the output get large gradients, which do not shrink as the stack gets deeper, while in
+# pre-norm those gradients scale like $1/\sqrt{L}$, because the final `LayerNorm` divides the
+# grown stream by its size. Post-norm is also the arrangement that needs a learning-rate
+# warm-up, while pre-norm can train without one; why is still argued over. The section
+# *Pre-norm or post-norm* below measures the gradients, trains both arrangements with and
+# without a warm-up, and weighs three accounts of the difference.
 #
 # Everything this notebook exports goes into the `layers` module, after notebook 06's
 # `LayerNorm` and notebook 07's `feed_forward`:
@@ -136,10 +137,11 @@ def sublayer_connection(
 
 
 # %% [markdown]
-# **Check:** the two formulas, with a small linear map as the sub-layer; and what happens when
-# the sub-layer is silenced (all its weights zero, so that it outputs 0). Pre-norm is then
-# *exactly* the identity, for any input. Post-norm is not: it still normalises the stream, so an
-# input of another scale comes out rescaled.
+# **Check:** the two formulas, with a small linear map as the sub-layer. Then a demonstration:
+# silence the sub-layer (all its weights zero, so that it outputs 0). Pre-norm is then *exactly*
+# the identity, for any input, since $x + 0 = x$ whatever the branch does with its norm (so this
+# part does not test the norm; the formulas do). Post-norm is not: it still normalises the
+# stream, so an input of another scale comes out rescaled.
 
 # %%
 d_model = 16
@@ -155,7 +157,7 @@ nn.init.zeros_(silent.weight)
 nn.init.zeros_(silent.bias)
 pre = sublayer_connection(x, silent, norm, drop, norm_first=True)
 post = sublayer_connection(x, silent, norm, drop, norm_first=False)
-assert torch.equal(pre, x)  # bit for bit
+assert torch.equal(pre, x)  # bit for bit: x + 0, whatever the branch (a demonstration)
 assert_close(post, norm(x))  # the stream was normalised
 print(f"input      mean {x.mean().item():+.3f}  std {x.std().item():.3f}")
 print(f"pre-norm   mean {pre.mean().item():+.3f}  std {pre.std().item():.3f}   (unchanged)")
@@ -380,7 +382,7 @@ x_changed = x.clone()
 x_changed[1, 4:] = 100 * torch.randn(2, d_model, generator=generator).to(device)  # new padding
 y, y_changed = block(x, mask=pad), block(x_changed, mask=pad)
 assert_close(y[1, :4], y_changed[1, :4])  # real positions: unchanged
-assert_close(y[0], y_changed[0])  # the other sequence: untouched
+assert_close(y[0], y_changed[0])  # the other sequence: untouched (the block keeps sequences apart)
 
 causal = causal_mask(T, device=device)  # (1, 1, T, T)
 x_future = x.clone()
@@ -715,10 +717,10 @@ def layer_gradient_norms(norm_first: bool, num_layers: int, seed: int = 0,
 
 
 deep = {nf: layer_gradient_norms(nf, num_layers=12)["per_block"] for nf in (True, False)}
+print(f"{'block':>9}" + "".join(f"{i:>7}" for i in range(1, 13)) + f"{'last/first':>12}")
 for nf, name in ((True, "pre-norm"), (False, "post-norm")):
     g = deep[nf]
-    print(f"{name:>9}: block 1 {g[0]:.3f}, block 6 {g[5]:.3f}, block 12 {g[-1]:.3f};"
-          f" last/first = {g[-1] / g[0]:.2f}")
+    print(f"{name:>9}" + "".join(f"{v:>7.4f}" for v in g) + f"{g[-1] / g[0]:>12.2f}")
 
 # %% [markdown]
 # Then the depth dependence: the same measurement for stacks of $L = 3, 6, 12, 24$ and $48$
@@ -769,16 +771,17 @@ plt.show()
 # What the two panels show, for this seed and batch (the check below repeats the left panel's
 # comparison for four more seeds):
 #
-# * **Left.** In the post-norm stack the gradient is largest at the top: the last block's is
-#   larger than the first block's, and several times larger than the last pre-norm block's.
-#   In the pre-norm stack it is the other way round: the blocks near the output get the
-#   *smallest* gradients, about 40 % of the first block's (last/first = 0.41), and the curve
-#   falls smoothly. (Xiong et al. show a flat pre-norm profile instead; the section after the
-#   check measures where the fall comes from.)
+# * **Left.** In the post-norm stack the gradient dips through the middle blocks (lowest at
+#   block 5) and then jumps at the last block, to 1.6 times the first block's and four and a
+#   half times the last pre-norm block's. In the pre-norm stack it is the other way round: the
+#   blocks near the output get the *smallest* gradients, the last 41 % of the first, and the
+#   curve falls almost monotonically (block 7's gradient is 1 % above block 6's). Xiong et al.
+#   show a flat pre-norm profile instead; the section after the check measures where the fall
+#   comes from.
 # * **Right.** As the stack deepens, the pre-norm gradient of the last layer falls along a
 #   straight line on the log-log axes. A least-squares fit gives a slope of $-0.60$: close to the
-#   $-\tfrac12$ of Xiong et al.'s $1/\sqrt{L}$, a little steeper (their theorem is a bound on the
-#   order of growth, not an exact power law, and five depths of one seed are a small sample).
+#   $-\tfrac12$ of Xiong et al.'s $1/\sqrt{L}$, a little steeper. Their theorem bounds the order
+#   of growth and is not an exact power law, and five depths of one seed are a small sample.
 #   The post-norm one does not move (slope $0.00$). At 48 blocks the post-norm output layer gets
 #   about seven times the gradient of the pre-norm one.
 #
@@ -789,19 +792,22 @@ plt.show()
 #
 # **Check:** the qualitative result, with generous margins (the numbers are deterministic for the
 # seed; the margins leave room for other seeds and hardware), and the left panel's comparison
-# again for seeds 1 to 4:
+# again for seeds 1 to 4, whose pre-norm runs are kept for a comparison further down:
 
 # %%
 ratio_pre = deep[True][-1] / deep[True][0]
 ratio_post = deep[False][-1] / deep[False][0]
 assert ratio_pre < 0.7  # pre-norm: the top block gets clearly less than the bottom one
+assert max(b / a for a, b in zip(deep[True], deep[True][1:], strict=False)) < 1.1  # almost monotone
 assert ratio_post / ratio_pre > 2.5  # the profiles differ by a large factor
 assert deep[False][-1] > 2 * deep[True][-1]  # post-norm's top block: a much larger gradient
 assert -0.8 < slopes[True] < -0.3  # pre-norm: about 1/sqrt(L)
 assert -0.2 < slopes[False] < 0.2  # post-norm: flat in L
 assert last_W2[False][-1] > 4 * last_W2[True][-1]  # at 48 blocks
+pre_runs = {}  # seed -> its pre-norm run
 for seed in range(1, 5):
-    g_pre = layer_gradient_norms(True, num_layers=12, seed=seed)["per_block"]
+    pre_runs[seed] = layer_gradient_norms(True, num_layers=12, seed=seed)
+    g_pre = pre_runs[seed]["per_block"]
     g_post = layer_gradient_norms(False, num_layers=12, seed=seed)["per_block"]
     assert g_pre[-1] / g_pre[0] < 0.7 and (g_post[-1] / g_post[0]) / (g_pre[-1] / g_pre[0]) > 2.5
     assert g_post[-1] > 2 * g_pre[-1]
@@ -813,31 +819,32 @@ print(f"seed 0: last/first pre-norm {ratio_pre:.2f}, post-norm {ratio_post:.2f};
 #
 # Xiong et al. (2020) report pre-norm gradients of about the same size in every layer at
 # initialisation, while the left panel falls 2.4× from the first block to the twelfth. Their
-# Theorem 1 does not promise a flat profile: it bounds the gradient of the *last* layer, and only
-# up to its order in $L$ and $d$, so a factor of two or three between layers fits within it. What
-# sets the factor is how much the residual stream grows. Follow the gradient backwards through
-# one pre-norm sub-layer $x_{l+1} = x_l + S_l(\mathrm{LN}_l(x_l))$ (gradients as row vectors):
+# Theorem 1 does not promise a flat profile: it bounds the gradient of the *last* layer, only up
+# to its order in $L$ and $d$, so a factor of two or three between layers fits within it. What
+# sets the factor is how much the residual stream grows. Follow the gradient, as a row vector,
+# backwards through one pre-norm sub-layer $x_{l+1} = x_l + S_l(\mathrm{LN}_l(x_l))$:
 #
 # $$\frac{\partial \mathcal{L}}{\partial x_l} = \frac{\partial \mathcal{L}}{\partial x_{l+1}}
 # \Bigl(I + J_{S,l}\, J_{\mathrm{LN},l}\Bigr), \qquad
 # J_{\mathrm{LN},l} \propto \frac{1}{\mathrm{RMS}(x_l)} .$$
 #
-# A `LayerNorm` does not see the scale of its input, $\mathrm{LN}(c\,x) = \mathrm{LN}(x)$ for
-# any $c > 0$ (up to its $\epsilon$), so its Jacobian at $c\,x$ is its Jacobian at $x$ divided by
-# $c$: the larger the stream, the smaller the derivative of what the sub-layer reads. The
-# identity hands the gradient down unchanged; the sub-layer adds a term that is large where the
-# stream is small and small where it has grown. The stream starts at the input's size
-# and grows as the updates pile up, so the blocks near the output add little to the gradient and
-# the blocks near the input add a lot: the stream's gradient grows on its way down. Each block's
-# parameters receive that gradient times activations of unit scale (every sub-layer reads a
-# normalised input), so their gradients follow it.
+# A `LayerNorm` does not see the scale of its input: up to its $\epsilon$,
+# $\mathrm{LN}(c\,x) = \mathrm{LN}(x)$ for any $c > 0$, so its Jacobian at $c\,x$ is its
+# Jacobian at $x$ divided by $c$. The larger the stream, the smaller the derivative of what the
+# sub-layer reads. The identity hands the gradient down unchanged; the sub-layer adds a term that
+# is large where the stream is small and small where it has grown. The stream starts at the
+# input's size and grows as the updates pile up, so the blocks near the output add little to the
+# gradient and the blocks near the input add a lot: the stream's gradient grows on its way down.
+# Each block's parameters receive that gradient times activations of unit scale, since every
+# sub-layer reads a normalised input, so their gradients follow it.
 #
 # The prediction to test: the flatter the stream, the flatter the profile. An input that is large
 # against the sub-layers' updates grows relatively little; a small one grows a lot. Below, the
-# 12-block pre-norm stack again with its input scaled by 3 and by 0.3; with 6 blocks; and with
-# two other changes that bring the measurement closer to the theorem's: the gradient of $W^2$
-# alone instead of the whole block's, and no final `LayerNorm`. For each: how much the stream grows,
-# $\mathrm{RMS}(x_{12}) / \mathrm{RMS}(x_0)$, and the profile's last/first ratio.
+# 12-block pre-norm stack again with its input scaled by 3 and by 0.3, and a stack of 6 blocks.
+# Two more variants bring the measurement closer to the theorem: the gradient of $W^2$ alone
+# instead of the whole block's, and no final `LayerNorm`. For each: how much the stream grows
+# from the input to the last block's output, $\mathrm{RMS}(x_L) / \mathrm{RMS}(x_0)$, and the
+# profile's last/first ratio.
 
 # %%
 base = layer_gradient_norms(True, 12)  # the left panel's pre-norm stack
@@ -858,12 +865,9 @@ for name, (run, key) in variants.items():
 
 # %% [markdown]
 # **Check:** the profile is as flat as the stream is steady. Ordered by how much the stream grows,
-# the four whole-block profiles are ordered the other way; the input three times larger, whose
-# stream grows by 15 % over the twelve blocks, gives a nearly flat profile; and neither of the
-# other two changes flattens it: each still falls to well under half. (Whether each falls
-# further or less far than the left panel is not settled by one draw: under this seed and three
-# others, the $W^2$ profile fell further every time, by 0.06 to 0.11, while without the final
-# `LayerNorm` it fell further in two draws and less far in the other two, by at most 0.03.)
+# the four whole-block profiles are ordered the other way. The input three times larger, whose
+# stream grows by 15 % over the twelve blocks, gives a nearly flat profile. Neither of the
+# theorem's two variants flattens it: each still falls to well under half.
 
 # %%
 by_growth = sorted(["the left panel (input RMS 1)", "input x 3", "input x 0.3", "6 blocks"], key=growth.get)
@@ -873,6 +877,37 @@ assert growth["input x 0.3"] > 5 and fall["input x 0.3"] < 0.3
 for other in ("W2 only (the theorem's matrix)", "no final LayerNorm"):
     assert fall[other] < 0.5  # still steep: neither change brings the theorem's flat profile
 print("steadier stream, flatter profile:", " < ".join(f"{fall[n]:.2f}" for n in reversed(by_growth)))
+
+# %% [markdown]
+# In this draw both variants fall *further* than the left panel (0.30 and 0.29 against 0.41).
+# Is that a property or luck? The same three profiles for seeds 0 to 4, the five stacks of the
+# check above, each with its $W^2$ profile and a sixth run without the final `LayerNorm`:
+
+# %%
+pre_runs[0] = base  # seed 0: the left panel's stack
+no_final = {seed: layer_gradient_norms(True, 12, seed=seed, final_norm=False) for seed in range(5)}
+steeper = {"W2 only": [], "no final LayerNorm": []}  # the left panel's last/first minus the variant's
+print(f"{'seed':>4}{'left panel':>12}{'W2 only':>10}{'difference':>12}{'no final LN':>13}{'difference':>12}")
+for seed in range(5):
+    whole = pre_runs[seed]["per_block"][-1] / pre_runs[seed]["per_block"][0]
+    w2 = pre_runs[seed]["W2"][-1] / pre_runs[seed]["W2"][0]
+    no_norm = no_final[seed]["per_block"][-1] / no_final[seed]["per_block"][0]
+    steeper["W2 only"].append(whole - w2)
+    steeper["no final LayerNorm"].append(whole - no_norm)
+    assert w2 < 0.5 and no_norm < 0.5  # every draw: still steep
+    print(f"{seed:>4}{whole:>12.2f}{w2:>10.2f}{whole - w2:>+12.2f}{no_norm:>13.2f}{whole - no_norm:>+12.2f}")
+for name, d in steeper.items():
+    further, less = [x for x in d if x > 0], [-x for x in d if x <= 0]
+    print(f"{name}: falls further in {len(further)} of 5 draws"
+          + (f" (by {min(further):.2f} to {max(further):.2f})" if further else "")
+          + (f", less far in {len(less)} (by up to {max(less):.2f})" if less else ""))
+assert min(steeper["W2 only"]) > 0.03  # W2 alone: steeper than the whole block, in every draw
+
+# %% [markdown]
+# The $W^2$ profile fell further than the whole block's every time, by 0.07 to 0.12. Without the
+# final `LayerNorm` the profile fell further in three of the five draws, by up to 0.12, and less
+# far in two, by up to 0.04: one draw does not settle that comparison. Either way, neither
+# variant brings the theorem's flat profile.
 
 # %% [markdown]
 # The stream and the profile side by side for the three input scales:
@@ -905,11 +940,11 @@ plt.show()
 # %% [markdown]
 # A stream that barely grows keeps the profile nearly flat; one that grows tenfold makes it fall
 # fivefold. So the two measurements do not contradict each other: the pre-norm profile is flat
-# only where the stream stays close to its starting size, and how close it stays depends on the
-# depth and on how large the stack's input is against the sub-layers' updates, details in which
-# a translation model and this toy stack differ. (The course's model feeds its stacks token
-# vectors of RMS about 1 plus positional encodings of RMS $1/\sqrt 2$, notebook 09, so inputs of
-# RMS about $\sqrt{1 + 1/2} \approx 1.22$, and has only two blocks per stack.) Shleifer et al.
+# only where the stream stays close to its starting size. How close it stays depends on the
+# depth and on how large the stack's input is against the sub-layers' updates, and there a
+# translation model and this toy stack differ: the course's model has only two blocks per stack
+# and feeds them inputs of RMS about $\sqrt{1 + 1/2} \approx 1.22$, token vectors of RMS about 1
+# plus positional encodings of RMS $1/\sqrt 2$ (notebook 09). Shleifer et al.
 # (2021, "NormFormer") report the same imbalance in large pre-norm language models during
 # pretraining, early layers with much larger gradients than late ones, and add normalisations
 # inside each block to even it out.
@@ -919,11 +954,11 @@ plt.show()
 # Gradients at initialisation are a prediction; training is the test. A small one: stacks of 6
 # encoder blocks ($d_\text{model} = 32$, $h = 4$, $d_{ff} = 64$, ReLU, no dropout) between a
 # learned token and position embedding and a linear output layer, trained to reverse sequences of
-# 8 random tokens from a vocabulary of 8 (output $t$ must name input $7 - t$: only attention can
-# carry it there). Each stack takes 200 steps of Adam with the paper's $\beta = (0.9, 0.98)$ and
+# 8 random tokens from a vocabulary of 8: output $t$ must name input $7 - t$, which only attention
+# can carry there. Each stack takes 200 steps of Adam with the paper's $\beta = (0.9, 0.98)$ and
 # $\epsilon = 10^{-9}$, on a fresh batch of 32 sequences each step, at a learning rate of
-# $10^{-2}$, either from the first step or after a linear warm-up over the first 66 steps (a
-# third of the run). A model that guesses has the loss $\ln 8 \approx 2.08$.
+# $10^{-2}$, either from the first step or after a linear warm-up over the first 66 steps, a
+# third of the run. A model that guesses has the loss $\ln 8 \approx 2.08$.
 
 # %%
 from transformer_from_scratch.checks import validated
@@ -1002,18 +1037,32 @@ ax.grid(alpha=0.3, which="both")
 fig.legend(loc="outside right center", fontsize=9)
 plt.show()  # not saved to figures/: the curves depend on the machine
 
-
 # %% [markdown]
 # Post-norm without the warm-up falls to a plateau near the guessing loss within the first
 # steps and stays there; the same stack with the warm-up, and the pre-norm stack with or without
-# it, solve the task. Why does the warm-up matter for post-norm only? Three accounts, which do not
-# exclude each other:
+# it, solve the task. Why does the warm-up matter for post-norm only?
+#
+# One fact about Adam first, because it weakens the obvious answer. Adam's update is
+# $-\eta\,\hat m / (\sqrt{\hat v} + \epsilon)$, and after one step its bias-corrected moments are
+# $\hat m = g$ and $\hat v = g^2$. So its first update is $-\eta\, g / |g| = -\eta\,\mathrm{sign}(g)$:
+# every weight moves by the learning rate, whatever the size of its gradient. Three weights with
+# gradients $10^{-4}$, $1$ and $10^{3}$:
+
+# %%
+weights = torch.zeros(3, requires_grad=True)
+first_step = torch.optim.Adam([weights], lr=1e-2, betas=(0.9, 0.98), eps=1e-9)
+weights.grad = torch.tensor([1e-4, 1.0, 1e3])
+first_step.step()
+print("the three weights after one Adam step at learning rate 0.01:", [f"{v:+.4f}" for v in weights.tolist()])
+assert_close(weights.detach(), torch.full((3,), -1e-2))  # the same step, over seven orders of magnitude
+
+
+# %% [markdown]
+# Three accounts of the warm-up, which do not exclude each other:
 #
 # * **Large gradients near the output** (Xiong et al., 2020), measured above. With plain SGD a
-#   step is proportional to the gradient, so those layers would take the largest steps. With Adam
-#   the argument is weak: its first steps move every weight by about the learning rate, whatever
-#   the size of its gradient (notebook 09 checks it), so a large gradient does not by itself make a
-#   large step.
+#   step is proportional to the gradient, so those layers would take the largest steps. With
+#   Adam, as just seen, a large gradient does not by itself make a large step.
 # * **Adam's adaptive rate is unreliable at first** (Liu et al., 2020, "On the Variance of the
 #   Adaptive Learning Rate and Beyond", RAdam). In the first steps the second-moment estimate $v$
 #   rests on a handful of gradients, so the per-weight rate $1/\sqrt{v}$ varies a lot, and a

@@ -175,9 +175,10 @@ class Decoder(_Stack):
 
 
 # %% [markdown]
-# **Check:** shapes; each stack equals its blocks applied one after the other by hand, then its
-# final norm; and that norm is really there: at initialisation ($\gamma = 1$, $\beta = 0$) every
-# output vector has mean 0 and variance 1.
+# **Check:** shapes, and each stack equals its blocks applied one after the other by hand, then
+# its final norm. The last lines confirm only that the norm is there: at initialisation
+# ($\gamma = 1$, $\beta = 0$) every output vector has mean 0 and variance 1, as the output of
+# any stack that ends in a fresh `LayerNorm` has.
 
 # %%
 small = dict(num_layers=3, d_model=32, num_heads=4, d_ff=64)  # a small stack for the checks
@@ -210,7 +211,8 @@ print(f"encoder {tuple(enc_out.shape)}, decoder {tuple(dec_out.shape)}: blocks i
 # stream after each of 6 encoder blocks at initialisation, and of the stack's output. Each block
 # adds its update on top, and nothing scales the sum back (notebook 08 measured what that does to
 # the gradients); the final norm does. **Check:** the stream grows at every block, by well over
-# half its size in six blocks, and the stack's own `forward` brings it back to RMS 1.
+# half its size in six blocks: that is what the final norm is for. The stack's own `forward`
+# then brings it back to RMS 1, which again confirms only that the norm is there.
 
 # %%
 set_seed(0)
@@ -227,7 +229,7 @@ print("RMS: input", round(rms[0], 3), "| after blocks", [round(r, 3) for r in rm
       "| the stack's output", round(rms[-1], 3))
 assert all(b > a for a, b in zip(rms[:-1], rms[1:-1], strict=False))  # grows at every block
 assert rms[-2] > 1.5 * rms[0]  # after 6 blocks: far from unit scale
-assert abs(rms[-1] - 1) < 1e-3  # the output: unit scale, which a stack without its final norm misses
+assert abs(rms[-1] - 1) < 1e-3  # the output: unit scale (so the final norm is there)
 
 # %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
@@ -317,9 +319,8 @@ else:
 # (`model.pos.dropout`), and the output of every sub-layer before it is added to the residual
 # stream (each block's `dropout1`, `dropout2`, ...:
 # $x + \mathrm{Dropout}(\mathrm{sublayer}(\mathrm{norm}(x)))$, notebook 08). The third is on the
-# attention weights inside every attention layer (notebook 06), as in `nn.Transformer` and in the
-# authors' tensor2tensor from its `transformer_base_v2` settings on (the same version that moved
-# it to pre-norm); its paper-era `transformer_base_v1` settings left attention dropout at 0.
+# attention weights inside every attention layer, as in `nn.Transformer`; the paper does not
+# mention it (notebook 06).
 #
 # The source and the target get separate embedding tables (their vocabularies may differ) and
 # share the positional encoding, which has no parameters. The constructor builds the parts from
@@ -515,18 +516,20 @@ def decode(
 
 
 # %% [markdown]
-# `forward` is teacher forcing: the whole target at once, logits for every position. Note which
-# mask goes where. `src_mask` is used **twice**: in the encoder's self-attention and as the
-# decoder's `cross_mask`, because both attend over the same source positions. Since it serves
-# queries of two different lengths, it has to be a mask over source keys only, broadcastable to
-# $(B, h, 1, T_\text{src})$, which `padding_mask` is. `tgt_mask` is the decoder's `self_mask`.
+# `forward` is teacher forcing: the whole target at once, logits for every position. Which mask
+# goes where (`True` = may attend, as everywhere in the course):
+#
+# | argument | used as | shape | why |
+# |---|---|---|---|
+# | `src_mask` | the encoder's self-attention mask **and** the decoder's `cross_mask` | $(B, 1, 1, T_\text{src})$, from `padding_mask` | both attend over the same source positions; serving queries of two lengths, it can mask source keys only |
+# | `tgt_mask` | the decoder's `self_mask` | $(1, 1, T, T)$ causal, or $(B, 1, T, T)$ causal and padding | must be causal: `forward` checks it |
+#
 # Like `nn.Transformer`, the model applies no mask it is not given: a forgotten causal mask lets
-# the decoder read the answer (shown below). Two things guard against that. A `tgt_mask` that is
-# given must be causal: if any query may attend to a later key (an entry above the diagonal that
-# is `True`, or finite in a float mask), `forward` raises a `ValueError`. It checks `forward` only:
-# `decode` also serves generation with a cache (notebook 12), where the masks cover a part of the
-# sequence. And `make_masks`, after the next cell, builds both masks from the token ids, so that
-# there is nothing to forget.
+# the decoder read the answer (shown below). Two things guard against that. `forward` raises a
+# `ValueError` for a `tgt_mask` that lets any query attend to a later key (`True` above the
+# diagonal, or finite in a float mask); `decode` does not check, because with a cache
+# (notebook 12) its masks cover only a part of the sequence. And `make_masks`, after the next
+# cell, builds both masks from the token ids, so that there is nothing to forget.
 
 # %%
 #| export
@@ -881,13 +884,17 @@ plt.show()
 # weights map one to one: notebook 08's `copy_block_to_torch` for each block, and the two final
 # norms.
 #
-# The masks change convention (notebook 05): PyTorch's boolean masks are True where attention
-# is **blocked**. The source's padding becomes its $(B, S)$ `src_key_padding_mask` (and
-# `memory_key_padding_mask`, for the cross-attention); a target mask shared by all sequences
-# becomes one $(T, T)$ `tgt_mask`, and one with a row per sequence, like our causal-and-padding
-# mask, becomes one $(T, T)$ mask per sequence *and head*, $(B h, T, T)$. Building
-# `nn.Transformer` with `norm_first=True` warns that the nested-tensor fast path is off (it only
-# serves post-norm stacks); the warning is expected and filtered.
+# The masks change convention (notebook 05): PyTorch's boolean masks are `True` where attention
+# is **blocked**, so each of ours is negated and reshaped:
+#
+# | ours (`True` = may attend) | `nn.Transformer`'s (`True` = blocked) | shape |
+# |---|---|---|
+# | `src_mask`, $(B, 1, 1, S)$ | `src_key_padding_mask`, and `memory_key_padding_mask` for the cross-attention | $(B, S)$ |
+# | `tgt_mask` shared by all sequences, $(1, 1, T, T)$ | `tgt_mask` | $(T, T)$ |
+# | `tgt_mask` with a row per sequence (causal and padding), $(B, 1, T, T)$ | `tgt_mask`, one per sequence *and head* | $(B h, T, T)$ |
+#
+# Building `nn.Transformer` with `norm_first=True` warns that the nested-tensor fast path is off
+# (it only serves post-norm stacks); the warning is expected and filtered.
 #
 # Three pieces go into the package's `reference` module, where notebooks 03 and 08 put theirs,
 # and where the tests and the benchmarks find them: `torch_transformer_like` builds the
@@ -1437,5 +1444,5 @@ with torch.no_grad():
 print("with the causal mask, every prefix decodes to the first rows of the full decode")
 
 # %% [markdown]
-# Next: notebook 11, *Training*, which trains this model to reverse sequences and reproduces the
-# tutorial's 256/256 exact matches and its initialisation ablation.
+# Next: notebook 11, *Training*, which trains this model to reverse sequences (255 to 256 of 256
+# exact matches) and runs a shorter version of the tutorial's initialisation ablation.

@@ -149,8 +149,10 @@ def generate(
     """The loop of greedy decoding and sampling: encode once, then one token per step.
 
     `choose` maps the logits (B, V) to the next ids (B,). A row that has emitted EOS gets PAD
-    after it; the loop ends when every row has, or after max_new_tokens steps. The tokens are
-    the same with and without the cache (`use_cache=True`, or your own empty `cache`).
+    after it; the loop ends when every row has, or after max_new_tokens steps. With the cache
+    (`use_cache=True`, or your own empty `cache`) the logits equal the uncached ones up to float
+    rounding (the two paths add in another order; notebook 12 measures it), so the tokens are
+    the same unless two logits tie within that rounding.
     """
     cache = check_generation_inputs(
         model,
