@@ -614,6 +614,9 @@ _VALIDATED = contextvars.ContextVar("transformer_from_scratch_validated", defaul
 @contextlib.contextmanager
 def validated() -> Iterator[None]:
     """Inside, inputs were checked by an outer entry point: inner ones skip their checks."""
+    if torch.compiler.is_compiling():  # checking() is off anyway; setting the variable would
+        yield  # break the traced graph in every call
+        return
     token = _VALIDATED.set(True)
     try:
         yield
@@ -622,8 +625,11 @@ def validated() -> Iterator[None]:
 
 
 def checking() -> bool:
-    """True unless an enclosing `validated()` block checked the inputs (or torch.compile traces)."""
-    return not (_VALIDATED.get() or torch.compiler.is_compiling())
+    """True unless an enclosing `validated()` block checked the inputs (or torch.compile traces).
+
+    is_compiling() comes first: under torch.compile it short-circuits, so the trace never reads
+    the context variable (reading one is a graph break in every attention call)."""
+    return not (torch.compiler.is_compiling() or _VALIDATED.get())
 
 
 # %% [markdown]

@@ -115,3 +115,27 @@ def test_validated_switches_inner_checks_off_and_restores_them():
     with pytest.raises(RuntimeError), validated():
         raise RuntimeError("the flag is reset on the way out")
     assert checking()
+
+
+def test_checks_and_validated_do_not_break_a_compiled_graph():
+    """Under torch.compile, checking() is off and validated() sets nothing, so a model compiles to
+    one graph; reading or setting the context variable there was a graph break in every attention
+    call (15 graphs for a 2-layer Transformer before the fix)."""
+    import torch._dynamo as dynamo
+
+    from transformer_from_scratch import Transformer
+    from transformer_from_scratch import TransformerConfig
+    from transformer_from_scratch import causal_mask
+
+    torch.manual_seed(0)
+    config = TransformerConfig(11, 11, d_model=16, num_heads=2, d_ff=32, num_layers=2, max_len=16)
+    model = Transformer(config).eval()
+    src, tgt = torch.randint(0, 11, (2, 5)), torch.randint(0, 11, (2, 6))
+    explained = dynamo.explain(model)(src, tgt, None, causal_mask(6))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+    def inner_check_runs() -> bool:  # eager: validated() still switches the checks off
+        with validated():
+            return checking()
+
+    assert checking() and not inner_check_runs() and checking()
