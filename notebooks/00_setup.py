@@ -176,7 +176,11 @@ print(a.round(decimals=4))
 # processor). GPU generators are not the CPU one at all, which is why data for the course is
 # always drawn on the CPU and then moved. Dropout is the exception that cannot be
 # moved: it draws its mask from the generator of the device it runs on, so a check or a figure
-# that depends on one particular mask runs its dropout on the CPU.
+# that depends on one particular mask runs its dropout on the CPU. Even there "the same kind of
+# machine" matters: PyTorch's x86 builds come with Intel's MKL, and their CPU dropout draws its
+# mask (Bernoulli with one probability for every entry) from MKL's random stream, seeded from
+# PyTorch's (`bernoulli_scalar_kernel` in ATen's `native/cpu/DistributionKernels.cpp`); a build
+# without MKL, such as PyTorch on ARM (Apple silicon), draws other masks from the same seed.
 #
 # ## Building a class one idea at a time
 #
@@ -499,7 +503,7 @@ with tempfile.TemporaryDirectory() as scratch:
             pass
         else:
             raise AssertionError(f"save_figure accepted the name {bad!r}")
-assert saved is None or saved == find_figures_dir() / "course_colors.png"
+assert saved is None or (saved == find_figures_dir() / "course_colors.png" and saved.is_file())
 # The label colours: black on a light colour, white on a dark one, readable on every swatch.
 assert text_color("white") == "black" and text_color("black") == "white"
 assert [text_color(c) for c in (COLORS["query"], COLORS["accent"], OTHER_COLORS[3])] == [
@@ -603,8 +607,12 @@ assert not doubled(holder).requires_grad  # ... and only the top-level name is w
 # ask `checking()` before they check. The flag lives in a `contextvars.ContextVar` rather than a
 # global variable, so that a thread (or an asyncio task) that opens `validated()` switches the
 # checks off for itself only, not for another one running the model at the same time; and
-# `reset(token)` restores the value from before, so `validated()` blocks nest. `checking()` is
-# also off while `torch.compile` traces a function (`torch.compiler.is_compiling()`).
+# `reset(token)` restores the value from before, so `validated()` blocks nest. Under
+# `torch.compile` the variable is not used at all: `checking()` asks
+# `torch.compiler.is_compiling()` first and is off while a function is traced, and `validated()`
+# then sets nothing, because reading or setting a `ContextVar` is a graph break for the
+# compiler, one in every attention call (a compiled 2-layer Transformer fell into 15 graphs;
+# `tests/test_checks.py` counts them with `torch._dynamo.explain`: now one).
 
 # %%
 #| export checks

@@ -74,9 +74,11 @@ device = get_device()
 
 # %% jupyter={"source_hidden": true}
 def draw_node(ax, xy, label, color, fill_alpha=0.25):
-    """A rounded box with a math label, centred at xy."""
+    """A rounded box with a math label, centred at xy: `color` mixed into white, opaque, so
+    that the lines drawn below it (lower zorder) end at its edge instead of crossing the label."""
+    fill = tuple(1 - fill_alpha + fill_alpha * c for c in to_rgba(color)[:3])
     ax.text(*xy, label, ha="center", va="center", fontsize=12, zorder=3,
-            bbox=dict(boxstyle="round,pad=0.35", fc=to_rgba(color, fill_alpha), ec=color, lw=1.5))
+            bbox=dict(boxstyle="round,pad=0.35", fc=fill, ec=color, lw=1.5))
 
 
 def draw_arrow(ax, start, end, color="0.35", lw=1.2, style="-|>"):
@@ -119,7 +121,7 @@ for j in range(T_src):
     draw_arrow(ax_b, (j, 0), (j, 1))
     if j > 0:
         draw_arrow(ax_b, (j - 1, 1), (j, 1))
-    # Line width proportional to the weight this output step gives to h_j.
+    # Line width 0.5 + 10 alpha: it grows with the weight this output step gives to h_j.
     draw_arrow(ax_b, (j, 1), (2, 2.5), COLORS["accent"], lw=0.5 + 10 * alpha[j], style="-")
     ax_b.text(j, 1.45, rf"$\alpha_{{t{j + 1}}}$={alpha[j]:.2f}", fontsize=9, ha="center",
               va="center", color=COLORS["accent"], zorder=4,
@@ -305,7 +307,7 @@ ax_k.annotate("", xy=q_2d.tolist(), xytext=(0, 0), zorder=4,
 ax_k.text(0.9, -0.05, "query $q$", color=COLORS["query"], fontsize=11, rotation=37,
           rotation_mode="anchor", ha="left", va="top", zorder=4)
 ax_k.scatter(K_2d[:, 0], K_2d[:, 1], s=3000 * w_2d + 30, color=COLORS["key"], alpha=0.7,
-             label="keys $k_j$ (area $\\propto \\alpha_j$)")
+             label="keys $k_j$ (area $30 + 3000\\,\\alpha_j$ pt²)")
 for j, (x, y) in enumerate(K_2d.tolist()):
     # Offset the label by roughly the marker's radius, which grows like sqrt(weight).
     ax_k.text(x + 0.25 + 0.6 * w_2d[j].sqrt().item(), y, rf"$\alpha_{j + 1}={w_2d[j]:.2f}$",
@@ -317,7 +319,7 @@ ax_k.set_ylabel("feature 2")
 hull = V_2d.tolist() + [V_2d[0].tolist()]  # the five values are in convex position
 ax_v.fill(*zip(*hull, strict=True), color=COLORS["value"], alpha=0.12, label="convex hull")
 ax_v.scatter(V_2d[:, 0], V_2d[:, 1], s=3000 * w_2d + 30, color=COLORS["value"], alpha=0.7,
-             label="values $v_j$ (area $\\propto \\alpha_j$)")
+             label="values $v_j$ (area $30 + 3000\\,\\alpha_j$ pt²)")
 ax_v.scatter(*out_2d.tolist(), marker="*", s=350, color=COLORS["accent"], zorder=3,
              label=r"output $\sum_j \alpha_j v_j$")
 ax_v.set_title("Output: the weighted average of the values")
@@ -634,8 +636,14 @@ for d_k, r in results.items():
 
 # %% [markdown]
 # **Check** the trends: the raw variance grows like $d_k$ (a log–log slope of 1, and within 10%
-# of $d_k$ at $d_k = 1024$), the scaled one stays near 1; at $d_k = 1024$ the raw softmax is
-# nearly one-hot while the scaled one is far from it; the typical raw gradient is thousands
+# of $d_k$ at $d_k = 1024$), the scaled one stays near 1: within four standard errors of 1. The
+# standard error is that of a variance estimated from 1,000 queries times 16 keys, where the 16
+# scores of a query share its $q$. Given $q$, a score $s = q \cdot k / \sqrt{d_k}$ is normal
+# with variance $\lVert q \rVert^2 / d_k$, so $\operatorname{Var}(s^2) = 2 + 6/d_k$, and two
+# scores of one query have $\operatorname{Cov}(s_i^2, s_j^2) = 2/d_k$; the standard error is
+# $\sqrt{(2 + 6/d_k + 15 \cdot 2/d_k) / 16{,}000}$, 0.049 at $d_k = 1$ (where a band of ±10%
+# would be only two standard errors) and 0.011 at $d_k = 1024$. At $d_k = 1024$ the raw softmax
+# is nearly one-hot while the scaled one is far from it; the typical raw gradient is thousands
 # of times smaller than the scaled one; and with the scale, the median largest weight and the
 # median gradient stay in narrow bands for every $d_k$ (narrow, but not constant).
 
@@ -645,7 +653,10 @@ var_scaled = np.array([results[d]["var_scaled"] for d in D_K_VALUES])
 slope = np.polyfit(np.log(D_K_VALUES), np.log(var_raw), 1)[0]
 assert 0.95 < slope < 1.05, slope
 assert 0.9 < var_raw[-1] / 1024 < 1.1
-assert np.all((0.9 < var_scaled) & (var_scaled < 1.1))
+d_k_array = np.array(D_K_VALUES)
+std_error = np.sqrt((2 + 6 / d_k_array + (NUM_KEYS - 1) * 2 / d_k_array) / (NUM_QUERIES * NUM_KEYS))
+distance = np.abs(var_scaled - 1) / std_error  # in standard errors
+assert np.all(distance < 4), distance  # over 1,000 seeds: at most 3.5 (d_k = 1 to 16)
 
 last = results[1024]
 assert last["max_weight_raw"].median() > 0.9          # nearly one-hot
@@ -654,12 +665,17 @@ assert last["max_weight_scaled"].median() < 0.5 * last["max_weight_raw"].median(
 
 jac_ratio = last["jac_norm_scaled"].median() / last["jac_norm_raw"].median()
 assert jac_ratio > 1e3, jac_ratio
-# With the scale: bands, over a 1024-fold range of d_k.
+# With the scale: bands, over a 1024-fold range of d_k. They are wider than this draw's values
+# so that they hold for other seeds: over 200 seeds the median largest weight ran from 0.144
+# (at d_k = 1) to 0.234, and the gradients' max / min reached 1.146.
 max_w_scaled = np.array([results[d]["max_weight_scaled"].median().item() for d in D_K_VALUES])
 jac_scaled = np.array([results[d]["jac_norm_scaled"].median().item() for d in D_K_VALUES])
-assert np.all((0.15 < max_w_scaled) & (max_w_scaled < 0.25))   # far from 1, and from 1/16
-assert jac_scaled.max() / jac_scaled.min() < 1.15               # within 15% of each other
+assert np.all((0.12 < max_w_scaled) & (max_w_scaled < 0.3))    # far from 1, and from 1/16
+assert jac_scaled.max() / jac_scaled.min() < 1.2                # within 20% of each other
 print(f"log-log slope of Var(q·k) against d_k: {slope:.3f}")
+print(f"scaled variance: at most {distance.max():.1f} standard errors from 1 (at d_k = "
+      f"{D_K_VALUES[distance.argmax()]}; standard error {std_error[0]:.3f} at d_k = 1, "
+      f"{std_error[-1]:.3f} at d_k = 1024)")
 print(f"median ‖J‖_F at d_k = 1024, scaled / raw: {jac_ratio.item():.2e}")
 print(f"scaled, all d_k: median max weight {max_w_scaled.min():.3f} to {max_w_scaled.max():.3f},"
       f" median ‖J‖_F {jac_scaled.min():.3f} to {jac_scaled.max():.3f}")
@@ -776,8 +792,10 @@ for d_k in (1, 1024):
     spread[d_k] = torch.quantile(per_query, torch.tensor([0.25, 0.75], dtype=torch.float64))
     lines.append(f"d_k = {d_k:4d}: per-query spread of the scaled scores, 25th to 75th "
                  f"percentile: {spread[d_k][0]:.2f} to {spread[d_k][1]:.2f}")
+iqr_ratio = ((spread[1][1] - spread[1][0]) / (spread[1024][1] - spread[1024][0])).item()
+lines.append(f"the middle half is {iqr_ratio:.1f} times as wide at d_k = 1 as at d_k = 1024")
 print("\n".join(lines))
-assert spread[1][1] - spread[1][0] > 3 * (spread[1024][1] - spread[1024][0])
+assert iqr_ratio > 2  # 3.8 here; over 200 seeds at least 2.85
 
 # %% [markdown]
 # The bands in (c) are wide for raw scores: a query whose two best keys happen to score almost

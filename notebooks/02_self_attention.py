@@ -375,8 +375,10 @@ print(torch.softmax(torch.full((3,), float("-inf")), dim=-1))
 # average. Notebook 06 takes dropout apart.
 #
 # Dropout draws its random mask from the generator of the device it runs on, and a GPU's
-# generator is not the CPU's. So that every machine prints the same mask, this example runs on
-# the CPU (after `set_seed`); the code is the same on every device.
+# generator is not the CPU's. So that a GPU prints the same mask as a CPU, this example runs on
+# the CPU (after `set_seed`); the code is the same on every device. "The same" still means the
+# same kind of machine (notebook 00): PyTorch's x86 builds draw this mask from Intel MKL's
+# random stream, and a build without MKL, such as PyTorch on ARM, prints another mask.
 
 # %%
 set_seed(0)
@@ -604,8 +606,8 @@ print("row 0 weights:", attn_e[0].tolist(), "| context:", context_e[0].tolist())
 # %% [markdown]
 # **Check 5, dropout.** In evaluation (`training=False`) dropout does nothing. In training about a
 # fraction $p$ of the weights is zeroed and each survivor is exactly $1/(1-p)$ times its
-# undropped value, so the row sums still average one. (On the CPU, like step 4, so that every
-# machine draws the same masks and prints the same numbers.)
+# undropped value, so the row sums still average one. (On the CPU, like step 4, so that a GPU
+# draws the same masks as a CPU and prints the same numbers; again on the same kind of machine.)
 
 # %%
 Q_d, K_d, V_d = (t.detach().cpu() for t in random_inputs((8, 64, 16), (8, 64, 16), (8, 64, 16), seed=12))
@@ -982,13 +984,13 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
 
 # %% [markdown]
 # **Check** the measurement against an accounting of our function. Its first line makes the
-# products $QK^\top$ and divides them by $\sqrt{d_k}$ into a new tensor, after which the
-# undivided products are freed; the softmax then makes the weights while the scores are still
-# alive; and the context adds $T d_v$ numbers per head. So the peak should be two $T \times T$
-# matrices plus the context, $B h\,(2T^2 + T d_v) \cdot 4$ bytes in float32: three times the
-# weights at $T = d_v$, and closer and closer to twice the weights as $T$ grows. Nothing in the
-# measurement knows this formula; a function written differently (scaling $Q$ before the
-# product, or an extra copy) would give another number. We measure on the CPU, whose allocator
+# products $QK^\top$ and divides them by $\sqrt{d_k}$ into a new tensor (for a moment two
+# $T \times T$ matrices); the softmax then makes the weights while the scores are still alive
+# (two again); and the context adds $T d_v$ numbers per head while both are still held, since
+# the local variable `scores` lives until the function returns. So the peak should be two
+# $T \times T$ matrices plus the context, $B h\,(2T^2 + T d_v) \cdot 4$ bytes in float32: three
+# times the weights at $T = d_v$, and closer and closer to twice the weights as $T$ grows.
+# Nothing in the measurement knows this formula. We measure on the CPU, whose allocator
 # is the same on every machine (on a GPU, `peak_memory(fn, "cuda")` reads the CUDA allocator's
 # peak instead), and allow 1% for small bookkeeping tensors that some versions of PyTorch keep.
 
@@ -1011,6 +1013,47 @@ for T_mem in (64, 128, 256, 512, 1024):
     lines.append(f"{T_mem:>5} {weights_bytes / 2**20:>12.2f} {peak / 2**20:>9.2f}"
                  f" {peak / weights_bytes:>15.3f}")
 print("\n".join(lines))
+
+
+# %% [markdown]
+# What can this check catch? A change in how many $T \times T$ matrices are alive together.
+# Three other ways to write the function, measured the same way at $T = 1024$: one that drops
+# the scores (`del scores`) before the last product peaks *below* the accounting (two
+# $T \times T$ matrices, no context on top), one that takes the softmax of a copy of the scores
+# peaks above it (three). The check cannot tell apart versions that hold the same matrices at
+# their peak: dividing $Q$ by $\sqrt{d_k}$ before the product gives exactly our number.
+
+# %%
+def frees_scores(Q, K, V):
+    """Ours without mask and dropout, but the scores are freed before the last product."""
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+    attn = torch.softmax(scores, dim=-1)
+    del scores
+    return attn @ V, attn
+
+
+def softmax_of_copy(Q, K, V):
+    """Ours without mask and dropout, with the softmax taken of a copy of the scores."""
+    scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
+    attn = torch.softmax(scores.clone(), dim=-1)
+    return attn @ V, attn
+
+
+def scales_q_first(Q, K, V):
+    """Ours without mask and dropout, with Q divided by sqrt(d_k) before the product."""
+    scores = (Q / math.sqrt(Q.size(-1))) @ K.transpose(-2, -1)
+    attn = torch.softmax(scores, dim=-1)
+    return attn @ V, attn
+
+
+accounting = 2 * 4 * (2 * 1024**2 + 1024 * 64) * 4
+verdicts = {}
+for fn in (frees_scores, softmax_of_copy, scales_q_first):
+    ratio = attention_peak(1024, fn, batch=2, heads=4) / accounting
+    verdicts[fn.__name__] = accounting <= ratio * accounting <= 1.01 * accounting
+    print(f"{fn.__name__:>16}: peak / accounting {ratio:.3f}, "
+          f"{'passes' if verdicts[fn.__name__] else 'fails'} the check")
+assert verdicts == {"frees_scores": False, "softmax_of_copy": False, "scales_q_first": True}
 
 
 # %% [markdown]
@@ -1129,7 +1172,7 @@ print("\n".join(lines))
 # a thousand times the work of one at $T = 64$, takes at least ten times as long, for both
 # functions. That rules out a time that does not grow with $T$, no more: a linear time would
 # pass too. The fitted slope over the longer half must lie between 1.2 and 4, which a linear
-# time (slope 1) would fail; in our runs, quiet or loaded, it came out between about 2 and 3.
+# time (slope 1) would fail; in our runs, quiet or loaded, it came out between about 2 and 3.2.
 # (On a GPU both lengths can take about the same few microseconds: the GPU is barely busy at
 # either.) The last lines are an identity, not a measurement: they check the table's
 # arithmetic, since the FLOPs are exactly proportional to $T^2$.
@@ -1211,9 +1254,11 @@ plt.show()
 # Another program on the machine can slow any point too; the medians over rounds damp that, and
 # the last line of the table says how far the rounds of one point disagreed. So the fitted slope
 # over the longer half is a rough exponent, not a law: in our runs, quiet or loaded, between
-# about 2 and 3 for both functions, with the stored run's values in the table. The quadratic
-# law itself is in the FLOP count and in the memory, which the checks above pin down; the clock
-# agrees with it only roughly.
+# about 2 and 3.2, for both near 3 on a loaded machine, with the stored run's values in the
+# table. So the time panel shows that the time grows steeply, not that it grows like $T^2$: the
+# dashed line, drawn through ours at the last point, need not follow the other points. The
+# quadratic law itself is in the FLOP count and in the memory panel, which the checks above
+# pin down; the clock agrees with it only roughly.
 #
 # `benchmarks/attention.py`, outside the package at the root of the repository, repeats these
 # measurements for more lengths and writes them to a JSON file (`make bench`).
@@ -1235,10 +1280,14 @@ plt.show()
 # How the columns meet what this notebook measured:
 #
 # - **Complexity per layer** is the $T \times T$ work counted above, $2T^2(d_k + d_v)$ per head,
-#   so $4 n^2 d$ over $h$ heads of width $d_k = d_v = d/h$. It leaves out the projections, about
-#   $n d^2$ for every layer type alike. A recurrent layer multiplies a $d \times d$ matrix at each
-#   of the $n$ steps: $n d^2$. So self-attention does less work exactly when $n < d$, which the
-#   paper notes is the usual case for sentences (its $d$ is 512).
+#   so $4 n^2 d$ over $h$ heads of width $d_k = d_v = d/h$. It leaves out the four projections
+#   (queries, keys, values, output), $8 n d^2$. A recurrent layer
+#   $h_t = \tanh(x_t W + h_{t-1} U)$ has a counterpart of those, the input product $x_t W$, and
+#   one product that only it has, $h_{t-1} U$: $2 d^2$ at each of the $n$ steps, $2 n d^2$. The
+#   table's $O(\cdot)$ compares what each layer adds, $n^2 d$ against $n d^2$, and drops the
+#   constants: self-attention does less work when $n$ is small compared with $d$, which the paper
+#   notes is the usual case for sentences (its $d$ is 512). Where exactly the two meet depends
+#   on what one counts, as the count below shows.
 # - **Sequential operations:** our function is two matrix products and a softmax whatever $T$ is;
 #   every query is computed at once. A recurrent layer needs $n$ steps, each waiting for the one
 #   before.
@@ -1247,31 +1296,48 @@ plt.show()
 #   along $n$ steps. Restricted self-attention trades this back for less work: it is the sliding
 #   window of notebook 05's exercises.
 #
-# **Check** the first column with the FLOP counter: a recurrent layer of width $d = 512$
-# ($h_t = \tanh(x_t W + h_{t-1} U)$, on the `meta` device) against the attention products of
-# 8 heads of width 64. The ratio must be exactly $n/d$: equal work at $n = d$.
+# **Count** the first column with the FLOP counter, a recurrent layer of width $d = 512$ (on the
+# `meta` device) against 8 heads of width 64. This is a demonstration, not a test: the counter
+# charges $2mnk$ for each product, so the numbers follow from the shapes. Counting what each
+# layer adds (the $T \times T$ products against $h_{t-1} U$), attention does
+# $4n^2d / 2nd^2 = 2n/d$ times the work: equal at $n = d/2 = 256$, not at $n = d$. Counting both
+# layers whole (attention with its four projections, $4n^2 d + 8 n d^2$, against $4 n d^2$), the
+# ratio is $n/d + 2$, and this plain recurrent layer does less work at every $n$.
 
 # %%
-def recurrent_flops(n: int, d: int) -> int:
-    """FLOPs of the matrix products of a plain recurrent layer over n steps, width d."""
+def recurrent_flops(n: int, d: int, whole: bool = True) -> int:
+    """FLOPs of the products of a plain recurrent layer over n steps, width d; without the
+    input product x_t W (whole=False), only the recurrence h_{t-1} U."""
     x, W, U = (torch.empty(*shape, device="meta") for shape in ((n, 1, d), (d, d), (d, d)))
 
     def run():
         state = torch.empty(1, d, device="meta")
         for t in range(n):  # n sequential steps: step t needs the state of step t - 1
-            state = torch.tanh(x[t] @ W + state @ U)
+            mixed = state @ U  # the product only a recurrent layer has
+            state = torch.tanh(x[t] @ W + mixed if whole else mixed)
 
     return count_flops(run)
 
 
+def projection_flops(n: int, d: int) -> int:
+    """FLOPs of the four d x d projections of an attention layer (queries, keys, values, output)."""
+    X, W = torch.empty(n, d, device="meta"), torch.empty(d, d, device="meta")
+    return count_flops(lambda: [X @ W for _ in range(4)])
+
+
 d_layer = 512
-lines = [f"{'n':>5} {'self-attention':>15} {'recurrent':>10} {'ratio':>6}"]
-for n in (128, 512, 1024):
+lines = [f"{'n':>5} | {'T x T products':>14} {'h U':>5} {'ratio':>5} |"
+         f" {'attention layer':>15} {'recurrent layer':>15} {'ratio':>5}   (MFLOP)"]
+for n in (128, 256, 512, 1024):
     attention_work = attention_flops(n, heads=d_layer // 64)  # 8 heads of width 64: 4 n^2 d
-    recurrent_work = recurrent_flops(n, d_layer)  # 4 n d^2
-    assert attention_work * d_layer == recurrent_work * n  # ratio exactly n / d
-    lines.append(f"{n:>5} {attention_work / 1e6:>11.0f} MFLOP {recurrent_work / 1e6:>6.0f} MFLOP"
-                 f" {attention_work / recurrent_work:>6.2f}")
+    recurrence_work = recurrent_flops(n, d_layer, whole=False)  # 2 n d^2
+    attention_layer = attention_work + projection_flops(n, d_layer)  # 4 n^2 d + 8 n d^2
+    recurrent_layer = recurrent_flops(n, d_layer)  # 4 n d^2
+    assert attention_work * d_layer == 2 * n * recurrence_work  # ratio 2n / d
+    assert attention_layer * d_layer == (n + 2 * d_layer) * recurrent_layer  # ratio n / d + 2
+    lines.append(f"{n:>5} | {attention_work / 1e6:>14.0f} {recurrence_work / 1e6:>5.0f}"
+                 f" {attention_work / recurrence_work:>5.2f} | {attention_layer / 1e6:>15.0f}"
+                 f" {recurrent_layer / 1e6:>15.0f} {attention_layer / recurrent_layer:>5.2f}")
 print("\n".join(lines))
 
 # %% [markdown]

@@ -239,7 +239,8 @@ from transformer_from_scratch.checks import (
 # %% [markdown]
 # The table is computed in float64 and stored in the default dtype (float32). The angles
 # $\omega_i t$ reach 5000 radians for the default `max_len`, and in float32 an angle that large
-# carries an error of about $10^{-4}$, enough to break the exact identities checked below.
+# carries an error of a few times $10^{-4}$ (floats near 5000 are $2^{-11} \approx 5 \cdot 10^{-4}$
+# apart), enough to break the exact identities checked below.
 # The helpers at the top reject bad arguments and bad inputs with a message that names them.
 
 # %%
@@ -360,7 +361,7 @@ def table_in(dtype: torch.dtype) -> torch.Tensor:
 
 
 naive, reference = table_in(torch.float32).double(), table_in(torch.float64)
-assert (naive - reference).abs().max() > 1e-5  # float32 all the way: off by ~1e-4
+assert 1e-4 < (naive - reference).abs().max() < 1e-3  # float32 all the way: a few times 1e-4
 assert (pe.double() - reference).abs().max() < 1e-6  # ours: float32 rounding of exact values
 
 # forward adds the first T rows; the table is a buffer (saved, moved), not a parameter.
@@ -478,7 +479,8 @@ print(M_3[:4, :4].round(decimals=4))
 
 # %% [markdown]
 # **Check.** For several offsets $k$, every row of the 5000-row table, moved by $M_k$, must land
-# on the row $k$ further down. As rows, $PE[t+k] = PE[t]\,M_k^\top$. A wrong offset must not fit.
+# on the row $k$ further down. As rows, $PE[t+k] = PE[t]\,M_k^\top$. A wrong offset must not fit,
+# and neither must the table computed in float32 all the way (section 2).
 # Every pair of every row must lie on the unit circle, which is what lets one rotation carry any
 # row to another. And two shifts compose: $M_j M_k = M_{j+k}$.
 
@@ -487,6 +489,8 @@ for shift in [1, 3, 17, 250, 4000]:
     M_k = shift_matrix(shift, 128)
     assert_close(pe[shift:], pe[:-shift] @ M_k.T)  # all 5000 - k positions at once
 assert not torch.allclose(pe[3:], pe[:-3] @ shift_matrix(4, 128).T, atol=1e-2)  # off by one
+naive32 = naive.float()  # (5000, 128): float32 all the way, from section 2
+assert not torch.allclose(naive32[3:], naive32[:-3] @ shift_matrix(3, 128).T, rtol=1.3e-6, atol=1e-5)
 radius_sq = pe[:, 0::2].double() ** 2 + pe[:, 1::2].double() ** 2  # (5000, 64): sin^2 + cos^2
 assert_close(radius_sq, torch.ones_like(radius_sq), atol=1e-6, rtol=0)
 assert_close(shift_matrix(5, 128) @ shift_matrix(12, 128), shift_matrix(17, 128), atol=1e-6, rtol=0)
@@ -579,14 +583,18 @@ print(learned)
 print("parameters:", sum(p.numel() for p in learned.parameters()))
 
 # %% [markdown]
-# **Check.** The forward pass adds rows $0..T-1$ of the weight; a loss on sequences of length
-# 10 sends gradient to those 10 rows and to no other; and a sequence longer than `max_len` is
-# refused, where the sinusoidal module simply builds a longer table whose first rows are the
-# same as before.
+# **Check.** The forward pass adds rows $0..T-1$ of the weight, or, with an `offset`, rows
+# $\text{offset}..\text{offset}+T-1$; a loss on sequences of length 10 sends gradient to those
+# 10 rows and to no other; and positions past `max_len` are refused. `PositionalEncoding` refuses
+# them too; the difference is what a larger `max_len` costs. A sinusoidal module built with a
+# larger one has the same first rows as before, while a learned table of another size is a new,
+# untrained one.
 
 # %%
 x = torch.randn(2, 10, 128).to(device)
 assert_close(learned(x), x + learned.embedding.weight[:10])
+assert_close(learned(x, offset=30), x + learned.embedding.weight[30:40])  # positions 30..39
+assert not torch.allclose(learned(x, offset=30), learned(x))  # the offset is not ignored
 assert sum(p.numel() for p in learned.parameters()) == 64 * 128
 
 learned.zero_grad()  # a re-run starts from no gradient
@@ -594,12 +602,14 @@ learned(x).pow(2).sum().backward()
 grad_per_row = learned.embedding.weight.grad.norm(dim=-1)  # (max_len,)
 assert (grad_per_row[:10] > 0).all() and (grad_per_row[10:] == 0).all()
 
-try:
-    learned(torch.randn(1, 65, 128).to(device))
-except ValueError as err:
-    print("ValueError:", err)
-else:
-    raise AssertionError("a sequence longer than max_len was accepted")
+for too_far in [lambda: learned(torch.randn(1, 65, 128).to(device)),  # T > max_len
+                lambda: learned(x, offset=60)]:  # positions 60..69, past max_len = 64
+    try:
+        too_far()
+    except ValueError as err:
+        print("ValueError:", err)
+    else:
+        raise AssertionError("positions past max_len were accepted")
 assert torch.equal(PositionalEncoding(128, max_len=100).pe, PositionalEncoding(128).pe[:, :100])
 
 
@@ -803,8 +813,11 @@ assert torch.equal(rope.rotate(q[..., :1, :]), q[..., :1, :])  # position 0: no 
 
 # %% [markdown]
 # **Check 2: the score depends on the offset only.** One query vector and one key vector,
-# placed at many pairs of positions $(m, n)$: the same $m - n$ must give the same score, and
-# different offsets different scores. Norms must be unchanged.
+# placed at many pairs of positions $(m, n)$: the same $m - n$ must give the same score. Different
+# offsets must give different scores; one pair of vectors can score two offsets nearly alike by
+# chance (the closest two printed below differ by about 0.02), so that part uses 16 random
+# pairs and asks that, for every two offsets, some pair scores them at least 0.5 apart (over
+# 2000 draws of the 16 pairs the smallest such gap was 1.8). Norms must be unchanged.
 
 # %%
 set_seed(0)
@@ -822,9 +835,13 @@ for delta in [0, 1, 5, -3, 40]:  # delta = m - n
     scores = torch.tensor([rope_score(n + delta, n) for n in [3, 10, 100, 1500]])
     assert_close(scores, scores[0].expand(4), atol=1e-4, rtol=1e-5)
     score_by_offset[delta] = scores[0].item()
-values = torch.tensor(list(score_by_offset.values()))
-assert (values[:, None] - values[None, :]).abs().add(torch.eye(5)).min() > 1e-2  # all different
 print({m_minus_n: round(s, 3) for m_minus_n, s in score_by_offset.items()})
+
+q16, k16 = torch.randn(2, 16, 1, 64, generator=torch.Generator().manual_seed(1)).to(device)
+scores_16 = torch.stack([(rope.rotate(q16, offset=3 + delta) * rope.rotate(k16, offset=3)).sum(-1)
+                         for delta in score_by_offset]).squeeze(-1)  # (5 offsets, 16 pairs)
+apart = (scores_16[:, None] - scores_16[None, :]).abs().amax(-1)  # (5, 5): best pair's gap
+assert apart.add(1e9 * torch.eye(5, device=device)).min() > 0.5  # all offsets told apart
 
 x = torch.randn(3, 2, 50, 64).to(device)
 assert_close(rope.rotate(x, offset=123).norm(dim=-1), x.norm(dim=-1))
@@ -897,7 +914,9 @@ plt.show()
 # %% [markdown]
 # ### Where RoPE goes in multi-head attention
 #
-# So far RoPE has rotated bare query and key vectors. Inside the course's `MultiHeadAttention`
+# Checks 1 to 3 pinned down RoPE on bare query and key vectors. This subsection puts it inside a
+# layer, with three more checks: the shift-invariance again (Check 4), the exact weights
+# (Check 5) and decoding with a cache (Check 6). Inside the course's `MultiHeadAttention`
 # (notebook 03) it has one place:
 #
 # - **after** the projections $W_q, W_k$ and the split into heads, **before** the scores: the
@@ -913,7 +932,7 @@ plt.show()
 # The library's `forward` splits $Q$, $K$ and $V$ with one helper, `split_heads`, so there is no
 # hook for "queries and keys only"; the subclass below overrides `forward` and leaves the
 # library's class as it is. Its numbered steps are notebook 03's; the lines marked `# New` add
-# RoPE and a cache of past keys and values, used by Check 3. It does self-attention only, where
+# RoPE and a cache of past keys and values, used by Check 6. It does self-attention only, where
 # queries and keys have positions in the same sequence, so its `forward` takes one input `x`,
 # and everything after it by keyword only (`mha(x, memory)` would otherwise pass `memory` as the
 # mask). It leaves out notebook 03's input checks. It stays in this notebook; a later notebook
@@ -968,7 +987,7 @@ print(rope_mha.rope, "| state_dict:", list(rope_mha.state_dict()))
 
 
 # %% [markdown]
-# **Check 1: the relative property survives the projections and the heads.** Put the same
+# **Check 4: the relative property survives the projections and the heads.** Put the same
 # sequence at positions $0, \dots, 11$ and at $100, \dots, 111$. In each head the score is
 # $\langle R_m q_m, R_n k_n\rangle = q_m^\top R_{n-m}\, k_n$, unchanged when $m$ and $n$ both grow
 # by $s = 100$; so the attention weights are unchanged, and since the values are not rotated, so
@@ -990,7 +1009,7 @@ print(rope_mha.rope, "| state_dict:", list(rope_mha.state_dict()))
 # another reason, the one given above: head $i$ gets pairs $8i, \dots, 8i+7$ of the 32 wide
 # frequencies instead of all 8 of its own, and the last head's fastest pair turns by only
 # about 0.01 radians across the 12 positions (printed below), so that head hardly sees position
-# at all. Shift-invariance is necessary, not sufficient; Check 2 pins the rotation down.
+# at all. Shift-invariance is necessary, not sufficient; Check 5 pins the rotation down.
 
 # %%
 def rotate_values_too(x: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1046,15 +1065,15 @@ assert 0 < last_head_turn < 0.02  # 11 * 10000^(-48/64) = 0.011 rad
 
 
 # %% [markdown]
-# **Check 2: every head computes RoPE's weights.** Rebuild each head's attention weights from
+# **Check 5: every head computes RoPE's weights.** Rebuild each head's attention weights from
 # scratch: the layer's own $W_q$, $W_k$ and `split_heads`, then the complex-number
-# `rope_complex` of the first check above on each head's $Q$ and $K$ (it takes its width,
+# `rope_complex` of Check 1 on each head's $Q$ and $K$ (it takes its width,
 # $d_k = 16$, from the tensor, so it rotates each head with that head's own 8 frequencies),
 # the scores divided by $\sqrt{d_k}$, and a softmax. At positions $0..11$ and at
 # $100..111$, the layer's weights must be these, and the two shift-invariant impostors of
-# Check 1 must not be: they use the same projections, so whatever differs is the rotation.
+# Check 4 must not be: they use the same projections, so whatever differs is the rotation.
 # A reference catches what an invariance cannot: rotations with the wrong pairing (rotate-half
-# instead of interleaved), the wrong direction or the wrong frequencies would all pass Check 1,
+# instead of interleaved), the wrong direction or the wrong frequencies would all pass Check 4,
 # but only RoPE's own rotation reproduces `rope_complex`.
 
 # %%
@@ -1082,7 +1101,7 @@ assert reference_gaps["d_model-wide RoPE, then split"] > 0.05  # ... and per hea
 
 
 # %% [markdown]
-# **Check 3: decoding with a cache, and its offset.** A decoder generates one token at a time.
+# **Check 6: decoding with a cache, and its offset.** A decoder generates one token at a time.
 # Rather than recompute the keys and values of the whole prefix at every step, it keeps them (a
 # key-value cache) and computes $q, k, v$ for the new token only. With RoPE the new token sits at
 # absolute position $t$ = the number of positions kept, so its query and key are rotated with
@@ -1179,8 +1198,10 @@ assert_close(forgot, no_rope, atol=1e-5, rtol=1e-5)  # by construction: R_0 = I,
 # was met in training; what is new at length 48 is the absolute positions $16, \dots, 47$ and
 # nothing else. (Without the window, a query at length 48 would also meet offsets up to $\pm 47$,
 # which no query of length 16 ever saw, and we could not tell which novelty a model trips over.
-# The window is symmetric, so it does not tell a query which neighbour comes first; a causal mask
-# would, as Haviv et al. (2022) showed, and masks are notebook 05's topic.)
+# The window is symmetric. A causal window, $t - 7 \le s \le t$, would not tell a one-layer model
+# without positions which key is $t - 1$ either: as section 1 checked, a causal layer sees what
+# it reads as a set. It would only leak some position through the shorter windows at the start
+# of a sequence. Masks are notebook 05's topic.)
 
 # %%
 WINDOW = 7  # a query sees the keys at offsets -7 .. +7
@@ -1232,7 +1253,7 @@ def per_position_accuracy(model: nn.Module, tokens: torch.Tensor) -> torch.Tenso
     return (predicted == tokens[:, :-1]).float().mean(0).cpu()
 
 
-# %%
+# %% tags=["nbval-ignore-output"]
 schemes = ["none", "sinusoidal", "learned", "rotary"]
 T_train, T_test = 16, 48
 models, initial_tables = {}, {}
@@ -1275,7 +1296,7 @@ for s in schemes:
 # share the credit). The best bet is best *on average*: on a finite test set a model can land a
 # little above it by chance.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def bet_accuracy(tokens: torch.Tensor, leave_out_own: bool) -> torch.Tensor:
     """Accuracy of betting the most frequent token of query t's window on token t-1: (T-1,)."""
     one_hot = F.one_hot(tokens, 16).float()  # (B, T, vocab)
@@ -1308,12 +1329,15 @@ print(f"{'the order-blind model':<40}{short_accuracy['none']:>8.3f}"
 # gradient and are exactly as initialised, random vectors that the model reads as if they were
 # positions it knows. An untrained row does not merely say nothing; here it misleads. The
 # sinusoidal model, although its code is defined everywhere, loses accuracy on the positions it
-# never saw. RoPE is perfect everywhere: what it learned ("attend to offset $-1$") is stated in
-# offsets, and every offset in the window was seen in training.
+# never saw (how much varies from run to run: its mean accuracy beyond position 15 ranged from
+# 0.49 to 0.85 when we reran this section with every seed shifted, 22 times). RoPE is perfect
+# everywhere: what it learned ("attend to offset $-1$") is stated in offsets, and every offset in
+# the window was seen in training.
 #
-# These are the findings of the run stored here, on a CPU. On a GPU the same 150 steps round
-# differently and take another path, so there the check keeps only what does not depend on the
-# path: the untouched rows, and looser bounds on the rest.
+# These are the findings of the run stored here, on a CPU; the bounds asserted on them held in
+# all 22 reruns. On a GPU the same 150 steps round differently and take another path, so there
+# the check keeps only what does not depend on the path: the untouched rows, and looser bounds
+# on the rest.
 
 # %% tags=["nbval-ignore-output"]
 beyond = {s: accuracy[s][T_train - 1:].mean().item() for s in schemes}
@@ -1339,8 +1363,9 @@ else:  # another device's run: facts that do not depend on the details of traini
     assert beyond["rotary"] > 0.8
 
 # %% [markdown]
-# Left, accuracy at each position of the long test sequences; right, how far each row of the
-# learned table moved from its random start during training: rows $0..15$ moved, rows
+# Left, accuracy at each position of the long test sequences (up to position 15 the sinusoidal,
+# learned and rotary curves all lie at 1.0, on top of one another); right, how far each row of
+# the learned table moved from its random start during training: rows $0..15$ moved, rows
 # $16..63$ did not move at all.
 
 # %% jupyter={"source_hidden": true}
@@ -1379,13 +1404,19 @@ plt.show()
 # $PE(t)\, W_q W_k^\top PE(s)^\top / \sqrt{d}$. Not its only one: the two parts that mix a
 # token's content with the other's code, $x_t W_q W_k^\top PE(s)^\top$ and
 # $PE(t)\, W_q W_k^\top x_s^\top$, depend on position too, and the values $W_v(x + PE)$ carry the
-# code as well. But across the keys of a query's window the code-only part varies several times
-# as much as each of the others (printed next). By section 3 it is a sum of sines and cosines
-# of the positions, and training shaped it on positions $0..15$ only, to be largest at
-# $s = t - 1$. Further on, a sum of periodic terms keeps oscillating: at some positions it
-# happens to favour $t - 1$ again, at others a different key in the window. **Check** that this explains the swings: the margin by
-# which the key at $t - 1$ beats the other keys of the window in these position-only scores
-# rises and falls with the accuracy.
+# code as well. But across the keys of a query's window the code-only part varies more than any
+# of the others (printed next): 5.6 times as much as the largest of them in the run stored here,
+# and between 2.2 and 6.4 times in the 22 reruns with other seeds, so the check asks for 1.5.
+# By section 3 it is a sum of sines and cosines of the positions, and training shaped it on
+# positions $0..15$ only, to be largest at $s = t - 1$. Further on, a sum of periodic terms keeps
+# oscillating: at some positions it happens to favour $t - 1$ again, at others a different key in
+# the window. **Check** how much
+# of the swings this explains: the margin by which the key at $t - 1$ beats the other keys of the
+# window in these position-only scores should rise and fall with the accuracy. In the run stored
+# here it does (a correlation of 0.76 over positions 16..47). In the 22 reruns the correlation
+# ranged from 0.31 to 0.88, and the accuracy where the margin is positive exceeded that where it
+# is negative by 0.02 to 0.57: the position-only scores explain most of the swings in most runs,
+# not all of them in every run. The check asks for a correlation above 0.2.
 
 # %% tags=["nbval-ignore-output"]
 # With x = content + code, the score of query t and key s is a sum of four parts (W_q, W_k have
@@ -1415,10 +1446,9 @@ print("spread of each part of the score over a query's window (query part . key 
 print("  " + ", ".join(f"{name} {value:.2f}" for name, value in part_spread.items()))
 largest_other = max(v for name, v in part_spread.items() if name != "code . code")
 print(f"code . code is {part_spread['code . code'] / largest_other:.1f} times the largest of the others")
-if device.type == "cpu":  # the run stored here
-    assert part_spread["code . code"] > 3 * largest_other
+assert part_spread["code . code"] > 1.5 * largest_other  # 2.2 to 6.4 over 22 other seeds
 
-# %%
+# %% tags=["nbval-ignore-output"]
 with torch.no_grad():
     codes = sinusoidal_model.position.pe[0, :T_test]  # (T_test, d_model): PE(0) .. PE(47)
     position_scores = sinusoidal_model.W_q(codes) @ sinusoidal_model.W_k(codes).T / math.sqrt(32)
@@ -1432,11 +1462,8 @@ correlation = torch.corrcoef(torch.stack([margin, acc_beyond]))[0, 1].item()
 print(f"positions 16..47: correlation of the position-only margin with the accuracy {correlation:.2f}")
 print(f"mean accuracy where the margin is positive {acc_beyond[margin > 0].mean():.2f}, "
       f"where it is negative {acc_beyond[margin < 0].mean():.2f}")
-if device.type == "cpu":  # the run stored here
-    assert correlation > 0.5
-    assert acc_beyond[margin > 0].mean() > acc_beyond[margin < 0].mean() + 0.2
-elif (margin > 0).any() and (margin < 0).any():  # another device's run, where it swings at all
-    assert acc_beyond[margin > 0].mean() > acc_beyond[margin < 0].mean()
+assert (margin > 0).any() and (margin < 0).any()  # it swings (it did in all 22 reruns)
+assert correlation > 0.2  # 0.31 to 0.88 over 22 other seeds
 
 
 # %% [markdown]

@@ -293,10 +293,7 @@ assert (moved_full > 1e-3).all()
 # The same fact, for every pair at once: the Jacobian block
 # $\partial c_i / \partial x_j$ says how much output $i$ depends on input $j$. With the causal mask
 # its norm must vanish exactly above the diagonal, so the picture of what each output depends on
-# *is* the picture of the mask. (The eight tokens are distinct. A repeated token would not make
-# two columns identical: without a mask, swapping its two equal inputs $j$ and $j'$ changes
-# nothing, so columns $j$ and $j'$ of the left picture would agree except in rows $j$ and $j'$,
-# which trade their entries.)
+# *is* the picture of the mask.
 
 # %%
 J_full = torch.autograd.functional.jacobian(lambda x: self_attention(x, None), x)
@@ -787,9 +784,12 @@ print(textwrap.dedent("\n".join(source[start:end + 1])))
 # 1. `no_key = torch.isneginf(scores).all(...)` marks the rows in which every score is $-\infty$:
 #    the queries with no allowed key, one flag per query, of shape $(\dots, T_q, 1)$.
 # 2. `scores.masked_fill(no_key, 0.0)`, before the softmax, sets those rows' scores to $0$. Their
-#    softmax is then a harmless uniform row instead of $0/0$, so no NaN is produced, neither in
-#    the forward pass nor in the backward pass through the softmax. Rows with an allowed key are
-#    untouched.
+#    softmax is then a harmless uniform row instead of $0/0$, and the softmax's backward pass
+#    gets no NaN to send back. Rows with an allowed key are untouched. With a boolean mask this
+#    step is not what keeps the gradients finite: as for `W_q` and `W_k` in the toy model above,
+#    the first `masked_fill` already stops the NaN, since it overwrote every score of the row. It
+#    is needed for a **float mask**, which is *added* to the scores: the backward pass of an
+#    addition hands the gradient on unchanged, so without this step the NaN reaches $Q$ and $K$.
 # 3. `attn.masked_fill(no_key, 0.0)`, after the softmax, sets the flagged rows' weights to $0$,
 #    so the context $\alpha V$ of such a query is $0$. `masked_fill` writes constants there, so
 #    no gradient flows back through those rows either.
@@ -799,6 +799,11 @@ print(textwrap.dedent("\n".join(source[start:end + 1])))
 # built-in. Its gradients equal the built-in's too. So that the built-in's answer on the empty rows,
 # whatever this torch makes it, cannot enter the comparison, the built-in gets those rows opened
 # to every key and no upstream gradient there; ours sends no gradient through them anyway.
+#
+# Then step 2, with a copy of our function that leaves it out. With the boolean mask, the copy's
+# gradients stay finite (the first `masked_fill` stops the NaN); with the same mask as a float
+# tensor, $0$ or $-\infty$, they turn NaN for $Q$ and $K$, while ours stay finite. Both versions
+# give the same forward pass, so only a gradient can tell them apart.
 
 # %%
 Qg, Kg, Vg = (t.clone().to(device).requires_grad_() for t in (Q, K, V))
@@ -824,6 +829,35 @@ for mine, theirs in [(Qg, Qb), (Kg, Kb), (Vg, Vb)]:
     assert torch.isfinite(mine.grad).all()
     torch.testing.assert_close(mine.grad.cpu(), theirs.grad, rtol=1e-4, atol=1e-5)
 print(attn_ours[1, 0].detach().cpu().round(decimals=3))
+
+
+def without_step_2(Q, K, V, mask):
+    """Our scaled_dot_product_attention with step 2 left out (a mistake): (context, attn)."""
+    scores = Q @ K.transpose(-2, -1) / Q.size(-1) ** 0.5  # (..., T_q, T_k)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask  # a float mask is added
+    no_key = torch.isneginf(scores).all(dim=-1, keepdim=True)  # step 1
+    attn = scores.softmax(dim=-1).masked_fill(no_key, 0.0)  # step 3; NaN rows overwritten
+    return attn @ V, attn
+
+
+square_float = torch.zeros(square.shape).masked_fill(~square, float("-inf"))  # (B, 1, T, T)
+finite_grads = {}  # (function, mask kind) -> are the gradients of Q, K, V finite?
+for name, attention in [("ours", lambda *a: scaled_dot_product_attention(*a)),
+                        ("without step 2", without_step_2)]:
+    for kind, mask_kind in [("bool", square), ("float", square_float)]:
+        Qs, Ks, Vs = (t.clone().requires_grad_() for t in (Q, K, V))
+        context_s, attn_s = attention(Qs, Ks, Vs, mask_kind)
+        assert not context_s.isnan().any() and (attn_s.masked_select(empty_rows) == 0).all()
+        (context_s * upstream).sum().backward()
+        finite_grads[name, kind] = [bool(torch.isfinite(t.grad).all()) for t in (Qs, Ks, Vs)]
+print("gradients of Q, K, V finite:")
+for (name, kind), finite in finite_grads.items():
+    print(f"  {name:<15}{kind + ' mask':<12}{finite}")
+assert all(all(finite) for key, finite in finite_grads.items() if key != ("without step 2", "float"))
+assert finite_grads["without step 2", "float"] == [False, False, True]  # step 2 is what saves ours
 
 
 # %% [markdown]
@@ -912,12 +946,13 @@ print(attn_big[1, 0, 4:].round(decimals=4))
 # %% [markdown]
 # **Check, the `torch.finfo(dtype).min` convention.** A float mask that holds the most negative
 # finite number of the dtype, instead of $-\infty$, is what libraries build when one code path
-# must serve every dtype. On a row with an allowed key it changes nothing: a score plus
-# `finfo.min` is so far below the rest that its weight underflows to exactly 0. On a fully masked
-# row every entry equals `finfo.min` (a score of order 1 is far below the spacing of floats
-# there), so the softmax is **uniform**: not zeros, not NaN. The convention lives in the mask, not
-# in the function: our `scaled_dot_product_attention` gives the uniform row too, because no
-# score is $-\infty$, and so does the built-in.
+# must serve several dtypes. In float32 and float64, on a row with an allowed key it changes
+# nothing: a score plus `finfo.min` is so far below the rest that its weight underflows to
+# exactly 0. On a fully masked row every entry equals `finfo.min` (a score of order 1 is far
+# below the spacing of floats there, $2^{104} \approx 2 \cdot 10^{31}$ in float32), so the softmax
+# is **uniform**: not zeros, not NaN. The convention lives in the mask, not in the function: our
+# `scaled_dot_product_attention` gives the uniform row too, because no score is $-\infty$, and so
+# does the built-in.
 
 # %%
 for dtype in (torch.float32, torch.float64):
@@ -939,6 +974,34 @@ for dtype in (torch.float32, torch.float64):
                                context_min)
     print(f"{str(dtype):14s} finfo.min = {smallest:.3g}; empty rows' weights:",
           [round(w, 4) for w in empty_weights[0].tolist()])
+
+# %% [markdown]
+# **float16 is different.** Its `finfo.min` is only $-65504$, and floats there are $2^5 = 32$
+# apart, so a score of $-16$ or below added to it rounds to $-\infty$. In a fully masked row,
+# the keys whose scores were above $-16$ then share all the weight and the others get none;
+# if every score was $-16$ or below, the row is all $-\infty$ and its softmax is NaN. Uniform it
+# is not. (Our attention treats an all-$-\infty$ row as a query with no key: zeros.) **Check**,
+# on two fully masked rows of scores computed in float16:
+
+# %%
+half_min = torch.finfo(torch.float16).min  # -65504
+near_min = torch.tensor(half_min, dtype=torch.float16) + torch.tensor([-15.0, -16.0, -17.0],
+                                                                       dtype=torch.float16)
+print("float16: finfo.min + (-15, -16, -17) =", near_min.tolist())
+assert near_min[0] == half_min and near_min[1:].isneginf().all()
+
+half_rows = torch.tensor([[1.0, -20.0, -30.0], [-17.0, -20.0, -30.0]], dtype=torch.float16)
+half_mask = torch.full_like(half_rows, half_min)  # every key blocked, finfo.min convention
+half_softmax = (half_rows + half_mask).softmax(dim=-1)  # (2, 3)
+# Ours on the same scores: Q = 1 and keys of width 1 make each score the key itself.
+_, half_ours = scaled_dot_product_attention(
+    torch.ones(2, 1, 1, dtype=torch.float16), half_rows.unsqueeze(-1),
+    torch.eye(3, dtype=torch.float16).expand(2, 3, 3), mask=half_mask.unsqueeze(1))
+for row in range(2):
+    print(f"scores {half_rows[row].tolist()} + finfo.min -> {(half_rows + half_mask)[row].tolist()}: "
+          f"softmax {half_softmax[row].tolist()}, ours {half_ours[row, 0].tolist()}")
+assert half_softmax[0].tolist() == [1.0, 0.0, 0.0]  # one-hot, not uniform
+assert half_softmax[1].isnan().all() and (half_ours[1] == 0).all()  # NaN; ours: zeros
 
 # %% jupyter={"source_hidden": true}
 panels = [("$-\\infty$ + plain softmax: NaN", attn_naive[1, 0]),
@@ -1143,16 +1206,17 @@ plt.show()
 # | padding mask (encoder, cross-attention) | `padding_mask(lengths, T_k)` | $(B, 1, 1, T_k)$ |
 # | decoder self-attention on a padded batch | `causal_mask(T) & padding_mask(lengths, T)` | $(B, 1, T, T)$ |
 # | query with no key | `scaled_dot_product_attention` returns zero weights and context | row of $(\dots, T_q, T_k)$ |
-# | `nn.MultiheadAttention` | `attn_mask=~mask`, `key_padding_mask=~pad[:, 0, 0]` | $(B \cdot h, T_q, T_k)$, $(B, T_k)$ |
+# | `nn.MultiheadAttention` | `attn_mask=~mask.expand(B, h, T_q, T_k).reshape(B * h, T_q, T_k)` (exercise 3) or `~causal[0, 0]`; `key_padding_mask=~pad[:, 0, 0]` | $(B \cdot h, T_q, T_k)$ or $(T_q, T_k)$; $(B, T_k)$ |
 # | float mask, any API | `zeros.masked_fill(~mask, -inf)` | as the bool mask |
-# | float mask with `torch.finfo(dtype).min` | a query with no key gets *uniform* weights | as the bool mask |
+# | float mask with `torch.finfo(dtype).min` | a query with no key gets *uniform* weights in float32/64 (not in float16) | as the bool mask |
 # | causal with a KV cache ($T_q < T_k$) | `causal_mask(T_k)[..., -T_q:, :]` (bottom-right); not `is_causal=True` (top-left) | $(1, 1, T_q, T_k)$ |
 #
 # ## Exercises
 #
 # 1. **Sliding window.** Build a causal mask in which query $i$ sees only the last $w$ keys,
-#    $i - w < j \le i$ (the local attention of Longformer and Mistral). How many keys does each
-#    query see?
+#    $i - w < j \le i$ (the sliding-window attention of Mistral, Jiang et al., 2023; Longformer's
+#    window, Beltagy et al., 2020, is the symmetric kind, $w/2$ keys on each side of $i$). How many
+#    keys does each query see?
 # 2. **Left padding.** Prompts for batched generation are padded on the left. Build the
 #    combined causal and left-padding mask for lengths $(5, 2)$ and $T = 5$, predict which queries
 #    have no key, and check what our attention returns for them.

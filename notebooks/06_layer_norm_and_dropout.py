@@ -285,7 +285,7 @@ def output_and_grads(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ..
     x = x.clone().requires_grad_(True)
     norm.zero_grad()
     y = norm(x)
-    y.backward(upstream)
+    y.backward(upstream.to(y.dtype))
     return y.detach(), x.grad, norm.weight.grad, norm.bias.grad
 
 
@@ -307,6 +307,13 @@ for name, (a, b) in parity.items():
 # %% [markdown]
 # **Check:** outputs and all three gradients agree to float32 tolerance. So do those of the same
 # module with its `fast` switch on (notebook 14), which hands the work to `F.layer_norm`.
+#
+# That tolerance is too loose for one of the three details above. At unit variance, moving
+# $\epsilon$ outside the square root, $(x - \mu)/(\sigma + \epsilon)$, changes the output by a
+# relative $\epsilon/2 = 5 \cdot 10^{-6}$, inside a float32 tolerance of $10^{-5}$. So the
+# comparison is repeated in float64, where two correct implementations agree to about $10^{-15}$
+# and `assert_close` can use its float64 defaults ($10^{-7}$ relative and absolute). There the
+# misplaced $\epsilon$ fails, shown on a copy of the formula with that mistake.
 
 # %%
 for name, (a, b) in parity.items():
@@ -315,6 +322,24 @@ fast_norm = copy.deepcopy(ours)
 fast_norm.fast = True
 for name, a, b in zip(parity, output_and_grads(fast_norm, x), output_and_grads(ours, x), strict=True):
     assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"fast {name}")
+
+# float64: the same comparison at assert_close's float64 tolerances (rtol = atol = 1e-7)
+x64, ours64, reference64 = x.double(), copy.deepcopy(ours).double(), copy.deepcopy(reference).double()
+for name, a, b in zip(parity, output_and_grads(ours64, x64), output_and_grads(reference64, x64), strict=True):
+    assert_close(a, b, msg=f"float64 {name}")
+
+
+def layer_norm_eps_outside(x, weight, bias, eps=1e-5):
+    """The mistake: eps added to the standard deviation, outside the square root."""
+    centred = x - x.mean(dim=-1, keepdim=True)
+    return centred / (centred.pow(2).mean(dim=-1, keepdim=True).sqrt() + eps) * weight + bias
+
+
+with torch.no_grad():
+    misplaced, correct = layer_norm_eps_outside(x64, ours64.weight, ours64.bias), reference64(x64)
+assert not torch.allclose(misplaced, correct, rtol=1e-7, atol=1e-7)  # float64: caught
+assert torch.allclose(misplaced.float(), correct.float(), rtol=1e-5, atol=1e-5)  # float32's tolerance: missed
+print(f"eps outside the square root: largest |difference| {(misplaced - correct).abs().max().item():.1e}")
 
 
 # %% [markdown]
@@ -421,11 +446,12 @@ assert torch.equal(out_constant[0], constant_norm.bias.detach())
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
-palette = ["#17becf", "#bcbd22", "0.3"]  # three tokens, not roles: cyan, olive, dark grey
-for i, color in enumerate(palette):
+# three tokens, neither roles nor parts: greys, told apart by their markers
+styles = [("black", "o"), ("0.45", "s"), ("0.7", "^")]
+for i, (color, marker) in enumerate(styles):
     label = f"token {i}: drawn with mean {offsets[i, 0]:.0f}, std {spreads[i, 0]:.1f}"
-    axes[0].plot(tokens[i], "o-", color=color, markersize=4, label=label)
-    axes[1].plot(normed[i], "o-", color=color, markersize=4)
+    axes[0].plot(tokens[i], "-", marker=marker, color=color, markersize=4, label=label)
+    axes[1].plot(normed[i], "-", marker=marker, color=color, markersize=4)
 axes[0].set_title("Before: each token at its own offset and scale", fontsize=10)
 axes[1].set_title("After LayerNorm: each token mean 0, variance 1", fontsize=10)
 for ax in axes:
@@ -939,12 +965,15 @@ print("eval:  two passes equal: ", torch.equal(eval_a, eval_b))
 # returns its input exactly, because dropout acts on the branch and never on the residual path.
 # Any $x + \mathrm{Dropout}_{p=1}(\ldots)$ does that, whatever the branch computes, so it shows
 # where the dropout sits, not that the norm and the attention are right (notebook 08 tests the
-# blocks against PyTorch's).
+# blocks against PyTorch's, and runs the site test below on the course's own blocks).
 #
 # **Check:** PyTorch's own (pre-norm) encoder layer drops out in the same places, plus one
 # inside the feed-forward network. Its one `dropout` rate (default 0.1) goes to four sites. We
 # build it with rate 0, set one site at a time to $p = 1$ in training mode, and compare with
-# what that site predicts, up to float rounding ($h$ is the stream between the two sub-layers):
+# what that site predicts, up to float rounding ($h$ is the stream between the two sub-layers).
+# The test runs on the CPU whatever `device` is: where a layer's dropouts sit does not depend on
+# the device, and $p = 1$ on the attention weights has not been tried on every fused GPU
+# attention kernel.
 #
 # | site at $p = 1$ | where it acts | the layer then computes |
 # |---|---|---|
@@ -966,7 +995,7 @@ assert torch.equal(all_dropped(embeddings), embeddings)  # a demonstration: any 
 def builtin_with_one_site_dropped(site: str) -> nn.TransformerEncoderLayer:
     """PyTorch's pre-norm encoder layer in training mode, dropout 0 except p = 1 at `site`."""
     layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dropout=0.0, batch_first=True,
-                                       norm_first=True).to(device).train()
+                                       norm_first=True).train()  # on the CPU
     with torch.no_grad():  # random biases and norm parameters (fresh ones are 0 and 1)
         for param in layer.parameters():
             if param.dim() == 1:
@@ -988,7 +1017,7 @@ def builtin_ffn(layer, h):  # (B, T, D) -> (B, T, D), with the layer's inner dro
 
 assert nn.TransformerEncoderLayer(d_model=32, nhead=4).dropout1.p == 0.1  # the default rate
 with torch.no_grad():
-    x_in = embeddings
+    x_in = embeddings.cpu()
     layer = builtin_with_one_site_dropped("dropout1")  # (3) on the attention's output
     assert_close(layer(x_in), x_in + builtin_ffn(layer, layer.norm2(x_in)))
     layer = builtin_with_one_site_dropped("dropout2")  # (3) on the FFN's output

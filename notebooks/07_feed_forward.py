@@ -512,9 +512,10 @@ print(f"paper base: FFN {counts['paper base']['ffn']:,} = 2·512·2048 + 2048 + 
 # %% [markdown]
 # Across a whole model the picture is the same. The base model has 6 encoder and 6 decoder
 # layers, so 12 FFNs. The course's model (2 + 2 layers, $d = 128$, $d_{ff} = 512$, a vocabulary of
-# 12 tokens for the reversal task) has 930,828 parameters, the number that tutorial reports
-# and notebook 10 reproduces. We rebuild that total from the parts. Besides the 2 encoder and 2
-# decoder blocks it holds:
+# 12 tokens for the reversal task) has 930,828 parameters: the count that the course's main
+# source, the blog tutorial "Deep Learning: Transformers" (README, "Where it comes from"),
+# reports for its model, and that notebook 10 reproduces. We rebuild that total from the parts.
+# Besides the 2 encoder and 2 decoder blocks it holds:
 #
 # - **two final `LayerNorm`s**, one after the last block of each stack: the course's blocks are
 #   pre-norm, whose residual stream is never normalised inside the stack (notebook 08 shows why

@@ -32,6 +32,8 @@ if "google.colab" in sys.modules:
         )
 
 # %%
+import copy
+
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -674,10 +676,11 @@ print("cross-attention map: nonzero columns", (m_cross.sum(dim=0) > 0).nonzero()
 #
 # * **post-norm:** every block ends in a `LayerNorm`, so the stream stays at unit scale whatever
 #   $L$ is, and the gradient of the last layer's weights does not shrink with depth;
-# * **pre-norm:** each sub-layer adds a roughly independent update to the stream, so its variance
-#   grows about linearly with depth and the stack's final `LayerNorm` divides by
-#   $\|x_L\| \propto \sqrt{L}$. The theorem bounds the last layer's gradient by a term that
-#   scales like $1/\sqrt{L}$.
+# * **pre-norm:** each sub-layer adds a roughly independent update of about the same size to the
+#   stream, so its variance grows about linearly with depth and the stack's final `LayerNorm`
+#   divides by $\|x_L\| \propto \sqrt{L}$. The theorem bounds the last layer's gradient by a
+#   term that scales like $1/\sqrt{L}$. (How fast the stream really grows is measured below; in
+#   the stack used here, a little faster.)
 #
 # Xiong et al. connect these large gradients with post-norm's need for a learning-rate warm-up
 # (Vaswani et al., 2017, §5.3; notebook 11), and trained pre-norm Transformers without one. The
@@ -695,12 +698,18 @@ def layer_gradient_norms(norm_first: bool, num_layers: int, seed: int = 0,
                          input_scale: float = 1.0, final_norm: bool = True,
                          d_model: int = 64, num_heads: int = 4, d_ff: int = 256,
                          B: int = 8, T: int = 16) -> dict:
-    """At initialisation: gradient norms per block and of each ffn[2].weight; the stream's RMS."""
+    """At initialisation: gradient norms per block and of each ffn[2].weight, the stream's RMS,
+    the sub-layers' updates, and how alike the positions of the top stream and of its gradient are."""
     set_seed(seed)
     blocks = nn.ModuleList(
         EncoderBlock(d_model, num_heads, d_ff, activation="relu", norm_first=norm_first)
         for _ in range(num_layers)
     ).to(device)
+    updates = {"attention": [], "FFN": []}  # RMS of each sub-layer's output: the update it adds
+    for block in blocks:
+        for part, module in (("attention", block.self_attn), ("FFN", block.ffn)):
+            module.register_forward_hook(
+                lambda m, args, out, part=part: updates[part].append(out.detach().pow(2).mean().sqrt().item()))
     top = LayerNorm(d_model).to(device) if norm_first and final_norm else nn.Identity()
     data = torch.Generator().manual_seed(1234)  # the same batch for every stack
     x = input_scale * torch.randn(B, T, d_model, generator=data).to(device)  # (B, T, d_model)
@@ -709,11 +718,21 @@ def layer_gradient_norms(norm_first: bool, num_layers: int, seed: int = 0,
     for block in blocks:
         x = block(x)  # (B, T, d_model) -> (B, T, d_model)
         stream_rms.append(x.detach().pow(2).mean().sqrt().item())
+    x.retain_grad()  # keep dL/dx_L, the gradient reaching the top of the stack
     loss = F.mse_loss(top(x), target)
     loss.backward()
     per_block = [torch.cat([p.grad.flatten() for p in b.parameters()]).norm().item() for b in blocks]
     W2 = [b.ffn[2].weight.grad.norm().item() for b in blocks]  # Xiong et al.'s W^{2,l}
-    return {"per_block": per_block, "W2": W2, "last_W2": W2[-1], "stream_rms": stream_rms}
+    return {"per_block": per_block, "W2": W2, "last_W2": W2[-1], "stream_rms": stream_rms,
+            "updates": updates, "top_grad": x.grad.norm().item(),
+            "top_cosine": mean_cosine(x.detach()), "grad_cosine": mean_cosine(x.grad)}
+
+
+def mean_cosine(v: torch.Tensor) -> float:
+    """(B, T, d) -> the mean cosine similarity between two different positions' vectors."""
+    rows = F.normalize(v.reshape(-1, v.shape[-1]), dim=-1)  # (B*T, d), unit length
+    n = rows.shape[0]
+    return ((rows @ rows.T).sum().item() - n) / (n * (n - 1))  # without the n self-pairs
 
 
 deep = {nf: layer_gradient_norms(nf, num_layers=12)["per_block"] for nf in (True, False)}
@@ -729,11 +748,30 @@ for nf, name in ((True, "pre-norm"), (False, "post-norm")):
 
 # %%
 depths = [3, 6, 12, 24, 48]
-last_W2 = {nf: [layer_gradient_norms(nf, num_layers=L)["last_W2"] for L in depths] for nf in (True, False)}
-slopes = {nf: np.polyfit(np.log(depths), np.log(last_W2[nf]), 1)[0] for nf in (True, False)}
+
+
+def loglog_slope(values) -> float:
+    """The least-squares slope of log(values) against log(depths)."""
+    return np.polyfit(np.log(depths), np.log(values), 1)[0]
+
+
+depth_runs = {nf: [layer_gradient_norms(nf, num_layers=L) for L in depths] for nf in (True, False)}
+last_W2 = {nf: [run["last_W2"] for run in runs] for nf, runs in depth_runs.items()}
+slopes = {nf: loglog_slope(last_W2[nf]) for nf in (True, False)}
+print("the last block's ffn[2].weight gradient:")
 for nf, name in ((True, "pre-norm"), (False, "post-norm")):
-    print(f"{name:>9}: " + "  ".join(f"L={L}: {g:.3f}" for L, g in zip(depths, last_W2[nf], strict=True))
+    print(f"{name:>11}: " + "  ".join(f"L={L}: {g:.3f}" for L, g in zip(depths, last_W2[nf], strict=True))
           + f"   log-log slope {slopes[nf]:+.2f}")
+top_rms = [run["stream_rms"][-1] for run in depth_runs[True]]  # RMS(x_L), what the final norm divides by
+print("pre-norm, the stream at the top, RMS(x_L):\n" + " " * 13
+      + "  ".join(f"L={L}: {r:.2f}" for L, r in zip(depths, top_rms, strict=True))
+      + f"   log-log slope {loglog_slope(top_rms):+.2f}")
+print("pre-norm, mean cosine between two positions of x_L:\n" + " " * 13
+      + "  ".join(f"L={L}: {run['top_cosine']:.2f}" for L, run in zip(depths, depth_runs[True], strict=True)))
+updates_48 = depth_runs[True][-1]["updates"]  # the 48-block stack
+print("pre-norm, 48 blocks, RMS of the update each sub-layer adds, in blocks 1, 12, 24, 36, 48:")
+for part, sizes in updates_48.items():
+    print(f"{part:>11}: " + "  ".join(f"{sizes[l - 1]:.2f}" for l in (1, 12, 24, 36, 48)))
 
 # %% jupyter={"source_hidden": true}
 fig, (ax_l, ax_r) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -779,10 +817,18 @@ plt.show()
 #   show a flat pre-norm profile instead; the section after the check measures where the fall
 #   comes from.
 # * **Right.** As the stack deepens, the pre-norm gradient of the last layer falls along a
-#   straight line on the log-log axes. A least-squares fit gives a slope of $-0.60$: close to the
-#   $-\tfrac12$ of Xiong et al.'s $1/\sqrt{L}$, a little steeper. Their theorem bounds the order
-#   of growth and is not an exact power law, and five depths of one seed are a small sample.
-#   The post-norm one does not move (slope $0.00$). At 48 blocks the post-norm output layer gets
+#   straight line on the log-log axes. A least-squares fit gives a slope of $-0.60$, steeper than
+#   the $-\tfrac12$ of Xiong et al.'s $1/\sqrt{L}$, and not by chance: the slope follows the
+#   stream. The final `LayerNorm` divides the gradient by $\mathrm{RMS}(x_L)$, and in this stack
+#   $\mathrm{RMS}(x_L)$ grows from 1.33 to 6.82 between 3 and 48 blocks, like $L^{0.59}$, not like
+#   $\sqrt{L}$ (printed above; the check below finds the same for three more seeds). The
+#   $\sqrt{L}$ assumes updates of constant size. Here the FFN's updates keep their size (0.22 to
+#   0.27 in the blocks printed) but the attention's grow, from 0.35 in block 1 to between 0.8 and
+#   1.0 from block 12 on. A likely reason shows in the cosines printed above: the positions of
+#   the stream become alike (their mean cosine rises from 0.10 at $L = 3$ to 0.36 at $L = 48$),
+#   and an attention output is an average of value vectors, which shrinks less when the averaged
+#   positions are alike. The
+#   post-norm gradient does not move (slope $0.00$). At 48 blocks the post-norm output layer gets
 #   about seven times the gradient of the pre-norm one.
 #
 # This is the difference the introduction described, at the output end of the stack. Post-norm
@@ -791,8 +837,12 @@ plt.show()
 # in the section *Training with and without a warm-up*.
 #
 # **Check:** the qualitative result, with generous margins (the numbers are deterministic for the
-# seed; the margins leave room for other seeds and hardware), and the left panel's comparison
-# again for seeds 1 to 4, whose pre-norm runs are kept for a comparison further down:
+# seed; the margins leave room for other seeds and hardware); the left panel's comparison
+# again for seeds 1 to 4, whose pre-norm runs are kept for a comparison further down; and, for
+# seeds 0 to 3, the right panel's pre-norm slope against the stream's: the stream grows faster
+# than $\sqrt{L}$ (slope above 0.5) and the gradient falls as fast as the stream grows (the two
+# slopes cancel to within 0.1). Measured over the four seeds: stream slopes $+0.56$ to $+0.61$,
+# gradient slopes $-0.57$ to $-0.65$, sums within $0.04$ of zero.
 
 # %%
 ratio_pre = deep[True][-1] / deep[True][0]
@@ -801,7 +851,7 @@ assert ratio_pre < 0.7  # pre-norm: the top block gets clearly less than the bot
 assert max(b / a for a, b in zip(deep[True], deep[True][1:], strict=False)) < 1.1  # almost monotone
 assert ratio_post / ratio_pre > 2.5  # the profiles differ by a large factor
 assert deep[False][-1] > 2 * deep[True][-1]  # post-norm's top block: a much larger gradient
-assert -0.8 < slopes[True] < -0.3  # pre-norm: about 1/sqrt(L)
+assert -0.8 < slopes[True] < -0.3  # pre-norm: falls like 1 / RMS(x_L)
 assert -0.2 < slopes[False] < 0.2  # post-norm: flat in L
 assert last_W2[False][-1] > 4 * last_W2[True][-1]  # at 48 blocks
 pre_runs = {}  # seed -> its pre-norm run
@@ -813,6 +863,17 @@ for seed in range(1, 5):
     assert g_post[-1] > 2 * g_pre[-1]
 print(f"seed 0: last/first pre-norm {ratio_pre:.2f}, post-norm {ratio_post:.2f};"
       f" slopes {slopes[True]:+.2f} and {slopes[False]:+.2f}; seeds 1-4 agree")
+# The right panel's pre-norm slope against the stream's, for seed 0 and three more seeds.
+depth_slopes = {0: (loglog_slope(top_rms), slopes[True])}  # seed -> (stream, gradient)
+for seed in range(1, 4):
+    runs = [layer_gradient_norms(True, num_layers=L, seed=seed) for L in depths]
+    depth_slopes[seed] = (loglog_slope([r["stream_rms"][-1] for r in runs]),
+                          loglog_slope([r["last_W2"] for r in runs]))
+for stream, gradient in depth_slopes.values():
+    assert stream > 0.5  # the stream grows faster than sqrt(L)
+    assert abs(gradient + stream) < 0.1  # and the last layer's gradient falls as fast
+print("pre-norm log-log slopes over L = 3..48, stream RMS(x_L) / last W2 gradient: "
+      + ", ".join(f"seed {seed} {st:+.2f} / {gr:+.2f}" for seed, (st, gr) in depth_slopes.items()))
 
 # %% [markdown]
 # ### Why the pre-norm profile falls
@@ -933,7 +994,7 @@ for ax, ticks in ((ax_s, [1, 2, 5, 10]), (ax_g, [0.2, 0.5, 1])):
     ax.yaxis.set_minor_formatter(plt.NullFormatter())
     ax.grid(alpha=0.3, which="both")
 fig.legend(loc="outside lower center", ncols=1, fontsize=9)
-fig.suptitle("12-block pre-norm encoder at initialisation, three input scales (blue: pre-norm)")
+fig.suptitle("12-block pre-norm encoder at initialisation, three input scales (shade: input scale)")
 save_figure(fig, "blocks_prenorm_stream_growth")
 plt.show()
 
@@ -1029,8 +1090,10 @@ for (nf, w), losses in warmup_runs.items():
     ax.plot(np.arange(1, len(losses) + 1), losses, color=COLORS["ours"] if nf else "#7f7f7f",
             ls="--" if w else "-", lw=1.3,
             label=f"{'pre' if nf else 'post'}-norm, " + (f"linear warm-up over {w} steps" if w else "no warm-up"))
-ax.axhline(np.log(8), color="black", ls=":", lw=1, label=r"guessing: $\ln 8$")
-ax.axvline(WARMUP, color="0.6", lw=0.8)
+ax.axhline(np.log(8), color="black", ls=":", lw=1.5, label=r"guessing: $\ln 8 \approx 2.08$")
+ax.text(len(warmup_runs[(False, 0)]), np.log(8) * 1.06, r"guessing, $\ln 8$", ha="right", va="bottom",
+        fontsize=9)
+ax.axvline(WARMUP, color="0.6", lw=0.8, label=f"end of the warm-up (step {WARMUP})")
 ax.set(yscale="log", xlabel="training step", ylabel="cross-entropy loss (nats, log scale)",
        title="6-block stacks reversing 8 tokens, Adam at learning rate $10^{-2}$")
 ax.grid(alpha=0.3, which="both")
@@ -1079,7 +1142,8 @@ assert_close(weights.detach(), torch.full((3,), -1e-2))  # the same step, over s
 #
 # **Post-norm gives the layers next to the output large gradients at initialisation, at any
 # depth, and in the run above trains only with a warm-up; pre-norm scales those gradients down
-# like $1/\sqrt{L}$, keeps an identity path, and trains without one. The course builds pre-norm.**
+# by the stream's growth ($1/\sqrt{L}$ in Xiong et al.'s account, about $L^{-0.6}$ in the stack
+# above), keeps an identity path, and trains without one. The course builds pre-norm.**
 #
 # ## Counting the parameters
 #
@@ -1192,9 +1256,9 @@ plt.show()
 # | encoder block | `EncoderBlock(d_model, num_heads, d_ff)(x, mask)`: `self_attn`, `ffn`, `norm1`, `norm2` | $(B, T, d) \to (B, T, d)$; mask $\to (B, h, T, T)$ |
 # | decoder block | `DecoderBlock(...)(x, enc_out, self_mask, cross_mask)`: `self_attn`, `cross_attn`, `ffn`, `norm1..3` | $(B, T, d), (B, T_\text{src}, d) \to (B, T, d)$ |
 # | cross-attention | queries from `x`, keys and values from `enc_out`, `cross_mask` = source padding | attention $(B, h, T, T_\text{src})$ |
-# | PyTorch's layers | `copy_block_to_torch(ours, theirs)`; masks `~causal[0, 0]`, `~padding[:, 0, 0]` | $(T, T)$, $(B, T_k)$, True = blocked |
+# | PyTorch's layers (the appendix, after the exercises) | `copy_block_to_torch(ours, theirs)`; masks `to_torch_masks`: `~causal[0, 0]`, `~padding[:, 0, 0]` | $(T, T)$, $(B, T_k)$, True = blocked |
 # | warm-up (toy run, Adam at $10^{-2}$) | post-norm stalls near $\ln V$ without one and learns with one; pre-norm learns either way | — |
-# | depth at initialisation | pre-norm: last-layer gradient $\propto 1/\sqrt{L}$ (the final norm), falling from input to output as far as the stream grows; post-norm: flat in $L$, largest at the top | — |
+# | depth at initialisation | pre-norm: last-layer gradient $\propto 1/\mathrm{RMS}(x_L)$ (the final norm; $1/\sqrt{L}$ in Xiong et al., $L^{-0.6}$ here), falling from input to output as far as the stream grows; post-norm: flat in $L$, largest at the top | — |
 # | parameters | encoder $4d^2 + 2dd_{ff} + d_{ff} + 9d$, decoder $8d^2 + 2dd_{ff} + d_{ff} + 15d$ | 198,272 and 264,576 at $d = 128$ |
 #
 # ## Exercises
@@ -1207,25 +1271,52 @@ plt.show()
 #    $x + \mathrm{Attn}(\mathrm{LN}(x)) + \mathrm{FFN}(\mathrm{LN}(x))$. Build it from an
 #    `EncoderBlock`'s modules, count its parameters against the sequential block, and show that
 #    the two agree when the attention sub-layer is silenced (its `W_o` set to zero).
-# 3. **The other direction.** Write the inverse of `copy_block_to_torch` (the appendix): load a PyTorch
+# 3. **The other direction.** Write the inverse of `copy_block_to_torch` (the appendix, after the
+#    solutions; read it first): load a PyTorch
 #    `nn.TransformerEncoderLayer` (post-norm, GELU) into an `EncoderBlock`, and check the outputs.
 #
 # **Solutions.**
 #
-# 1. Without the final norm the gradient of the last layer *grows* with depth. The loss now
-#    compares the last block's output with the target, and that output is the residual stream,
-#    which grows with every block (the section above); the loss's gradient grows with it. The
-#    final `LayerNorm` divides the output by its RMS, and its Jacobian divides the gradient by the
-#    same factor: that division is where the falling slope of Xiong et al.'s $1/\sqrt{L}$ comes
-#    from.
+# 1. Without the final norm the gradient of the last layer *grows* with depth, with a slope of
+#    $+0.88$ (printed below). Two things add up to it.
+#    - The loss now compares the stream itself with the target $y$, so its gradient
+#      $\partial\mathcal{L}/\partial x_L = 2(x_L - y)/N$ grows as $\|x_L - y\|$ does:
+#      with $\mathrm{RMS}(x_L)$ from 1.33 to 6.82 and $y$ of RMS 1,
+#      $\sqrt{\mathrm{RMS}(x_L)^2 + 1}$ goes from 1.66 to 6.89, a slope of about $+0.5$
+#      (measured: $+0.51$).
+#    - The rows of that gradient, one per position, line up as the positions of the stream do
+#      (their mean cosine rises from 0.06 to 0.36). The gradient of $W^2$ is a sum of $B \cdot T$
+#      outer products, one per position, of that row with the position's hidden activation
+#      (a ReLU output, so non-negative: any two are positively aligned). Aligned rows add up
+#      instead of partly cancelling: the likely source of the remaining $+0.37$, which is not
+#      measured on its own here.
+#
+#    With the final `LayerNorm` both go. Its Jacobian divides the gradient by $\mathrm{RMS}(x_L)$,
+#    and it removes from each position's row the component along that position's own
+#    normalised vector, which is largely the direction in which the positions agree. The rows are
+#    then not aligned at all (mean cosine 0.00), and the $W^2$ gradient falls as fast as
+#    $\|\partial\mathcal{L}/\partial x_L\|$ does (both slopes $-0.60$). That division by the stream's growth is where
+#    the falling slope comes from: Xiong et al.'s $1/\sqrt{L}$, or $L^{-0.6}$ here, where the
+#    stream grows like $L^{0.59}$.
 
 # %%
-last_W2_no_final = [layer_gradient_norms(True, num_layers=L, final_norm=False)["last_W2"] for L in depths]
-slope_no_final = np.polyfit(np.log(depths), np.log(last_W2_no_final), 1)[0]
+no_final_runs = [layer_gradient_norms(True, num_layers=L, final_norm=False) for L in depths]
+last_W2_no_final = [run["last_W2"] for run in no_final_runs]
+slope_no_final = loglog_slope(last_W2_no_final)
 print("without the final norm: " + "  ".join(f"L={L}: {g:.3f}" for L, g in zip(depths, last_W2_no_final, strict=True))
       + f"   log-log slope {slope_no_final:+.2f} (with it: {slopes[True]:+.2f})")
+top_grad_slope = {}  # final norm? -> the slope of ||dL/dx_L||
+print(f"{'':>24}{'slope of ||dL/dx_L||':>22}   mean cosine between two positions' rows of dL/dx_L")
+for final, runs in (("with the final norm", depth_runs[True]), ("without", no_final_runs)):
+    top_grad_slope[final] = loglog_slope([run["top_grad"] for run in runs])
+    print(f"{final:>24}{top_grad_slope[final]:>+22.2f}   "
+          + "  ".join(f"L={L}: {run['grad_cosine']:.2f}".replace("-0.00", "0.00")  # no sign on a rounded 0
+                      for L, run in zip(depths, runs, strict=True)))
 assert slope_no_final > 0.3  # grows with depth
 assert slope_no_final - slopes[True] > 0.8
+assert slope_no_final - top_grad_slope["without"] > 0.2  # more than the gradient's growth alone
+assert no_final_runs[-1]["grad_cosine"] > 0.2 > abs(depth_runs[True][-1]["grad_cosine"])  # aligned rows
+assert abs(slopes[True] - top_grad_slope["with the final norm"]) < 0.1  # with it: ||dL/dx_L|| alone
 
 
 # %% [markdown]
@@ -1643,6 +1734,96 @@ with torch.no_grad():
                  theirs(x_tgt, x_src, tgt_mask=tgt_mask, tgt_key_padding_mask=tgt_key_padding,
                         memory_key_padding_mask=memory_key_padding), **PARITY)
 print("training: random; evaluation: deterministic, equal to dropout_p=0 and to PyTorch")
+
+
+# %% [markdown]
+# Those checks hold wherever a block's dropouts sit: a block that also dropped the residual
+# stream, $\mathrm{Dropout}(x + S(\mathrm{LN}(x)))$, would pass every one of them. Notebook 06's
+# site test does not. In training mode, set one dropout site at a time to $p = 1$ (all others 0)
+# and compare with the forward pass written out by hand from the block's own modules, with that
+# site's effect put in: a sub-layer's output dropout (`dropout1`, `dropout2`, and `dropout3` in
+# the decoder) removes that sub-layer's update, so the stream passes it unchanged; dropout on an
+# attention's weights (`self_attn`, `cross_attn`) zeroes every weight, so that attention adds
+# only its output bias $b_o$. Both blocks, both arrangements, the masks of the check above.
+
+# %%
+def with_site_dropped(block: nn.Module, site: str) -> nn.Module:
+    """A copy of `block` in training mode whose only dropout is p = 1 at `site`."""
+    dropped = copy.deepcopy(block).train()
+    if site in ("self_attn", "cross_attn"):  # dropout on that attention's weights
+        getattr(dropped, site).dropout_p = 1.0
+    else:  # dropout1/2/3, on a sub-layer's output
+        setattr(dropped, site, nn.Dropout(1.0))
+    return dropped
+
+
+def by_hand(block: nn.Module, x: torch.Tensor, enc_out: torch.Tensor | None = None,
+            dropped: str | None = None) -> torch.Tensor:
+    """The block's forward pass from its own modules, with p = 1 at site `dropped`."""
+    sublayers = [("self_attn", lambda h: block.self_attn(h, mask=src_pad if enc_out is None else causal & tgt_pad))]
+    if enc_out is not None:  # the decoder
+        sublayers.append(("cross_attn", lambda h: block.cross_attn(h, enc_out, mask=src_pad)))
+    sublayers.append(("ffn", block.ffn))
+    for k, (name, sublayer) in enumerate(sublayers, start=1):
+        norm = getattr(block, f"norm{k}")
+        update = sublayer(norm(x) if block.norm_first else x)  # (B, T, d)
+        if dropped == f"dropout{k}":  # the sub-layer's output dropped: no update
+            update = torch.zeros_like(update)
+        elif dropped == name:  # every attention weight dropped: W_o(0) = its bias
+            update = torch.zeros_like(update) + block.get_submodule(name).W_o.bias
+        x = x + update if block.norm_first else norm(x + update)
+    return x
+
+
+class StreamDroppingEncoderBlock(EncoderBlock):
+    """The mistake: dropout on the residual stream too, Dropout(x + S(LN(x)))."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.dropout1(x + self.self_attn(self.norm1(x), mask=mask))
+        return self.dropout2(x + self.ffn(self.norm2(x)))
+
+
+sites_checked = []  # (block, arrangement, site)
+with torch.no_grad():
+    for norm_first in (True, False):
+        arrangement = "pre-norm" if norm_first else "post-norm"
+        encoder = EncoderBlock(d_model, num_heads, d_ff, activation="relu", norm_first=norm_first).to(device)
+        decoder = DecoderBlock(d_model, num_heads, d_ff, activation="relu", norm_first=norm_first).to(device)
+        randomize_vectors(encoder)  # non-zero biases, so that W_o's bias shows
+        randomize_vectors(decoder)
+        for site in ("dropout1", "dropout2", "self_attn"):
+            y = with_site_dropped(encoder, site)(x_src, mask=src_pad)
+            assert_close(y, by_hand(encoder, x_src, dropped=site), **PARITY)
+            sites_checked.append(("encoder", arrangement, site))
+        for site in ("dropout1", "dropout2", "dropout3", "self_attn", "cross_attn"):
+            y = with_site_dropped(decoder, site)(x_tgt, x_src, self_mask=causal & tgt_pad, cross_mask=src_pad)
+            assert_close(y, by_hand(decoder, x_tgt, x_src, dropped=site), **PARITY)
+            sites_checked.append(("decoder", arrangement, site))
+        if norm_first:
+            pre_norm_encoder = encoder  # for the broken block below
+print(f"all {len(sites_checked)} dropout sites of both blocks, in both arrangements, act where they should")
+
+# The block that drops its stream too passes the checks of the cell above ...
+broken = StreamDroppingEncoderBlock(d_model, num_heads, d_ff, dropout_p=0.1, activation="relu").to(device)
+broken_clean = EncoderBlock(d_model, num_heads, d_ff, dropout_p=0.0, activation="relu").to(device)
+broken_clean.load_state_dict(broken.state_dict())
+broken.train()
+assert not torch.equal(broken(x_src, mask=src_pad), broken(x_src, mask=src_pad))  # random in training
+broken.eval()
+with torch.no_grad():
+    assert torch.equal(broken(x_src, mask=src_pad), broken(x_src, mask=src_pad))  # deterministic in eval
+    assert_close(broken(x_src, mask=src_pad), broken_clean(x_src, mask=src_pad))  # equal to dropout_p = 0
+    # ... and fails the site test at both of its output dropouts (the attention-weight site it shares)
+    broken = StreamDroppingEncoderBlock(d_model, num_heads, d_ff, activation="relu").to(device)
+    broken.load_state_dict(pre_norm_encoder.state_dict())  # the pre-norm encoder tested above
+    broken_gaps = {}
+    for site in ("dropout1", "dropout2"):
+        y = with_site_dropped(broken, site)(x_src, mask=src_pad)
+        assert in_tolerances(y, by_hand(broken, x_src, dropped=site)) > 1  # assert_close would fail
+        broken_gaps[site] = (y - by_hand(broken, x_src, dropped=site)).abs().max().item()
+        assert broken_gaps[site] > 0.1  # not a rounding: PARITY allows about 1e-5
+print("a block that also drops its stream: largest |block - by hand| "
+      + ", ".join(f"{gap:.1f} at {site}" for site, gap in broken_gaps.items()))
 
 # %% [markdown]
 # **Our blocks are PyTorch's layers, weight for weight: the same outputs and gradients in both

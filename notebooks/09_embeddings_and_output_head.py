@@ -69,6 +69,8 @@ device = get_device()
 # 11 makes and the tokenizer of notebook 13, which should not have to import a model to know
 # which id means padding. Every reserved id of the course lives there, so the module also holds
 # the one notebook 13's tokenizer adds, `UNK = 3`, for a character it never saw in training.
+# `UNK` is reserved only in notebook 13's vocabulary: the reversal task below has no unknown
+# symbols, and there id 3 is an ordinary symbol.
 
 # %%
 #| default_exp model
@@ -102,7 +104,7 @@ from transformer_from_scratch.tokens import PAD, check_token_ids
 
 # %% [markdown]
 # With them, a batch of the task that notebook 11 trains on, reversing a sequence of symbols
-# (the ids $3, \dots, 11$ of a vocabulary of $V = 12$). The decoder is trained with *teacher
+# (the ids $3, \dots, 11$ of a vocabulary of $V = 12$; id 3 is a symbol here, not `UNK`). The decoder is trained with *teacher
 # forcing*: it reads the correct target shifted right by one, `tgt_in` $= [\mathrm{BOS}, y_1,
 # \dots, y_L]$, and must predict `tgt_out` $= [y_1, \dots, y_L, \mathrm{EOS}]$, the same sequence
 # shifted left. Position $t$ of `tgt_in` is the last token the decoder has seen when it predicts
@@ -246,8 +248,9 @@ print(f"PAD appears {int((ids == PAD).sum())} times; its row after 5 Adam steps:
 # %% [markdown]
 # The trap: `padding_idx` zeroes the row **only at construction**. Any initialisation applied
 # afterwards (and the next section applies one) overwrites it with random numbers, and, because
-# the row never receives a gradient, those random numbers stay there for the whole of training.
-# The gradient masking still works; the zero row is gone. **Check:** re-initialise, then train
+# the row never receives a gradient, no gradient step ever removes them: with Adam they stay
+# exactly as drawn, and AdamW's weight decay (notebook 11) only shrinks them by a factor
+# $1 - \eta\lambda$ per step. The gradient masking still works; the zero row is gone. **Check:** re-initialise, then train
 # as above: the `PAD` row is a random vector, and five Adam steps leave it bit for bit as the
 # initialisation drew it, while every other row that was used has moved.
 
@@ -422,12 +425,12 @@ assert torch.count_nonzero(big.weight.grad[PAD]) == 0 and torch.count_nonzero(bi
 
 # %%
 d_models = [16, 32, 64, 128, 256, 512, 1024]
-norms = {"default": [], "paper": [], "pe": []}
+norms = {"default": [], "t2t": [], "pe": []}
 for d in d_models:
     set_seed(0)
     default = nn.Embedding(1000, d, padding_idx=PAD).to(device)  # N(0, 1)
-    paper = init_token_embedding(nn.Embedding(1000, d, padding_idx=PAD)).to(device)
-    for name, table in (("default", default), ("paper", paper)):
+    t2t = init_token_embedding(nn.Embedding(1000, d, padding_idx=PAD)).to(device)  # N(0, 1/d), as tensor2tensor
+    for name, table in (("default", default), ("t2t", t2t)):
         scaled = table.weight[1:] * math.sqrt(d)  # (V - 1, d): sqrt(d_model) * E_v, PAD left out
         norms[name].append(scaled.norm(dim=1).mean().item())
     pe = PositionalEncoding(d, max_len=512).to(device).pe[0]  # (max_len, d)
@@ -436,25 +439,25 @@ for d in d_models:
     norms["pe"].append(pe_norm.mean().item())
 
 print(f"{'d_model':>8} {'|sqrt(d) E_v|, N(0,1)':>22} {'|sqrt(d) E_v|, N(0,1/d)':>24} {'|PE_t|':>8}")
-for d, a, b, c in zip(d_models, norms["default"], norms["paper"], norms["pe"], strict=True):
+for d, a, b, c in zip(d_models, norms["default"], norms["t2t"], norms["pe"], strict=True):
     print(f"{d:>8} {a:>22.1f} {b:>24.2f} {c:>8.2f}")
 
 # %% [markdown]
 # **Check:** the predictions, with generous bands. With PyTorch's default the token vector is
 # $\approx d_\text{model}$ long and $\approx \sqrt{2 d_\text{model}}$ times the positional
-# encoding; with the paper's scale it is $\approx \sqrt{d_\text{model}}$ long and $\approx \sqrt 2$
+# encoding; with tensor2tensor's scale it is $\approx \sqrt{d_\text{model}}$ long and $\approx \sqrt 2$
 # times the positional encoding, whatever the width.
 
 # %%
-default_n, paper_n, pe_n = (np.array(norms[k]) for k in ("default", "paper", "pe"))
+default_n, t2t_n, pe_n = (np.array(norms[k]) for k in ("default", "t2t", "pe"))
 dims = np.array(d_models)
 assert np.all(np.abs(default_n / dims - 1) < 0.1)  # |sqrt(d) E_v| ~ d
-assert np.all(np.abs(paper_n / np.sqrt(dims) - 1) < 0.1)  # |sqrt(d) E_v| ~ sqrt(d)
+assert np.all(np.abs(t2t_n / np.sqrt(dims) - 1) < 0.1)  # |sqrt(d) E_v| ~ sqrt(d)
 assert np.all(np.abs(default_n / pe_n / np.sqrt(2 * dims) - 1) < 0.1)  # ratio ~ sqrt(2 d)
-assert np.all((1.2 < paper_n / pe_n) & (paper_n / pe_n < 1.65))  # ratio ~ sqrt(2) = 1.41
+assert np.all((1.2 < t2t_n / pe_n) & (t2t_n / pe_n < 1.65))  # ratio ~ sqrt(2) = 1.41
 ratios = ", ".join(f"{r:.1f}" for r in default_n / pe_n)
 print(f"token/PE ratio, N(0,1):   {ratios}")
-print(f"token/PE ratio, N(0,1/d): {', '.join(f'{r:.2f}' for r in paper_n / pe_n)}")
+print(f"token/PE ratio, N(0,1/d): {', '.join(f'{r:.2f}' for r in t2t_n / pe_n)}")
 
 # %% [markdown]
 # The picture: the norms against $d_\text{model}$ (left), and the twelve rows of the course's
@@ -471,8 +474,8 @@ per_token = {name: (t.weight.detach() * math.sqrt(d_model)).norm(dim=1).numpy() 
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), layout="constrained")
 ax1.plot(dims, default_n, "o-", color=COLORS["torch"],
          label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1)$ (default), mean over 999 tokens")
-ax1.plot(dims, paper_n, "o-", color=COLORS["ours"],
-         label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1/d)$ (paper), mean over 999 tokens")
+ax1.plot(dims, t2t_n, "o-", color=COLORS["ours"],
+         label=r"$\|\sqrt{d}\,E_v\|$, $E \sim \mathcal{N}(0, 1/d)$ (tensor2tensor), mean over 999 tokens")
 ax1.plot(dims, pe_n, "s--", color="black", label=r"$\|\mathrm{PE}_t\| = \sqrt{d/2}$, the same for every $t$")
 ax1.set(xscale="log", yscale="log", xlabel=r"$d_\mathrm{model}$", ylabel="vector norm",
         title="Scaled token vector vs positional encoding")
@@ -493,13 +496,13 @@ plt.show()
 
 # %% [markdown]
 # With the default initialisation the token vectors stand 16 times taller than the positional
-# encoding at $d_\text{model} = 128$, and the gap widens with width; with the paper's, the two
+# encoding at $d_\text{model} = 128$, and the gap widens with width; with tensor2tensor's, the two
 # stay within a factor $\sqrt 2$ at every width. In terms of energy, the position's share of
 # $\|x_t\|^2$ is $\tfrac{d/2}{d^2 + d/2} \approx \tfrac{1}{2d}$ (0.4 % at $d = 128$) against
 # $\tfrac{d/2}{d + d/2} = \tfrac13$:
 
 # %%
-for name, n in (("N(0, 1)", default_n), ("N(0, 1/d)", paper_n)):
+for name, n in (("N(0, 1)", default_n), ("N(0, 1/d)", t2t_n)):
     share = pe_n**2 / (n**2 + pe_n**2)  # token and PE are nearly orthogonal in high dimension
     print(f"{name:>9}: PE's share of |x|^2 at d = 128: {share[d_models.index(128)]:.3f}, "
           f"at d = 1024: {share[-1]:.4f}")
@@ -546,8 +549,9 @@ def check_token_ids(tokens: torch.Tensor, vocab_size: int, name: str = "tokens")
 
 
 # %% [markdown]
-# The check reads every id, so on a GPU it waits for the ids to arrive on the host. So the ids
-# are checked where they enter: when the model's `encode` or `decode` (notebook 10) is called
+# The check needs the smallest and the largest id on the host, so on a GPU it synchronises: the
+# CPU waits until the GPU has computed the ids and their `aminmax` (two numbers are copied; the
+# cost is the wait). So the ids are checked where they enter: when the model's `encode` or `decode` (notebook 10) is called
 # from outside. A generation loop (notebook 12) calls `decode` once per generated token, after
 # `encode` has checked the source ids, and runs inside notebook 00's `validated()`, which
 # switches the checks off there. `embed_tokens` checks unless an outer entry point already has
@@ -649,14 +653,16 @@ print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
 #
 # * Below the format's smallest **normal** number ($2^{-126} \approx 1.2 \cdot 10^{-38}$ in
 #   float32, $2^{-14} \approx 6.1 \cdot 10^{-5}$ in float16) values are **subnormal**: stored
-#   with fewer significant bits the smaller they get, so $p_2$ loses relative precision and its
-#   log loses digits (the appendix measures how many).
+#   with fewer significant bits the smaller they get, so $p_2$ loses relative precision, and,
+#   once enough bits are gone, its log loses digits (the appendix measures where and how many).
 # * Below half the smallest subnormal, $2^{-150}$ in float32 and $2^{-25}$ in float16, they round
 #   to exactly 0: the loss becomes $-\log 0 = +\infty$ and the gradient NaN.
 #
 # Both limits, as margins $m$, follow from `torch.finfo`: the loss is infinite from
-# $m \approx 104$ in float32 and from $m \approx 17.3$ in float16; digits are lost from
-# $m \approx 87.3$ and $m \approx 9.7$.
+# $m \approx 104$ in float32 and from $m \approx 17.3$ in float16; $p_2$ starts losing precision
+# from $m \approx 87.3$ and $m \approx 9.7$. The loss itself is hit later: on the machine that
+# built this page the naive loss first differs from the fused one past those limits at
+# $m = 92$ in float32 and $m = 12.5$ in float16 (printed in the appendix).
 
 # %%
 def underflow_margins(dtype: torch.dtype) -> tuple[float, float]:
@@ -839,25 +845,25 @@ print("shared gradient = embedding's + head's; one step updates the table in bot
 # $\sqrt d$ multiply then brings the same small rows back to unit-variance entries at the input.
 #
 # **Check:** the initial logits of a tied head have standard deviation $\approx 1$ with the
-# paper's scale and $\approx \sqrt d$ with PyTorch's default, whose softmax is saturated before
+# tensor2tensor's scale and $\approx \sqrt d$ with PyTorch's default, whose softmax is saturated before
 # training starts. The logits are those of the 11 tokens other than `PAD` (whose zero row always
 # gives a logit of 0). Averaged over 4,096 draws of $h_t$, the largest of their 11 probabilities
-# is above 0.8 with the default (0.90 below) and below 0.5 with the paper's scale (0.29), where
+# is above 0.8 with the default (0.90 below) and below 0.5 with tensor2tensor's scale (0.29), where
 # a uniform guess would give $1/11 \approx 0.09$.
 
 # %%
 set_seed(0)
 h_samples = final_norm(torch.randn(4096, d_model, generator=generator).to(device))  # (N, d), |h| ~ sqrt(d)
-candidate_tables = {"N(0, 1/d_model) (paper)": init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)),
+candidate_tables = {"N(0, 1/d_model) (tensor2tensor)": init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)),
                     "N(0, 1) (nn.Embedding default)": nn.Embedding(V, d_model, padding_idx=PAD)}
 initial_logits = {  # (N, d) @ (d, V - 1) -> (N, V - 1): every row but PAD's
     name: (h_samples @ table.weight[1:].to(device).T).detach() for name, table in candidate_tables.items()
 }
 stds = {name: zs.std().item() for name, zs in initial_logits.items()}
 top_p = {name: torch.softmax(zs, dim=-1).max(dim=-1).values.mean().item() for name, zs in initial_logits.items()}
-assert 0.8 < stds["N(0, 1/d_model) (paper)"] < 1.25
+assert 0.8 < stds["N(0, 1/d_model) (tensor2tensor)"] < 1.25
 assert 0.8 < stds["N(0, 1) (nn.Embedding default)"] / math.sqrt(d_model) < 1.25
-assert top_p["N(0, 1/d_model) (paper)"] < 0.5
+assert top_p["N(0, 1/d_model) (tensor2tensor)"] < 0.5
 assert top_p["N(0, 1) (nn.Embedding default)"] > 0.8
 for name in candidate_tables:
     print(f"{name:>31}: logit std {stds[name]:5.2f}, mean largest softmax probability {top_p[name]:.2f}")
@@ -866,7 +872,7 @@ for name in candidate_tables:
 fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
 bins = np.linspace(-45, 45, 181)
 for name, color in (("N(0, 1) (nn.Embedding default)", COLORS["torch"]),
-                    ("N(0, 1/d_model) (paper)", COLORS["ours"])):
+                    ("N(0, 1/d_model) (tensor2tensor)", COLORS["ours"])):
     ax.hist(initial_logits[name].flatten().cpu().numpy(), bins=bins, density=True, histtype="step", lw=2,
             color=color, label=f"rows from {name}: std {stds[name]:.2f}")
 ax.set(xlabel=r"initial logit $z_{t,v} = h_t \cdot E_v$ (tied head, $\|h_t\| \approx \sqrt{128}$)",
@@ -877,7 +883,7 @@ save_figure(fig, "embeddings_weight_tying")
 plt.show()
 
 # %% [markdown]
-# **Tying shares one $(V, d)$ matrix between the input and the output; with the paper's
+# **Tying shares one $(V, d)$ matrix between the input and the output; with tensor2tensor's
 # $\mathcal{N}(0, 1/d)$ rows it gives unit-scale logits at the top and, times $\sqrt d$,
 # unit-scale token vectors at the bottom.** The course's model keeps its three matrices
 # separate, as the tutorial does (its source and target vocabularies need not be the same); its
@@ -887,7 +893,7 @@ plt.show()
 #
 # | piece | code | shape |
 # |---|---|---|
-# | reserved ids | `PAD, BOS, EOS, UNK = 0, 1, 2, 3` (`UNK`: notebook 13) | — |
+# | reserved ids | `PAD, BOS, EOS = 0, 1, 2`; `UNK = 3` in notebook 13's vocabulary only (a symbol in the reversal task) | — |
 # | teacher forcing | `tgt_in = [BOS, y...]`, `tgt_out = [y..., EOS]`, both PAD-padded | $(B, T+1)$ each |
 # | embedding table | `nn.Embedding(V, d_model, padding_idx=PAD)`; PAD row zero, no gradient | weight $(V, d)$ |
 # | its initialisation | `init_token_embedding(emb)`: $\mathcal{N}(0, 1/d)$, PAD row zeroed again | row norm $\approx 1$ |
@@ -915,7 +921,7 @@ plt.show()
 # **Solutions.**
 #
 # 1. $\mathbb{E}\,\|\sqrt d\,E_v\|^2 = d \cdot d\,\sigma^2$ and $\|\mathrm{PE}_t\|^2 = d/2$, so
-#    $\sigma = 1/\sqrt{2d}$, a factor $\sqrt 2$ below the paper's $d^{-1/2}$.
+#    $\sigma = 1/\sqrt{2d}$, a factor $\sqrt 2$ below tensor2tensor's $d^{-1/2}$.
 
 # %%
 d = 256
@@ -931,12 +937,19 @@ assert_close(pe_sq, torch.full_like(pe_sq, d / 2))
 # 2. `nn.Linear(d, V)` draws its weights from $\mathcal{U}(-1/\sqrt d, 1/\sqrt d)$, variance
 #    $1/(3d)$, and its bias likewise. With $\|h_t\|^2 \approx d$ the logits have variance
 #    $\approx 1/3 + 1/(3d)$: small, so the softmax is close to uniform and the loss close to
-#    $\log V$. How far above: for small logits of variance $s^2$, a second-order expansion of
-#    the log-sum-exp gives an expected loss of about $\log V + s^2/2 \approx \log V + 0.17$. The
-#    check compares the measured excess with $s^2/2$ of the measured logits, allowing 0.06. The
-#    1,280 random targets make the measured loss itself noisy: each position's loss varies with
-#    its target about as much as a logit does, by about $s \approx 0.6$, so the mean has a
-#    standard error of about $0.6/\sqrt{1280} \approx 0.017$, and 0.06 is three and a half of them.
+#    $\log V$. How far above: at one position, with logits $z_1, \dots, z_V$ of mean $\bar z$ and
+#    variance $s^2 = \frac1V \sum_v (z_v - \bar z)^2$ across the vocabulary, a second-order
+#    expansion gives $\log \sum_v e^{z_v} \approx \log V + \bar z + s^2/2$, and a random target's
+#    $-z_y$ takes off $\bar z$ on average: an expected loss of about $\log V + s^2/2$, with $s^2$
+#    near $\frac{V-1}{V}\bigl(\frac13 + \frac1{3d}\bigr) \approx 0.31$. Take $s^2$ per position,
+#    as the cell does: the variance of *all* the logits also counts the spread of the positions'
+#    means, about $1/(3V) \approx 0.03$ more, which would bias the estimate by 0.015. The check
+#    compares the measured excess with $s^2/2$, allowing 0.07. The 1,280 random targets make the
+#    measured loss itself noisy: each position's loss varies with its target about as much as a
+#    logit does, by about $s \approx 0.6$, so the mean has a standard error of about
+#    $0.6/\sqrt{1280} \approx 0.017$. Over seeds 0 to 999 of this cell, excess $- s^2/2$ has
+#    mean $-0.003$ and standard deviation $0.018$, and its largest size is 0.061, below the 0.07
+#    allowed.
 
 # %%
 set_seed(0)
@@ -944,11 +957,11 @@ head = nn.Linear(d_model, V).to(device)
 h_ex = LayerNorm(d_model).to(device)(torch.randn(64, 20, d_model, generator=generator).to(device))  # (B, T, d)
 y = torch.randint(3, V, (64, 20), generator=generator).to(device)  # random targets
 first_loss = F.cross_entropy(head(h_ex).reshape(-1, V), y.reshape(-1)).item()
-logit_var = head(h_ex).var().item()  # s^2
+logit_var = head(h_ex).var(dim=-1, unbiased=False).mean().item()  # s^2: across the vocabulary, per position
 excess = first_loss - math.log(V)
 print(f"first loss {first_loss:.3f}, log V = {math.log(V):.3f}: excess {excess:.3f};"
       f" logit variance s^2 = {logit_var:.3f}, s^2/2 = {logit_var / 2:.3f}")
-assert logit_var < 0.5 and abs(excess - logit_var / 2) < 0.06  # small logits; the estimate holds
+assert logit_var < 0.5 and abs(excess - logit_var / 2) < 0.07  # small logits; the estimate holds
 
 
 # %% [markdown]
@@ -978,9 +991,11 @@ print("my_log_softmax matches F.log_softmax, and gives -120 at the margin-120 ex
 # (ULPs) of the exact loss: the spacing of the format's numbers at that size,
 # $2^{\lfloor \log_2 x \rfloor}$ times $2^{-23}$ in float32 and $2^{-10}$ in float16 (which keep
 # 24 and 11 significant bits). A correctly rounded result is within half an ULP; `log_softmax`
-# rounds a few intermediate results on the way, so the check allows two ULPs. The fused route
-# stays within them at every margin. The naive route is as good while $e^{-m}$ is a normal
-# number and leaves the band some way into the subnormal range, as the bits run out. And once
+# rounds a few intermediate results on the way, so the check allows it two ULPs, and it stays
+# within them at every margin. The naive route rounds an exponential, a division and a log,
+# and a GPU's `exp` alone may be two ULPs off (CUDA documents `expf` to 2 ULP), so the check
+# allows it four while $e^{-m}$ is a normal number; on this machine it stays within one. Some
+# way into the subnormal range, as the bits run out, it leaves that band. And once
 # the term $\log(1 + e^{-m})$ is below half an ULP of $m$, the exact loss rounds to $m$ itself:
 # from there on the fused route returns exactly $m$, so its error is the term, which falls like
 # $e^{-m}$ (so does the naive route's, on this machine, until $e^{-m}$ turns subnormal). Where
@@ -1002,35 +1017,37 @@ print(f" torch.float64: the exact loss rounds to m from m = {float64_is_m_from}"
 for dtype, (subnormal_from, _) in limits.items():
     fused_err, naive_err = errors_in_ulps[dtype]["fused"], errors_in_ulps[dtype]["naive"]
     leaves = margins[naive_err > 2][0].item()
+    worse = margins[(margins > subnormal_from) & (naive_err > fused_err)][0].item()
     equals_m = margins[stability[dtype]["fused"].double() == margins.double()][0].item()
     print(f"{str(dtype):>14}: fused error at most {fused_err.max().item():.2f} ULP;"
-          f" naive leaves the 2-ULP band at m = {leaves} (subnormal from {subnormal_from:.1f});"
-          f" fused returns m from m = {equals_m}")
+          f" naive at most {naive_err[margins < subnormal_from].max().item():.2f} ULP while e^-m is normal"
+          f" (subnormal from {subnormal_from:.1f}), first worse than fused at m = {worse},"
+          f" beyond 2 ULP from m = {leaves}; fused returns m from m = {equals_m}")
 
 # %%
 for dtype, (subnormal_from, zero_from) in limits.items():
     fused_err, naive_err = errors_in_ulps[dtype]["fused"], errors_in_ulps[dtype]["naive"]
     assert (fused_err <= 2).all()  # every margin, up to 130
-    assert (naive_err[margins < subnormal_from] <= 2).all()  # as good while e^-m is normal
-    assert (naive_err[(margins > subnormal_from) & (margins < zero_from)] > 2).any()  # digits lost
+    assert (naive_err[margins < subnormal_from] <= 4).all()  # about as good while e^-m is normal
+    assert (naive_err[(margins > subnormal_from) & (margins < zero_from)] > 4).any()  # digits lost
     beyond = margins >= exact_from[dtype]
     assert torch.equal(stability[dtype]["fused"][beyond].double(), margins[beyond].double())
 
 # %% [markdown]
 # The picture: the two losses (top), and the error of each against the exact value computed in
-# float64 (bottom, log scale), with the two-ULP band of the check in grey. Once the fused route
-# returns $m$ itself (at the latest from $m = 15$ in float32 and $m = 6.5$ in float16, where the
-# format rounds the exact loss to $m$, printed above), its error is the term
-# $\log(1 + e^{-m}) \approx e^{-m}$ that the format cannot hold, a straight line on the log
-# scale: about $3 \cdot 10^{-7}$ at $m = 15$. It follows $e^{-m}$ until about $m = 30$; there the
-# float64 reference's own rounding takes over. The reference is $m$ plus the term, rounded to
-# float64's spacing at $m$, so the line turns into steps of that spacing: at $m = 33$ the error
-# is $7 \cdot 10^{-15}$, one float64 ULP of 33, while $e^{-33}$ is $4.7 \cdot 10^{-15}$ (printed
-# below). From $m = 33.5$ float64 too rounds the exact loss to $m$ (printed above) and the error
-# is exactly 0, so only in the float32 panel, whose margins go that far. A log scale has no place for 0: the
-# exact zeros are the bands along the bottom edge, one per route (the naive route's, in float32,
-# until its digits run out in the subnormal range). The naive route's curve stops where its loss
-# is infinite.
+# float64 (bottom, log scale), with the fused route's two-ULP band in grey. Once the fused route
+# returns $m$ itself (at the latest from $m = 15$ in float32 and $m = 6.5$ in float16, printed
+# above), its
+# error is the term $\log(1 + e^{-m}) \approx e^{-m}$ that the format cannot hold: a
+# straight line on the log scale, $3 \cdot 10^{-7}$ at $m = 15$.
+#
+# Two features of the float32 panel come from the float64 reference, not from float32. From
+# about $m = 30$ the line turns into steps: the reference is rounded to float64's spacing at $m$
+# (at $m = 33$ the error is $7 \cdot 10^{-15}$, one float64 ULP of 33, against
+# $e^{-33} = 4.7 \cdot 10^{-15}$, printed below). From $m = 33.5$ float64 too rounds the exact
+# loss to $m$, and the error is exactly 0. A log scale has no place for 0, so exact zeros are
+# drawn as the thick bands along the bottom edge, one per route; their height means nothing.
+# The naive route's curve stops where its loss is infinite.
 
 # %%
 term = true_loss - margins.double()  # (M,): the float64 reference's log(1 + e^-m)
@@ -1068,7 +1085,8 @@ for col, (dtype, curves) in enumerate(stability.items()):
     exact = true_loss[shown]
     two_ulps = 2 * torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(exact))  # of the result, in dtype
     ax.fill_between(m_shown, ERROR_FLOOR, two_ulps, color="#d9d9d9", step="mid",
-                    label="within 2 units in the last place (the check's band)")
+                    label="within 2 ULP (the check's band for the fused route)")
+    zero_from_m = float("inf")  # the first margin with an exact zero, of either route
     for name, values, color, style, zero_level in (
             ("F.log_softmax", curves["fused"][shown], COLORS["torch"], "-", 4 * ERROR_FLOOR),
             ("-log(softmax(z))", naive, COLORS["accent"], "--", 25 * ERROR_FLOOR)):
@@ -1078,8 +1096,13 @@ for col, (dtype, curves) in enumerate(stability.items()):
         ax.plot(m_shown, error, style, color=color, lw=1.5, label=f"|{name} - exact|")
         if is_zero.any():  # a band at the bottom, one level per route, wherever the error is exactly 0
             zero_band = torch.where(is_zero, zero_level, float("nan"))
+            zero_from_m = min(zero_from_m, m_shown[is_zero][0].item())
             ax.plot(m_shown, zero_band, color=color, lw=4, solid_capstyle="butt",
                     label=f"{name}: error exactly 0 (from m = {m_shown[is_zero][0].item():g})")
+    if zero_from_m < end:
+        ax.text(zero_from_m, 60 * ERROR_FLOOR, "bands: error exactly 0 (their height is not a value)",
+                fontsize=8, color="#525252", va="bottom", zorder=5,
+                bbox=dict(boxstyle="square,pad=0.1", facecolor="#d9d9d9", edgecolor="none"))
     ax.axvline(subnormal_from, color="#525252", lw=1.2, ls=":")
     ax.axvline(zero_from, color=COLORS["accent"], lw=1.2)
     ax.text(subnormal_from, 3, r" $e^{-m}$ subnormal" + "\n " + f"from {subnormal_from:.1f}", fontsize=8,

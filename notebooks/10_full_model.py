@@ -7,7 +7,7 @@
 # positional encoding (notebooks 04 and 09), the two stacks and the output head together, with
 # `encode`, `decode` and `forward`. You will count its 930,828 parameters piece by piece, check
 # which inputs each output can see, match PyTorch's `nn.Transformer` in outputs and gradients,
-# draw the architecture from code, and check every shape of the recap table on a real forward
+# draw the architecture from code, and check the shapes of the recap table on a real forward
 # pass.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/10_full_model.ipynb) · Assumes: [04 · Positional encoding](04_positional_encoding.ipynb), [05 · Masking](05_masking.ipynb), [08 · Encoder and decoder blocks](08_blocks.ipynb), [09 · Embeddings and the output head](09_embeddings_and_output_head.ipynb).
@@ -290,8 +290,10 @@ x64 = torch.randn(B, T_src, d_small, dtype=torch.float64, generator=generator)
 assert good(x64).dtype == torch.float64
 try:
     bad(x64)
-except RuntimeError:
-    print("plain list after .double(): the blocks are still float32 and the forward pass fails (RuntimeError)")
+except RuntimeError as err:
+    assert "dtype" in str(err), err  # a dtype mismatch (the wording varies by device), not some other failure
+    print("plain list after .double(): the blocks are still float32 and the forward pass fails"
+          " (RuntimeError, a dtype mismatch)")
 else:
     raise AssertionError("expected a dtype mismatch")
 
@@ -525,11 +527,14 @@ def decode(
 # | `tgt_mask` | the decoder's `self_mask` | $(1, 1, T, T)$ causal, or $(B, 1, T, T)$ causal and padding | must be causal: `forward` checks it |
 #
 # Like `nn.Transformer`, the model applies no mask it is not given: a forgotten causal mask lets
-# the decoder read the answer (shown below). Two things guard against that. `forward` raises a
-# `ValueError` for a `tgt_mask` that lets any query attend to a later key (`True` above the
-# diagonal, or finite in a float mask); `decode` does not check, because with a cache
-# (notebook 12) its masks cover only a part of the sequence. And `make_masks`, after the next
-# cell, builds both masks from the token ids, so that there is nothing to forget.
+# the decoder read the answer (shown below). `forward` catches a **wrong** `tgt_mask`: it raises
+# a `ValueError` for one that lets any query attend to a later key (`True` above the diagonal,
+# or finite in a float mask). It cannot catch a **forgotten** one: `tgt_mask=None` means "no
+# mask", as in `nn.Transformer`, and nothing tells a mask left out by mistake from one left out
+# on purpose, so `None` is accepted (the section *Clear errors* shows what it costs). `decode`
+# does not check at all, because with a cache (notebook 12) its masks cover only a part of the
+# sequence. The way not to forget the mask is `make_masks`, after the next cell, which builds
+# both masks from the token ids.
 
 # %%
 #| export
@@ -743,8 +748,10 @@ assert enc_out.shape == (B, T_src, d_model) and dec_out.shape == (B, T_tgt, d_mo
 # all 12 possible targets, the loss is $-\tfrac{1}{V}\sum_v \log p_v$, never below $\log V$
 # and equal to it for a uniform guess. Notebook 09's exercise 2 estimated how far above: for
 # small logits of variance $s^2$ (across the vocabulary), about $s^2/2$. **Check:** averaged over
-# the targets and the real positions, the loss is within 0.3 of $\log 12$ and matches the
-# estimate.
+# the targets and the real positions, the loss is within 0.3 of $\log 12$: the untrained model's
+# predictions are close to uniform. The second assert is a demonstration, not a test of the
+# model: the expansion holds for *any* small logits (a model that outputs zeros gives 0 and 0,
+# the last line), so it only shows notebook 09's estimate at work on these logits.
 
 # %%
 real = tgt_out != PAD  # (B, T_tgt)
@@ -755,6 +762,8 @@ print(f"averaged over the targets: {averaged:.3f} = log 12 + {averaged - math.lo
       f" s^2/2 = {half_var:.3f}; this batch's 14 targets: {loss.item():.3f}")
 assert averaged - math.log(VOCAB) < 0.3  # close to a uniform guess
 assert abs(averaged - math.log(VOCAB) - half_var) < 0.03  # the second-order estimate
+zeros = torch.zeros_like(z_real)  # a model that outputs nothing passes the same two lines
+assert -torch.log_softmax(zeros, dim=-1).mean().item() - math.log(VOCAB) < 1e-6 and zeros.var(dim=-1).max() == 0
 
 
 # %% [markdown]
@@ -880,9 +889,12 @@ plt.show()
 # layer: it maps embedded sequences to the decoder's output. So we feed it the same embedded and
 # position-encoded inputs as our model, and put our output layer on top. Its configuration must
 # match ours: `batch_first=True`, `norm_first=True` (pre-norm), ReLU (its default and our stacks'),
-# the same dropout. Its stacks end in a `LayerNorm` too (`encoder.norm`, `decoder.norm`), so the
-# weights map one to one: notebook 08's `copy_block_to_torch` for each block, and the two final
-# norms.
+# the same dropout probability. One dropout site still differs: `nn.Transformer` also drops out
+# inside its feed-forward network, between the two linear layers, and the course's `ffn` does
+# not (notebooks 06 and 08). In training mode the two models therefore differ, and parity is
+# checked with $p = 0$ and in evaluation mode. Its stacks end in a `LayerNorm` too
+# (`encoder.norm`, `decoder.norm`), so the weights map one to one: notebook 08's
+# `copy_block_to_torch` for each block, and the two final norms.
 #
 # The masks change convention (notebook 05): PyTorch's boolean masks are `True` where attention
 # is **blocked**, so each of ours is negated and reshaped:
@@ -1026,7 +1038,8 @@ assert max(gaps.values()) < 1e-4  # float32 roundings, whatever the machine
 # this page. They depend on the machine, so CI does not compare the printed values, only the
 # bound after them. **Check:** with the model's default dropout
 # $p = 0.1$, evaluation mode switches it off (in the model and in `nn.Transformer`), and the two
-# still agree.
+# still agree. The dropout inside `nn.Transformer`'s feed-forward network, which ours lacks, is
+# printed too: it is why the two differ in training mode.
 
 # %%
 set_seed(0)
@@ -1035,6 +1048,10 @@ noisy_theirs = TorchTransformer(noisy).eval()
 with torch.no_grad():
     assert_close(noisy(src, tgt_in, src_mask, tgt_mask), noisy_theirs(src, tgt_in, src_mask, tgt_mask), **PARITY)
 print("evaluation mode, dropout_p=0.1: equal to nn.Transformer")
+their_ffn_dropout = noisy_theirs.transformer.decoder.layers[0].dropout  # in _ff_block, between linear1 and linear2
+assert isinstance(their_ffn_dropout, nn.Dropout) and their_ffn_dropout.p == 0.1
+assert not any(isinstance(m, nn.Dropout) for m in noisy.decoder.layers[0].ffn.modules())
+print(f"our ffn: {noisy.decoder.layers[0].ffn}; nn.Transformer's has {their_ffn_dropout} after the activation")
 
 # %% [markdown]
 # **Check:** the paper's arrangement of the blocks. `Transformer(..., norm_first=False)` builds
@@ -1065,9 +1082,51 @@ for name, p in post.named_parameters():
         assert_close(p.grad, post_theirs.get_parameter(name).grad, msg=name, **PARITY)
 print("post-norm (norm_first=False): the same logits and gradients as nn.Transformer(norm_first=False)")
 
+
+# %% [markdown]
+# What these parity checks do **not** test: `TorchTransformer` reuses our `embed_tokens` and a
+# copy of our `PositionalEncoding`, so the embedding path (lookup, $\times\sqrt d$,
+# $+\,\mathrm{PE}$) is compared with itself; drop the $\sqrt d$ or shift the positions in both
+# and the parity still passes. Only the stacks are PyTorch's. **Check:** the embedded inputs our
+# model computes (caught with a hook on `pos`) against the paper's formula, written out here
+# with no course code: $\sqrt{d}\,E[w] + \mathrm{PE}$, with
+# $\mathrm{PE}_{t, 2i} = \sin(t / 10000^{2i/d})$ and $\mathrm{PE}_{t, 2i+1} = \cos(t / 10000^{2i/d})$
+# (Vaswani et al., 2017, §3.4 and §3.5). The same formula without the $\sqrt d$, or with the
+# positions shifted by one, must not match.
+
+# %%
+def formula_inputs(ids: torch.Tensor, weight: torch.Tensor, scale: float, first: int = 0) -> torch.Tensor:
+    """scale * weight[ids] + the sinusoidal table at positions first..first+T-1: (B, T) -> (B, T, d)."""
+    T, d = ids.shape[1], weight.shape[1]
+    t = torch.arange(first, first + T, dtype=torch.float64)[:, None]  # (T, 1) positions
+    angle = t / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)  # (T, d/2)
+    pe = torch.stack((angle.sin(), angle.cos()), dim=-1).flatten(-2)  # (T, d): sin, cos, sin, ...
+    return F.embedding(ids, weight) * scale + pe.to(weight)
+
+
+kept = []
+hook = ours.pos.register_forward_hook(lambda module, args, out: kept.append(out))
+try:
+    with torch.no_grad():
+        ours(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)  # dropout 0: pos returns the sum itself
+finally:
+    hook.remove()
+x_src_ours, x_tgt_ours = kept  # (B, S, d), (B, T, d)
+with torch.no_grad():
+    sqrt_d = math.sqrt(ours.d_model)
+    assert_close(x_src_ours, formula_inputs(src, ours.src_embed.weight, sqrt_d), **PARITY)
+    assert_close(x_tgt_ours, formula_inputs(tgt_in, ours.tgt_embed.weight, sqrt_d), **PARITY)
+    broken = {"without sqrt(d)": formula_inputs(tgt_in, ours.tgt_embed.weight, 1.0),
+              "with positions shifted by one": formula_inputs(tgt_in, ours.tgt_embed.weight, sqrt_d, first=1)}
+    for what, x in broken.items():
+        assert not torch.allclose(x_tgt_ours, x, **PARITY)
+        print(f"the formula {what}: differs from our embedded target by up to {(x_tgt_ours - x).abs().max().item():.1f}")
+print("our embedded inputs = sqrt(d) E[w] + PE, the formula written out")
+
 # %% [markdown]
 # **Our `Transformer` is embeddings + `nn.Transformer` + a linear head, weight for weight: the
-# same logits and the same gradients for every parameter.**
+# same logits and the same gradients for every parameter; its embedding path matches the
+# paper's formula, written out independently.**
 #
 # ## The architecture, drawn from the code
 #
@@ -1230,7 +1289,7 @@ plt.show()
 # | add & norm (pre-norm), with dropout | `x + dropout(sublayer(norm(x)))`: each block's `dropout1`, `dropout2`, ... | $(B, S, d)$ |
 # | $N\times$ encoder block | `encoder.layers` (`nn.ModuleList`) | $(B, S, d)$ |
 # | encoder output | `encoder.norm`, `model.encode(src, src_mask)` | $(B, S, d)$ |
-# | the masks, from the ids | `make_masks(src, tgt_in)`; `forward` refuses a non-causal `tgt_mask` | $(B, 1, 1, S)$, $(B, 1, T, T)$ |
+# | the masks, from the ids | `make_masks(src, tgt_in)`; `forward` refuses a non-causal `tgt_mask` (but `None` means no mask) | $(B, 1, 1, S)$, $(B, 1, T, T)$ |
 # | masked self-attention, its weights | `decoder.layers[i].self_attn`, `tgt_mask` | $(B, T, d)$; $(B, h, T, T)$ |
 # | cross-attention, its weights | `decoder.layers[i].cross_attn`, keys/values `enc_out`, `src_mask` | $(B, T, d)$; $(B, h, T, S)$ |
 # | $N\times$ decoder block | `decoder.layers` | $(B, T, d)$ |
@@ -1238,12 +1297,15 @@ plt.show()
 # | linear | `model.out_proj` | $(B, T, V)$ |
 # | softmax | left to `F.cross_entropy` / `argmax` | — |
 #
-# **Check:** every row, on the forward pass of the padded batch above ($B = 2$, $S = 7$,
+# **Check:** the rows, on the forward pass of the padded batch above ($B = 2$, $S = 7$,
 # $T = 8$, $d = 128$, $h = 4$, $V = 12$). Forward hooks record the inputs and the output of each
 # module as the model runs (`with_kwargs=True` also keeps the keyword arguments, such as the
-# masks). Each watched module must run exactly once in the forward pass (`pos` twice: once for
-# the source, once for the target), and the output recorded for `out_proj` must be the very
-# logits the model returns.
+# masks); for the add & norm row they watch the first block's `norm1` and `dropout1`. Each
+# watched module must run exactly once in the forward pass (`pos` twice: once for the source,
+# once for the target), and the output recorded for `out_proj` must be the very logits the model
+# returns. Two rows are not outputs of a module, so hooks cannot see them: the split into heads
+# (`split_heads` is a method, checked on a tensor of the block's input shape) and the attention
+# weights (recomputed from the recorded inputs, below).
 
 # %%
 recorded = {}
@@ -1258,6 +1320,8 @@ def record(name):
 watch = {"src_embed": model.src_embed, "tgt_embed": model.tgt_embed, "pos": model.pos,
          "encoder.layers.0.self_attn": model.encoder.layers[0].self_attn,
          "encoder.layers.0.ffn": model.encoder.layers[0].ffn,
+         "encoder.layers.0.norm1": model.encoder.layers[0].norm1,
+         "encoder.layers.0.dropout1": model.encoder.layers[0].dropout1,
          "encoder.layers": model.encoder.layers[-1], "encoder.norm": model.encoder.norm,
          "decoder.layers.0.self_attn": model.decoder.layers[0].self_attn,
          "decoder.layers.0.cross_attn": model.decoder.layers[0].cross_attn,
@@ -1285,6 +1349,7 @@ d, h, S, T = model.d_model, model.num_heads, T_src, T_tgt
 expected = {
     "src_embed": [(B, S, d)], "tgt_embed": [(B, T, d)], "pos": [(B, S, d), (B, T, d)],
     "encoder.layers.0.self_attn": [(B, S, d)], "encoder.layers.0.ffn": [(B, S, d)],
+    "encoder.layers.0.norm1": [(B, S, d)], "encoder.layers.0.dropout1": [(B, S, d)],
     "encoder.layers": [(B, S, d)], "encoder.norm": [(B, S, d)],
     "decoder.layers.0.self_attn": [(B, T, d)], "decoder.layers.0.cross_attn": [(B, T, d)],
     "decoder.layers.0.ffn": [(B, T, d)], "decoder.layers": [(B, T, d)], "decoder.norm": [(B, T, d)],
@@ -1353,8 +1418,33 @@ for what, call in bad_calls.items():
         raise AssertionError(f"{what}: accepted")
 
 # %% [markdown]
-# **The model checks ids, lengths, batch sizes, mask shapes and the causal mask at the door and
-# names what is wrong.**
+# One mistake is not on the list: a `tgt_mask` left out. `tgt_mask=None` means "no mask", as in
+# `nn.Transformer`, and the model cannot tell a forgotten mask from a deliberate one. **Check**
+# (what a forgotten mask costs): change a later target token, at position 3, and compare the
+# logits at position 0, which must depend on `BOS` alone. With `tgt_mask=None` the call is
+# accepted and they change; with `causal_mask` they do not, and neither with `make_masks`, which
+# is the way not to forget it.
+
+# %%
+changed = tgt_in.clone()
+changed[:, 3] = 4  # a later target token, in both sequences (3 and 9 before)
+assert not torch.equal(changed, tgt_in)
+position0_change = {}
+with torch.no_grad():
+    for what, mask in (("tgt_mask=None", None), ("causal_mask(T_tgt)", causal_mask(T_tgt, device=device)),
+                       ("make_masks", tgt_mask)):
+        before = model(src, tgt_in, src_mask, mask)[:, 0]  # (B, V): the logits at position 0, accepted
+        after = model(src, changed, src_mask, mask)[:, 0]
+        position0_change[what] = (after - before).abs().max().item()
+print("\n".join(f"{what:>19}: logits at position 0 change by up to {change:.2f}"
+                for what, change in position0_change.items()))
+assert position0_change["tgt_mask=None"] > 1e-2  # the future leaks in, silently
+assert position0_change["causal_mask(T_tgt)"] < 1e-6 and position0_change["make_masks"] < 1e-6
+
+# %% [markdown]
+# **The model checks ids, lengths, batch sizes, mask shapes and that a given `tgt_mask` is causal
+# at the door, and names what is wrong; a `tgt_mask` left out it cannot catch, so build the masks
+# with `make_masks`.**
 #
 # ## Exercises
 #

@@ -226,6 +226,19 @@ def test_learned_dropout_and_eval():
     assert torch.equal(module(x), x + module.embedding.weight[:10])
 
 
+def test_learned_offset_selects_later_rows_and_matches_one_long_call():
+    """A KV-cached decoder adds rows offset .. offset+T-1; token by token, the same as at once."""
+    module = LearnedPositionalEmbedding(max_len=20, d_model=8)
+    x = torch.randn(2, 5, 8)
+    assert torch.equal(module(x, offset=7), x + module.embedding.weight[7:12])
+    assert not torch.allclose(module(x, offset=7), module(x))  # the offset is not ignored
+    steps = [module(x[:, t : t + 1], offset=t) for t in range(5)]
+    assert torch.equal(torch.cat(steps, dim=1), module(x))
+    module(torch.zeros(1, 1, 8), offset=19)  # the last row
+    with pytest.raises(ValueError, match="exceed max_len=20"):
+        module(torch.zeros(1, 2, 8), offset=19)
+
+
 def test_learned_state_dict_and_to():
     module = LearnedPositionalEmbedding(max_len=20, d_model=8)
     assert list(module.state_dict()) == ["embedding.weight"]
