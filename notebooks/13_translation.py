@@ -496,36 +496,27 @@ class BPETokenizer:
 # write characters it has seen, and "zero" is the only English number word with a "z". A random
 # sample without it gives a tokenizer that cannot encode the sentence "zero" (a run under another
 # seed found exactly that). So the sample is the 1,000 building blocks, every number below
-# 1,000 (all in the training split, and together holding every character either language
-# uses), and 4,000 more training sentences.
+# 1,000 (all in the training split), and 4,000 more training sentences from 1,000 up. The blocks
+# hold every German character, but not every English one: the comma appears only from 1,000 up
+# ("one thousand, two hundred"), and it is the larger sentences that bring it in. The cell
+# prints what the blocks alone lack, and checks that the sample lacks nothing of the training
+# split.
 #
-# The vocabulary sizes are chosen so that the pieces are the building blocks of numbers, though
-# BPE's pieces follow frequency, not grammar. In English most number words are whole tokens
-# ("▁hundred", "▁thousand", "▁fifty-seven"), but about two in five of the hyphenated
-# tens-and-units are not (counted below): BPE cut "forty-two" into "▁forty-t" + "wo" and
-# "twenty-five" into "▁twen" + "ty-five".
-#
-# In German the pieces are the units with "und" ("zweiund"), the hundreds ("dreihundert") and
-# bare digit stems: seven of the eight tens are *not* tokens of their own but a stem and a
-# suffix, "vier" + "zig", or "vier" + "zigtausend" when "tausend" follows; the irregular one,
-# "dreißig", is a whole token.
-#
-# A German number is one word, so a sentence holds a single pair of "▁" and its first piece,
-# while the pairs inside the word repeat many times. Such a pair is merged only when one first
-# piece starts many sentences: in these tokenizers "▁" + "neunhundert" (a ninth of the numbers
-# from 100,000 up start with it), and no other. So about nine in ten German sentences start with
-# a lone "▁" token, the others with "▁neunhundert" (both counted below). In English, where every
-# sentence has many words, pieces with the marker are frequent: "▁and", "▁hundred".
-#
-# The example below is 342,057 rather than the introduction's 342,007, so that a hyphenated
-# tens-and-units word ("fifty-seven") is among its pieces.
+# The example is 342,057 rather than the introduction's 342,007, so that its English holds
+# two hyphenated tens-and-units words; with these tokenizers one of them is a single token
+# ("▁fifty-seven") and the other is not ("▁forty-t" + "wo").
 
 # %%
 blocks = [row for row in corpus["train"] if row[0] < 1000]  # (number, English, German)
 sample = blocks + [row for row in corpus["train"] if row[0] >= 1000][:4000]
 train_en = [en for _, en, _ in sample]
 train_de = [de for _, _, de in sample]
-assert len(blocks) == 1000 and set("".join(train_en)) == set("".join(en for _, en, _ in corpus["train"]))
+chars_train = {lang: set("".join(row[k] for row in corpus["train"])) for lang, k in (("en", 1), ("de", 2))}
+chars_blocks = {lang: set("".join(row[k] for row in blocks)) for lang, k in (("en", 1), ("de", 2))}
+print("characters of the training split that the blocks lack:",
+      {lang: sorted(chars_train[lang] - chars_blocks[lang]) for lang in ("en", "de")})  # fmt: skip
+assert chars_train["en"] - chars_blocks["en"] == {","} and chars_train["de"] <= chars_blocks["de"]
+assert len(blocks) == 1000 and set("".join(train_en)) == chars_train["en"]  # the sample: all
 src_tokenizer = BPETokenizer.train(train_en, vocab_size=160)
 tgt_tokenizer = BPETokenizer.train(train_de, vocab_size=90)
 print("English:", src_tokenizer.vocab_size, "tokens, German:", tgt_tokenizer.vocab_size, "tokens")
@@ -539,14 +530,23 @@ print(tgt_tokenizer.tokens(example_de))
 print(tgt_tokenizer.encode(example_de))
 
 # %% [markdown]
-# The counts behind the paragraph above: the hyphenated English words that are not one token, and
-# how each German tens word is cut. BPE's pieces are findings of these tokenizers, learnt from
-# this split of the numbers: another seed draws other training sentences, and learns other
-# pieces (under one of the seeds `make robust` tries, "dreißig" is cut too; another merges
-# "▁" with "fünfhundert" and "vierhundert" instead of "neunhundert", and then 79 % of the
-# sentences start with a lone "▁"). So the paragraph's exact claims are asserted only for the
-# tokenizers of the stored run, recognised by their fingerprints; the share of split words and
-# the share of lone "▁" starts stay within bounds for every seed tried.
+# The vocabulary sizes are chosen so that the pieces are the building blocks of numbers, though
+# BPE's pieces follow frequency, not grammar. In English most number words are whole tokens
+# ("▁hundred", "▁thousand", "▁fifty-seven"), but about two in five of the hyphenated
+# tens-and-units are not (counted in the cell below): BPE cut "forty-two" into "▁forty-t" + "wo"
+# and "twenty-five" into "▁twen" + "ty-five".
+#
+# In German the pieces are the units with "und" ("zweiund"), the hundreds ("dreihundert") and
+# bare digit stems: seven of the eight tens are *not* tokens of their own but a stem and a
+# suffix, "vier" + "zig", or "vier" + "zigtausend" when "tausend" follows; the irregular one,
+# "dreißig", is a whole token (the cell below prints how each tens word is cut).
+#
+# These pieces are findings of these tokenizers, learnt from this split of the numbers: another
+# seed draws other training sentences and learns other pieces. Under one of the seeds
+# `make robust` tries (the offset 1000), "zwanzig" is a whole token too; "dreißig" stayed whole
+# under every seed tried. So the exact claims are asserted only for the tokenizers of the
+# stored run, recognised by their fingerprints; the share of split words stays within bounds
+# for every seed tried (0.39 to 0.42).
 
 # %%
 hyphenated = [number_to_words(n, "en") for n in range(21, 100) if n % 10]  # twenty-one ...
@@ -560,6 +560,17 @@ if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZE
     assert len(split_up) == 30 and tens_de["dreißig"] == ["dreißig"]  # the paragraph, exactly
     assert all(pieces[-1] == "zig" and len(pieces) == 2 for word, pieces in tens_de.items() if word != "dreißig")
 
+# %% [markdown]
+# A German number is one word, so a sentence holds a single pair of "▁" and its first piece,
+# while the pairs inside the word repeat many times. Such a pair is merged only when one first
+# piece starts many sentences: in these tokenizers "▁" + "neunhundert" (a ninth of the numbers
+# from 100,000 up start with it), and no other. So about nine in ten German sentences start with
+# a lone "▁" token, the others with "▁neunhundert" (both counted below). In English, where every
+# sentence has many words, pieces with the marker are frequent: "▁and", "▁hundred". This too
+# depends on the seed: one seed tried merges no such pair, and every sentence starts with a lone
+# "▁"; another merges "▁" with "fünfhundert" and "vierhundert" instead, and 79 % of the
+# sentences start with a lone "▁". The bound asserted below holds for all of them.
+
 # %%
 all_de = [de for rows in corpus.values() for _, _, de in rows]  # every German sentence
 first_pieces = Counter(tgt_tokenizer.tokens(de)[0] for de in all_de)
@@ -572,6 +583,39 @@ assert set(first_pieces) <= {SPACE, *marked}  # the others start with a merged "
 if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZERS:
     assert marked == ["▁neunhundert"]  # the paragraph, exactly
     assert first_pieces["▁neunhundert"] == sum(de.startswith("neunhundert") for de in all_de)
+
+
+# %% [markdown]
+# `learn_merges` keeps running pair counts and an index of the words that hold each pair, and
+# the toy corpus above checked its merges against a recount. On the real sample the same check
+# is stronger: a plain version that counts every pair of every word again before each merge
+# (slow, and plainly right) must learn the very same merges, in the same order, for both
+# languages.
+
+# %%
+def recounted_merges(texts: list[str], num_merges: int) -> list[tuple[str, str]]:
+    """BPE without bookkeeping: recount every pair of every word before each merge."""
+    words = Counter(tuple(word) for text in texts for word in split_words(text))
+    merges = []
+    for _ in range(num_merges):
+        pair_counts = Counter()
+        for symbols, count in words.items():
+            for pair in zip(symbols, symbols[1:], strict=False):
+                pair_counts[pair] += count
+        if not pair_counts:
+            break  # every word is one symbol
+        best, count = min(pair_counts.items(), key=lambda item: (-item[1], item[0]))
+        if count < 2:
+            break  # as learn_merges: a pair seen once is not a reusable piece
+        merges.append(best)
+        words = Counter({tuple(merge_pair(list(s), best)): c for s, c in words.items()})
+    return merges
+
+
+for name, tokenizer, texts in (("English", src_tokenizer, train_en), ("German", tgt_tokenizer, train_de)):
+    recounted = recounted_merges(texts, len(tokenizer.merges))
+    print(f"{name}: {len(tokenizer.merges)} merges, recounted from scratch: the same {recounted == tokenizer.merges}")
+    assert recounted == tokenizer.merges
 
 # %% [markdown]
 # The property a tokenizer needs: **decode(encode(s)) == s**. For a text whose characters are
@@ -665,30 +709,36 @@ print(f"longest:                    ours {max(ours_lengths)}, library {max(hf_le
 shared = set(tgt_tokenizer.id_to_token) & set(hf_tokenizer.get_vocab())
 print(f"tokens in both vocabularies: {len(shared)} of {tgt_tokenizer.vocab_size}")
 
+
 # %% tags=["nbval-ignore-output"]
-fresh = BPETokenizer(tgt_tokenizer.alphabet, tgt_tokenizer.merges)  # an empty word cache
-seconds_ours = time_call(lambda: [fresh.encode(s) for s in all_de[:2000]], warmup=0, repeats=1)
-seconds_hf = time_call(lambda: hf_tokenizer.encode_batch(all_de[:2000]), warmup=0, repeats=1)
+def encode_fresh() -> list[list[int]]:
+    """Our tokenizer on 2,000 sentences, built anew: its word cache is empty on every call."""
+    fresh = BPETokenizer(tgt_tokenizer.alphabet, tgt_tokenizer.merges)
+    return [fresh.encode(s) for s in all_de[:2000]]
+
+
+seconds_ours = time_call(encode_fresh, warmup=0, repeats=3)  # the median of 3 timings each
+seconds_hf = time_call(lambda: hf_tokenizer.encode_batch(all_de[:2000]), warmup=1, repeats=3)
 print(
     f"encoding 2,000 sentences: ours {1000 * seconds_ours:.0f} ms, library {1000 * seconds_hf:.0f} ms"
     f" (the library {seconds_ours / seconds_hf:.0f} times faster)"
 )
 
 # %%
-assert [fresh.encode(s) for s in all_de[:2000]] == [tgt_tokenizer.encode(s) for s in all_de[:2000]]
-assert seconds_ours > 3 * seconds_hf  # compiled code wins by far (12 to 29 times in our runs)
+assert encode_fresh() == [tgt_tokenizer.encode(s) for s in all_de[:2000]]
+assert seconds_ours > 3 * seconds_hf  # medians of 3: compiled code wins by far (12 to 29 times)
 
 
 # %% [markdown]
 # The two learn nearly the same pieces (the same counts drive both; they differ in how ties
 # are broken and in what they count), and encode to about as many tokens per sentence. The
 # library is much faster, compiled and parallel. The course's model trains on **our**
-# tokenizer: it is the one you can read, its ids are the library's own `PAD, BOS, EOS` by
-# construction, and its round trip is checked above on every sentence. Its slowness is the
-# price: the library encodes the same 2,000 German sentences more than ten times as fast (the
-# cell above prints both times and their ratio, which depends on the machine and on how busy it
-# is: 12 to 29 in the runs made for this notebook). Ours needs about ten times the printed time
-# for the corpus's 20,000 sentences, seconds rather than a fraction of one: for German, where
+# tokenizer: it is the one you can read, its ids are the course's own `PAD, BOS, EOS` (from
+# notebook 09's `tokens` module) by construction, and its round trip is checked above on every
+# sentence. Its slowness is the price: the library encodes the same 2,000 German sentences more
+# than ten times as fast (the cell above prints both times, each the median of three, and their
+# ratio, which depends on the machine and on how busy it is: 12 to 29 in the runs made for this
+# notebook). Ours needs about ten times the printed time for the corpus's 20,000 sentences, seconds rather than a fraction of one: for German, where
 # every sentence is a different single word, its cache of encoded words never hits, so the time
 # grows with the number of sentences.
 #
@@ -937,7 +987,7 @@ waste_per_batch = [
     for batches in (random_batches, bucketed)
 ]
 ax_waste.hist(  # two lists: their bars side by side in each bin, neither hides the other
-    waste_per_batch, bins=np.linspace(0, 36, 19), color=[COLORS["torch"], COLORS["ours"]],
+    waste_per_batch, bins=np.linspace(0, 36, 19), color=[OTHER_COLORS[0], OTHER_COLORS[1]],
     label=["random", "bucketed"],
 )  # fmt: skip
 ax_waste.set(
@@ -1171,8 +1221,11 @@ plt.show()
 # printed): exactly the case where a plain average goes wrong. The exact sum is checked twice,
 # written out here and as notebook 11's `accumulate_gradients`, which the training loop below
 # uses (it weights each micro-batch's *mean* by its share of the tokens, the same number). The
-# naive mean of means misses by far more than float rounding: its largest error on one gradient
-# entry is printed below, against the tolerance of $10^{-6}$ that the exact versions pass.
+# naive mean of means misses by far more than float rounding. The check is `assert_close` with
+# `rtol=1e-4, atol=1e-6`: each entry may differ by $10^{-6} + 10^{-4}\,|g|$, which on this
+# gradient's largest entries allows a few times $10^{-5}$ (the cell prints the most it allows,
+# and the largest difference of each version). The exact versions pass it; the naive one must
+# fail it.
 
 # %% tags=["nbval-ignore-output"]
 def gradients(model: nn.Module) -> list[torch.Tensor]:
@@ -1215,16 +1268,30 @@ for b in micro:  # the naive version: the mean of the k means
 grads_naive = gradients(accum_model)
 print("tokens per micro-batch:", [num_tokens(b) for b in micro], "total", tokens_big)
 print("German widths:", [b[1].shape[1] for b in micro], "vs", big_batch[1].shape[1], "for all 48")
-naive_error = max(float((a - b).abs().max()) for a, b in zip(grads_naive, grads_big, strict=False))
-print(f"largest gradient difference, mean of means: {naive_error:.0e}")
+RTOL, ATOL = 1e-4, 1e-6  # assert_close's tolerance below: |a - b| <= ATOL + RTOL * |b|
+
+
+def largest_difference(grads: list[torch.Tensor]) -> float:
+    return max(float((a - b).abs().max()) for a, b in zip(grads, grads_big, strict=True))
+
+
+naive_error = largest_difference(grads_naive)
+exact_error = max(largest_difference(grads_accumulated), largest_difference(grads_library))
+allowed = max(float((ATOL + RTOL * g.abs()).max()) for g in grads_big)
+print(f"largest gradient difference: exact sums {exact_error:.0e}, mean of means {naive_error:.0e}; "
+      f"the tolerance allows at most {allowed:.1e}")  # fmt: skip
 
 # %%
 assert len({b[1].shape[1] for b in micro}) > 1  # the micro-batches have different widths
 assert len({num_tokens(b) for b in micro}) > 1  # and different token counts
 for g_acc, g_lib, g_big in zip(grads_accumulated, grads_library, grads_big, strict=True):
-    assert_close(g_acc, g_big, rtol=1e-4, atol=1e-6)  # the same update, to float tolerance
-    assert_close(g_lib, g_big, rtol=1e-4, atol=1e-6)
-assert naive_error > 1e-4  # the mean of means is a different gradient, 100x the tolerance
+    assert_close(g_acc, g_big, rtol=RTOL, atol=ATOL)  # the same update, to float tolerance
+    assert_close(g_lib, g_big, rtol=RTOL, atol=ATOL)
+naive_passes = all(
+    torch.allclose(g_naive, g_big, rtol=RTOL, atol=ATOL)
+    for g_naive, g_big in zip(grads_naive, grads_big, strict=True)
+)
+assert not naive_passes and naive_error > 10 * allowed  # the mean of means: another gradient
 
 
 # %% [markdown]
@@ -1870,8 +1937,10 @@ print(f"{len(train_loader)} batches an epoch -> {len(groups)} updates of 4 micro
 # And the negative controls, to show the check can fail: the same resume from a copy of the
 # checkpoint that lacks one piece of the state, once with another random generator state
 # (other dropout masks in epoch 3) and once with the optimizer's moments emptied (Adam starts
-# its averages again). Each must end somewhere else. Last, the checkpoint holds the two
-# tokenizers' fingerprints: resuming with another German tokenizer is refused before any step.
+# its averages again). Each must end somewhere else: off by more than the tolerance the GPU
+# branch allows (`assert_close(rtol=1e-3, atol=1e-4)`, asserted to fail for each). Last, the
+# checkpoint holds the two tokenizers' fingerprints: resuming with another German tokenizer is
+# refused before any step.
 
 # %% tags=["nbval-ignore-output"]
 small_pairs = torch.utils.data.Subset(datasets["train"], range(600))
@@ -1943,7 +2012,7 @@ with tempfile.TemporaryDirectory() as tmp:
         checkpoint_dir=Path(tmp) / "b", resume=True, progress=False,
         fingerprints={**FINGERPRINTS, "tgt": src_tokenizer.fingerprint()},  # a wrong tokenizer
     )  # fmt: skip
-    controls = {}
+    controls, controls_close = {}, {}
     for missing in ("another random generator state", "emptied optimizer moments"):
         state = dict(after_two)
         if missing == "another random generator state":
@@ -1957,10 +2026,10 @@ with tempfile.TemporaryDirectory() as tmp:
         train_translation(control, small_loader, small_valid, small_config,
                           checkpoint_dir=folder, resume=True, progress=False,
                           fingerprints=FINGERPRINTS)  # fmt: skip
-        controls[missing] = max(
-            float((a - b).abs().max())
-            for a, b in zip(straight.state_dict().values(), control.state_dict().values(), strict=True)
-        )
+        pairs_of_weights = list(zip(straight.state_dict().values(), control.state_dict().values(), strict=True))
+        controls[missing] = max(float((a - b).abs().max()) for a, b in pairs_of_weights)
+        # Would the control pass the GPU branch's tolerance below? It must not.
+        controls_close[missing] = all(torch.allclose(b, a, rtol=1e-3, atol=1e-4) for a, b in pairs_of_weights)
 print("a checkpoint holds:", checkpoint_keys)
 print("resumed with other tokenizers:", other_tokenizers[:90], "...")
 print("validation loss per epoch:", [round(x, 3) for x in history_resumed["val_loss"]])
@@ -1979,8 +2048,8 @@ else:  # some GPU kernels (atomic adds in backward) vary in the last bits from r
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert_close(a, b, rtol=1e-3, atol=1e-4)
     assert_close(history_straight["val_loss"], history_resumed["val_loss"], rtol=1e-3, atol=1e-4)
-for missing, difference in controls.items():  # the negative controls end elsewhere
-    assert difference > 1e-4, missing  # 1e-4: the tolerance a GPU run is allowed above
+for missing, difference in controls.items():  # the negative controls end elsewhere:
+    assert difference > 1e-4 and not controls_close[missing], missing  # they fail the GPU check
 assert "fingerprints" in checkpoint_keys and "other tokenizers" in other_tokenizers  # refused
 
 # %% [markdown]
@@ -2103,7 +2172,7 @@ last_state = load_training_state(CHECKPOINTS / "last.pt")
 best_state = load_training_state(CHECKPOINTS / "best.pt")
 best_epoch = int(np.argmin(history["val_loss"]))  # 0-based, as EarlyStopping counts
 assert last_state["early_stopping"]["best_epoch"] == best_state["epoch"] == best_epoch
-assert last_state["early_stopping"]["best"] == min(history["val_loss"])
+assert last_state["early_stopping"]["best"] == min(history["val_loss"])  # bookkeeping: one float
 epochs_run = len(history["val_loss"])
 assert epochs_run == config.epochs or epochs_run - 1 - best_epoch == config.patience
 assert all(torch.equal(p, best_state["model"][k].to(p.device)) for k, p in model.state_dict().items())
@@ -2115,9 +2184,10 @@ assert max(history["val_acc"]) > 0.97  # next-token accuracy on unseen numbers
 # A few findings of this one run are quoted below (the cross-attention of one number). Another
 # machine's run, or another seed's, learns other weights, so, as in notebook 12, they are
 # asserted only when the weights are the stored run's: `STORED_RUN` compares a hash of every
-# weight's bits with the stored run's.
+# weight's bits with the stored run's. The cell prints whether they are: where they are not, the
+# bounds that hold for every seed tried are still checked, the stored run's exact counts are not.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def weights_fingerprint(m: nn.Module) -> str:
     """A short hash of every weight's bits: equal only for the very same trained run."""
     digest = hashlib.sha256()
@@ -2128,6 +2198,8 @@ def weights_fingerprint(m: nn.Module) -> str:
 
 
 STORED_RUN = weights_fingerprint(model) == "fbd4d0977549f563"  # the run whose outputs are stored
+print(f"the weights are the stored run's: {STORED_RUN}"
+      + ("" if STORED_RUN else "; the claims about the stored run below are not checked here"))  # fmt: skip
 
 # %% [markdown]
 # Why does the loss stop near 0.77 and not at 0? Label smoothing (notebook 11) trains towards
@@ -2261,60 +2333,90 @@ plt.show()
 # is not a bug: the mean is taken over the whole epoch, most of it with a worse model than the
 # one validated at the epoch's end (the per-step curve shows the fall within the epoch).
 #
-# The gradient-flow plot: the norm of each block's gradient at every step (before clipping),
-# on a log scale. Every block receives a gradient of the same order: the largest mean norm (the
-# output head's) is about 8 times the smallest (the encoder's final norm's) here, printed after
-# the figure and bounded at 50 by the assert. None is starved (a vanishing
-# gradient would sit decades lower) and none explodes. (A statement about the gradients: how much
-# each block's weights move is Adam's business, as said above.)
+# The gradient-flow plot: the norm of each part's gradient at every step (before clipping), on
+# a log scale, smoothed by a running median over 15 steps (the raw norms spike from step to
+# step). The norms fall about three decades over training, so a mean over the whole run would
+# be mostly epoch 1's; the bars show two periods instead, epoch 1 and the second half of
+# training. In each, the largest part's mean norm is about ten times the smallest's (printed
+# after the figure: 11.2 and 10.1 here; the assert bounds each at 50). The largest is the output
+# head's in epoch 1 and the first decoder block's in the second half; the smallest are always a
+# final norm's, with few weights. None is starved (a vanishing gradient would sit decades lower
+# than the others) and none explodes. (A statement about the gradients: how much each part's
+# weights move is Adam's business, as said above.)
+#
+# One bump stands out, in epoch 5: around step 420 all the norms rise several times over for
+# some tens of steps, the total gradient norm to 0.68 and the step loss to 0.825 (printed after
+# the figure), then settle again. It does no lasting harm: epoch 5's validation loss is lower than
+# epoch 4's (0.772 against 0.777, printed by the training cell).
 
 # %% jupyter={"source_hidden": true}
 grad_names = list(history["grad_norms"][0])
 grad_table = np.array([[step[name] for name in grad_names] for step in history["grad_norms"]])
+grad_clean = np.where(np.isfinite(grad_table), grad_table, np.nan)  # float16's skipped steps: gaps
+steps_per_epoch_run = len(history["loss"]) / len(history["val_loss"])
+grad_periods = {  # the norms fall by decades: a mean over the whole run would be epoch 1's
+    "epoch 1": slice(0, round(steps_per_epoch_run)),
+    "second half": slice(len(grad_table) // 2, None),
+}
 fig, (ax_lines, ax_bars) = plt.subplots(
-    1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.4, 1]}
+    1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.5, 1]}
 )
-palette = [
-    COLORS["query"],
-    COLORS["key"],
-    COLORS["value"],
-    COLORS["accent"],
-    *OTHER_COLORS,
-    "black",
-    "gray",
-]
+def part_style(name: str) -> dict:
+    """One colour per place in a stack (embedding, block 0, block 1, final norm), the output head
+    black; the encoder's side solid, the decoder's dashed."""
+    place = name.split(".", 1)[-1] if "." in name else name
+    color = {"src_embed": "#a6761d", "tgt_embed": "#a6761d", "layers.0": "#1b9e77",
+             "layers.1": "#e6ab02", "norm": "#7570b3"}.get(place, "black")  # fmt: skip
+    dashed = name.startswith(("decoder", "tgt"))
+    return {"color": color, "ls": "--" if dashed else "-"}
+
+
+WINDOW = 15  # a running median over 15 steps: the raw norms spike from step to step
 for k, name in enumerate(grad_names):
-    ax_lines.plot(grad_table[:, k], lw=0.8, color=palette[k % len(palette)], label=name)
+    smooth = np.nanmedian(np.lib.stride_tricks.sliding_window_view(grad_clean[:, k], WINDOW), -1)
+    ax_lines.plot(np.arange(WINDOW // 2, WINDOW // 2 + len(smooth)), smooth, lw=1.3,
+                  label=name, **part_style(name))  # fmt: skip
 ax_lines.set(
     yscale="log",
     xlabel="optimizer step",
-    ylabel="gradient L2 norm",
-    title="Gradient norm per part of the model",
+    ylabel="gradient L2 norm (before clipping)",
+    title=f"Gradient norm per part of the model (running median, {WINDOW} steps)",
 )
-ax_lines.legend(  # below the panel, outside the curves
-    fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False
-)
-ax_bars.barh(grad_names[::-1], grad_table.mean(axis=0)[::-1], color=COLORS["ours"])
-ax_bars.set(xlabel="mean gradient L2 norm", title="Gradient flow, averaged over training")
+ax_lines.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
+bar_y = np.arange(len(grad_names))[::-1]  # the first part on top
+for offset, ((period, rows), shade) in zip((0.2, -0.2), zip(grad_periods.items(), ("#4d4d4d", "#a6a6a6"), strict=True), strict=True):
+    ax_bars.barh(bar_y + offset, np.nanmean(grad_clean[rows], axis=0), height=0.4, color=shade,
+                 label=f"{period} (steps {rows.start}-{(rows.stop or len(grad_table)) - 1})")  # fmt: skip
+ax_bars.set_yticks(bar_y, grad_names)
+ax_bars.set(xscale="log", xlabel="mean gradient L2 norm (log scale)",
+            title="Mean gradient norm per part, early and late")  # fmt: skip
+ax_bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False, ncol=2)
 fig.tight_layout()
 save_figure(fig, "13_gradient_flow")
 plt.show()
 
 # %% tags=["nbval-ignore-output"]
-grad_means = grad_table[np.isfinite(grad_table).all(axis=1)].mean(axis=0)  # steps taken
-grad_spread = grad_means.max() / grad_means.min()
-print(
-    f"largest mean norm {grad_names[grad_means.argmax()]} {grad_means.max():.3f}, smallest "
-    f"{grad_names[grad_means.argmin()]} {grad_means.min():.3f}: ratio {grad_spread:.1f}"
-)
+grad_spreads = {}
+for period, rows in {"whole run": slice(None), **grad_periods}.items():
+    means = np.nanmean(grad_clean[rows], axis=0)
+    grad_spreads[period] = means.max() / means.min()
+    print(f"{period:11s}: largest mean norm {grad_names[means.argmax()]} {means.max():.4f}, smallest "
+          f"{grad_names[means.argmin()]} {means.min():.4f}: ratio {grad_spreads[period]:.1f}")  # fmt: skip
+after_two = 3 * round(steps_per_epoch_run)  # from epoch 4 on, the loss near its floor
+step_loss = np.array(history["loss"][after_two:], dtype=float)
+total_norm = np.array(history["grad_norm"][after_two:], dtype=float)
+total_norm[~np.isfinite(total_norm)] = np.nan
+print(f"from step {after_two} on: the step loss peaks at step {after_two + int(np.nanargmax(step_loss))} "
+      f"({np.nanmax(step_loss):.3f}; median {np.nanmedian(step_loss):.3f}), the total gradient norm at step "
+      f"{after_two + int(np.nanargmax(total_norm))} ({np.nanmax(total_norm):.2f}; median "
+      f"{np.nanmedian(total_norm):.3f})")  # fmt: skip
 
 # %%
 # With float16 on a GPU, GradScaler skips a step whose gradient overflowed: its norms are inf.
 # Those steps are left out; the others must all be finite, and nearly every step is taken.
 taken = np.isfinite(grad_table).all(axis=1)
 assert taken.mean() > 0.95
-assert np.isfinite(grad_means).all()
-assert grad_spread < 50  # the same order of magnitude, give or take
+assert all(np.isfinite(spread) and spread < 50 for spread in grad_spreads.values())  # same order
 
 
 # %% [markdown]
@@ -2422,8 +2524,8 @@ for s in scores.values():
 # A score says how often the model is wrong; the errors say *how*. For each wrong translation,
 # the cell below asks which number the model actually wrote: it spells out every number one
 # digit away from the right one, and every number with two neighbouring digits swapped, and
-# looks the translation up among them. A swapped units and tens digit would be the signature
-# of German's reordering going wrong. One more kind is on the list because the errors of the
+# looks the translation up among them. A single wrong digit is a mistake in a word; two
+# neighbouring digits swapped (24 for 42) is a mistake of order. One more kind is on the list because the errors of the
 # next section showed it: the last block written as a copy of the thousands block
 # (342,057 → "…tausenddreihundertzweiundvierzig", 342,342).
 #
@@ -2431,7 +2533,7 @@ for s in scores.values():
 # count is printed by the cell; a run on other hardware may differ by an error or two). The
 # splits put every building block (the numbers below 1000) in training, so what is left to
 # test is composition, and in our run the model composed without a mistake. The checks below the cell still make sure the analysis would name a swapped unit
-# and tens digit if one came up.
+# and tens digit, or a wrong digit, if one came up.
 
 # %% tags=["nbval-ignore-output"]
 DIGIT_NAMES = ("units", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands")
@@ -2487,8 +2589,8 @@ assert explain_error(29_000, number_to_words(29_029, "de")) == "thousands block 
 # sort. Two evaluations where the model is not perfect:
 #
 # - **An early checkpoint**: the same model, recipe and data, stopped after its first epoch
-#   (`stop_after_epoch=1`; on the CPU it is the first 90 updates of the run above, bit for bit,
-#   so its validation loss is that of epoch 1 above). Its token accuracy was 87 %, which
+#   (`stop_after_epoch=1`; on the CPU it is the first 90 updates of the run above, bit for bit:
+#   its 90 step losses and its validation loss are asserted equal to epoch 1's above). Its token accuracy was 87 %, which
 #   leaves most numbers with at least one wrong token among their ten or so.
 # - **A harder split for the trained model**: every round thousand (1,000, 2,000, …, 999,000)
 #   that is not in the training split. Its German ends on "tausend" with nothing after it, a
@@ -2540,29 +2642,41 @@ for name, r in hard.items():
           f"  {g['chrf']:12.1f} {b['chrf']:6.1f}  {r['differ']:8,d}")  # fmt: skip
 for name in ("epoch 1, test split", "trained, round thousands"):
     print(f"\n{name}: {len(hard[name]['errors'])} greedy errors, by kind")
-    for kind, count in hard[name]["kinds"].most_common(5):
+    for kind, count in hard[name]["kinds"].most_common():  # every kind, however rare
         print(f"  {count:5,d}  {kind}")
     for n, hyp, ref in hard[name]["errors"][:3]:
         print(f"  {n:>7,d}  model: {hyp}\n  {'':7s}  truth: {ref}")
+# One wrong digit, by its place in its block of three: 42 and 42,000 have their tens in one place.
+PLACES = {"tens": ("tens", "ten-thousands"), "units": ("units", "thousands"),
+          "hundreds": ("hundreds", "hundred-thousands")}  # fmt: skip
+early_kinds = hard["epoch 1, test split"]["kinds"]
+early_places = {place: sum(early_kinds[f"{digit} digit wrong"] for digit in digits)
+                for place, digits in PLACES.items()}  # fmt: skip
+early_swaps = sum(count for kind, count in early_kinds.items() if kind.endswith("swapped"))
+print(f"\nepoch 1, one digit wrong, by its place in the block: {early_places}; "
+      f"two digits swapped: {early_swaps} of {len(hard['epoch 1, test split']['errors'])} errors")
 
 # %%
 trained, early, rounds = (hard[k] for k in hard_cases)  # in the order of the table
-if device.type == "cpu":  # the first epoch of the same run (bit for bit on the CPU)
-    assert abs(early_history["val_loss"][0] - history["val_loss"][0]) < 1e-4
+if device.type == "cpu":  # the first epoch of the same run, bit for bit on the CPU
+    assert early_history["loss"] == history["loss"][: len(early_history["loss"])]  # all 90 steps
+    assert early_history["val_loss"][0] == history["val_loss"][0]
 assert round_in_train < 0.005 * len(train_numbers)  # the form is rare in training
 # The early checkpoint is wrong on most numbers, and the measures now tell things apart:
 assert early["greedy"]["exact_match"] < 75 < trained["greedy"]["exact_match"]
 assert early["greedy"]["chrf"] > early["greedy"]["exact_match"] + 10  # partial credit
 assert early["differ"] > 0.02 * early["n"]  # beam search changes many outputs
 assert len(early["kinds"]) >= 3  # errors of several kinds, not one
-tens = early["kinds"]["tens digit wrong"] + early["kinds"]["ten-thousands digit wrong"]
-hundreds = early["kinds"]["hundreds digit wrong"] + early["kinds"]["hundred-thousands digit wrong"]
-assert tens > 2 * hundreds  # the reordered digit goes wrong, the digit in order rarely
+# One digit wrong: nearly always the units or the tens, the two digits German reorders, hardly
+# ever the hundreds (six seeds tried: 13 to 165 times as many). Which of units and tens leads
+# varies from run to run (tens / units from 0.3 to 3.9 over those seeds), so it is not asserted.
+assert early_places["tens"] + early_places["units"] > 5 * early_places["hundreds"]
+assert early_swaps < 0.1 * len(early["errors"])  # mistakes of order are rare (0.5 to 4.7 %)
 # The trained model on the harder split: mostly right, and no better than on the test split.
 assert trained["greedy"]["exact_match"] >= rounds["greedy"]["exact_match"] > 50
 if STORED_RUN:  # the stored run's counts, quoted below
-    one_digit = sum(c for k, c in early["kinds"].items() if k.endswith("digit wrong"))
-    assert 0.75 < tens / one_digit < 0.85  # "about four in five"
+    assert len(early["errors"]) == 1566 and early_kinds["not a number one digit away"] == 988
+    assert early_places == {"tens": 428, "units": 109, "hundreds": 16} and early_swaps == 12
     assert rounds["kinds"].most_common(1)[0] == ("thousands block repeated", 18)
     assert len(rounds["errors"]) == 26
 
@@ -2588,13 +2702,22 @@ if STORED_RUN:  # the stored run's counts, quoted below
 #   because a more likely sequence is more often the right one; it cannot fix
 #   what the model has not learned.
 # - **The errors have a pattern.** Most of the early model's errors are further off than one
-#   digit, but among those that are one digit away the tens digits dominate (the tens and the
-#   ten-thousands, together about four in five here, asserted between 0.75 and 0.85 for the
-#   stored run): the digit that German writes *after* its unit, "vierund**zwanzig**", the one
-#   that needs the reordering. The hundreds, written in the English order, go wrong far less
-#   often: neither hundreds kind is among the five kinds printed (the fifth has 37), and the
-#   assert asks that the tens errors be more than twice the hundreds'. The trained model has
-#   learnt the order; its remaining errors sit where training had little to say. On the round
+#   digit (988 of 1,566). The 553 that are one digit away, sorted by the digit's place in its
+#   block of three (the last line printed two cells up; the thousands digit is the units of
+#   the thousands block, so it counts with the units): the tens go wrong 428 times, the units
+#   109, the hundreds 16. Two parts of this held in every run tried (this seed and five others,
+#   the early model trained and its errors sorted again for each), and are asserted: the units
+#   and the tens, the two digits German reorders ("zwei-und-vierzig"), take nearly all the
+#   one-digit errors, the hundreds, which both languages write first, hardly any (13 to 165
+#   times fewer; the assert asks for 5); and the mistake of order, two digits swapped, is rare
+#   (12 of the 1,566 errors here; 0.5 to 4.7 % of the errors over the seeds, asserted below
+#   10 %). The third part did not hold: which of units and tens goes wrong more changes from
+#   run to run (here the tens, 3.9 times as often as the units, the most of any seed; under two
+#   other seeds the units, two to three times as often as the tens), so this run's lead of the
+#   tens says nothing about the reordering. Nor can the counts say *why* the reordered pair
+#   goes wrong: their words are also the most varied ("zweiund", "vier" + "zig", the teens),
+#   and counts cannot tell the order's difficulty from the words'. The trained model has
+#   learnt both; its remaining errors sit where training had little to say. On the round
 #   thousands most of them are one kind (18 of 26 here): after "tausend" it writes the
 #   thousands block a second time ("achtzehntausendachtzehn" for 18,000), where the German
 #   should stop. A test set drawn like the training set hides this; a split built to probe one
@@ -2862,9 +2985,12 @@ for n in (70, 71, 80, 97):
 # stays that of the digits.
 #
 # 2. Exact match needs generation, one decoder pass per token, which costs several times
-#    a teacher-forced validation pass; and it moves in steps of 1/2000 on a validation set of
-#    2000 numbers, so it stays flat for epochs while the loss still falls. The loss is cheap and
-#    smooth; exact match is the final test, computed once.
+#    a teacher-forced validation pass. And it saturates: in the stored run the validation token
+#    accuracy is already 100.00 % from epoch 6 on (the training cell's printout). With every
+#    next token right under teacher forcing, greedy decoding writes every number right, so exact
+#    match is at its ceiling and can no longer tell the epochs apart, while the loss still falls
+#    (0.769, 0.769, 0.768 over epochs 6 to 8). The loss is cheap and keeps measuring; exact
+#    match is the final test, computed once.
 # 3. (a) Four micro-batches make one optimizer step: about a quarter as many steps per epoch
 #    (23 instead of 90), so `total_steps` shrinks about four times. `warmup=60` is a
 #    number of *steps* and does not shrink: the warmup now lasts over 2.5 epochs instead of
