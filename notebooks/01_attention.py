@@ -322,6 +322,8 @@ ax_v.scatter(V_2d[:, 0], V_2d[:, 1], s=3000 * w_2d + 30, color=COLORS["value"], 
              label="values $v_j$ (area $30 + 3000\\,\\alpha_j$ pt²)")
 ax_v.scatter(*out_2d.tolist(), marker="*", s=350, color=COLORS["accent"], zorder=3,
              label=r"output $\sum_j \alpha_j v_j$")
+for j, (x, y) in enumerate(V_2d.tolist()):  # value j belongs to key j
+    ax_v.text(x + 0.25 + 0.6 * w_2d[j].sqrt().item(), y, f"$v_{j + 1}$", fontsize=10, va="center")
 ax_v.set_title("Output: the weighted average of the values")
 ax_v.set_xlabel("feature 1")
 ax_v.set_ylabel("feature 2")
@@ -596,7 +598,9 @@ plt.show()
 # than about $6 \times 10^{-8}$, and in the saturated regime many weights are that close: they
 # round to exactly 1, the winner's entry $s_i(1 - s_i)$ of $J$ comes out as exactly 0 instead of
 # a tiny positive number, and $\|J\|_F$ is distorted. Float64 moves that limit down to about
-# $10^{-16}$. A check after the table counts how often float32 would go wrong.
+# $10^{-16}$. A check after the table counts how often float32 would go wrong, and how often
+# float64 still rounds a largest weight to 1: at $d_k = 1024$ it does for some queries, but only
+# for ones whose $\|J\|_F$ lies orders of magnitude below the band plotted in (c).
 
 # %%
 D_K_VALUES = [2**p for p in range(11)]    # 1, 2, 4, ..., 1024
@@ -682,9 +686,9 @@ print(f"scaled, all d_k: median max weight {max_w_scaled.min():.3f} to {max_w_sc
 
 # %% [markdown]
 # **Check** why the measurement runs in float64: the same raw scores at $d_k = 1024$, pushed
-# through the softmax and its Jacobian in float32. (The exact counts can differ by a few from
-# one CPU to another, since the last bit of a float32 `exp` does; the next cell asserts only
-# what holds everywhere.)
+# through the softmax and its Jacobian in float32, then the same count in float64. (The exact
+# counts can differ by a few from one CPU to another, since the last bit of an `exp` does; the
+# cell asserts only what holds everywhere.)
 
 # %% tags=["nbval-ignore-output"]
 raw_1024 = raw_scores(1024)                                                    # (N, T), float64
@@ -695,23 +699,31 @@ off_by_10 = ((norm_32 - norm_64).abs() > 0.1 * norm_64).sum().item()
 exactly_zero = (norm_32 == 0).sum().item()
 print(f"float32, out of {NUM_QUERIES} queries: largest weight exactly 1: {rounds_to_one}; "
       f"‖J‖_F off by more than 10%: {off_by_10}; ‖J‖_F exactly 0: {exactly_zero}")
+at_one_64 = softmax(raw_1024).amax(dim=-1) == 1                               # float64 too
+worst_64 = norm_64[at_one_64].max().item() if at_one_64.any() else 0.0
+q25_64 = norm_64.quantile(0.25).item()  # the lower edge of the raw band in (c) at d_k = 1024
+print(f"float64: largest weight exactly 1: {at_one_64.sum().item()}, all with ‖J‖_F <= "
+      f"{worst_64:.1e}; 25th percentile of ‖J‖_F: {q25_64:.1e}")
 
 # %%
 assert rounds_to_one > NUM_QUERIES // 5      # many weights within 6e-8 of 1
 assert off_by_10 > NUM_QUERIES // 10         # the gradient's size is distorted for many queries
 assert exactly_zero < NUM_QUERIES // 10      # but rarely all the way to 0: losers' tiny weights survive
 assert (norm_64 > 0).all()
+assert worst_64 < 1e-3 * q25_64  # float64's rounded queries are far below the plotted band
 
 # %% [markdown]
 # **Check** that $\|J\|_F$ measures the gradient that passes back: over many random upstream
 # gradients $g$, the mean of $\|J^\top g\|^2$ matches $\|J\|_F^2$ (for eight logit vectors).
+# This identity holds for any matrix $J$, so it is a demonstration of what (c) measures, not a
+# test of the softmax; the exact test of $J$ is the autograd check of section 3.
 
 # %%
 gen = torch.Generator().manual_seed(6)
 z_8 = torch.randn(8, NUM_KEYS, generator=gen, dtype=torch.float64)                  # (8, T)
 J_8 = softmax_jacobian(z_8)                                                          # (8, T, T)
-g_many = torch.randn(20_000, 8, NUM_KEYS, generator=gen, dtype=torch.float64)       # (S, 8, T)
-passed_back = softmax_backward(softmax(z_8), g_many)           # J^T g for each sample, (S, 8, T)
+g_samples = torch.randn(20_000, 8, NUM_KEYS, generator=gen, dtype=torch.float64)    # (S, 8, T)
+passed_back = softmax_backward(softmax(z_8), g_samples)          # J^T g for each sample, (S, 8, T)
 mean_sq = passed_back.pow(2).sum(dim=-1).mean(dim=0)                                 # (8,)
 torch.testing.assert_close(mean_sq, torch.linalg.matrix_norm(J_8) ** 2, rtol=0.05, atol=0.0)
 
@@ -764,7 +776,9 @@ for ax in (ax_a, ax_b, ax_c):
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # hides no data
 fig.suptitle(r"Softmax saturation: without the $1/\sqrt{d_k}$ scale the scores grow, "
-             "the softmax turns one-hot and its gradient vanishes", fontsize=12)
+             "the softmax turns one-hot and its gradient vanishes"
+             f"\n(b, c: lines are medians over {NUM_QUERIES:,} queries, shaded bands their "
+             "middle half, 25th to 75th percentile)", fontsize=12)
 fig.tight_layout()
 save_figure(fig, "softmax_saturation")
 plt.show()

@@ -375,18 +375,21 @@ print(torch.softmax(torch.full((3,), float("-inf")), dim=-1))
 # average. Notebook 06 takes dropout apart.
 #
 # Dropout draws its random mask from the generator of the device it runs on, and a GPU's
-# generator is not the CPU's. So that a GPU prints the same mask as a CPU, this example runs on
-# the CPU (after `set_seed`); the code is the same on every device. "The same" still means the
-# same kind of machine (notebook 00): PyTorch's x86 builds draw this mask from Intel MKL's
-# random stream, and a build without MKL, such as PyTorch on ARM, prints another mask.
+# generator is not the CPU's. So that a GPU draws the same mask as a CPU, this example runs on
+# the CPU (after `set_seed`); the code is the same on every device. Even on the CPU the mask
+# depends on the machine (notebook 00 measures it): on an Intel CPU, PyTorch builds with MKL
+# draw it from MKL's random stream, on other CPUs from PyTorch's own generator. So the printed
+# mask is not compared by CI (`nbval-ignore-output`); the asserts check what holds for any mask.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 set_seed(0)
 attn_cpu = attn.cpu()
 dropped = F.dropout(attn_cpu, p=0.5, training=True)  # (T, T); survivors scaled by 1 / (1 - 0.5) = 2
 print(dropped.round(decimals=3))
 kept = dropped != 0
-torch.testing.assert_close(dropped[kept], 2 * attn_cpu[kept])
+torch.testing.assert_close(dropped[kept], 2 * attn_cpu[kept])  # survivors doubled
+assert torch.all(dropped[attn_cpu == 0] == 0)  # a masked (future) key stays at weight 0
+assert 0 < kept.sum() < (attn_cpu != 0).sum()  # some of the 15 weights dropped, some kept
 
 # %% [markdown]
 # **Step 5, weighted sum** of the values: $\mathrm{context} = AV$, one row per query.
@@ -589,27 +592,54 @@ print("padded sequence == the same sequence without its padding; largest weight 
 
 # %% [markdown]
 # **Check 4, the fully masked row.** Query 0 may see no key. Its weights and its context are zero,
-# the other rows are untouched, and the gradients are finite.
+# the other rows are untouched, and the gradients are finite. The check runs with the boolean
+# mask and with the same mask written as an additive float mask ($0$ or $-\infty$). Only the
+# float mask can catch a missing $0$-fill: with a boolean mask, `masked_fill` already sends a zero
+# gradient into the forbidden scores, so the NaN of the softmax's backward pass never reaches
+# $Q$ or $K$; an added $-\infty$ passes the gradient through unchanged, NaN included.
 
 # %%
 Q_e, K_e, V_e = random_inputs((4, 8), (5, 8), (5, 3), seed=11)
 no_keys = torch.ones(4, 5, dtype=torch.bool, device=device)
 no_keys[0] = False  # query 0: every key forbidden
-context_e, attn_e = scaled_dot_product_attention(Q_e, K_e, V_e, mask=no_keys)
-context_e.sum().backward()
-assert torch.all(attn_e[0] == 0) and torch.all(context_e[0] == 0)
-torch.testing.assert_close(attn_e[1:], scaled_dot_product_attention(Q_e[1:], K_e, V_e)[1])
-assert all(torch.isfinite(t.grad).all() for t in (Q_e, K_e, V_e))
-assert torch.all(Q_e.grad[0] == 0)  # nothing flows back through the empty row
+additive = torch.zeros(4, 5, device=device).masked_fill(~no_keys, float("-inf"))  # 0 or -inf
+for mask_e in (no_keys, additive):
+    for t in (Q_e, K_e, V_e):
+        t.grad = None
+    context_e, attn_e = scaled_dot_product_attention(Q_e, K_e, V_e, mask=mask_e)
+    context_e.sum().backward()
+    assert torch.all(attn_e[0] == 0) and torch.all(context_e[0] == 0)
+    torch.testing.assert_close(attn_e[1:], scaled_dot_product_attention(Q_e[1:], K_e, V_e)[1])
+    assert all(torch.isfinite(t.grad).all() for t in (Q_e, K_e, V_e)), mask_e.dtype
+    assert torch.all(Q_e.grad[0] == 0)  # nothing flows back through the empty row
 print("row 0 weights:", attn_e[0].tolist(), "| context:", context_e[0].tolist())
+
+# %% [markdown]
+# What the $0$-fill prevents, on one row of three scores: without it, the float mask lets a NaN
+# into the gradient of the scores, even though the row's weights are zeroed after the softmax;
+# the boolean mask hides the same bug.
+
+# %%
+for kind in ("bool", "float"):
+    raw = torch.zeros(3, requires_grad=True)
+    if kind == "bool":
+        masked = raw.masked_fill(torch.ones(3, dtype=torch.bool), float("-inf"))
+    else:
+        masked = raw + torch.full((3,), float("-inf"))
+    weights = torch.softmax(masked, dim=-1).masked_fill(torch.tensor(True), 0.0)  # no 0-fill
+    weights.sum().backward()
+    print(f"{kind:5s} mask, no 0-fill: gradient of the scores {raw.grad.tolist()}")
+    assert torch.isnan(raw.grad).all() == (kind == "float")
 
 # %% [markdown]
 # **Check 5, dropout.** In evaluation (`training=False`) dropout does nothing. In training about a
 # fraction $p$ of the weights is zeroed and each survivor is exactly $1/(1-p)$ times its
 # undropped value, so the row sums still average one. (On the CPU, like step 4, so that a GPU
-# draws the same masks as a CPU and prints the same numbers; again on the same kind of machine.)
+# draws the same masks as a CPU. The printed numbers depend on the mask, which depends on the
+# CPU's vendor (notebook 00), so CI does not compare them; the asserts bound them for any mask:
+# the fraction zeroed has standard deviation $\sqrt{p(1-p)/32768} \approx 0.0017$.)
 
-# %%
+# %% tags=["nbval-ignore-output"]
 Q_d, K_d, V_d = (t.detach().cpu() for t in random_inputs((8, 64, 16), (8, 64, 16), (8, 64, 16), seed=12))
 p = 0.1
 plain_context, plain = scaled_dot_product_attention(Q_d, K_d, V_d)  # (8, 64, 64)
@@ -868,6 +898,8 @@ from pathlib import Path
 
 import torch
 
+from transformer_from_scratch.checks import check_int  # time_call checks its counts
+
 
 # %% [markdown]
 # ### Work: counting FLOPs
@@ -993,8 +1025,10 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
 # Nothing in the measurement knows this formula. We measure on the CPU, whose allocator
 # is the same on every machine (on a GPU, `peak_memory(fn, "cuda")` reads the CUDA allocator's
 # peak instead), and allow 1% for small bookkeeping tensors that some versions of PyTorch keep.
+# Because of that 1%, CI does not compare the printed peaks (here and below) with the stored
+# ones; the asserts hold them to the accounting.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def attention_peak(T: int, fn=scaled_dot_product_attention, batch: int = 1, heads: int = 1,
                    d_k: int = 64) -> int:
     """Peak bytes of one call of `fn` on random (batch, heads, T, d_k) inputs, on the CPU."""
@@ -1023,7 +1057,7 @@ print("\n".join(lines))
 # peaks above it (three). The check cannot tell apart versions that hold the same matrices at
 # their peak: dividing $Q$ by $\sqrt{d_k}$ before the product gives exactly our number.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def frees_scores(Q, K, V):
     """Ours without mask and dropout, but the scores are freed before the last product."""
     scores = Q @ K.transpose(-2, -1) / math.sqrt(Q.size(-1))
@@ -1171,8 +1205,10 @@ print("\n".join(lines))
 # every length (one head now). Of the times, only loose facts, on a CPU: a call at $T = 2048$,
 # a thousand times the work of one at $T = 64$, takes at least ten times as long, for both
 # functions. That rules out a time that does not grow with $T$, no more: a linear time would
-# pass too. The fitted slope over the longer half must lie between 1.2 and 4, which a linear
+# pass too. The fitted slope over the longer half must lie between 1.2 and 5, which a linear
 # time (slope 1) would fail; in our runs, quiet or loaded, it came out between about 2 and 3.2.
+# The upper bound is loose on purpose: the fit has only three points, and one local slope
+# across the cache limit (512 to 1024 in the table) can reach 4 or more on its own.
 # (On a GPU both lengths can take about the same few microseconds: the GPU is barely busy at
 # either.) The last lines are an identity, not a measurement: they check the table's
 # arithmetic, since the FLOPs are exactly proportional to $T^2$.
@@ -1182,7 +1218,7 @@ assert all(2 * T**2 * 4 + T * 64 * 4 <= peak <= 1.01 * (2 * T**2 * 4 + T * 64 * 
            for T, peak in zip(Ts, peaks["ours"], strict=True))
 if device.type == "cpu":
     assert all(times[name][-1] > 10 * times[name][0] for name in times)  # grows with T
-    assert all(1.2 < fit_slope(Ts[upper], times[name][upper]) < 4 for name in times)
+    assert all(1.2 < fit_slope(Ts[upper], times[name][upper]) < 5 for name in times)
 # An identity: the FLOPs are exactly proportional to T^2, so the throughput's slope is 2 minus
 # the time's, whatever the clock says.
 for name in times:
@@ -1417,7 +1453,7 @@ print(f"causal mask: largest difference from P @ output: {gap_causal:.3f}")
 #    weights alive together, plus the context, $B h\,(2T^2 + T d_v) \cdot 4$ bytes. Solving
 #    $2T^2 + 16\,T \le 2^{26}$ instead gives about 5,800 tokens.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 T_small = 256
 measured = attention_peak(T_small, batch=8, heads=8, d_k=16)
 weights_small = 8 * 8 * T_small**2 * 4
@@ -1440,8 +1476,9 @@ print(f"longest T in 16 GiB: weights alone {T_weights}, the whole call {T_call}"
 #   export its trace, add the changes up in the order they happened and keep the largest running
 #   total. The profiler starts slowly the first time, a few seconds, and some torch versions log
 #   its start and stop on stderr, which `stderr_silenced` sends to `/dev/null`.
-# - **Time** (`time_call`). One call without gradients, timed with `time.perf_counter`, after a
-#   synchronize on a GPU, whose kernels run asynchronously. A first untimed call warms up
+# - **Time** (`time_call`). One call, timed with `time.perf_counter`, after a
+#   synchronize on a GPU, whose kernels run asynchronously. It leaves autograd as the caller set
+#   it: the sweep above turns it off with `torch.no_grad()`, so that no graph is built. A first untimed call warms up
 #   (allocations, caches); then the **median** of several timed calls, which one slow call, caused
 #   by another program on the machine, cannot move much.
 # - **Slope** (`fit_slope`). A least-squares line through $(\log x, \log y)$; its slope is the

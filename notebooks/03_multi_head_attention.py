@@ -323,15 +323,43 @@ plt.show()
 # weight variance of $2/(4 d_{\text{model}})$, half of ours, while its output projection keeps the
 # `Linear` default. The two modules start from different weights, which is one more reason the
 # parity checks below copy weights instead of comparing fresh modules.
+#
+# **Check:** all four of our projections start with $d_{\text{model}} \operatorname{Var}(W)
+# \approx 1$ and biases of exactly 0. To show the check can fail, a second module gets its
+# output projection reset to the `Linear` default, as a `_reset_parameters` that forgot `W_o`
+# would leave it: weight variance $1/(3 d_{\text{model}})$ and a random bias.
 
 # %%
 torch_mha = nn.MultiheadAttention(512, 8)
 in_var = torch_mha.in_proj_weight.var().item() * 512
 out_proj_var = torch_mha.out_proj.weight.var().item() * 512
-ours_var = MultiHeadAttention(512, 8).W_q.weight.var().item() * 512
-print(f"d_model x Var(W):  ours {ours_var:.2f}   their in_proj {in_var:.2f}   "
-      f"their out_proj {out_proj_var:.2f}")
-assert abs(ours_var - 1) < 0.03 and abs(in_var - 0.5) < 0.02 and abs(out_proj_var - 1 / 3) < 0.02
+ours_init = MultiHeadAttention(512, 8)
+
+
+def init_report(module: MultiHeadAttention) -> dict[str, tuple[float, float]]:
+    """(d_model * Var(W), largest |bias|) for each of the module's four projections."""
+    projections = {"W_q": module.W_q, "W_k": module.W_k, "W_v": module.W_v, "W_o": module.W_o}
+    return {name: (proj.weight.var().item() * module.d_model, proj.bias.abs().max().item())
+            for name, proj in projections.items()}
+
+
+def xavier_and_zero_bias(module: MultiHeadAttention) -> bool:
+    """All four projections: d_model * Var(W) within 3% of 1, and every bias exactly 0."""
+    return all(abs(var - 1) < 0.03 and bias == 0 for var, bias in init_report(module).values())
+
+
+with torch.random.fork_rng(devices=[]):  # the broken module does not shift later random draws
+    broken = MultiHeadAttention(512, 8)
+    broken.W_o.reset_parameters()  # as if _reset_parameters skipped W_o: the Linear default
+
+print(f"nn.MultiheadAttention, d_model x Var(W):  in_proj {in_var:.2f}   out_proj {out_proj_var:.2f}")
+print("d_model x Var(W) / largest |bias|:")
+for label, module in [("ours", ours_init), ("W_o skipped", broken)]:
+    print(f"  {label:<12}" + "   ".join(f"{name} {var:.2f} / {bias:.3f}"
+                                         for name, (var, bias) in init_report(module).items()))
+assert abs(in_var - 0.5) < 0.02 and abs(out_proj_var - 1 / 3) < 0.02
+assert xavier_and_zero_bias(ours_init)
+assert not xavier_and_zero_bias(broken)  # the check catches a projection left at the default
 
 
 # %% [markdown]
@@ -1070,19 +1098,29 @@ assert_grads_match(ours, theirs)
 
 # %% [markdown]
 # The picture: the two masks, and head 0's weights for the third sequence (3 real keys) from both
-# modules.
+# modules. The masks are coloured by what they mean, dark = may attend, as in notebook 05; the
+# letter in each cell is the boolean the module is passed, which is why T sits on light cells on
+# the left and on dark cells on the right.
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(2, 2, figsize=(11, 5.6), layout="constrained")
-masks = [(key_padding_mask, "PyTorch: key_padding_mask, True = ignore"),
-         (mask[:, 0, 0], "ours: mask[:, 0, 0], True = may attend")]
+# Colour = what the mask means, as in notebook 05 (dark = may attend, light = blocked); the
+# text in each cell is the boolean that module is passed, so True is dark on the right only.
+mask_cmap = ListedColormap(["#e6e6e6", "#4d4d4d"])  # 0 = blocked, 1 = may attend
+allowed_keys = mask[:, 0, 0].cpu()  # (B, T_k): True = may attend, the meaning of both masks
+masks = [(key_padding_mask.cpu(), "PyTorch: key_padding_mask, True = ignore"),
+         (allowed_keys, "ours: mask[:, 0, 0], True = may attend")]
 for ax, (m, title) in zip(axes[0], masks, strict=True):
-    im = ax.imshow(m.int().cpu().numpy(), cmap="Greys", vmin=0, vmax=1)
+    im = ax.imshow(allowed_keys.int().numpy(), cmap=mask_cmap, vmin=0, vmax=1)
+    for b, j in np.ndindex(*m.shape):
+        ax.text(j, b, "T" if m[b, j] else "F", ha="center", va="center", fontsize=9,
+                color="white" if allowed_keys[b, j] else "#444444")
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("key position")
     ax.set_ylabel("sequence in batch")
     ax.set_yticks(range(3))
-fig.colorbar(im, ax=axes[0], ticks=[0, 1], label="0 = False, 1 = True", shrink=0.8)
+bar = fig.colorbar(im, ax=axes[0], ticks=[0.25, 0.75], shrink=0.8)
+bar.ax.set_yticklabels(["blocked", "may attend"])
 weights = [(a_ours, "ours"), (a_theirs, "nn.MultiheadAttention")]
 for ax, (a, title) in zip(axes[1], weights, strict=True):
     plot_attention(a[2, 0], ax=ax, colorbar=False, vmin=0, vmax=1)
@@ -1296,17 +1334,19 @@ plt.show()
 # The two score maps share one colour scale, so their sizes compare at a glance. With a shared
 # projection the score matrix is a mirror image of itself, and in this draw every row's largest
 # score is on the diagonal (for *the* it ties with the other *the*, the same vector): each word
-# mostly finds itself. That is likely, not certain: Cauchy–Schwarz bounds $S_{ij}$ by
+# mostly finds itself. The diagonal runs from 1.89 to 6.24; its two largest entries, 6.24 (*sat*)
+# and 5.17 (*mat*), are about 3.1 and 2.6 times the largest score, in size, that the separate
+# projections produce anywhere (2.02), and on average the self-scores are 6.15 times the separate
+# scores' mean size. With separate projections the scores are smaller and the pattern has a
+# direction.
+#
+# How robust this is. Picking itself is likely, not certain: Cauchy–Schwarz bounds $S_{ij}$ by
 # $\sqrt{S_{ii} S_{jj}}$, not by $S_{ii}$, so a word whose query is much longer can outscore a
-# short one's self-score. Over 40 draws of the
-# weights a few rows of this sentence do, up to two of six in one draw (printed above); over the
-# batches above about three queries in four pick themselves. The diagonal runs from 1.89 to
-# 6.24, and its two largest entries, 6.24 (*sat*) and 5.17 (*mat*), are about 3.1 and 2.6 times
-# the largest score, in size, that the separate projections produce anywhere (2.02). How much
-# larger the self-scores are on average depends a lot on the draw: 6.15 times the separate
-# scores' mean size here, between 1.73 and 10.31 times over the 40 draws. So the asserts keep
-# only what held in every draw, larger at all, and that most rows pick themselves. With
-# separate projections the scores are smaller and the pattern has a direction.
+# short one's self-score. Over 40 draws of the weights a few rows of this sentence do, up to two
+# of six in one draw (printed above); over the batches above about three queries in four pick
+# themselves. The ratio of mean sizes depends a lot on the draw: 6.15 here, between 1.73 and
+# 10.31 over the 40 draws. So the asserts keep only what held in every draw: the self-scores are
+# larger at all, and most rows pick themselves.
 #
 # **Takeaway: separate $W^Q$ and $W^K$ let "who looks at whom" be asymmetric; one shared
 # projection forces symmetric scores and pulls every token's attention towards itself.**

@@ -102,8 +102,8 @@ print(attn.detach().cpu().round(decimals=3))
 # read). Attention weights are drawn with the course's `plot_attention` from notebook 02.
 
 # %% jupyter={"source_hidden": true}
-# Masks are not queries, keys or values, so they are drawn in greys (as in notebook 03):
-# dark = may attend, light = blocked.
+# Masks are not queries, keys or values, so they are drawn in greys, coloured by what they mean
+# (as in notebook 03's padding-mask figure): dark = may attend, light = blocked.
 MASK_CMAP = ListedColormap(["#e6e6e6", "#4d4d4d"])  # False = blocked, True = may attend
 
 
@@ -198,7 +198,8 @@ def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tenso
 
 
 # %% [markdown]
-# **Check:** it is the lower triangle; it is exactly where PyTorch's own
+# **Check:** it is the rule written out, True exactly where $j \le i$ (checked from the indices,
+# not with `tril`, which is how `causal_mask` builds it); it is exactly where PyTorch's own
 # `nn.Transformer.generate_square_subsequent_mask` (a float mask, $0$ or $-\infty$) holds $0$;
 # it lands on the device it was asked for.
 
@@ -206,7 +207,8 @@ def causal_mask(T: int, device: torch.device | str | None = None) -> torch.Tenso
 mask = causal_mask(5, device=device)
 assert mask.shape == (1, 1, 5, 5) and mask.dtype == torch.bool
 assert mask.device.type == device.type
-assert torch.equal(mask[0, 0].cpu(), torch.ones(5, 5, dtype=torch.bool).tril())
+i, j = torch.arange(5).unsqueeze(1), torch.arange(5)  # (5, 1) query and (5,) key positions
+assert torch.equal(mask[0, 0].cpu(), j <= i)  # broadcast to (5, 5)
 builtin = nn.Transformer.generate_square_subsequent_mask(5)  # (5, 5) float: 0 or -inf
 assert torch.equal(mask[0, 0].cpu(), builtin == 0)
 print(mask[0, 0].int().cpu())
@@ -221,7 +223,8 @@ plt.show()
 # ### Why it is needed: a head that cheats
 #
 # Here is an attention head that a model could easily learn, built by hand: the query at position
-# $t$ points at position $t + 1$, keys carry their position, values carry their token. Under
+# $t$ points at position $t + 1$ (the last query, with no $t + 1$, points nowhere), keys carry
+# their position, values carry their token. Under
 # teacher forcing it reads the answer straight off the input, whatever the target is; here an
 # arbitrary one, $y = (7, 4, 9, 3, 5)$:
 
@@ -234,7 +237,8 @@ assert torch.equal(tgt_out[:-1], tgt_in[1:])  # the answer at t is the input at 
 
 T_tgt, vocab = len(tgt_in), 10
 positions = torch.eye(T_tgt)  # (T, T): row t is the one-hot code of position t
-Q_peek = 8.0 * positions.roll(-1, dims=0)  # (T, T): query t looks for the key of position t + 1
+# (T, T): query t looks for the key of position t + 1; the last query, with no t + 1, for none
+Q_peek = 8.0 * torch.diag(torch.ones(T_tgt - 1), diagonal=1)
 K_peek = positions  # (T, T): each key says where it is
 V_peek = F.one_hot(tgt_in, vocab).float()  # (T, vocab): each value says which token it is
 
@@ -252,11 +256,14 @@ no_mask = teacher_forced_accuracy(None)
 with_mask = teacher_forced_accuracy(causal_mask(T_tgt, device=device)[0, 0])
 print(f"teacher-forced accuracy of the peeking head: no mask {no_mask:.0%}, causal {with_mask:.0%}")
 assert no_mask == 1.0 and with_mask == 0.0
+# Under the mask every query's scores over the keys it may see (0..t) are all equal (all 0).
+peek_scores = Q_peek @ K_peek.T  # (T, T)
+assert all(torch.all(peek_scores[t, : t + 1] == peek_scores[t, 0]) for t in range(T_tgt))
 
 # %% [markdown]
 # Without the mask, the head is perfect during training and useless when generating. With it, the
-# key it looks for is blocked, its scores over the visible keys are all equal, and it can only
-# average what came before.
+# key it looks for is blocked, its scores over the visible keys are all equal (checked above, for
+# every query), and it can only average what came before.
 #
 # **Check:** the general property. With a causal mask, changing the token at position 5 leaves
 # the outputs at positions 0–4 exactly as they were; without the mask, every output moves.

@@ -392,8 +392,12 @@ class TransformerConfig:
 # inside an attention layer. The model checks its inputs **once**, where they enter, and then runs
 # its layers inside notebook 00's `validated()`, so that the embeddings, the stacks, the blocks
 # and the attention layers, each of which checks its inputs when it is called on its own, do not
-# check the same tensors again. One helper does the checks the three methods share: a batch of
-# ids must hold ids of the vocabulary and fit the positional table.
+# check the same tensors again. Two helpers do the checks the three methods share: a batch of
+# ids must hold ids of the vocabulary and fit the positional table, and a mask must be bool
+# (True = may attend) or floating (added to the scores). The second repeats the attention
+# layer's own dtype check (notebook 02), which `validated()` turns off: without it an integer
+# 0/1 mask, such as `(src != PAD).long()`, would pass, and attention would add its 0s and 1s to
+# the scores, masking nothing.
 
 # %%
 #| export
@@ -406,6 +410,15 @@ def _check_tokens(name: str, tokens: torch.Tensor, vocab_size: int, max_len: int
         raise ValueError(
             f"{name} has {where}, beyond the model's max_len={max_len} "
             "(the rows of its positional encoding)"
+        )
+
+
+def _check_mask_dtype(name: str, mask: torch.Tensor | None) -> None:
+    """Raise a TypeError unless mask is None, bool (True = may attend) or floating (added)."""
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = may attend) or floating (added to the scores), "
+            f"got dtype {mask.dtype}"
         )
 
 
@@ -473,6 +486,7 @@ def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> tor
         _check_tokens("src", src, self.src_embed.num_embeddings, self.max_len)
         B, T_src = src.shape
         check_broadcast("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T, T)")
+        _check_mask_dtype("src_mask", src_mask)
     with validated():  # the layers below need not check again
         x = embed_tokens(self.src_embed, src, "src")  # (B, T_src) -> (B, T_src, d_model), * sqrt(d)
         return self.encoder(self.pos(x), mask=src_mask)  # + PE, then N blocks and the final norm
@@ -511,6 +525,8 @@ def decode(
             raise ValueError("several new tokens after cached ones need a (causal) self_mask")
         check_broadcast("self_mask", self_mask, (B, h, T_tgt, offset + T_tgt), "(B, h, T, T_k)")
         check_broadcast("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T, T_src)")
+        _check_mask_dtype("self_mask", self_mask)
+        _check_mask_dtype("cross_mask", cross_mask)
     with validated():  # the layers below need not check again
         x = embed_tokens(self.tgt_embed, tgt, "tgt")  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
         x = self.pos(x, offset=offset)  # + PE at positions offset .. offset + T_tgt - 1
@@ -529,7 +545,9 @@ def decode(
 # Like `nn.Transformer`, the model applies no mask it is not given: a forgotten causal mask lets
 # the decoder read the answer (shown below). `forward` catches a **wrong** `tgt_mask`: it raises
 # a `ValueError` for one that lets any query attend to a later key (`True` above the diagonal,
-# or finite in a float mask). It cannot catch a **forgotten** one: `tgt_mask=None` means "no
+# or finite in a float mask: a float mask must hold $-\infty$ there, so the $-10^9$ of some
+# tutorials is refused too), and a `TypeError` for an integer mask, which is neither kind. It
+# cannot catch a **forgotten** one: `tgt_mask=None` means "no
 # mask", as in `nn.Transformer`, and nothing tells a mask left out by mistake from one left out
 # on purpose, so `None` is accepted (the section *Clear errors* shows what it costs). `decode`
 # does not check at all, because with a cache (notebook 12) its masks cover only a part of the
@@ -542,12 +560,14 @@ def _check_causal(name: str, mask: torch.Tensor | None, T: int) -> None:
     """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys."""
     if mask is None:
         return
+    _check_mask_dtype(name, mask)  # an integer mask is neither kind: refuse it, do not read it
     later = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(1)  # (T, T): key after query
     may_attend = mask if mask.dtype == torch.bool else mask > float("-inf")
     if (may_attend & later).any():
+        only_inf = "" if mask.dtype == torch.bool else " (in a float mask only -inf blocks a key)"
         raise ValueError(
-            f"{name} lets a target position attend to later positions, the tokens it must "
-            "predict: combine causal_mask(T_tgt) with the padding, or build it with make_masks"
+            f"{name} lets a target position attend to later positions{only_inf}, the tokens it "
+            "must predict: combine causal_mask(T_tgt) with the padding, or build it with make_masks"
         )
 
 
@@ -573,7 +593,8 @@ def forward(
             "build it with padding_mask",
         )  # fmt: skip
         check_broadcast("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
-        _check_causal("tgt_mask", tgt_mask, T_tgt)
+        _check_mask_dtype("src_mask", src_mask)
+        _check_causal("tgt_mask", tgt_mask, T_tgt)  # checks its dtype first
     with validated():  # checked once, here: encode and decode skip their checks
         enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
         # src_mask again, as cross_mask: the decoder attends over the same source positions.
@@ -978,8 +999,10 @@ class TorchTransformer(nn.Module):
 # stacks (the same renaming rules hold for a whole stack as for a block), and name for name for
 # the embeddings and the head, which `TorchTransformer` holds as copies of ours.
 #
-# The set-up: a model with random biases and norm parameters (fresh ones are 0 and 1, which
-# would hide a missed copy), dropout 0, the padded batch above, and a random upstream gradient
+# The set-up: a model with every bias and norm parameter redrawn at random (a fresh model's
+# norm weights are all 1 and its norm and attention biases all 0, values that would hide a
+# missed copy; its feed-forward and output biases are already random, and are redrawn too),
+# dropout 0, the padded batch above, and a random upstream gradient
 # on the logits. The comparison uses notebook 08's tolerance, `PARITY` (a relative $10^{-4}$:
 # room for another machine's roundings, far below the effect of a wrong weight), with full
 # float32 products on a GPU (no TF32).
@@ -1386,7 +1409,7 @@ for name, w in weights.items():
 # ## Clear errors
 #
 # The mistakes that are easy to make with a model like this, and what each one says. Every one
-# is a `ValueError` (or a `TypeError` for a wrong kind of object) raised before the bad argument
+# is a `ValueError` (or a `TypeError` for a wrong kind of object or dtype) raised before the bad argument
 # is used (ids and lengths before the embedding lookup, masks and `enc_out` before the stacks),
 # naming the argument and the shapes or values involved. For comparison, `nn.Transformer` answers
 # the first one with `RuntimeError: the batch number of src and tgt must be equal`, and
@@ -1395,6 +1418,7 @@ for name, w in weights.items():
 
 # %%
 long_src = torch.full((B, 513), 5, device=device)  # one more than max_len
+tgt_mask_1e9 = torch.where(tgt_mask, 0.0, -1e9)  # causal in effect, but finite: refused
 bad_calls = {
     "batch sizes differ": lambda: model(src, tgt_in[:1]),
     "target id >= vocab": lambda: model(src, tgt_in.masked_fill(tgt_in == 11, 12)),
@@ -1405,6 +1429,11 @@ bad_calls = {
     "src_mask per query": lambda: model(src, tgt_in, src_mask=src_mask & causal_mask(T_src, device=device)),
     "tgt_mask of the source's length": lambda: model(src, tgt_in, src_mask, causal_mask(T_src, device=device)),
     "tgt_mask without the causal part": lambda: model(src, tgt_in, src_mask, tgt_padding_only),
+    "integer 0/1 src_mask": lambda: model(src, tgt_in, src_mask.long(), tgt_mask),
+    "integer 0/1 tgt_mask (causal)": lambda: model(src, tgt_in, src_mask, tgt_mask.long()),
+    "integer src_mask to encode": lambda: model.encode(src, src_mask.long()),
+    "integer cross_mask to decode": lambda: model.decode(tgt_in, enc_out, tgt_mask, src_mask.long()),
+    "float tgt_mask with -1e9": lambda: model(src, tgt_in, src_mask, tgt_mask_1e9),
     "make_masks with float ids": lambda: make_masks(src.float(), tgt_in),
     "make_masks, batches differ": lambda: make_masks(src, tgt_in[:1]),
     "enc_out from another batch": lambda: model.decode(tgt_in, enc_out[:1]),
@@ -1416,6 +1445,23 @@ for what, call in bad_calls.items():
         print(f"{what:>32} -> {type(err).__name__}: {err}")
     else:
         raise AssertionError(f"{what}: accepted")
+
+# %% [markdown]
+# **Check** (why the model checks a mask's dtype itself): skip the door's checks with
+# `validated()`, as the model does for its layers, and an integer `src_mask` goes through. Give
+# the padded source positions another id: with the bool mask the logits do not move, because no
+# query can see those keys; with the same mask as 0s and 1s they do, because attention adds it
+# to the scores instead of blocking.
+
+# %%
+src_other_pad = src.masked_fill(src == PAD, 4)  # another id at the padded source positions
+pad_leak = {}
+with torch.no_grad(), validated():  # the checks off, as inside the model: nothing refuses the int mask
+    for what, mask in (("bool src_mask", src_mask), ("integer src_mask", src_mask.long())):
+        moved = model(src_other_pad, tgt_in, mask, tgt_mask) - model(src, tgt_in, mask, tgt_mask)
+        pad_leak[what] = moved.abs().max().item()
+print("\n".join(f"{what:>16}: logits change by up to {change:.2f}" for what, change in pad_leak.items()))
+assert pad_leak["bool src_mask"] < 1e-6 and pad_leak["integer src_mask"] > 1e-2  # the padding leaks in
 
 # %% [markdown]
 # One mistake is not on the list: a `tgt_mask` left out. `tgt_mask=None` means "no mask", as in
@@ -1442,8 +1488,8 @@ assert position0_change["tgt_mask=None"] > 1e-2  # the future leaks in, silently
 assert position0_change["causal_mask(T_tgt)"] < 1e-6 and position0_change["make_masks"] < 1e-6
 
 # %% [markdown]
-# **The model checks ids, lengths, batch sizes, mask shapes and that a given `tgt_mask` is causal
-# at the door, and names what is wrong; a `tgt_mask` left out it cannot catch, so build the masks
+# **The model checks ids, lengths, batch sizes, mask shapes and dtypes, and that a given
+# `tgt_mask` is causal, at the door, and names what is wrong; a `tgt_mask` left out it cannot catch, so build the masks
 # with `make_masks`.**
 #
 # ## Exercises

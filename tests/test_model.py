@@ -570,3 +570,33 @@ def test_block_settings_are_what_every_block_is_built_with():
     for block in (*model.encoder.layers, *model.decoder.layers):
         assert block.dropout1.p == 0.2 and type(block.ffn[1]) is nn.GELU
         assert block.ffn[0].bias is None and block.norm_first is False
+
+
+def test_entry_points_refuse_integer_masks():
+    """encode/decode/forward run their layers inside validated(), which switches the attention's
+    own dtype check off: so they check a mask's dtype themselves (an integer 0/1 mask would be
+    added to the scores and mask nothing), and an integer causal mask is a TypeError, not 'lets a
+    target position attend to later positions'. A float mask must block with -inf, not -1e9."""
+    model = small_model().eval()
+    src, tgt_in, _, _, _, src_mask, tgt_mask = reversal_batch()
+    dtype = r"must be bool \(True = may attend\) or floating \(added to the scores\), got dtype "
+    dtype += "torch.int64"
+    with pytest.raises(TypeError, match="src_mask " + dtype):
+        model(src, tgt_in, src_mask.long(), tgt_mask)
+    with pytest.raises(TypeError, match="tgt_mask " + dtype):
+        model(src, tgt_in, src_mask, tgt_mask.long())
+    with pytest.raises(TypeError, match="src_mask " + dtype):
+        model.encode(src, src_mask.long())
+    enc_out = model.encode(src, src_mask)
+    with pytest.raises(TypeError, match="cross_mask " + dtype):
+        model.decode(tgt_in, enc_out, tgt_mask, src_mask.long())
+    with pytest.raises(TypeError, match="self_mask " + dtype):
+        model.decode(tgt_in, enc_out, tgt_mask.long(), src_mask)
+    minus_1e9 = torch.where(tgt_mask, 0.0, -1e9)
+    with pytest.raises(
+        ValueError, match=r"later positions \(in a float mask only -inf blocks a key\)"
+    ):
+        model(src, tgt_in, src_mask, minus_1e9)
+    with torch.no_grad():  # the same masks as bool, or as 0/-inf floats, are accepted and agree
+        as_float = torch.zeros(tgt_mask.shape).masked_fill(~tgt_mask, -math.inf)
+        assert_close(model(src, tgt_in, src_mask, as_float), model(src, tgt_in, src_mask, tgt_mask))

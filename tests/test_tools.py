@@ -539,6 +539,36 @@ def test_the_seed_hook_shifts_every_seed_the_kernel_sets(tmp_path):
     assert run(0)[:2] == ["3", "4"]  # offset 0: the seeds as written
 
 
+def test_the_dropout_hook_draws_other_masks_with_the_same_law(tmp_path):
+    """dropout=mkl's start-up file: F.dropout, nn.Dropout and a scalar bernoulli_ draw masks from
+    another stream than PyTorch's own (which is torch.rand's on a non-Intel CPU), keep a share
+    1 - p and scale the survivors by 1 / (1 - p); a tensor of probabilities is left alone."""
+    import robust
+
+    probe = (
+        "import torch, torch.nn.functional as F\n"
+        "torch.manual_seed(0); y = F.dropout(torch.ones(20000), 0.1, True)\n"
+        "torch.manual_seed(0); own = torch.rand(20000) >= 0.1\n"
+        "torch.manual_seed(0); z = torch.nn.Dropout(0.1)(torch.ones(20000))\n"
+        "torch.manual_seed(0); b = torch.empty(20000).bernoulli_(0.5)\n"
+        "torch.manual_seed(0); t = torch.empty(8).bernoulli_(torch.full((8,), 0.5))\n"
+        "torch.manual_seed(0); t0 = torch.empty(8).bernoulli_(torch.full((8,), 0.5))\n"
+        "off = F.dropout(torch.ones(3), 0.5, False).sum().item()\n"
+        "print(torch.equal(y != 0, own), round((y != 0).float().mean().item(), 2),"
+        " torch.allclose(y[y != 0], torch.tensor(1 / 0.9)), torch.equal(y, z),"
+        " round(b.mean().item(), 1), torch.equal(t, t0), off)\n"
+    )
+    hook = tmp_path / "sitecustomize.py"
+    hook.write_text(robust.DROPOUT_HOOK)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "0.9", "True", "True", "0.5", "True", "3.0"]
+    assert robust.environment("dropout=mkl", tmp_path / "env")["PYTHONPATH"].startswith(
+        str(tmp_path / "env" / "site")
+    )
+
+
 def test_robust_reports_each_failing_cell_with_the_line_that_raised():
     import robust
 

@@ -239,6 +239,26 @@ def test_exact_match_counts_exactly():
     assert exact_match(ReverseOracle(bad=5), n=n) == n - int((lengths == 5).sum())
 
 
+class NoEosOracle(ReverseOracle):
+    """Reverses perfectly, then writes `after` where EOS belongs (and PAD from there on)."""
+
+    def __init__(self, after, vocab_size=12):
+        super().__init__(vocab_size)
+        self.after = after
+
+    def decode(self, ys, enc_out, self_mask=None, cross_mask=None):
+        logits = super().decode(ys, enc_out, self_mask, cross_mask)  # (B, T, V) one-hot
+        nxt = logits.argmax(-1)
+        return F.one_hot(torch.where(nxt == EOS, self.after, nxt), self.vocab_size).float()
+
+
+def test_exact_match_needs_eos_right_after_the_reversal():
+    """A correct answer is the reversal, EOS, then nothing: a model that gets every symbol right but
+    never ends its output (PAD in place of EOS), or writes one symbol too many, scores 0."""
+    assert exact_match(NoEosOracle(after=PAD), n=64) == 0
+    assert exact_match(NoEosOracle(after=5), n=64) == 0  # one more symbol, then PAD: still wrong
+
+
 def test_reversal_correct_per_row():
     src, _, tgt_out, lengths = make_batch(20, 6, 12, torch.Generator().manual_seed(0))
     correct = reversal_correct(ReverseOracle(bad=4), src, tgt_out, lengths)

@@ -12,6 +12,12 @@ This script executes every notebook under perturbations and reports each cell th
     cpu=default, cpu=avx2             ATEN_CPU_CAPABILITY: PyTorch's other vectorised kernels,
                                       which round differently; nbval strict (the outputs are
                                       compared with the stored ones, and asserts count)
+    dropout=mkl                       PyTorch's CPU Bernoulli (nn.Dropout, F.dropout, a scalar
+                                      bernoulli_) takes Intel MKL's stream on Intel CPUs and its
+                                      own generator elsewhere, so a dropout mask printed on one
+                                      machine differs on the other: a start-up file draws every
+                                      such mask from another stream (one seed taken from the
+                                      generator, as the MKL path does); nbval strict
     oldest                            the oldest supported environment (compat/oldest.txt, made
                                       by `make test-compat COMPAT=oldest`); asserts count
 
@@ -52,6 +58,7 @@ CAPABILITIES = ("default", "avx2")
 PERTURBATIONS = (
     *(f"seed+{o}" for o in SEED_OFFSETS),
     *(f"cpu={c}" for c in CAPABILITIES),
+    "dropout=mkl",
     "oldest",
 )
 OLDEST_PYTHON = ROOT / ".venv-compat" / "oldest" / "bin" / "python"
@@ -104,6 +111,41 @@ _np.random.default_rng = lambda seed=None: _np_default_rng(
 '''
 
 
+# The start-up file for dropout=mkl: a CPU Bernoulli with a scalar probability draws one seed
+# from the generator and its mask from another stream, as ATen's MKL path does on Intel CPUs.
+DROPOUT_HOOK = '''\
+"""Draw CPU dropout masks from another stream, as an Intel CPU would (tools/robust.py)."""
+import torch as _torch
+import torch.nn.functional as _F
+
+_bernoulli_ = _torch.Tensor.bernoulli_
+
+
+def _other_stream_bernoulli_(self, p=0.5, *, generator=None):
+    if not isinstance(p, (int, float)) or self.device.type != "cpu":
+        return _bernoulli_(self, p, generator=generator)
+    source = _torch.default_generator if generator is None else generator
+    seed = int(_torch.randint(0, 2**31 - 1, (1,), generator=source))
+    other = _torch.Generator().manual_seed(seed ^ 0x5DEECE66D)
+    keep = _torch.rand(self.shape, generator=other, dtype=_torch.float64) < p
+    return self.copy_(keep)
+
+
+_torch.Tensor.bernoulli_ = _other_stream_bernoulli_
+_dropout = _F.dropout
+
+
+def _other_stream_dropout(input, p=0.5, training=True, inplace=False):
+    if not (training and 0 < p < 1 and input.device.type == "cpu"):
+        return _dropout(input, p, training, inplace)
+    out = input * _torch.empty_like(input).bernoulli_(1 - p) / (1 - p)
+    return input.copy_(out) if inplace else out
+
+
+_F.dropout = _other_stream_dropout
+'''
+
+
 def environment(perturbation: str, folder: Path) -> dict[str, str]:
     """The environment variables that make `perturbation` (on top of tools/kernel.env)."""
     if perturbation.startswith("seed+"):
@@ -115,6 +157,12 @@ def environment(perturbation: str, folder: Path) -> dict[str, str]:
         (site / "sitecustomize.py").write_text(SEED_HOOK)
         path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
         return {"COURSE_SEED_OFFSET": perturbation[5:], "PYTHONPATH": path}
+    if perturbation == "dropout=mkl":
+        site = folder / "site"
+        site.mkdir(parents=True)
+        (site / "sitecustomize.py").write_text(DROPOUT_HOOK)
+        path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+        return {"PYTHONPATH": path}
     if perturbation.startswith("cpu="):
         return {"ATEN_CPU_CAPABILITY": perturbation[4:]}
     return {}
@@ -216,7 +264,7 @@ def worker(perturbation: str, paths: list[Path], out: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="course-robust-env-") as tmp:
         os.environ.update(environment(perturbation, Path(tmp)))
         start = time.perf_counter()
-        run = nbval_all if perturbation.startswith("cpu=") else execute_all
+        run = nbval_all if perturbation.startswith(("cpu=", "dropout=")) else execute_all
         results = run(paths, log)
     record = {
         "perturbation": perturbation,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from transformer_from_scratch.attention import MultiHeadAttention
-from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_int  # time_call checks its counts
 
 
 # Taught in notebook 02 · Self-attention

@@ -108,6 +108,16 @@ def _check_tokens(name: str, tokens: torch.Tensor, vocab_size: int, max_len: int
 
 
 # Taught in notebook 10 · The full model
+def _check_mask_dtype(name: str, mask: torch.Tensor | None) -> None:
+    """Raise a TypeError unless mask is None, bool (True = may attend) or floating (added)."""
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = may attend) or floating (added to the scores), "
+            f"got dtype {mask.dtype}"
+        )
+
+
+# Taught in notebook 10 · The full model
 class Transformer(nn.Module):
     """The encoder-decoder Transformer (Vaswani et al., 2017): token ids to logits.
 
@@ -158,6 +168,7 @@ class Transformer(nn.Module):
             _check_tokens("src", src, self.src_embed.num_embeddings, self.max_len)
             B, T_src = src.shape
             check_broadcast("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T, T)")
+            _check_mask_dtype("src_mask", src_mask)
         with validated():  # the layers below need not check again
             x = embed_tokens(
                 self.src_embed, src, "src"
@@ -187,6 +198,8 @@ class Transformer(nn.Module):
                 raise ValueError("several new tokens after cached ones need a (causal) self_mask")
             check_broadcast("self_mask", self_mask, (B, h, T_tgt, offset + T_tgt), "(B, h, T, T_k)")
             check_broadcast("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T, T_src)")
+            _check_mask_dtype("self_mask", self_mask)
+            _check_mask_dtype("cross_mask", cross_mask)
         with validated():  # the layers below need not check again
             x = embed_tokens(
                 self.tgt_embed, tgt, "tgt"
@@ -215,7 +228,8 @@ class Transformer(nn.Module):
                 "build it with padding_mask",
             )  # fmt: skip
             check_broadcast("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
-            _check_causal("tgt_mask", tgt_mask, T_tgt)
+            _check_mask_dtype("src_mask", src_mask)
+            _check_causal("tgt_mask", tgt_mask, T_tgt)  # checks its dtype first
         with validated():  # checked once, here: encode and decode skip their checks
             enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
             # src_mask again, as cross_mask: the decoder attends over the same source positions.
@@ -228,14 +242,16 @@ def _check_causal(name: str, mask: torch.Tensor | None, T: int) -> None:
     """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys."""
     if mask is None:
         return
+    _check_mask_dtype(name, mask)  # an integer mask is neither kind: refuse it, do not read it
     later = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(
         1
     )  # (T, T): key after query
     may_attend = mask if mask.dtype == torch.bool else mask > float("-inf")
     if (may_attend & later).any():
+        only_inf = "" if mask.dtype == torch.bool else " (in a float mask only -inf blocks a key)"
         raise ValueError(
-            f"{name} lets a target position attend to later positions, the tokens it must "
-            "predict: combine causal_mask(T_tgt) with the padding, or build it with make_masks"
+            f"{name} lets a target position attend to later positions{only_inf}, the tokens it "
+            "must predict: combine causal_mask(T_tgt) with the padding, or build it with make_masks"
         )
 
 

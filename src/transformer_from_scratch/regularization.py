@@ -32,9 +32,9 @@ def drop_path(
 
 # Taught in notebook 15 · Tuning and generalisation
 class DropPath(nn.Module):
-    """Per-sample stochastic depth on a residual branch (drop-path as in FractalNet, Larsson et
-    al., 2017, and timm): drop_path in a module. Huang et al. (2016) drop a block for the whole
-    mini-batch at once; here each sample draws its own."""
+    """Per-sample stochastic depth on a residual branch, as in timm's DropPath (the name comes
+    from FractalNet, Larsson et al., 2017): drop_path in a module. Huang et al. (2016) drop a
+    block for the whole mini-batch at once; here each sample draws its own."""
 
     def __init__(self, p: float = 0.0):
         super().__init__()
