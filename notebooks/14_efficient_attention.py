@@ -1468,12 +1468,18 @@ for name, fn, training in (("evaluation", explain_model, False), ("training", ex
 torch._dynamo.reset()
 
 # %%
+# One graph from torch 2.13 on (this notebook's stored run); the course's oldest torch, 2.5.1,
+# still splits the model into several graphs (6 for a 2-layer model), so that is not asserted there.
+ONE_GRAPH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 for name in ("evaluation", "training"):  # the whole model is one graph: nothing breaks it
-    assert explained[name].graph_count == 1 and explained[name].graph_break_count == 0, name
+    if ONE_GRAPH:
+        assert explained[name].graph_count == 1 and explained[name].graph_break_count == 0, name
 assert explained["with a break put in"].graph_break_count >= 1  # and the count does see a break
 
 # %% [markdown]
-# One graph and no break, in both modes: the whole step's forward pass is open to fusion. What
+# One graph and no break, in both modes: the whole step's forward pass is open to fusion (with
+# this notebook's torch; the oldest the course supports, 2.5.1, still breaks the model into
+# several graphs, 6 for a 2-layer model, so the assert above holds from torch 2.13 on). What
 # that buys in time this notebook does not measure on the CPU: compiling the training step takes
 # minutes on this course's 2-core CPU, longer than the rest of the notebook, and a timing taken
 # on a shared machine would not be worth quoting. What compilation can change is the profile's
