@@ -5,8 +5,9 @@
 # matrix products; self-attention, where queries, keys and values are three projections of the
 # same sequence; the course's `scaled_dot_product_attention` (masks, dropout, errors), equal to
 # PyTorch's own in values and gradients; a heatmap helper; and two facts about self-attention,
-# both checked: it has no idea of word order, and its work and memory grow like $T^2$; and the
-# small `measure` module that counts, weighs and times a function.
+# both checked: it has no idea of word order, and its work grows like $T^2$ (so does its memory
+# when the $T \times T$ weights are stored, as ours are); and the small `measure` module that
+# counts, weighs and times a function.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/02_self_attention.ipynb) · Assumes: [00 · Setup](00_setup.ipynb) and [01 · Attention](01_attention.ipynb) (single-query attention and its softmax).
 
@@ -246,8 +247,8 @@ for text in ax_b.texts:
         assert text.get_color() == "white"  # on the darkest cell
     elif value < 0.25 * largest:
         assert text.get_color() == "black"  # on the palest cells
-    else:
-        assert text.get_color() in ("black", "white")
+# The cells in between get whichever colour contrasts more; the appendix measures that contrast
+# on the rendered pixels of every cell.
 
 # %% [markdown]
 # **Takeaway: attention for all queries is two matrix products and a row-wise softmax; leading
@@ -416,8 +417,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from transformer_from_scratch.checks import (
-    check_broadcast,
     check_int,
+    check_mask,
     check_probability,
     check_tensor,
     checking,
@@ -497,13 +498,8 @@ def check_attention_inputs(
         batch = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
     except RuntimeError:
         raise ValueError(f"the batch dims (all but the last 2) do not broadcast: {shapes}") from None
-    if isinstance(mask, Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            "mask must be bool (True = may attend) or floating (added to the scores), "
-            f"got dtype {mask.dtype}"
-        )
     scores_shape = (*batch, Q.size(-2), K.size(-2))
-    check_broadcast("mask", mask, scores_shape, f"(..., T_q, T_k) for {shapes}")
+    check_mask("mask", mask, scores_shape, f"(..., T_q, T_k) for {shapes}")
     check_probability("dropout_p", dropout_p)
 
 
@@ -656,15 +652,16 @@ assert abs(zeroed - p) < 0.01 and abs(mean_row_sum - 1) < 0.02
 print(f"fraction zeroed {zeroed:.3f} (p = {p}), mean row sum {mean_row_sum:.3f}")
 
 # %% [markdown]
-# **Check 6, bad input stops with a message that names the shapes.** A few of them (the unit tests
-# in `tests/test_attention.py` go through every case):
+# **Check 6, bad input stops with a message that says what is wrong** (the shapes, when a shape
+# is wrong). A few of them (the unit tests in `tests/test_attention.py` go through every case):
 
 # %%
-Q_bad, K_bad, V_bad = torch.randn(2, 5, 8), torch.randn(2, 7, 8), torch.randn(2, 7, 4)
+gen = torch.Generator().manual_seed(6)
+Q_bad, K_bad, V_bad = (torch.randn(2, T_bad, d, generator=gen) for T_bad, d in ((5, 8), (7, 8), (7, 4)))
 bad_calls = {
     "d_k differs": lambda: scaled_dot_product_attention(Q_bad, K_bad[..., :6], V_bad),
     "T_k differs": lambda: scaled_dot_product_attention(Q_bad, K_bad, V_bad[:, :6]),
-    "mask too big": lambda: scaled_dot_product_attention(
+    "mask wrong T_k": lambda: scaled_dot_product_attention(
         Q_bad, K_bad, V_bad, mask=torch.ones(5, 5, dtype=torch.bool)),
     "int mask": lambda: scaled_dot_product_attention(
         Q_bad, K_bad, V_bad, mask=torch.ones(5, 7, dtype=torch.int64)),
@@ -862,7 +859,7 @@ plt.show()
 # **Takeaway: without positional information, self-attention sees a set, not a sequence;
 # notebook 04 adds the order back.**
 #
-# ## 6. The cost: $O(T^2)$ in time and memory
+# ## 6. The cost: $O(T^2)$ work, and $O(T^2)$ memory where the weights are stored
 #
 # For self-attention over $T$ tokens the weights are a $T \times T$ matrix per sequence and head.
 # Computing it takes $T^2 d_k$ multiply-adds for $QK^\top$ and another $T^2 d_v$ for $AV$:
@@ -1198,6 +1195,9 @@ for name in times:
 noise = {name: max(max(r) / min(r) for r in rounds[name].values()) for name in functions}
 lines.append(f"rounds of one point differ by at most {noise['ours']:.1f}x (ours), "
              f"{noise['torch']:.1f}x (torch)")
+lines.append(f"peak memory, T = {Ts[-2]} -> {Ts[-1]}: " + ", ".join(
+    f"{name} {peaks[name][-2] / 2**20:.2f} -> {peaks[name][-1] / 2**20:.2f} MiB "
+    f"({peaks[name][-1] / peaks[name][-2]:.2f}x)" for name in functions))
 print("\n".join(lines))
 
 # %% [markdown]
@@ -1226,9 +1226,11 @@ for name in times:
 
 # %% [markdown]
 # **Picture:** time, throughput and memory against $T$ on log-log axes, where a power law $T^k$
-# is a straight line of slope $k$. The dashed lines have slope 2: in the time panel it runs
-# through our function's time at the longest $T$, in the memory panel it is the accounting above.
-# In the throughput panel exactly quadratic time would be a horizontal line.
+# is a straight line of slope $k$. In the time panel the dashed line has slope 2 and runs through
+# our function's time at the longest $T$. In the memory panel the dashed line is the accounting
+# above, $(2T^2 + T d_v) \times 4$ bytes, whose slope is below 2 at short lengths (where the
+# context's $T d_v$ term still counts) and approaches 2 as $T$ grows; the dotted one, the weights
+# alone, has slope exactly 2. In the throughput panel exactly quadratic time would be a horizontal line.
 
 # %% jupyter={"source_hidden": true}
 fig, (ax_time, ax_rate, ax_mem) = plt.subplots(1, 3, figsize=(16, 4.6), constrained_layout=True)
@@ -1274,7 +1276,8 @@ plt.show()
 # The memory panel is exact: our measured peak sits on the accounting at every length and grows
 # almost fourfold with every doubling of $T$. PyTorch's fused function is another story, and
 # what it does depends on its version and on the device. Where its line lies far below ours and
-# grows roughly like $T$ rather than $T^2$, as with the PyTorch that stored these outputs, its
+# grows roughly like $T$ rather than $T^2$, as with the PyTorch that stored these outputs (the
+# table's last line: from $T = 1024$ to 2048 its peak grew 1.31 times, ours 3.94 times), its
 # kernel never holds the whole $T \times T$ matrix at once (the subject of a later notebook on
 # efficient attention).
 #
@@ -1288,13 +1291,13 @@ plt.show()
 # them is 1 MiB at $T = 512$, 4 MiB at $T = 1024$), each entry costs more to stream through
 # memory, and tensors this large may also cost the allocator more to obtain at every call.
 # Another program on the machine can slow any point too; the medians over rounds damp that, and
-# the last line of the table says how far the rounds of one point disagreed. So the fitted slope
+# the table's line "rounds of one point differ" says how far they disagreed. So the fitted slope
 # over the longer half is a rough exponent, not a law: in our runs, quiet or loaded, between
 # about 2 and 3.2, for both near 3 on a loaded machine, with the stored run's values in the
 # table. So the time panel shows that the time grows steeply, not that it grows like $T^2$: the
 # dashed line, drawn through ours at the last point, need not follow the other points. The
-# quadratic law itself is in the FLOP count and in the memory panel, which the checks above
-# pin down; the clock agrees with it only roughly.
+# quadratic law itself is in the FLOP count and, for our function, in the memory panel, which
+# the checks above pin down; the clock agrees with it only roughly.
 #
 # `benchmarks/attention.py`, outside the package at the root of the repository, repeats these
 # measurements for more lengths and writes them to a JSON file (`make bench`).
@@ -1329,8 +1332,9 @@ plt.show()
 #   before.
 # - **Maximum path length:** one attention step connects every output to every input (the
 #   weights above have no zero outside a mask), where a recurrent layer passes information
-#   along $n$ steps. Restricted self-attention trades this back for less work: it is the sliding
-#   window of notebook 05's exercises.
+#   along $n$ steps. Restricted self-attention trades this back for less work: each query sees
+#   only the $r$ keys of a window centred on its own position, the symmetric window that
+#   notebook 05's exercise 1 mentions beside the causal one it builds.
 #
 # **Count** the first column with the FLOP counter, a recurrent layer of width $d = 512$ (on the
 # `meta` device) against 8 heads of width 64. This is a demonstration, not a test: the counter
@@ -1377,10 +1381,12 @@ for n in (128, 256, 512, 1024):
 print("\n".join(lines))
 
 # %% [markdown]
-# **Takeaway: double the sequence and attention's work and memory both grow fourfold. The FLOPs
-# of its matrix products are exactly $2T^2(d_k + d_v)$ per head, and our function's measured
-# peak is two $T \times T$ matrices per head (scores and weights); the clock follows $T^2$ only
-# roughly.**
+# **Takeaway: double the sequence and attention's work grows fourfold in any implementation: the
+# FLOPs of its matrix products are exactly $2T^2(d_k + d_v)$ per head. Its memory grows fourfold
+# only where the $T \times T$ weights are stored: our function's measured peak is two such
+# matrices per head (scores and weights), while PyTorch's fused function, in the stored run's
+# memory panel, never holds them whole and grew 1.31 times over the last doubling
+# ([notebook 14](14_efficient_attention.ipynb)). The clock follows $T^2$ only roughly.**
 #
 # ## Recap
 #

@@ -110,7 +110,7 @@ fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), gridspec_kw={"width_ratios": [
 panels = [
     (W_packed.weight.detach(), "packed weight W_q.weight: (h·d_k, d_model)",
      "input channel", "output channel (rows)"),
-    (Q_packed.detach(), "queries Q = X W_qᵀ: (T, h·d_k)", "query channel (columns)", "token"),
+    (Q_packed.detach(), "queries Q = X · W_q.weightᵀ: (T, h·d_k)", "query channel (columns)", "token"),
 ]
 for ax, (values, title, xlabel, ylabel) in zip(axes, panels, strict=True):
     im = ax.imshow(values.numpy(), cmap="RdBu_r", vmin=-values.abs().max(), vmax=values.abs().max())
@@ -149,8 +149,8 @@ from torch import nn
 
 from transformer_from_scratch.checks import (
     check_bool,
-    check_broadcast,
     check_int,
+    check_mask,
     check_probability,
     check_tensor,
     checking,
@@ -320,9 +320,10 @@ plt.show()
 # %% [markdown]
 # `nn.MultiheadAttention` uses Xavier too, but on its packed $(3 d_{\text{model}},
 # d_{\text{model}})$ input matrix as a whole: $n_{\text{out}} = 3 d_{\text{model}}$ gives a
-# weight variance of $2/(4 d_{\text{model}})$, half of ours, while its output projection keeps the
-# `Linear` default. The two modules start from different weights, which is one more reason the
-# parity checks below copy weights instead of comparing fresh modules.
+# weight variance of $2/(4 d_{\text{model}})$, half of ours, while the weight of its output
+# projection keeps the `Linear` default, variance $1/(3 d_{\text{model}})$; both of its biases
+# start at 0, like ours. The two modules start from different weights, which is one more reason
+# the parity checks below copy weights instead of comparing fresh modules.
 #
 # **Check:** all four of our projections start with $d_{\text{model}} \operatorname{Var}(W)
 # \approx 1$ and biases of exactly 0. To show the check can fail, a second module gets its
@@ -465,7 +466,9 @@ plt.show()
 # the common ones are $(1, 1, T_q, T_k)$ (the same for every sequence, like a causal mask) and
 # $(B, 1, 1, T_k)$ (padding, per sequence). The helpers come from notebook 00's `checks` module,
 # so every mistake gets the same kind of error (`TypeError` for a wrong type, `ValueError` for a
-# wrong shape) as everywhere else in the course.
+# wrong shape) as everywhere else in the course. A shape check stops only the masks that do not
+# broadcast; a wrong mask that happens to broadcast passes it, and two such masks are shown after
+# the checks below.
 
 # %%
 #| export
@@ -489,9 +492,7 @@ def _check_inputs(self, x_q: torch.Tensor, x_k: torch.Tensor, x_v: torch.Tensor)
 @add_to_class(MultiHeadAttention)
 def _check_mask(self, mask: torch.Tensor | None, B: int, T_q: int, T_k: int) -> None:
     """The mask must broadcast to (B, h, T_q, T_k), and be bool (True = may attend) or float."""
-    check_broadcast("mask", mask, (B, self.num_heads, T_q, T_k), "(B, h, T_q, T_k)")
-    if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(f"mask must be bool (True = may attend) or float (added), got {mask.dtype}")
+    check_mask("mask", mask, (B, self.num_heads, T_q, T_k), "(B, h, T_q, T_k)")
 
 
 # %% [markdown]
@@ -647,9 +648,16 @@ torch.testing.assert_close(with_dropout(x), without(x), rtol=0, atol=0)
 print("eval mode: identical to the module without dropout")
 
 # %% [markdown]
-# **Check:** every kind of bad input fails with a message that names the shapes.
+# **Check:** each of these bad inputs fails with a `ValueError` that says what is wrong, and
+# names the shapes when a shape is wrong. Inputs of different dtypes are not on the list: our
+# checks leave them to PyTorch, since inside `torch.autocast` (notebook 13's mixed precision)
+# they are legal, every product casting its inputs to one dtype. Outside it, `nn.Linear` stops
+# them with PyTorch's own `RuntimeError`, which names the two dtypes and no shapes. The last
+# lines show both, on the CPU.
 
 # %%
+import copy
+
 bad_calls = {
     "d_model % num_heads != 0": lambda: MultiHeadAttention(10, 3),
     "dropout_p = 1": lambda: MultiHeadAttention(32, 4, dropout_p=1.0),
@@ -660,6 +668,7 @@ bad_calls = {
     "T_k of x_k != T_k of x_v": lambda: mha(x, memory, memory[:, :5]),
     "mask (B, 1, 1, T_q)": lambda: mha(x, memory, mask=keep[..., :6]),
     "mask (B, 2, T_q, T_k)": lambda: mha(x, memory, mask=keep.expand(2, 2, 6, 9)),
+    "mask (B, T_k), B != T_q": lambda: mha(x, memory, mask=keep[:, 0, 0]),
 }
 for what, call in bad_calls.items():
     try:
@@ -669,9 +678,66 @@ for what, call in bad_calls.items():
     else:
         raise AssertionError(f"{what}: no error raised")
 
+mha_cpu, x_cpu, memory_cpu = copy.deepcopy(mha).cpu(), x.cpu(), memory.cpu()
+try:
+    mha_cpu(x_cpu, memory_cpu.double())  # x_q float32, x_k float64
+except RuntimeError as err:
+    assert "dtype" in str(err)
+    print(f"{'x_k float64, x_q float32':<26} RuntimeError from nn.Linear: PyTorch's check, not ours")
+else:
+    raise AssertionError("mixed dtypes: no error raised")
+with torch.autocast("cpu", dtype=torch.bfloat16):  # every product in bfloat16
+    out_autocast = mha_cpu(x_cpu, memory_cpu.bfloat16())
+print(f"{'the same under autocast':<26} runs, output {out_autocast.dtype}")
+
+# %% [markdown]
+# **What the checks cannot catch.** A wrong mask that broadcasts to $(B, h, T_q, T_k)$ passes
+# every check above. Two such mistakes are easy to make:
+#
+# - **PyTorch's shape.** `nn.MultiheadAttention` takes a padding mask of shape $(B, T_k)$ (the
+#   parity section below uses one). Given to our module as it is, its two axes line up with
+#   $(T_q, T_k)$: query $q$ of *every* sequence gets the padding of sequence $q$. When
+#   $B \ne T_q$ it does not broadcast, and the check stops it (the last `ValueError`
+#   above); when $B = T_q$ it broadcasts and the module runs.
+# - **PyTorch's convention.** Its masks say `True` = *ignore*, ours `True` = *may attend*. An
+#   inverted mask has the right shape and dtype, and attends to exactly the keys it should hide.
+#
+# Below, $B = T_q = 3$ sequences with 5, 3 and 1 real keys out of $T_k = 5$, and the largest
+# weight that any row of each sequence puts on padding, for the right mask and the two wrong
+# ones. No call raises. What the course does about it: masks are made by two helpers of
+# notebook 05, `padding_mask(lengths, T_k)`, which builds the $(B, 1, 1, T_k)$ form from the
+# lengths, and `causal_mask(T)`, which builds $(1, 1, T, T)$; turning our masks into PyTorch's
+# shape and convention happens in one function, `to_torch_masks` in the `reference` module
+# (notebook 08); and the check of the forward pass above asserts that padded keys get zero
+# weight, which the $(B, T_k)$ mask here would fail.
+
+# %%
+gen = torch.Generator().manual_seed(3)
+x_3 = torch.randn(3, 3, 32, generator=gen).to(device)  # (B, T_q, d_model) with B == T_q == 3
+memory_3 = torch.randn(3, 5, 32, generator=gen).to(device)  # (B, T_k, d_model)
+lengths_3 = torch.tensor([5, 3, 1])
+keep_3 = (torch.arange(5)[None, :] < lengths_3[:, None]).to(device)  # (B, T_k), True = real key
+padding_3 = ~keep_3[:, None, None, :]  # (B, 1, 1, T_k): the keys no row may see
+masks_3 = {
+    "(B, 1, 1, T_k), True = attend": keep_3[:, None, None, :],  # right
+    "(B, T_k), as PyTorch's": keep_3,  # read as (T_q, T_k)
+    "(B, 1, 1, T_k), True = ignore": ~keep_3[:, None, None, :],  # PyTorch's convention
+}
+on_padding = {}
+for what, mask_3 in masks_3.items():
+    _, attn_3 = mha(x_3, memory_3, mask=mask_3, return_attn=True)  # (B, h, T_q, T_k)
+    on_padding[what] = (attn_3 * padding_3).sum(-1).amax(dim=(1, 2)).cpu()  # (B,)
+    print(f"{what:<30} largest weight on padding, sequences 0, 1, 2: "
+          + "  ".join(f"{w:.2f}" for w in on_padding[what]))
+right, pytorch_shape, inverted = on_padding.values()
+assert torch.all(right == 0)
+assert pytorch_shape[0] == 0 and torch.all(pytorch_shape[1:] > 0.5)  # sequence 0 has no padding
+assert inverted[0] == 0 and torch.allclose(inverted[1:], torch.ones(2), atol=1e-5)  # all on padding
+
 # %% [markdown]
 # **Takeaway: `MultiHeadAttention` is three lines of work (project and split, attend, combine and
-# mix) behind checks that turn shape mistakes into readable errors.**
+# mix) behind checks that turn shape mistakes into readable errors. A mask of the wrong meaning
+# that still broadcasts gets through them: make masks with notebook 05's helpers.**
 #
 # ## What the heads can do: four relations at once
 #
@@ -681,12 +747,12 @@ for what, call in bad_calls.items():
 # one-hot **word** (channels 8–15). With $d_{\text{model}} = 32$ and $h = 4$ heads of
 # $d_k = 8$, we write four relations into the four blocks of `W_q` and `W_k`:
 #
-# | head | query reads | key reads | attends to |
+# | head | query of token $t$ | key of token $s$ | attends to |
 # |---|---|---|---|
-# | 0 | my position $t$ | position $s + 1$ | the previous token ($s = t - 1$) |
-# | 1 | my position $t$ | position $s - 1$ | the next token ($s = t + 1$) |
-# | 2 | my word | its word | tokens with the same word (and itself) |
-# | 3 | a constant (the bias) | "is a noun" | the nouns, from every token |
+# | 0 | its position $t$, in channel $t$ | its position $s$, in channel $s + 1$ | the previous token ($s = t - 1$) |
+# | 1 | its position $t$, in channel $t$ | its position $s$, in channel $s - 1$ | the next token ($s = t + 1$) |
+# | 2 | its word | its word | tokens with the same word (and itself) |
+# | 3 | a constant (the bias) | "I am a noun" | the two nouns, half each, from every token |
 #
 # A match gives a score of $\beta/\sqrt{d_k}$ and a mismatch $0$; with $\beta = 8\sqrt{d_k}$ a
 # single match takes 99.8% of a row; a query with no match at all (the first token has no previous
@@ -796,9 +862,33 @@ with torch.no_grad():
 # %%
 out, attn = run_hand()
 nouns = [words.index("cat"), words.index("mat")]
-torch.testing.assert_close(attn[3][:, nouns].sum(-1), torch.ones(T), atol=1e-2, rtol=0)
+# every row splits its weight between the two nouns, e^8 / (2 e^8 + 4) = 0.4997 on each
+torch.testing.assert_close(attn[3][:, nouns], torch.full((T, 2), 0.5), atol=1e-3, rtol=0)
 torch.testing.assert_close(attn[3], attn[3][:1].expand(T, T))  # every row the same
-assert set(decode_block(out, 3)) <= {"cat", "mat"}
+# so block 3 holds half "cat" and half "mat" (decode_block's argmax would pick one of the two)
+half_each = torch.zeros(len(vocab))
+half_each[[vocab.index("cat"), vocab.index("mat")]] = 0.5
+block_3 = out[:, 3 * d_k : 3 * d_k + len(vocab)]  # (T, vocab)
+torch.testing.assert_close(block_3, half_each.expand(T, -1), atol=1e-3, rtol=0)
+
+# %% [markdown]
+# The split is what makes this check able to fail. A broken head 3 whose key forgets that "mat"
+# is a noun still puts nearly all of every row on the nouns, all of it on "cat": a check of the
+# weight on the two nouns together passes it, the check of the split stops it.
+
+# %%
+mat_channel = WORD + vocab.index("mat")
+with torch.no_grad():
+    Wk[3 * d_k, mat_channel] = 0.0  # break head 3: only "cat" is a noun
+try:
+    _, attn_cat_only = run_hand()
+finally:
+    with torch.no_grad():
+        Wk[3 * d_k, mat_channel] = 1.0  # mend it
+torch.testing.assert_close(attn_cat_only[3][:, nouns].sum(-1), torch.ones(T), atol=1e-2, rtol=0)
+assert not torch.allclose(attn_cat_only[3][:, nouns], torch.full((T, 2), 0.5), atol=1e-3, rtol=0)
+cat_weight, mat_weight = attn_cat_only[3][0, nouns].tolist()
+print(f"broken head 3, every row: {cat_weight:.3f} on cat, {mat_weight:.3f} on mat")
 
 # %% [markdown]
 # **Check** all four at once: the output keeps the previous and the next word in separate

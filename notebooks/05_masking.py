@@ -40,6 +40,7 @@ from matplotlib.colors import ListedColormap, PowerNorm
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from transformer_from_scratch.attention import scaled_dot_product_attention
@@ -256,14 +257,21 @@ no_mask = teacher_forced_accuracy(None)
 with_mask = teacher_forced_accuracy(causal_mask(T_tgt, device=device)[0, 0])
 print(f"teacher-forced accuracy of the peeking head: no mask {no_mask:.0%}, causal {with_mask:.0%}")
 assert no_mask == 1.0 and with_mask == 0.0
-# Under the mask every query's scores over the keys it may see (0..t) are all equal (all 0).
-peek_scores = Q_peek @ K_peek.T  # (T, T)
-assert all(torch.all(peek_scores[t, : t + 1] == peek_scores[t, 0]) for t in range(T_tgt))
+# Under the mask, query t spreads its weight evenly over the keys 0..t it may see.
+peek_mask = causal_mask(T_tgt, device=device)[0, 0]  # (T, T)
+_, peek_weights = scaled_dot_product_attention(
+    Q_peek.to(device), K_peek.to(device), V_peek.to(device), mask=peek_mask
+)  # (T, T)
+uniform = causal_mask(T_tgt)[0, 0] / torch.arange(1, T_tgt + 1).unsqueeze(1)  # (T, T): 1/(t+1) on 0..t
+torch.testing.assert_close(peek_weights.cpu(), uniform)
 
 # %% [markdown]
 # Without the mask, the head is perfect during training and useless when generating. With it, the
-# key it looks for is blocked, its scores over the visible keys are all equal (checked above, for
-# every query), and it can only average what came before.
+# key it looks for is blocked, its scores over the visible keys are all equal (all 0: the query
+# matches no key it may see), so its weights are uniform over them (checked above, for every
+# query), and it can only average what came before. Since the six tokens are distinct, that
+# average never names the answer, hence 0%. The 0% also tests `causal_mask`: a mask that let
+# query $t$ read key $t + 1$ as well would give 100% again.
 #
 # **Check:** the general property. With a causal mask, changing the token at position 5 leaves
 # the outputs at positions 0–4 exactly as they were; without the mask, every output moves.
@@ -500,7 +508,8 @@ plt.show()
 
 # %% [markdown]
 # The rows below the dotted line belong to padded *queries*. They still read the real keys, so
-# their outputs are finite but meaningless; nothing downstream uses them (section 5 checks this).
+# their outputs are finite but meaningless; nothing downstream uses them (section 5 checks this,
+# for this mask among others).
 #
 # **`causal_mask(T) & padding_mask(lengths, T)` is the decoder's self-attention mask: one `&`,
 # and broadcasting does the rest.**
@@ -668,21 +677,30 @@ assert torch.tensor(loss_naive_2).isnan()
 # %% [markdown]
 # ### What PyTorch's built-ins do: it depends on the version
 #
-# The built-ins have no single answer here. `F.scaled_dot_product_attention` returned NaN for such
-# a row up to torch 2.4 (pytorch/pytorch#103963). From torch 2.5 its reference ("math") kernel
-# uses a *safe* softmax that returns zeros for a row with no allowed key (the math-path change
-# is pytorch/pytorch#131844). The fused kernels that a GPU may pick do not go through that
-# softmax: the same stack of changes updated each of them separately (#131863, landed as
-# #133882), each in its own code, and a later version may change any of them again. `nn.MultiheadAttention`, when it returns the
-# attention weights (its default, `need_weights=True`), computes them with a plain softmax, as the
-# naive code above does. With `need_weights=False` it calls `F.scaled_dot_product_attention` and
-# passes whatever that returns through its output projection; a zero context comes out as
-# `out_proj(0)`, which is `out_proj.bias` (zero only while the bias keeps its initial value, so we
-# give it random values to tell the two apart).
+# The built-ins have no single answer here. `F.scaled_dot_product_attention` is one front end to
+# several kernels: a reference ("math") kernel written with ordinary tensor operations, and
+# fused kernels that do the whole computation in one pass, for GPUs and for the CPU as well. It
+# picks one from its inputs (device, dtype, shape, mask, ...). It returned NaN for such a row up
+# to torch 2.4 (pytorch/pytorch#103963). From torch 2.5 the math kernel uses a *safe* softmax
+# that returns zeros for a row with no allowed key (the math-path change is
+# pytorch/pytorch#131844). The fused kernels do not go through that softmax: the same stack of
+# changes updated each of them separately, in its own code (#131863, landed as #133882), and a
+# later version may change any of them again. The CPU is no exception: for 4-D inputs such as the
+# ones below, torch 2.13 (the version that stored this notebook) runs the CPU's fused flash
+# kernel, not the math one.
+#
+# `nn.MultiheadAttention`, when it returns the attention weights (its default,
+# `need_weights=True`), computes them with a plain softmax, as the naive code above does. With
+# `need_weights=False` it calls `F.scaled_dot_product_attention` and passes whatever that returns
+# through its output projection; a zero context comes out as `out_proj(0)`, which is
+# `out_proj.bias` (zero only while the bias keeps its initial value, so we give it random values
+# to tell the two apart).
 #
 # So the next cell only *shows* what the torch you are running does, on the CPU, with its version
 # number; its output is not compared when the notebook is tested, because it may differ on your
-# machine. `F.scaled_dot_product_attention` does not return its weights, but with $V = I$ the
+# machine. It asks `F.scaled_dot_product_attention` twice: once leaving the choice of kernel to
+# PyTorch, and once with the math kernel forced by `torch.nn.attention.sdpa_kernel`.
+# `F.scaled_dot_product_attention` does not return its weights, but with $V = I$ the
 # context *is* the weight matrix, so we can draw them. Its boolean `attn_mask` means "may attend",
 # like ours, so our mask goes in unchanged; `nn.MultiheadAttention`'s means the opposite
 # (section 6), hence the `~`. The cell after it asserts only what holds on every supported
@@ -714,9 +732,14 @@ with torch.no_grad():
     out_no_weights, _ = mha_empty(x_mha, x_mha, x_mha, attn_mask=mha_attn_mask, need_weights=False)
 bias = mha_empty.out_proj.bias.detach()
 
+with sdpa_kernel(SDPBackend.MATH):  # the reference kernel only
+    math_context = F.scaled_dot_product_attention(Q, K, V, attn_mask=square)  # (B, 1, T, d_k)
+
 print(f"torch {torch.__version__}, CPU; sequence 1, rows 4-5 (the queries with no key):")
 print("  F.scaled_dot_product_attention, context:           ",
       empty_row_answer(builtin_context[1, 0, 4:]))
+print("  the same, math kernel forced, context:             ",
+      empty_row_answer(math_context[1, 0, 4:]))
 print("  nn.MultiheadAttention, need_weights=True, weights: ", empty_row_answer(mha_weights[1, 4:]))
 print("  nn.MultiheadAttention, need_weights=True, output:  ", empty_row_answer(out_weights[1, 4:]))
 print("  nn.MultiheadAttention, need_weights=False, output: ",
@@ -774,7 +797,7 @@ plt.show()
 # Notebook 02 fixed the policy for the whole course: a query whose keys are all masked gets
 # attention weights of all zeros and a zero context vector, never NaN. The formula of section 1
 # has no value there ($0/0$), so any answer is a convention. Zeros are the natural one: a weighted
-# sum over no keys is an empty sum, which is 0; it is the choice the reference kernel of
+# sum over no keys is an empty sum, which is 0; it is the choice the math kernel of
 # `F.scaled_dot_product_attention` makes from torch 2.5 on; and, as the next subsection shows,
 # nothing downstream reads it.
 #
@@ -879,10 +902,11 @@ assert finite_grads["without step 2", "float"] == [False, False, True]  # step 2
 # Then the two places, one at a time. The loss: overwriting the logits at padded positions
 # changes neither the loss nor a gradient (that is `ignore_index` at work). A later layer: in
 # the two-layer model, add a large vector to the first layer's output at the padded positions;
-# the loss and every gradient must stay exactly as they were. We run that with two masks that
-# block padded keys, the section's causal one and the encoder's kind (padded queries and keys,
-# no causal mask), and with one that does not block them (padded queries only), where the
-# shift must get through. (With the causal mask the padded positions come after every real one,
+# the loss and every gradient must stay exactly as they were. We run that with three masks that
+# block padded keys, section 4's (causal and padded keys, whose padded queries still read real
+# keys), this section's square one and the encoder's kind (padded queries and keys, no causal
+# mask), and with one that does not block them (padded queries only), where the shift must get
+# through. (With the causal mask the padded positions come after every real one,
 # so causality alone already hides them; without it, the padding mask is what does.)
 
 # %%
@@ -910,6 +934,7 @@ print(f"loss: naive {loss_naive:.4f}, ours {loss_ours:.4f}; two layers of ours {
 # A later layer reads a padded position's output only as a key: move those outputs far away.
 shift = 100 * torch.randn(d_model, generator=torch.Generator().manual_seed(8))  # (d_model,)
 two_layer_masks = {  # (B, T, T), True = may attend
+    "causal, padded keys (section 4)": (causal_mask(T) & key_pad)[:, 0],
     "causal, padded queries and keys": square_2d,
     "padded queries and keys, no causal": (key_pad & query_pad)[:, 0],
     "padded queries only (keys not masked)": query_pad[:, 0].expand(-1, T, T),
@@ -923,6 +948,7 @@ for name, mask_2d in two_layer_masks.items():
 print("two layers, padded outputs of layer 1 shifted: largest change of the loss or a gradient")
 for name, change in shift_effect.items():
     print(f"  {name:<40}{change:.3g}")
+assert shift_effect["causal, padded keys (section 4)"] < 1e-6
 assert shift_effect["causal, padded queries and keys"] < 1e-6
 assert shift_effect["padded queries and keys, no causal"] < 1e-6
 assert shift_effect["padded queries only (keys not masked)"] > 1e-2  # the check can fail
@@ -945,9 +971,11 @@ torch.testing.assert_close(attn_big[1, 0, 4:], torch.full((2, T), 1 / T))  # uni
 torch.testing.assert_close(context_big[1, 0, 4:], V[1, 0].mean(dim=0).expand(2, d_k))
 try:
     torch.zeros(3, dtype=torch.float16).masked_fill(torch.ones(3, dtype=torch.bool), -1e9)
+except RuntimeError as err:  # the message is PyTorch's, and its wording may change
+    assert "overflow" in str(err)
+    print(f"float16: masked_fill(..., -1e9) raises {type(err).__name__} (overflow)")
+else:
     raise AssertionError("expected an overflow error")
-except RuntimeError as err:
-    print("float16:", err)
 print(attn_big[1, 0, 4:].round(decimals=4))
 
 # %% [markdown]
@@ -1120,8 +1148,8 @@ print("keys each new query sees: bottom-right", bottom_right.sum(dim=-1).flatten
 # $\operatorname{softmax}(x x^\top / \sqrt{d})\, x$, so it must agree with ours on $Q = K = V = x$,
 # outputs and weights, once its masks are flipped: `~combined` as `attn_mask`, or `~causal` plus
 # `~padding` as `key_padding_mask`. Passing our masks unflipped is not an error; it is silently
-# wrong. Where the flip leaves a row empty it is worse: the last query of a causal mask keeps
-# every key, so unflipped it keeps none, and gets whatever this torch gives an empty row
+# wrong. Where reading the mask the wrong way round leaves a row empty it is worse: the last
+# query of a causal mask keeps every key, so read as "True = blocked" it keeps none, and gets whatever this torch gives an empty row
 # (section 5).
 
 # %%

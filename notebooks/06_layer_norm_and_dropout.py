@@ -5,9 +5,10 @@
 # outputs, its gradients and its `state_dict`; an experiment that shows why a Transformer
 # normalises each token on its own rather than across the batch; inverted dropout and its
 # expectation-preserving scale; and a diagram of the three places the Transformer applies
-# dropout. Dropout is the identity at evaluation, so it changes nothing a trained model
-# computes. Layer norm stays in the function (it is not linear), but both are there mainly so
-# that a deep stack of blocks trains.
+# dropout. The two serve different ends: layer norm is there mainly so that a deep stack of
+# blocks trains at all, dropout so that it does not overfit. Dropout is the identity at
+# evaluation, so it changes nothing a trained model computes; layer norm stays in the function
+# (it is not linear).
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/06_layer_norm_and_dropout.ipynb) · Assumes: [00 · Setup](00_setup.ipynb); the attention of notebooks 01–03 helps for the last section.
 
@@ -92,7 +93,11 @@ BATCH_NORM_COLOR = "#8c564b"  # brown: not a part of the Transformer, only compa
 # Transformer put it around every sub-layer.
 #
 # The drift is easy to see. Below, a 32-layer stack of `Linear` + ReLU with He-initialised
-# weights scaled by a gain: 0.8 (a little too small) and 1.2 (a little too large). He
+# weights scaled by a gain: 0.8 (a little too small) and 1.2 (a little too large). It is a plain
+# stack, *without* the residual connections a Transformer block has: there each layer adds its
+# output to a stream that carries its input past it, so the signal does not vanish like $0.8^l$;
+# the stream grows instead, which notebook 08 measures. The plain stack shows the drift in its
+# simplest form. He
 # initialisation keeps the root-mean-square (RMS) of a unit-RMS input at 1, so each such layer
 # multiplies the RMS by about its gain. We record the RMS of each layer's *output*. With no
 # normalisation the factors compound, and the RMS changes geometrically with depth, like
@@ -205,6 +210,8 @@ from transformer_from_scratch.checks import check_bool, check_float, check_int, 
 # The parameters are called `weight` ($\gamma$) and `bias` ($\beta$), the names `nn.LayerNorm`
 # uses, so a `state_dict` moves between the two unchanged. The constructor refuses values that
 # would only fail later, or silently: a width below 1, a non-positive or infinite $\epsilon$.
+# Its third argument, `fast`, is a switch that notebook 14 uses: it selects PyTorch's fused
+# kernel for the same function (below, after the forward pass).
 
 # %%
 #| export
@@ -234,6 +241,9 @@ class LayerNorm(nn.Module):
 # The forward pass is the formula, line by line. The statistics keep their reduced axis
 # (`keepdim=True`) so they broadcast back over the $D$ features; $\gamma$ and $\beta$, of shape
 # $(D,)$, broadcast over every leading dimension, so any input shaped $(\ldots, D)$ works.
+# The input checks at the top run only while `checking()` (notebook 00) is true: a block that
+# has checked its input once runs its parts inside `validated()`, which switches them off, so the
+# same tensor is not checked again by every layer it passes.
 # With `fast=True` (notebook 14's fast path) the module computes the same function with PyTorch's
 # one fused kernel, `F.layer_norm`, instead of the five operations: equal to float32 rounding
 # (checked below), not bit for bit.
@@ -290,8 +300,10 @@ def output_and_grads(norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ..
     return y.detach(), x.grad, norm.weight.grad, norm.bias.grad
 
 
-print(ours)
-print(reference)
+print(ours, "| state_dict:", list(ours.state_dict()))
+# the attributes we rely on, not nn.LayerNorm's repr (whose fields vary across torch versions)
+print(f"nn.LayerNorm(normalized_shape={reference.normalized_shape}, eps={reference.eps}) "
+      "| state_dict:", list(reference.state_dict()))
 
 # %% [markdown]
 # The two compute the same formula in different orders (PyTorch's kernel accumulates the mean and
@@ -306,21 +318,31 @@ for name, (a, b) in parity.items():
     print(f"{name:10} largest |ours - nn.LayerNorm| = {(a - b).abs().max().item():.1e}")
 
 # %% [markdown]
-# **Check:** outputs and all three gradients agree to float32 tolerance. So do those of the same
+# **Check:** outputs and all three gradients agree to within $10^{-5}$, relative and absolute,
+# the tolerance of our float32 parity tests (`assert_close`'s own float32 defaults are tighter in
+# relative terms: $1.3 \cdot 10^{-6}$ relative, $10^{-5}$ absolute). So do those of the same
 # module with its `fast` switch on (notebook 14), which hands the work to `F.layer_norm`.
 #
 # That tolerance is too loose for one of the three details above. Moving $\epsilon$ outside the
 # square root, $(x - \mu)/(\sigma + \epsilon)$, multiplies a token's $\hat{x}$ by
 # $\sqrt{\sigma^2 + \epsilon}/(\sigma + \epsilon) \approx 1 - \frac{\epsilon}{\sigma}\bigl(1 - \frac{1}{2\sigma}\bigr)$,
 # a relative change of at most $\epsilon/2 = 5 \cdot 10^{-6}$ (reached at $\sigma = 1$) for
-# every token with $\sigma \ge 1/2$. That is inside float32's relative tolerance of $10^{-5}$,
-# so a float32 comparison of $\hat{x}$ cannot see it. (We compare $\hat{x}$, before $\gamma$
-# and $\beta$: on $y = \gamma\hat{x} + \beta$ the same absolute change is judged relative to
-# $|y|$, which is small wherever $\beta$ nearly cancels $\gamma\hat{x}$, so whether a float32
-# test of $y$ misses the mistake would depend on the random draw.) So the comparison is repeated
-# in float64, where two correct implementations agree to about $10^{-15}$ and `assert_close` can
-# use its float64 defaults ($10^{-7}$ relative and absolute). There the misplaced $\epsilon$
-# fails, shown on a copy of the formula with that mistake.
+# every token with $\sigma \ge 1/2$. Whether a comparison of $\hat{x}$ sees that depends on its
+# tolerance:
+#
+# | comparison of $\hat{x}$ | tolerance (relative, absolute) | $\epsilon$ outside the root |
+# |---|---|---|
+# | float32, our parity test | $10^{-5}$, $10^{-5}$ | missed on every draw: the change is below the relative tolerance |
+# | float32, `assert_close`'s defaults | $1.3 \cdot 10^{-6}$, $10^{-5}$ | up to chance: caught only where a token with $\sigma$ near 1 has an entry with $\lvert\hat{x}_i\rvert$ above about 2.7, so that $5 \cdot 10^{-6}\lvert\hat{x}_i\rvert$ exceeds $10^{-5} + 1.3 \cdot 10^{-6}\lvert\hat{x}_i\rvert$ |
+# | float64, `assert_close`'s defaults | $10^{-7}$, $10^{-7}$ | caught: the relative change reaches $5 \cdot 10^{-6}$, 50 times the relative tolerance |
+#
+# So the comparison is repeated in float64, where two correct implementations agree to about
+# $10^{-15}$; there the misplaced $\epsilon$ fails, shown on a copy of the formula with that
+# mistake. The cell also counts, over 200 fresh draws of $x$, how often the float32 defaults
+# would have caught it. (We compare $\hat{x}$, before $\gamma$ and $\beta$: on
+# $y = \gamma\hat{x} + \beta$ the same absolute change is judged relative to $|y|$, which is
+# small wherever $\beta$ nearly cancels $\gamma\hat{x}$; a float32 test of $y$ would depend on
+# the draw even more.)
 
 # %%
 for name, (a, b) in parity.items():
@@ -345,11 +367,26 @@ def layer_norm_eps_outside(x, weight, bias, eps=1e-5):
 with torch.no_grad():  # x_hat only: gamma = 1, beta = 0
     misplaced, correct = layer_norm_eps_outside(x64, 1.0, 0.0), F.layer_norm(x64, (d_model,))
 assert not torch.allclose(misplaced, correct, rtol=1e-7, atol=1e-7)  # float64: caught
-assert torch.allclose(misplaced.float(), correct.float(), rtol=1e-5, atol=1e-5)  # float32's tolerance: missed
+assert torch.allclose(misplaced.float(), correct.float(), rtol=1e-5, atol=1e-5)  # our float32 test: missed
 token_std = x64.std(dim=-1, unbiased=False)  # (B, T)
 print(f"eps outside the square root: largest relative change of x_hat "
       f"{((misplaced - correct) / correct).abs().max().item():.1e} (eps/2 = 5.0e-06); "
       f"token std from {token_std.min().item():.2f} to {token_std.max().item():.2f}")
+
+# assert_close's float32 defaults (rtol 1.3e-6, atol 1e-5) on 200 fresh draws of x
+eps_draws = torch.Generator().manual_seed(0)  # a stream of its own: `generator` is left as it was
+caught_by_default = 0
+for _ in range(200):
+    x_draw = torch.randn(B, T, d_model, generator=eps_draws, dtype=torch.float64)  # (B, T, D)
+    with torch.no_grad():
+        misplaced_32 = layer_norm_eps_outside(x_draw, 1.0, 0.0).float()
+        correct_32 = F.layer_norm(x_draw, (d_model,)).float()
+    assert torch.allclose(misplaced_32, correct_32, rtol=1e-5, atol=1e-5)  # missed every time
+    caught_by_default += not torch.allclose(misplaced_32, correct_32, rtol=1.3e-6, atol=1e-5)
+on_this_draw = not torch.allclose(misplaced.float(), correct.float(), rtol=1.3e-6, atol=1e-5)
+assert 0 < caught_by_default < 200  # sometimes caught, sometimes not: up to chance
+print(f"float32 at assert_close's defaults: caught in {caught_by_default} of 200 fresh draws; "
+      f"on this notebook's draw: {'caught' if on_this_draw else 'missed'}")
 
 
 # %% [markdown]
@@ -397,7 +434,8 @@ for D in widths:
     x_D = torch.randn(256, D, generator=generator)  # (N, D)
     with torch.no_grad():
         mistaken, builtin = layer_norm_unbiased(x_D), nn.LayerNorm(D)(x_D)
-    measured.append(1 - (mistaken.abs().sum() / builtin.abs().sum()).item())
+    # the sums in float64: a float32 ratio near 1 moves in steps of 6e-8, enough to flip a digit
+    measured.append(1 - (mistaken.double().abs().sum() / builtin.double().abs().sum()).item())
     assert not torch.allclose(mistaken, builtin, rtol=1e-5, atol=1e-5), D  # caught
     assert_close(LayerNorm(D)(x_D), builtin, rtol=1e-5, atol=1e-5)  # ours passes
 predicted = [1 - math.sqrt((D - 1) / D) for D in widths]
@@ -443,12 +481,18 @@ print("mean after:    ", [round(abs(m), 4) for m in mean_out.tolist()])
 print("variance after:", [round(v, 4) for v in var_out.tolist()])
 
 # %% [markdown]
-# **Check:** per-token mean 0, per-token variance exactly $\sigma^2/(\sigma^2+\epsilon)$, and a
-# constant token comes out as $\beta$, not NaN.
+# **Check:** per-token mean 0; per-token variance $\sigma^2/(\sigma^2+\epsilon)$ up to float32
+# rounding; and a constant token comes out as $\beta$, not NaN. The variance check can tell
+# $\sigma^2/(\sigma^2+\epsilon) = 1 - \epsilon/(\sigma^2+\epsilon)$ from 1 only for the two narrow
+# tokens (spreads 0.5 and 0.2: 0.9999 and 0.9998 above), and the cell shows that a variance of
+# exactly 1 would fail there. For the wide token (spread 3) the difference from 1 is about
+# $10^{-6}$, below what a float32 comparison resolves.
 
 # %%
 assert_close(mean_out, torch.zeros(3), atol=1e-5, rtol=0)
 assert_close(var_out, var_in / (var_in + 1e-5))
+narrow = [0, 2]  # spreads 0.5 and 0.2: the check resolves their sigma^2 / (sigma^2 + eps) ...
+assert not torch.allclose(var_out[narrow], torch.ones(2), rtol=1.3e-6, atol=1e-5)  # ... so 1 fails
 constant_norm = LayerNorm(D_show)
 with torch.no_grad():
     constant_norm.bias.copy_(torch.randn(D_show, generator=generator))
@@ -669,12 +713,14 @@ try:
     single_token_error = None
 except ValueError as err:
     single_token_error = err
-print("BatchNorm on a single token:", single_token_error)
+# the type only: the wording of the message is PyTorch's and may change between versions
+print("BatchNorm on a single token in training mode raises", type(single_token_error).__name__)
 
 # %% [markdown]
 # **Check:** padding and the mode change batch norm's output for real tokens and leave layer
 # norm's as it was (bit for bit on the CPU; within float32 rounding on a GPU, whose kernels may
-# group the sums differently for another shape); batch norm refuses a batch of one. For layer
+# group the sums differently for another shape); batch norm refuses a batch of one (PyTorch 2.13
+# says "Expected more than 1 value per channel when training": one value has no variance). For layer
 # norm the mode half is a demonstration, not a test: our `forward` never reads
 # `self.training`, so its two outputs are equal by construction.
 
@@ -802,8 +848,8 @@ colorbar = fig.colorbar(image, ax=axes[0], ticks=[0.25, 0.75])
 colorbar.ax.set_yticklabels(["dropped\n(0)", "kept\n(x / (1-p))"])
 axes[1].plot(steps, running_inverted, color="0.2", label="inverted: mask / (1 - p)")
 axes[1].plot(steps, running_plain, color=COLORS["accent"], label="mask only")
-axes[1].axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-axes[1].axhline(1 - p, color="black", linewidth=0.8, linestyle=":")
+axes[1].axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="$x_i = 1$ (evaluation)")
+axes[1].axhline(1 - p, color="black", linewidth=0.8, linestyle=":", label=f"$(1 - p)\\,x_i = {1 - p:g}$")
 axes[1].set_xscale("log")
 axes[1].set_ylim(0.6, 1.4)
 axes[1].set_xlabel("number of draws (log scale)")
@@ -838,8 +884,10 @@ plt.show()
 #    moved the library to pre-norm (`layer_preprocess_sequence = "n"`). PyTorch's layers
 #    (`nn.MultiheadAttention(dropout=...)`, which `nn.TransformerEncoderLayer` gives its one
 #    `dropout` rate), `F.scaled_dot_product_attention(dropout_p=...)` and this course's
-#    `scaled_dot_product_attention` (notebooks 02–03) all offer it; its rate is a choice,
-#    0.1 in PyTorch's layers and in tensor2tensor's v2 settings, 0 in the paper-era ones.
+#    `scaled_dot_product_attention` (notebooks 02–03) all offer it; its rate is a choice. By
+#    default it is 0.1 in `nn.Transformer` and its encoder and decoder layers, but 0 in
+#    `nn.MultiheadAttention` and `F.scaled_dot_product_attention` used on their own; 0.1 in
+#    tensor2tensor's v2 settings, 0 in the paper-era ones.
 # 3. **On the output of every sub-layer** (attention or feed-forward), before it is added to the
 #    residual stream. In the paper, $P_{\text{drop}} = 0.1$. The residual path itself is never
 #    dropped.
@@ -874,11 +922,11 @@ stream_x, branch_x, inner_x = 2.5, 5.6, 8.9  # residual stream, sub-layer branch
 drop, norm = PART_COLORS["dropout"], PART_COLORS["layer_norm"]
 
 # bottom of the stack: embeddings + positional encodings, then dropout (1)
-draw_box(ax, (1.35, 0.4), "token embedding", PART_COLORS["embedding"], width=2.5, text_color="black")
-draw_box(ax, (4.0, 0.4), "positional encoding", PART_COLORS["positional"], width=2.6, text_color="black")
+draw_box(ax, (1.3, 0.4), "token embedding", PART_COLORS["embedding"], width=2.3, text_color="black")
+draw_box(ax, (4.05, 0.4), "positional encoding", PART_COLORS["positional"], width=2.6, text_color="black")
 draw_add(ax, (stream_x, 1.35))
-draw_arrow(ax, (1.35, 0.71), (stream_x - 0.16, 1.2))
-draw_arrow(ax, (4.0, 0.71), (stream_x + 0.16, 1.2))
+draw_arrow(ax, (1.3, 0.71), (stream_x - 0.16, 1.2))
+draw_arrow(ax, (4.05, 0.71), (stream_x + 0.16, 1.2))
 draw_box(ax, (stream_x, 2.2), "Dropout (1)", drop, width=1.7, text_color="black")
 draw_arrow(ax, (stream_x, 1.57), (stream_x, 1.89))
 
@@ -921,8 +969,8 @@ ax.add_patch(FancyBboxPatch((0.55, 2.75), 9.85, 7.95, boxstyle="round,pad=0.05,r
 ax.text(10.3, 10.55, "one pre-norm encoder block", ha="right", va="top", fontsize=9, color="0.35")
 legend_text = ("(1) on the sum of embeddings and positional encodings:\n"
                "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)\n"
-               "(2) on the attention weights: not in the paper; an implementation's\n"
-               "     choice (0.1 in PyTorch's layers)\n"
+               "(2) on the attention weights: not in the paper; an implementation's choice\n"
+               "     (default 0.1 in nn.Transformer's layers, 0 in nn.MultiheadAttention)\n"
                "(3) on each sub-layer's output, before the residual add:\n"
                "     $P_{drop}$ = 0.1 in the base model (Vaswani et al., 2017, §5.4)")
 ax.text(0.2, -0.55, legend_text, ha="left", va="top", fontsize=9, linespacing=1.5,
@@ -967,11 +1015,40 @@ sublayer.eval()
 embed_dropout.eval()
 with torch.no_grad():
     eval_a, eval_b = sublayer(embed_dropout(embeddings)), sublayer(embed_dropout(embeddings))
-print("train: two passes differ:", not torch.equal(train_a, train_b))
-print("eval:  two passes equal: ", torch.equal(eval_a, eval_b))
+print("with dropout (1), train: two passes differ:", not torch.equal(train_a, train_b))
+print("with dropout (1), eval:  two passes equal: ", torch.equal(eval_a, eval_b))
+
+
+def train_passes_differ(module: nn.Module) -> bool:
+    """Do two training-mode passes of `module` over the same embeddings differ?"""
+    module.train()
+    with torch.no_grad():
+        return not torch.equal(module(embeddings), module(embeddings))
+
+
+only_weights = copy.deepcopy(sublayer)
+only_weights.dropout = nn.Dropout(0.0)  # (3) off: only (2), on the attention weights, is left
+only_output = copy.deepcopy(sublayer)
+only_output.attn.dropout = 0.0  # (2) off: only (3), on the sub-layer's output, is left
+no_dropout = PreNormSelfAttention(d_model=32, num_heads=4, dropout_p=0.0).to(device)  # broken
+sublayer_alone = {
+    "(2) and (3)": train_passes_differ(sublayer),
+    "(2) only": train_passes_differ(only_weights),
+    "(3) only": train_passes_differ(only_output),
+    "none": train_passes_differ(no_dropout),
+}
+sublayer.eval()  # leave it in evaluation mode, as above
+for sites, differ in sublayer_alone.items():
+    print(f"sub-layer alone, dropout {sites:11}: two training passes differ: {differ}")
 
 # %% [markdown]
-# **Check:** training passes are random and evaluation passes deterministic.
+# **Check:** training passes are random and evaluation passes deterministic. The first line
+# alone would prove little about the sub-layer: dropout (1) draws a new mask on the embeddings
+# for each pass, so the two passes would differ even through a sub-layer without any dropout.
+# The next lines therefore give the sub-layer the same embeddings twice. Its two training passes
+# differ with both its dropouts on, with only (2) on the attention weights, and with only (3) on
+# its output, so each site draws a mask of its own; and a copy built without dropout, the broken
+# variant this check must reject, gives two equal passes.
 #
 # A *demonstration*, not a test: with the sub-layer's output dropout at $p = 1$ the sub-layer
 # returns its input exactly, because dropout acts on the branch and never on the residual path.
@@ -997,6 +1074,8 @@ print("eval:  two passes equal: ", torch.equal(eval_a, eval_b))
 # %%
 assert not torch.equal(train_a, train_b)
 assert torch.equal(eval_a, eval_b)
+assert sublayer_alone["(2) and (3)"] and sublayer_alone["(2) only"] and sublayer_alone["(3) only"]
+assert not sublayer_alone["none"]  # a sub-layer without dropout fails the check above
 
 all_dropped = PreNormSelfAttention(d_model=32, num_heads=4, dropout_p=0.0).to(device).train()
 all_dropped.dropout = nn.Dropout(1.0)  # zero the whole sub-layer output

@@ -135,7 +135,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 # approximation?
 
 # %%
-xs = torch.linspace(-6, 6, 2401, dtype=torch.float64)  # step 0.005
+xs = torch.arange(-1200, 1201, dtype=torch.float64) * 0.005  # -6 to 6, step 0.005, x = 0 exactly
 assert_close(gelu_exact(xs), F.gelu(xs))
 assert_close(gelu_tanh(xs), F.gelu(xs, approximate="tanh"))
 assert isinstance(get_activation("relu"), nn.ReLU) and isinstance(get_activation("gelu"), nn.GELU)
@@ -158,8 +158,10 @@ assert -0.18 < gelu_exact(xs).min() < -0.16
 # The derivatives tell the real difference. ReLU's gradient is a step: exactly zero for every
 # negative input, so a unit whose pre-activation is negative for all inputs stops learning (a
 # "dead" unit). GELU's derivative, $\Phi(x) + x\,\varphi(x)$ with $\varphi$ the normal density, is
-# smooth and slightly negative below $x \approx -0.75$. **Check:** autograd agrees with both
-# derivatives.
+# smooth and slightly negative below $x \approx -0.75$. At $x = 0$ ReLU has no derivative, and
+# PyTorch's autograd takes it to be 0; the grid holds $x = 0$ exactly, so the check covers that
+# point too, and a ReLU written with `t >= 0`, whose autograd derivative at 0 is 1, fails it.
+# **Check:** autograd agrees with both derivatives.
 
 # %%
 def derivative(fn, x: torch.Tensor) -> torch.Tensor:
@@ -171,7 +173,17 @@ def derivative(fn, x: torch.Tensor) -> torch.Tensor:
 normal_pdf = torch.exp(-0.5 * xs**2) / math.sqrt(2 * math.pi)
 normal_cdf = 0.5 * (1 + torch.erf(xs / math.sqrt(2)))
 assert_close(derivative(F.gelu, xs), normal_cdf + xs * normal_pdf)
-assert_close(derivative(F.relu, xs), (xs > 0).double())  # PyTorch takes ReLU'(0) = 0
+assert_close(derivative(F.relu, xs), (xs > 0).double())  # PyTorch takes ReLU'(0) = 0 ...
+assert (xs == 0).sum() == 1 and derivative(F.relu, xs)[xs == 0].item() == 0.0  # ... on the grid
+
+
+def relu_one_at_zero(t: torch.Tensor) -> torch.Tensor:
+    """The same function as ReLU, but with ReLU'(0) = 1: the check above must reject it."""
+    return torch.where(t >= 0, t, torch.zeros_like(t))
+
+
+assert torch.equal(relu_one_at_zero(xs), F.relu(xs))  # equal values ...
+assert not torch.allclose(derivative(relu_one_at_zero, xs), (xs > 0).double())  # ... caught at 0
 print("GELU'(-2), GELU'(0), GELU'(2):",
       [round(v, 4) for v in derivative(F.gelu, torch.tensor([-2.0, 0.0, 2.0])).tolist()])
 
@@ -400,15 +412,10 @@ plt.show()
 # have. `nn.Conv1d` wants channels before time, `(B, d_model, T)`, and stores its kernel as
 # `(out, in, 1)`. A demonstration (it holds for any such pair of layers, not only ours): with
 # the FFN's weights copied in, the convolutional version gives the same outputs and the same
-# gradients.
-#
-# "The same numbers" needs one precaution on a GPU. On NVIDIA GPUs since Ampere (A100, RTX 30xx
-# and newer), PyTorch lets cuDNN run float32 convolutions in TF32 by default, a format with a
-# 10-bit mantissa whose results differ from float32 by about $10^{-3}$; float32 matrix products
-# do not use it unless asked to. So the comparison runs with TF32 switched off for both, and
-# switched back as it was afterwards. (On a CPU the two flags change nothing.) The gradients are
-# computed with `torch.autograd.grad`, which returns them instead of adding them to `.grad`, so
-# running the cell again gives the same numbers.
+# gradients. They are computed with `torch.autograd.grad`, which returns them instead of adding
+# them to `.grad`, so running the cell again gives the same numbers. (The comparison runs inside
+# `with full_float32():`, which matters only on recent NVIDIA GPUs; the note after the check
+# says why.)
 
 # %%
 conv_ffn = nn.Sequential(
@@ -447,6 +454,14 @@ print("1x1 convolution == position-wise FFN (outputs and gradients)")
 
 
 # %% [markdown]
+# *A note for GPU readers: `full_float32()`.* On NVIDIA GPUs since Ampere (A100, RTX 30xx and
+# newer), PyTorch lets cuDNN run float32 convolutions in TF32 by default, a format with a 10-bit
+# mantissa whose results differ from float32 by about $10^{-3}$; float32 matrix products do not
+# use it unless asked to. So the comparison switches TF32 off for both and switches it back as
+# it was afterwards. On a CPU, and on older GPUs, the two flags change nothing. (Some CUDA builds of
+# PyTorch, 2.9 for one, warn once that these `allow_tf32` flags will be deprecated in favour of
+# newer `fp32_precision` settings; the flags still take effect there.)
+#
 # **A position-wise FFN is a pair of kernel-size-1 convolutions: same weights, same numbers.**
 #
 # ## Where the parameters live
@@ -742,16 +757,22 @@ assert num_params(GatedFeedForward(768, 2048)) == num_params(feed_forward(768, 3
 # What a single hidden unit computes, as a function of its two pre-activations $a = x\cdot w$ (the
 # gate) and $b = x\cdot v$ (the linear reading). A ReLU unit only sees $a$ and is either off or
 # linear in it; a SwiGLU unit is a product, positive or negative depending on both readings.
+# The black lines mark where the output is 0: for ReLU the edge $a = 0$ of the half-plane where
+# the unit is off, for SwiGLU the two lines $a = 0$ and $b = 0$ along which the product changes
+# sign.
 
 # %% jupyter={"source_hidden": true}
 grid = torch.linspace(-3, 3, 241)
 a, b = torch.meshgrid(grid, grid, indexing="xy")  # a varies along x, b along y: (241, 241)
 surfaces = [("ReLU unit: ReLU(a)", F.relu(a)), ("SwiGLU unit: SiLU(a) · b", F.silu(a) * b)]
+zero_labels = ["edge of output = 0 (all $a \\leq 0$)", "output = 0"]  # what the black lines are
 fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.2), layout="constrained")
 limit = max(z.abs().max().item() for _, z in surfaces)  # one colour scale for both panels
-for ax, (title, z) in zip(axes, surfaces, strict=True):
+for ax, (title, z), zero_label in zip(axes, surfaces, zero_labels, strict=True):
     image = ax.imshow(z, origin="lower", extent=(-3, 3, -3, 3), cmap="RdBu_r", vmin=-limit, vmax=limit)
     ax.contour(a, b, z, levels=[0], colors="black", linewidths=0.8)
+    ax.plot([], [], color="black", linewidth=0.8, label=zero_label)  # the contour's legend entry
+    ax.legend(loc="upper left", fontsize=9)
     ax.set(title=title, xlabel="gate pre-activation $a = x \\cdot w$",
            ylabel="linear reading $b = x \\cdot v$")
 fig.colorbar(image, ax=axes, fraction=0.046, label="unit output (same scale in both panels)")

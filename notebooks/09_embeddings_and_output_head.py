@@ -297,8 +297,10 @@ assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every
 #    of this notebook), its rows must be small, $\mathcal{N}(0, 1/d_\text{model})$, for the logits
 #    $h_t \cdot E_v$ to start at unit scale. The multiply then brings those small rows back to
 #    unit-scale entries at the input.
-# 2. **A different step size.** Adam changes every entry of a parameter by about the learning
-#    rate per step, whatever the size of its gradient. Through the multiply, the same change of
+# 2. **A different step size.** Adam changes every entry of a parameter by a step of the order
+#    of the learning rate, whatever the size of its gradient: by exactly the learning rate on the
+#    first step, by less later where the gradient's sign keeps changing (notebook 08 measures
+#    both). Through the multiply, the same change of
 #    $E$ moves the input $\sqrt{d_\text{model}}$ times more (11 times at $d_\text{model} = 128$).
 #    Two set-ups that start out identical therefore train differently.
 #
@@ -612,7 +614,7 @@ for bad in bad_inputs:
 # nothing.
 
 # %%
-set_seed(0)  # weights, then inputs, from one stream: this cell alone fixes them (a generator seeded 0 would repeat the weights' draws)
+set_seed(0)  # seeded here, so that this cell alone fixes its weights and inputs (both from the global stream)
 out_proj = nn.Linear(d_model, V).to(device)
 final_norm = LayerNorm(d_model).to(device)
 h_dec = final_norm(torch.randn(B, T_max + 1, d_model).to(device))  # (B, T_tgt, d), drawn on the CPU
@@ -916,8 +918,8 @@ plt.show()
 #    outputs, starts close to $\log 12$ (notebook 11's first logged loss should be close to it),
 #    explain why PyTorch's `nn.Linear` initialisation makes that so, and predict how far above.
 # 3. **Log-sum-exp by hand.** Write `log_softmax` with the max-shift of the formula above and
-#    check it against `F.log_softmax` on random logits and on the margin-120 example, in
-#    float32 and float16.
+#    check it against `F.log_softmax` on random logits, on the margin-120 example and on the
+#    same margin shifted up, logits $(1000, 880)$, in float32 and float16.
 #
 # **Solutions.**
 #
@@ -968,12 +970,22 @@ assert logit_var < 0.5 and abs(excess - logit_var / 2) < 0.07  # small logits; t
 # %% [markdown]
 # 3. Subtract the row maximum before exponentiating: the largest exponent is then $e^0 = 1$, so
 #    the sum is at least 1 and its log is finite, and every $z_v - m$ is kept as it is rather
-#    than passed through $\exp$ and $\log$.
+#    than passed through $\exp$ and $\log$. The margin-120 example $(0, -120)$ cannot tell
+#    whether the shift is there, since its maximum is already 0; nor can the float32 random logits
+#    (ten times a standard normal, so a few tens at most), whose exponentials stay far below
+#    float32's largest number, about $e^{88}$. The shifted example $(1000, 880)$ can: without the
+#    shift, $e^{1000}$ overflows to $\infty$ in both formats and the result is $-\infty$. The cell
+#    shows that formula failing there.
 
 # %%
 def my_log_softmax(z: torch.Tensor) -> torch.Tensor:
     m = z.max(dim=-1, keepdim=True).values  # (..., 1)
     return z - m - torch.log(torch.exp(z - m).sum(dim=-1, keepdim=True))  # (..., V)
+
+
+def unshifted_log_softmax(z: torch.Tensor) -> torch.Tensor:
+    """The mistake: the formula without the max-shift."""
+    return z - torch.log(torch.exp(z).sum(dim=-1, keepdim=True))  # (..., V)
 
 
 for dtype in (torch.float32, torch.float16):
@@ -982,7 +994,11 @@ for dtype in (torch.float32, torch.float16):
     assert_close(my_log_softmax(z_rand), F.log_softmax(z_rand, dim=-1), **tol)
     extreme = torch.tensor([[0.0, -120.0]], device=device, dtype=dtype)
     assert my_log_softmax(extreme)[0, 1].item() == -120.0
-print("my_log_softmax matches F.log_softmax, and gives -120 at the margin-120 example")
+    shifted = torch.tensor([[1000.0, 880.0]], device=device, dtype=dtype)  # the same margin, shifted up
+    assert my_log_softmax(shifted).tolist() == [[0.0, -120.0]]
+    assert unshifted_log_softmax(shifted).tolist() == [[-math.inf, -math.inf]]  # the mistake, caught
+print("my_log_softmax matches F.log_softmax, and gives (0, -120) at (0, -120) and at (1000, 880);"
+      " without the shift, (1000, 880) gives (-inf, -inf)")
 
 # %% [markdown]
 # ## Appendix: how many digits softmax-then-log loses

@@ -45,7 +45,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from transformer_from_scratch.checks import (
-    check_bool, check_broadcast, check_choice, check_int, check_probability, check_tensor, checking, validated,
+    check_bool, check_choice, check_int, check_mask, check_probability, check_tensor, checking, validated,
 )
 from typing import Protocol, runtime_checkable
 
@@ -215,9 +215,9 @@ print(f"encoder {tuple(enc_out.shape)}, decoder {tuple(dec_out.shape)}: blocks i
 # then brings it back to RMS 1, which again confirms only that the norm is there.
 
 # %%
-set_seed(0)
+g = set_seed(0)  # the weights and the input both drawn afresh: the cell prints the same on a rerun
 deep = Encoder(6, 128, 4, 512, dropout_p=0.0).to(device)
-x_in = torch.randn(8, 16, 128, generator=generator).to(device)  # (B, T, d): RMS 1
+x_in = torch.randn(8, 16, 128, generator=g).to(device)  # (B, T, d): RMS 1
 rms = [x_in.pow(2).mean().sqrt().item()]
 with torch.no_grad():
     stream = x_in
@@ -275,8 +275,9 @@ print(f"plain list: {num_params(bad):,} parameters, {len(bad.state_dict())} stat
 # %% [markdown]
 # **Check:** the `ModuleList` stack owns its 3 blocks' parameters plus the final norm's and names
 # them `layers.0...`; the plain list owns only the norm's. And `.to()` moves only what it can
-# see: after `.double()`, the `ModuleList` stack runs in float64, while the list's blocks are
-# still float32 and the forward pass fails.
+# see: `.to(device)`, `.to(dtype)` and `.double()` all walk the registered submodules, and a
+# change of dtype shows it without a GPU. After `.double()`, the `ModuleList` stack runs in
+# float64, while the list's blocks are still float32 and the forward pass fails.
 
 # %%
 assert num_params(good) == small["num_layers"] * block_params + 2 * d_small
@@ -392,12 +393,12 @@ class TransformerConfig:
 # inside an attention layer. The model checks its inputs **once**, where they enter, and then runs
 # its layers inside notebook 00's `validated()`, so that the embeddings, the stacks, the blocks
 # and the attention layers, each of which checks its inputs when it is called on its own, do not
-# check the same tensors again. Two helpers do the checks the three methods share: a batch of
-# ids must hold ids of the vocabulary and fit the positional table, and a mask must be bool
-# (True = may attend) or floating (added to the scores). The second repeats the attention
-# layer's own dtype check (notebook 02), which `validated()` turns off: without it an integer
-# 0/1 mask, such as `(src != PAD).long()`, would pass, and attention would add its 0s and 1s to
-# the scores, masking nothing.
+# check the same tensors again. So the door must check everything those layers would have: a
+# batch of ids must hold ids of the vocabulary and fit the positional table (the helper below),
+# and each mask must pass notebook 00's `check_mask`, the same check the attention layers make
+# (bool or floating, and the right shape). Leaving out its dtype half would let an integer 0/1
+# mask such as `(src != PAD).long()` through: attention would add its 0s and 1s to the scores,
+# masking nothing.
 
 # %%
 #| export
@@ -410,15 +411,6 @@ def _check_tokens(name: str, tokens: torch.Tensor, vocab_size: int, max_len: int
         raise ValueError(
             f"{name} has {where}, beyond the model's max_len={max_len} "
             "(the rows of its positional encoding)"
-        )
-
-
-def _check_mask_dtype(name: str, mask: torch.Tensor | None) -> None:
-    """Raise a TypeError unless mask is None, bool (True = may attend) or floating (added)."""
-    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"{name} must be bool (True = may attend) or floating (added to the scores), "
-            f"got dtype {mask.dtype}"
         )
 
 
@@ -485,8 +477,7 @@ def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> tor
     if checking():
         _check_tokens("src", src, self.src_embed.num_embeddings, self.max_len)
         B, T_src = src.shape
-        check_broadcast("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T, T)")
-        _check_mask_dtype("src_mask", src_mask)
+        check_mask("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T, T)")
     with validated():  # the layers below need not check again
         x = embed_tokens(self.src_embed, src, "src")  # (B, T_src) -> (B, T_src, d_model), * sqrt(d)
         return self.encoder(self.pos(x), mask=src_mask)  # + PE, then N blocks and the final norm
@@ -523,10 +514,8 @@ def decode(
         (B, T_tgt), h, T_src = tgt.shape, self.num_heads, enc_out.shape[1]
         if offset > 0 and T_tgt > 1 and self_mask is None:
             raise ValueError("several new tokens after cached ones need a (causal) self_mask")
-        check_broadcast("self_mask", self_mask, (B, h, T_tgt, offset + T_tgt), "(B, h, T, T_k)")
-        check_broadcast("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T, T_src)")
-        _check_mask_dtype("self_mask", self_mask)
-        _check_mask_dtype("cross_mask", cross_mask)
+        check_mask("self_mask", self_mask, (B, h, T_tgt, offset + T_tgt), "(B, h, T, T_k)")
+        check_mask("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T, T_src)")
     with validated():  # the layers below need not check again
         x = embed_tokens(self.tgt_embed, tgt, "tgt")  # (B, T_tgt) -> (B, T_tgt, d_model), * sqrt(d)
         x = self.pos(x, offset=offset)  # + PE at positions offset .. offset + T_tgt - 1
@@ -544,15 +533,27 @@ def decode(
 #
 # Like `nn.Transformer`, the model applies no mask it is not given: a forgotten causal mask lets
 # the decoder read the answer (shown below). `forward` catches a **wrong** `tgt_mask`: it raises
-# a `ValueError` for one that lets any query attend to a later key (`True` above the diagonal,
-# or finite in a float mask: a float mask must hold $-\infty$ there, so the $-10^9$ of some
-# tutorials is refused too), and a `TypeError` for an integer mask, which is neither kind. It
-# cannot catch a **forgotten** one: `tgt_mask=None` means "no
-# mask", as in `nn.Transformer`, and nothing tells a mask left out by mistake from one left out
-# on purpose, so `None` is accepted (the section *Clear errors* shows what it costs). `decode`
-# does not check at all, because with a cache (notebook 12) its masks cover only a part of the
-# sequence. The way not to forget the mask is `make_masks`, after the next cell, which builds
-# both masks from the token ids.
+# a `ValueError` for a bool mask that lets any query attend to a later key (`True` above the
+# diagonal) and for a float mask that holds anything but $-\infty$ there, and a `TypeError` for
+# an integer mask, which is neither kind.
+#
+# The float rule is the course's, stricter than what a given run needs. A later key whose score
+# is $g$ above an allowed key's, and whose mask entry is a finite $v$, gets $e^{v + g}$ times the
+# allowed key's weight, and that is exactly 0 only where the exponential underflows: whether a
+# finite value blocks depends on the dtype and on the size of the scores. $-10$ lets the later
+# tokens through; the $-10^9$ of some tutorials blocks them in float32 at the scores a model
+# makes, except in a query row with no allowed key, where it spreads the weight evenly over all
+# keys (notebook 05). From the mask alone, the check cannot tell a finite value that will block
+# from one that will not: that depends on scores it has not seen. Only $-\infty$ blocks a key in
+# every dtype and at any score, and it is the value notebook 02's rule for a query with no key
+# looks for, so a float `tgt_mask` must hold it; *Clear errors* measures both sides.
+#
+# `forward` cannot catch a **forgotten** mask: `tgt_mask=None` means "no mask", as in
+# `nn.Transformer`, and nothing tells a mask left out by mistake from one left out on purpose, so
+# `None` is accepted (the section *Clear errors* shows what it costs). `decode` checks its ids,
+# `enc_out`, and the shapes and dtypes of its masks, but not that `self_mask` is causal, because
+# with a cache (notebook 12) its masks cover only a part of the sequence. The way not to forget
+# the mask is `make_masks`, after the next cell, which builds both masks from the token ids.
 
 # %%
 #| export
@@ -560,15 +561,23 @@ def _check_causal(name: str, mask: torch.Tensor | None, T: int) -> None:
     """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys."""
     if mask is None:
         return
-    _check_mask_dtype(name, mask)  # an integer mask is neither kind: refuse it, do not read it
+    check_mask(name, mask)  # an integer mask is neither kind: refuse it, do not read it
     later = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(1)  # (T, T): key after query
-    may_attend = mask if mask.dtype == torch.bool else mask > float("-inf")
+    may_attend = mask if mask.dtype == torch.bool else ~mask.isneginf()  # float: all but -inf
     if (may_attend & later).any():
-        only_inf = "" if mask.dtype == torch.bool else " (in a float mask only -inf blocks a key)"
-        raise ValueError(
-            f"{name} lets a target position attend to later positions{only_inf}, the tokens it "
-            "must predict: combine causal_mask(T_tgt) with the padding, or build it with make_masks"
-        )
+        if mask.dtype == torch.bool:
+            wrong = (
+                f"{name} lets a target position attend to later positions, the tokens it must "
+                "predict"
+            )
+        else:  # a finite value may or may not block: that depends on the dtype and on the scores
+            wrong = (
+                f"{name} holds values other than -inf above the diagonal, where a float mask "
+                "must hold -inf, the one value that blocks a later key in every dtype and at any "
+                "size of the scores"
+            )
+        fix = "combine causal_mask(T_tgt) with the padding, or build it with make_masks"
+        raise ValueError(f"{wrong}: {fix}")
 
 
 @add_to_class(Transformer)
@@ -587,14 +596,13 @@ def forward(
             shapes = f"src {tuple(src.shape)} and tgt {tuple(tgt.shape)}"
             raise ValueError(f"{shapes} have different batch sizes")
         (B, T_src), h, T_tgt = src.shape, self.num_heads, tgt.shape[1]
-        check_broadcast(
+        check_mask(
             "src_mask", src_mask, (B, h, 1, T_src), "(B, h, 1, T_src)",
             hint="it masks source keys for the encoder's and the decoder's queries alike: "
             "build it with padding_mask",
         )  # fmt: skip
-        check_broadcast("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
-        _check_mask_dtype("src_mask", src_mask)
-        _check_causal("tgt_mask", tgt_mask, T_tgt)  # checks its dtype first
+        check_mask("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
+        _check_causal("tgt_mask", tgt_mask, T_tgt)
     with validated():  # checked once, here: encode and decode skip their checks
         enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
         # src_mask again, as cross_mask: the decoder attends over the same source positions.
@@ -631,9 +639,10 @@ def make_masks(
 # %% [markdown]
 # ## 930,828 parameters
 #
-# The tutorial's configuration: vocabularies of 12 on both sides (the reversal task of notebook
-# 11), $d_\text{model} = 128$, $h = 4$, $d_{ff} = 512$, $N = 2$, `max_len` 512; the defaults of
-# `Transformer`. The tutorial prints 930,828 parameters for it.
+# The configuration of the blog tutorial "Deep Learning: Transformers", the course's main source
+# (README, *Where it comes from*; "the tutorial" below): vocabularies of 12 on both sides (the
+# reversal task of notebook 11), $d_\text{model} = 128$, $h = 4$, $d_{ff} = 512$, $N = 2$,
+# `max_len` 512; the defaults of `Transformer`. The tutorial prints 930,828 parameters for it.
 
 # %%
 set_seed(0)
@@ -768,11 +777,15 @@ assert enc_out.shape == (B, T_src, d_model) and dec_out.shape == (B, T_tgt, d_mo
 # it samples is the untrained model's prediction, which should be close to uniform: averaged over
 # all 12 possible targets, the loss is $-\tfrac{1}{V}\sum_v \log p_v$, never below $\log V$
 # and equal to it for a uniform guess. Notebook 09's exercise 2 estimated how far above: for
-# small logits of variance $s^2$ (across the vocabulary), about $s^2/2$. **Check:** averaged over
-# the targets and the real positions, the loss is within 0.3 of $\log 12$: the untrained model's
-# predictions are close to uniform. The second assert is a demonstration, not a test of the
-# model: the expansion holds for *any* small logits (a model that outputs zeros gives 0 and 0,
-# the last line), so it only shows notebook 09's estimate at work on these logits.
+# small logits of variance $s^2$ (across the vocabulary), about $s^2/2$. Averaged over the
+# targets and the real positions, the loss is within 0.3 of $\log 12$: the untrained model's
+# predictions are close to uniform. Neither assert below tests the rest of the model. The first
+# depends on the head alone: the decoder's final norm hands `out_proj` vectors of unit scale
+# whatever the layers below did (as the encoder's did in *Stacking the blocks*), so the size of the logits is set by
+# `out_proj`'s initial weights, and embeddings of the wrong scale, or a decoder that ignores the
+# source, would pass it as well. The second is a demonstration: the expansion holds for *any*
+# small logits (a model that outputs zeros gives 0 and 0, the last line), so it only shows
+# notebook 09's estimate at work on these logits.
 
 # %%
 real = tgt_out != PAD  # (B, T_tgt)
@@ -942,7 +955,8 @@ import warnings
 
 def torch_transformer_like(model: Transformer) -> nn.Transformer:
     """An nn.Transformer with our sizes, arrangement and dropout, holding our stacks' weights."""
-    c = model.config  # nn.Transformer takes "relu" and "gelu"; copy_block_to_torch checks the rest
+    c = model.config  # nn.Transformer itself refuses other activations than "relu" and "gelu"
+    # (a RuntimeError); copy_block_to_torch checks that the other settings match
     with warnings.catch_warnings():  # the nested-tensor fast path serves post-norm stacks only
         warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
         theirs = nn.Transformer(
@@ -1323,10 +1337,12 @@ plt.show()
 # **Check:** the rows, on the forward pass of the padded batch above ($B = 2$, $S = 7$,
 # $T = 8$, $d = 128$, $h = 4$, $V = 12$). Forward hooks record the inputs and the output of each
 # module as the model runs (`with_kwargs=True` also keeps the keyword arguments, such as the
-# masks); for the add & norm row they watch the first block's `norm1` and `dropout1`. Each
-# watched module must run exactly once in the forward pass (`pos` twice: once for the source,
-# once for the target), and the output recorded for `out_proj` must be the very logits the model
-# returns. Two rows are not outputs of a module, so hooks cannot see them: the split into heads
+# masks); for the add & norm row they watch the first block's `norm1` and `dropout1`. An
+# `nn.ModuleList` has no `forward` of its own, so for the $N\times$ rows they watch the last
+# block (`layers.1`, since $N = 2$): the stack's output before its final norm is that block's
+# output. Each watched module must run exactly once in the forward pass (`pos` twice: once for
+# the source, once for the target), and the output recorded for `out_proj` must be the very
+# tensor the model returns (`is`, not just equal values). Two rows are not outputs of a module, so hooks cannot see them: the split into heads
 # (`split_heads` is a method, checked on a tensor of the block's input shape) and the attention
 # weights (recomputed from the recorded inputs, below).
 
@@ -1345,11 +1361,11 @@ watch = {"src_embed": model.src_embed, "tgt_embed": model.tgt_embed, "pos": mode
          "encoder.layers.0.ffn": model.encoder.layers[0].ffn,
          "encoder.layers.0.norm1": model.encoder.layers[0].norm1,
          "encoder.layers.0.dropout1": model.encoder.layers[0].dropout1,
-         "encoder.layers": model.encoder.layers[-1], "encoder.norm": model.encoder.norm,
+         "encoder.layers.1 (last)": model.encoder.layers[-1], "encoder.norm": model.encoder.norm,
          "decoder.layers.0.self_attn": model.decoder.layers[0].self_attn,
          "decoder.layers.0.cross_attn": model.decoder.layers[0].cross_attn,
          "decoder.layers.0.ffn": model.decoder.layers[0].ffn,
-         "decoder.layers": model.decoder.layers[-1], "decoder.norm": model.decoder.norm,
+         "decoder.layers.1 (last)": model.decoder.layers[-1], "decoder.norm": model.decoder.norm,
          "out_proj": model.out_proj}
 with torch.no_grad():
     handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in watch.items()]
@@ -1360,7 +1376,7 @@ with torch.no_grad():
             handle.remove()
 calls = {name: len(v) for name, v in recorded.items()}
 assert calls == {name: 2 if name == "pos" else 1 for name in watch}, calls  # pos: source and target
-assert torch.equal(recorded["out_proj"][0][2], logits_hooked)  # the recorded output is the model's
+assert recorded["out_proj"][0][2] is logits_hooked  # the same tensor: forward returns out_proj's output
 print(f"recorded {sum(calls.values())} module calls, each module once (pos twice); "
       "out_proj's recorded output is the logits the model returned")
 
@@ -1373,9 +1389,9 @@ expected = {
     "src_embed": [(B, S, d)], "tgt_embed": [(B, T, d)], "pos": [(B, S, d), (B, T, d)],
     "encoder.layers.0.self_attn": [(B, S, d)], "encoder.layers.0.ffn": [(B, S, d)],
     "encoder.layers.0.norm1": [(B, S, d)], "encoder.layers.0.dropout1": [(B, S, d)],
-    "encoder.layers": [(B, S, d)], "encoder.norm": [(B, S, d)],
+    "encoder.layers.1 (last)": [(B, S, d)], "encoder.norm": [(B, S, d)],
     "decoder.layers.0.self_attn": [(B, T, d)], "decoder.layers.0.cross_attn": [(B, T, d)],
-    "decoder.layers.0.ffn": [(B, T, d)], "decoder.layers": [(B, T, d)], "decoder.norm": [(B, T, d)],
+    "decoder.layers.0.ffn": [(B, T, d)], "decoder.layers.1 (last)": [(B, T, d)], "decoder.norm": [(B, T, d)],
     "out_proj": [(B, T, VOCAB)],
 }
 for name, shapes in expected.items():
@@ -1418,7 +1434,7 @@ for name, w in weights.items():
 
 # %%
 long_src = torch.full((B, 513), 5, device=device)  # one more than max_len
-tgt_mask_1e9 = torch.where(tgt_mask, 0.0, -1e9)  # causal in effect, but finite: refused
+tgt_mask_1e9 = torch.where(tgt_mask, 0.0, -1e9)  # blocks in float32, but finite: the rule refuses it
 bad_calls = {
     "batch sizes differ": lambda: model(src, tgt_in[:1]),
     "target id >= vocab": lambda: model(src, tgt_in.masked_fill(tgt_in == 11, 12)),
@@ -1488,9 +1504,52 @@ assert position0_change["tgt_mask=None"] > 1e-2  # the future leaks in, silently
 assert position0_change["causal_mask(T_tgt)"] < 1e-6 and position0_change["make_masks"] < 1e-6
 
 # %% [markdown]
+# **Check** (what the float rule guards against, and what it does not claim): the door refused
+# the $-10^9$ mask above, but not because it leaks here. With the checks off, fill the later keys
+# with a finite value and change the same later token: with $-10$ the logits at position 0 move,
+# with $-10^9$ they do not, in this float32 model. Then the rule's reason, on two keys, one
+# allowed and one later, with the later key's mask entry $v$: its softmax weight depends on the
+# dtype and on how far its score sits above the allowed one. $v = -50$ blocks it in float16
+# (where $e^{-50}$ underflows to 0), not in float32, and not at all once the later key scores 50
+# higher; $-10^9$ blocks in each case here (in float16 it does not fit and becomes $-\infty$);
+# $-\infty$ blocks in every case.
+
+# %%
+FILL_NAMES = {-10.0: "-10", -50.0: "-50", -1e9: "-1e9", -math.inf: "-inf"}  # for the prints
+finite_leak = {}
+with torch.no_grad(), validated():  # the checks off: nothing refuses a finite float mask
+    for fill in (-10.0, -1e9):
+        finite = torch.where(tgt_mask, 0.0, fill)  # (B, 1, T, T): 0 where allowed, `fill` elsewhere
+        before = model(src, tgt_in, src_mask, finite)[:, 0]  # (B, V): the logits at position 0
+        after = model(src, changed, src_mask, finite)[:, 0]
+        finite_leak[fill] = (after - before).abs().max().item()
+for fill, change in finite_leak.items():
+    print(f"float tgt_mask, {FILL_NAMES[fill]} above the diagonal: logits at position 0 change by up to"
+          f" {change:.1e}")
+assert finite_leak[-10.0] > 1e-6 and finite_leak[-1e9] < 1e-6  # -10 leaks; -1e9 blocks in float32
+
+
+def later_weight(fill: float, gap: float, dtype: torch.dtype) -> float:
+    """Softmax weight of a later key masked with `fill`, its score `gap` above the allowed key's."""
+    scores = torch.tensor([0.0, gap]).to(dtype) + torch.tensor([0.0, fill]).to(dtype)  # (allowed, later)
+    return torch.softmax(scores, dim=-1)[1].item()
+
+
+mask_cases = {"float16, equal scores": (0.0, torch.float16), "float32, equal scores": (0.0, torch.float32),
+              "float32, later key 50 higher": (50.0, torch.float32)}  # (gap, dtype)
+later_weights = {fill: [later_weight(fill, gap, dtype) for gap, dtype in mask_cases.values()]
+                 for fill in (-50.0, -1e9, -math.inf)}
+print(f"\n{'weight of the later key':<24}" + "".join(f"{case:>30}" for case in mask_cases))
+for fill, row in later_weights.items():
+    print(f"{'mask entry ' + FILL_NAMES[fill]:<24}" + "".join(f"{w:>30.2g}" for w in row))
+assert later_weights[-50.0][0] == 0 and 0 < later_weights[-50.0][1] < 1e-20 and later_weights[-50.0][2] == 0.5
+assert all(w == 0 for fill in (-1e9, -math.inf) for w in later_weights[fill])
+
+# %% [markdown]
 # **The model checks ids, lengths, batch sizes, mask shapes and dtypes, and that a given
-# `tgt_mask` is causal, at the door, and names what is wrong; a `tgt_mask` left out it cannot catch, so build the masks
-# with `make_masks`.**
+# `tgt_mask` is causal (in a float mask: $-\infty$ above the diagonal, the one value that blocks
+# in every dtype), at the door, and names what is wrong; a `tgt_mask` left out it cannot catch,
+# so build the masks with `make_masks`.**
 #
 # ## Exercises
 #
@@ -1511,9 +1570,10 @@ assert position0_change["causal_mask(T_tgt)"] < 1e-6 and position0_change["make_
 #
 # 1. On the `meta` device every tensor has a shape and no data, so counting costs nothing. The
 #    untied model has $2 \cdot 37{,}000 \cdot 512 \approx 37.9$ M parameters in its two tables,
-#    plus 18.9 M in the output layer; tying all three leaves one table. The tied count, 63.1 M,
-#    is within 3 % of the paper's 65 M (the paper gives the vocabulary only as "about 37000"
-#    tokens, and does not list its count's parts).
+#    plus 19.0 M in the output layer ($512 \cdot 37{,}000$ weights and $37{,}000$ biases); tying
+#    all three leaves one table. The tied count, 63.1 M, is within 3 % of the paper's 65 M (the
+#    paper gives the vocabulary only as "about 37000" tokens, and does not list its count's
+#    parts).
 
 # %%
 with torch.device("meta"):

@@ -90,8 +90,10 @@ device = get_device()
 # parameters, trained to reverse sequences of 3 to 8 symbols. `get_reversal_model` loads its
 # checkpoint, or, when there is none yet (on Colab, where
 # every notebook opens in a fresh runtime, or if you skipped notebook 11), trains it again with
-# the same recipe and seed and saves it: three to four minutes on a free CPU thread (up to about
-# seven on a busy one), well under a minute on a GPU (an estimate), with a progress bar. On a CPU that gives notebook 11's weights
+# the same recipe and seed and saves it: about three and a half minutes on a free CPU thread,
+# several times that on a busy one (notebook 11 measured both), at most about a minute and a
+# half on a GPU (notebook 11's run, its evaluations included, took 84 s on an H200 with torch
+# 2.11: at this size each step waits on kernel launches, not on arithmetic), with a progress bar. On a CPU that gives notebook 11's weights
 # bit for bit (with this PyTorch, on this kind of CPU); on a GPU, or with another PyTorch, it is another run of the same recipe, so the
 # checks below assert bounds that hold over the four seeds of notebook 11's seed study, and the
 # numbers quoted in the text are those of the stored run. Which of the two happened depends on
@@ -102,12 +104,11 @@ device = get_device()
 # then. The cell after next prints which case yours is: where it says `False`, the numbers in the
 # text are the stored run's, not yours.
 #
-# With both checkpoints in place (this one and the early model's, below), most of the run time
-# is check 4's timing of the cache: three rounds of timed decoding. The run stored here took
-# 698 s on one CPU thread of a machine shared by several heavy jobs, 331 s of it that timing; a
-# quiet machine takes less (how much less has not been measured since the timing went to three
-# rounds). Without the checkpoints, add the three to four minutes of training above and about
-# ten seconds for the early model.
+# With both checkpoints in place (this one and the early model's, below), the run stored here
+# took 274 s on one CPU thread of a machine busy with other jobs, 91 s of it check 4's timing of
+# the cache (three rounds of timed decoding); in a quieter spell the same run took 107 s, 38 s of
+# it the timing. Without the checkpoints, add the training above, and for the early model about
+# 8 seconds on a quiet machine, several times that on a busy one.
 
 # %% tags=["nbval-ignore-output"]
 model = get_reversal_model(device=device, progress=True)
@@ -202,6 +203,12 @@ def pad_right(tokens: torch.Tensor, T: int) -> torch.Tensor:
     return F.pad(tokens, (0, T - tokens.size(1)), value=PAD)
 
 
+def outputs_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: do two batches of decoded tokens differ? (PAD-padded to the wider one)"""
+    T_max = max(a.size(1), b.size(1))
+    return (pad_right(a, T_max) != pad_right(b, T_max)).any(dim=1)
+
+
 def reversed_correctly(tokens: torch.Tensor) -> torch.Tensor:
     """(B,) bool: is the decoded output the reversal, then EOS (the whole of tgt_out)?"""
     return (pad_right(tokens[:, 1:], MAX_LEN + 1) == tgt_out).all(dim=1)
@@ -230,9 +237,11 @@ print(f"exact match: {int(correct.sum())}/{len(correct)}")
 #
 # **Check.** Nearly every output is exact: 250 or more of 256 (the four seeds of notebook 11's
 # study decoded 255 or 256 of these sources, the stored run one fewer; the bound leaves room for
-# another PyTorch or device). The correct outputs are well formed: `EOS` once and after
-# exactly $L$ symbols, `PAD` after it. Last, a check of the loop's bookkeeping rather than of the
-# model (it holds for any weights): greedy decoding is a fixed point of teacher forcing. Feeding
+# another PyTorch or device). Every output, right or wrong, is well formed: `BOS` first and
+# nowhere else, symbols only until its first `EOS`, nothing but `PAD` after it (so at most one
+# `EOS`). (That a correct output ends with `EOS` after exactly $L$ symbols needs no check of its
+# own: `reversed_correctly` compares the whole of `tgt_out`, `EOS` included.) Last, a check of
+# the loop's bookkeeping rather than of the model (it holds for any weights): greedy decoding is a fixed point of teacher forcing. Feeding
 # its own output back as `tgt_in` in *one* parallel forward pass, the argmax at every position
 # must reproduce the next decoded token; an off-by-one in the loop's positions or masks would
 # break it.
@@ -241,10 +250,12 @@ print(f"exact match: {int(correct.sum())}/{len(correct)}")
 assert int(correct.sum()) >= 250
 is_eos = (decoded == EOS).int()
 eos_at = torch.where(is_eos.any(1), is_eos.argmax(dim=1), decoded.size(1))  # (B,): first EOS
-assert torch.equal(eos_at[correct].cpu(), (lengths + 1)[correct.cpu()])
-assert ((decoded == EOS).sum(dim=1)[correct] == 1).all()
 after_eos = torch.arange(decoded.size(1), device=device) > eos_at[:, None]  # (B, T)
-assert (decoded[after_eos] == PAD).all()  # every row: nothing but PAD after its first EOS
+assert (decoded[:, 0] == BOS).all()  # every row: BOS first,
+before_eos = ~after_eos[:, 1:] & (decoded[:, 1:] != EOS)  # (B, T - 1): the generated symbols
+assert (decoded[:, 1:][before_eos] >= 3).all()  # then symbols only (ids 0-2 are PAD, BOS, EOS),
+assert (decoded[after_eos] == PAD).all()  # nothing but PAD after its first EOS,
+assert ((decoded == EOS).sum(dim=1) <= 1).all()  # hence at most one EOS
 
 with torch.no_grad():
     model.eval()
@@ -518,7 +529,8 @@ for layer in range(num_layers):
     for head in range(h):
         plot_attention(attn[layer][b, head, : lengths[b] + 1], x_labels, y_labels[: lengths[b] + 1],
                        ax=axes[layer, head], vmin=0, vmax=1, colorbar=False,
-                       title=f"layer {layer}, head {head}  ({fractions[layer, head]:.0%} aligned)")
+                       title=f"layer {layer}, head {head}\n"
+                             f"{fractions[layer, head]:.0%} aligned over all 256 sources")
         axes[layer, head].set_xlabel("source symbol (key)")
         axes[layer, head].set_ylabel("decoder input (query)")
 fig.colorbar(axes[0, 0].images[0], ax=axes, label="attention weight", shrink=0.8)
@@ -1002,7 +1014,9 @@ assert cache_gap < tolerance
 # but the tokens are the argmax, and an argmax cannot change as long as every logit moves by less
 # than half the gap between the top two. So for each model we measure both, along the tokens it
 # decodes: the smallest gap between the top two logits over all steps taken, and the largest
-# difference between the cached and the full pass's logits.
+# difference between the logits of the two loops compared here, the cached one and the plain one
+# that reruns the decoder on the whole prefix at each step (and, for reference, between the
+# cached loop and a single teacher-forced pass over the whole output).
 #
 # A GPU's kernels sum in other orders and differ more. (They would differ more still with TF32,
 # which rounds the inputs of matrix products to 10 bits of mantissa; PyTorch leaves it off for
@@ -1014,20 +1028,23 @@ assert cache_gap < tolerance
 # %%
 @torch.no_grad()
 def gap_and_drift(m: Transformer, ids: torch.Tensor, mask: torch.Tensor,
-                  tokens: torch.Tensor) -> tuple[float, float]:
-    """Along decoded tokens (B, T): the smallest top-1 minus top-2 logit over the steps taken,
-    and the largest |cached - full| logit difference there."""
+                  tokens: torch.Tensor) -> tuple[float, float, float]:
+    """Along decoded tokens (B, T), over the steps taken: the smallest top-1 minus top-2 logit,
+    the largest |cached - plain loop| logit difference, and the largest |cached - full pass|."""
     with eval_mode(m):
         T = tokens.size(1) - 1
         full = m(ids, tokens[:, :-1], src_mask=mask, tgt_mask=causal_mask(T, device=ids.device))
         enc_out, step_cache = m.encode(ids, src_mask=mask), KVCache()
-        stepped = m.out_proj(torch.cat([m.decode(tokens[:, i : i + 1], enc_out, cross_mask=mask,
-                                                 cache=step_cache) for i in range(T)], dim=1))
+        stepped = torch.stack([next_token_logits(m, tokens[:, i : i + 1], enc_out, cross_mask=mask,
+                                                 cache=step_cache) for i in range(T)], dim=1)
+        plain = torch.stack([next_token_logits(m, tokens[:, : i + 1], enc_out, cross_mask=mask)
+                             for i in range(T)], dim=1)  # (B, T, V): the whole prefix each step
     is_eos = (tokens[:, 1:] == EOS).long()
     taken = (is_eos.cumsum(dim=1) - is_eos) == 0  # (B, T): the steps up to and including EOS
-    top2_logits = full.topk(2, dim=-1).values  # (B, T, 2)
+    top2_logits = plain.topk(2, dim=-1).values  # (B, T, 2)
     gaps = (top2_logits[..., 0] - top2_logits[..., 1])[taken]
-    return gaps.min().item(), (stepped - full)[taken].abs().max().item()
+    return (gaps.min().item(), (stepped - plain)[taken].abs().max().item(),
+            (stepped - full)[taken].abs().max().item())
 
 
 cached = greedy_decode(model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask,
@@ -1037,6 +1054,7 @@ margins = {"trained": gap_and_drift(model, src, src_mask, decoded)}
 assert margins["trained"][0] > 2 * tolerance  # no near-tie: the tokens cannot flip on any device
 
 check_gen = torch.Generator().manual_seed(7)
+random_runs = {}  # (B, T_src) -> (shape of the cached output, rows that differ, rows ended with EOS)
 for B, T_src, new_tokens, seed in [(1, 5, 40, 1), (3, 7, 64, 2), (16, 12, 100, 3), (64, 8, 24, 4)]:
     torch.manual_seed(seed)
     random_model = Transformer(VOCAB, VOCAB, d_model=64, num_heads=4, d_ff=128, num_layers=3)
@@ -1048,37 +1066,43 @@ for B, T_src, new_tokens, seed in [(1, 5, 40, 1), (3, 7, 64, 2), (16, 12, 100, 3
     plain = greedy_decode(random_model, ids, max_new_tokens=new_tokens, src_mask=mask).tokens
     cached = greedy_decode(random_model, ids, max_new_tokens=new_tokens, src_mask=mask,
                            cache=KVCache()).tokens
-    T_max = max(plain.size(1), cached.size(1))
-    rows_differ = int((pad_right(plain, T_max) != pad_right(cached, T_max)).any(dim=1).sum())
+    rows_differ = int(outputs_differ(plain, cached).sum())
     if device.type == "cpu":
         assert rows_differ == 0, (B, T_src, new_tokens)
     else:  # other kernels for the two shapes of matmul: a near-tie may flip a token on a GPU
         assert rows_differ <= max(1, B // 10), (B, T_src, new_tokens)  # a row, or 10 % of them
     margins[f"random, B={B}"] = gap_and_drift(random_model, ids, mask, plain)
-    print(f"B={B:2d} T_src={T_src:2d}: {tuple(cached.shape)}, "
-          + ("tokens identical" if rows_differ == 0 else f"{rows_differ} rows differ")
-          + f", {int((cached == EOS).any(1).sum())} of {B} rows ended with EOS")
+    random_runs[B, T_src] = tuple(cached.shape), rows_differ, int((cached == EOS).any(1).sum())
+# Rows that finish at different steps: some batch has rows that end with EOS and rows that do not.
+assert any(0 < ended < B for (B, _), (_, _, ended) in random_runs.items()), random_runs
 
 # %% tags=["nbval-ignore-output"]
-for name, (gap, drift) in margins.items():
-    print(f"{name:13s}: smallest top-1 - top-2 logit gap {gap:.3e}, "
-          f"largest cached - full difference {drift:.1e}")
+for (B, T_src), (shape, rows_differ, ended) in random_runs.items():
+    print(f"B={B:2d} T_src={T_src:2d}: {shape}, "
+          + ("tokens identical" if rows_differ == 0 else f"{rows_differ} rows differ")
+          + f", {ended} of {B} rows ended with EOS")
+for name, (gap, drift, full_drift) in margins.items():
+    print(f"{name:13s}: smallest top-1 - top-2 gap {gap:.3e}; largest difference, cached - plain "
+          f"{drift:.1e}, cached - one full pass {full_drift:.1e}")
 
 # %% [markdown]
-# The gaps and differences are this machine's (not compared). In the stored run the trained
+# The printout is this machine's and is not compared: on a GPU a random model's row may flip at a
+# near-tie (the asserts above allow it), and the gaps and differences depend on the kernels. In
+# every random batch of the stored run the tokens are identical, and the batches of 3, 16 and 64
+# hold rows that end with `EOS` and rows that run to the cap (asserted for at least one batch, on
+# any device). In the stored run the trained
 # model's smallest gap over its 256 outputs is 0.1997 (the step where it is least sure, an output
 # it gets wrong), and the random models come within $6 \times 10^{-5}$ of a tie, while the
-# cached and full logits differ by about $10^{-6}$. On a CPU every gap is asserted to be more
-# than twice the difference, the reason the tokens could not differ; the trained model's gap
-# must also exceed twice the tolerance of check 1, on any device. The difference measured is a
-# stand-in: the cached logits against one teacher-forced full pass, where the loop that check 2
-# compares with reruns the decoder on each prefix. Measured outside the notebook, that loop's
-# logits and the cached loop's differ by $4 \times 10^{-7}$ to $1.1 \times 10^{-6}$ (batches
-# of 1, 3 and 16 on the random models), the same size.
+# logits of the cached loop and of the plain one, the two loops check 2 compares, differ by at
+# most $5.7 \times 10^{-6}$ (the trained model, whose logits are larger) and $4 \times 10^{-7}$ to
+# $1.1 \times 10^{-6}$ (the random ones); one teacher-forced full pass is as far from the cached
+# loop. On a CPU every gap is asserted to be more than twice the cached-plain difference, the
+# reason the tokens could not differ; the trained model's gap must also exceed twice the
+# tolerance of check 1, on any device.
 
 # %%
 if device.type == "cpu":
-    assert all(gap > 2 * drift for gap, drift in margins.values()), margins
+    assert all(gap > 2 * drift for gap, drift, _ in margins.values()), margins
 
 # %% [markdown]
 # **Check 3: the work.** Timings depend on the machine; the amount of arithmetic does not.
@@ -1207,17 +1231,30 @@ plt.show()
 
 # %% [markdown]
 # The two panels tell different stories. The arithmetic saved grows like $n/2$ (131× at 256
-# tokens), but the time saved is far smaller, a few times at most (this machine's numbers are in
-# the table above). Step-by-step decoding of this small model is not limited by arithmetic at
-# all: each step launches the same small operations, about 250 of them (ATen operations per
-# cached step of this model, counted outside this notebook with a `TorchDispatchMode`), whether
-# they cover one position or sixteen, so the fixed cost per call dominates, and the cache cannot remove it. The table's
-# cached column shows it: the time per token stays roughly the same at every length, while the
-# FLOPs per token are tiny. Only as the prefix grows does the uncached loop's quadratic work
-# show. On a larger model the per-call overhead matters less, but a cached step is still not
-# bound by FLOPs: it does little arithmetic on a lot of memory (every weight, and the whole
-# cache, read to produce one token per sequence), so it is bound by memory bandwidth. Either way
-# the FLOP ratio is what the cache saves in arithmetic, not a speed-up to expect.
+# tokens), but the time saved is far smaller: in the stored run 1.4× to 2.3× up to 128 tokens
+# and 4.7× at 256 (medians of the rounds). Step-by-step decoding of this small model is not
+# limited by arithmetic at all: each step launches the same small operations, about 250 of them
+# (ATen operations per cached step of this model, counted outside this notebook with a
+# `TorchDispatchMode`), whether they cover one position or sixteen, so the fixed cost per call
+# dominates, and the cache cannot remove it. The stored table's cached column shows it: 2.3 to
+# 3.1 ms per token at every length (medians), with no trend in $n$, while the FLOPs per token
+# are tiny. Only as the prefix grows does the uncached loop's quadratic work show. On a larger
+# model the per-call overhead matters less, but a cached step is still not bound by FLOPs: it
+# does little arithmetic on a lot of memory (every weight, and the whole cache, read to produce
+# one token per sequence), so it is bound by memory bandwidth. Either way the FLOP ratio is what
+# the cache saves in arithmetic, not a speed-up to expect.
+#
+# How far to trust such a table? The times are wall-clock times, and on a machine shared with
+# other jobs a slow spell inflates whatever is being timed. The stored table was timed on a busy
+# machine, and it shows: the cached time per token went from 1.47 to 3.52 ms between rounds, the
+# speed-up at 256 tokens from 3.9× to 7.6×, and at 32 and 64 tokens one round had the cache
+# *lose* (0.9×). Even the medians do not grow smoothly with $n$ (1.8× at 16 tokens, 1.4× at 32).
+# The same code run in a quieter spell (not stored) gave 0.95 to 1.04 ms per token and
+# speed-ups growing steadily from 1.3× at 16 tokens to 4.4× at 256; an earlier run on a more
+# heavily loaded machine had the cache lose at 16 tokens even in the median (0.6×). The short
+# timings are the most exposed, since a few milliseconds spent waiting for a core are a large
+# share of them. That is why the check asserts only the speed-up at the longest output, with a
+# wide margin, and leaves the claim about the work to the FLOP count of check 3.
 #
 # **The KV cache turns each step from a pass over the whole prefix into a pass over one
 # position: the same tokens, about $n/2$ times less arithmetic.**
@@ -1440,7 +1477,7 @@ assert_close(greedy.log_probs, log_p_1, atol=1e-4, rtol=1e-4)  # greedy's own ru
 beam_4 = beam_search(model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, beam_size=4,
                      cache=KVCache())
 beam_4, log_p_4 = beam_4.tokens, beam_4.log_probs
-same = (pad_right(beam_4, decoded.size(1)) == pad_right(decoded, beam_4.size(1))).all(1)
+same = ~outputs_differ(beam_4, decoded)  # (B,)
 assert int(same.sum()) >= 250 and log_p_4.mean() >= log_p_1.mean() - 1e-4
 
 # %% tags=["nbval-ignore-output"]
@@ -1451,7 +1488,8 @@ print(f"trained model: beam of 4 equals greedy on {int(same.sum())}/{len(same)} 
 # Where the model is unsure, the beam earns its keep. A model early in training is a good
 # example: it has the rough shape of the task but spreads its probability. We take notebook
 # 11's recipe and stop after only 100 steps (checkpointed like the full model, so only the
-# first run trains it: 100 steps, at notebook 11's 60 to 120 ms a step, 6 to 12 seconds).
+# first run trains it: about 8 seconds at the 83 ms a step that notebook 11 measured on a quiet
+# machine, several times that on a busy one).
 
 # %% tags=["nbval-ignore-output"]
 early_model = get_reversal_model(checkpoint="checkpoints/reversal_100_steps.pt", device=device,
@@ -1762,45 +1800,165 @@ assert early_errors["beam 4"] <= early_errors["greedy"]
 # beam search closes the search gap, and what is left is the model's own error. (Longer sources
 # leave more room for search errors, and there exhaustive search is out of reach: $9^L$ outputs.)
 #
-# The bias towards short outputs that length normalisation corrects is easiest to see on an
-# *untrained* model, whose next-token distributions are nearly flat: every token, `EOS`
-# included, has a probability not far from $1/V$ ($\log V \approx 2.5$ nats). The beam follows
-# the cheapest tokens, not average ones: measured on this model outside the notebook, the
-# outputs it keeps cost about 1.5 to 2 nats a token, and stopping at once (`EOS` as the first
-# token) about 2.1 nats. Every extra token adds to the cost, so in raw log-probability the best
-# output is to stop almost at once, whatever the source. Dividing by $\mathrm{lp}$ removes part
-# of that cost; the exponent sets how much. The cell prints the mean output length (`EOS`
-# included; at most 20 tokens, the cap):
+# ### The length penalty, and the search errors it cannot fix
+#
+# The bias towards short outputs that length normalisation corrects shows on an *untrained*
+# model, whose next-token distributions are nearly flat: every token, `EOS` included, has a
+# probability not far from $1/V$ ($\log V \approx 2.5$ nats). We take eight of them (seeds 1 to
+# 8, two layers of width 64) and decode the first 64 test sources with beams of 4 and at most 20
+# new tokens, for $\alpha = 0$, $0.6$, $1$ and $2$. Every extra token costs log-probability, so
+# in raw terms a short output is hard to beat; dividing by $\mathrm{lp}$ removes part of the cost
+# of a long one, and $\alpha$ sets how much.
+#
+# Two different things set the lengths that come out, and only one of them is the penalty:
+#
+# - **The penalty** acts on *finished* hypotheses only: it decides which of them wins (and when
+#   the search may stop early). It can make a long hypothesis beat a short one; it cannot bring
+#   back an ending that was never set aside.
+# - **The search** decides which endings are set aside at all. `_advance_beams` ranks the
+#   candidates of a step by raw log-probability, whatever $\alpha$, and an `EOS` candidate
+#   becomes a hypothesis only if it ranks among the $k$ best. Where `EOS` is not among the $k$
+#   most likely *first* tokens, the empty output (`EOS` at once) is lost for good; if no later
+#   `EOS` makes the $k$ best either, the beams run to the cap and are returned as they are,
+#   however unlikely. That is a search error, at any $\alpha$.
+#
+# To tell the two apart, the cell also records, for each source, the log-probability of stopping
+# at once and the place of `EOS` among the most likely first tokens (1 = the most likely).
 
 # %%
-torch.manual_seed(1)
-untrained = Transformer(VOCAB, VOCAB, d_model=64, num_heads=4, d_ff=128).to(device)
-for alpha in (0.0, 0.6, 1.0, 2.0):
-    out = beam_search(untrained, src[:64], max_new_tokens=20, src_mask=src_mask[:64],
-                      beam_size=4, length_penalty=alpha, cache=KVCache()).tokens
-    generated = ((out != PAD) & (out != BOS)).sum(1).float()  # tokens after BOS, EOS included
-    print(f"alpha = {alpha}: mean output length {generated.mean().item():5.2f} tokens")
+length_alphas, length_seeds, length_k = (0.0, 0.6, 1.0, 2.0), range(1, 9), 4
+few_src, few_mask = src[:64], src_mask[:64]
+
+
+def length_study(seed: int) -> dict:
+    """An untrained model (seed): the log p of stopping at once and the place of EOS among the
+    first tokens, (64,) each; per alpha, the beams' (log p, length with EOS, ended with EOS)."""
+    torch.manual_seed(seed)
+    m = Transformer(VOCAB, VOCAB, d_model=64, num_heads=4, d_ff=128).to(device)
+    with torch.no_grad(), eval_mode(m):
+        bos = torch.full((len(few_src), 1), BOS, device=device)
+        first = next_token_logits(m, bos, m.encode(few_src, src_mask=few_mask), few_mask)
+        first = F.log_softmax(first.float(), dim=-1)  # (64, V): the first token
+    study = {"eos_first": first[:, EOS],  # (64,) log p of the empty output
+             "eos_place": (first > first[:, EOS : EOS + 1]).sum(dim=1) + 1}  # (64,) 1 = top
+    for alpha in length_alphas:
+        out = beam_search(m, few_src, max_new_tokens=20, src_mask=few_mask, beam_size=length_k,
+                          length_penalty=alpha, cache=KVCache())
+        is_eos = (out.tokens == EOS).int()
+        ended = is_eos.any(1)  # (64,): False where the output was cut off at the cap
+        length = torch.where(ended, is_eos.argmax(1), out.tokens.size(1) - 1)  # EOS included
+        study[alpha] = out.log_probs, length, ended
+    return study
+
+
+length_studies = {seed: length_study(seed) for seed in length_seeds}
+length_spread = {seed: {alpha: (int((study[alpha][1] == 1).sum()),  # stop at once
+                                int((study[alpha][2] & (study[alpha][1] > 1)).sum()),  # later
+                                int((~study[alpha][2]).sum()))  # cut off at 20
+                        for alpha in length_alphas} for seed, study in length_studies.items()}
+seed_1 = length_studies[1]  # seed 1, looked at closely
+eos_set_aside = seed_1["eos_place"] <= length_k  # (64,): the empty output became a hypothesis
+log_p_2, length_2, ended_2 = seed_1[2.0]
+by_penalty = ~ended_2 & eos_set_aside  # cut off at alpha = 2, though EOS at once was set aside
+lp_20 = length_penalty_wu(20, 2.0)
+
+# %% tags=["nbval-ignore-output"]
+print("seed 1:")
+for alpha in length_alphas:
+    n_at_once, n_later, n_cut_off = length_spread[1][alpha]
+    print(f"  alpha = {alpha}: mean length {seed_1[alpha][1].float().mean().item():5.2f} tokens; "
+          f"{n_at_once:2d} stop at once, {n_later:2d} later, {n_cut_off:2d} cut off at 20")
+print(f"  EOS among the {length_k} most likely first tokens on {int(eos_set_aside.sum())} of 64 "
+      f"sources; stopping at once has log p {seed_1['eos_first'].min():.2f} to "
+      f"{seed_1['eos_first'].max():.2f} (mean {seed_1['eos_first'].mean():.2f})")
+log_p_0, length_0, ended_0 = seed_1[0.0]
+for i in (length_0 > 1).nonzero()[:, 0].tolist():
+    print(f"  alpha = 0, source {i:2d}: {int(length_0[i]):2d} tokens"
+          f"{'' if ended_0[i] else ' (cut off)':10s} log p {log_p_0[i]:6.2f}; stopping at once "
+          f"{seed_1['eos_first'][i]:5.2f}; EOS the no. {int(seed_1['eos_place'][i])} first token")
+per_token = -log_p_2[by_penalty] / 20
+print(f"  alpha = 2: {int(by_penalty.sum())} of the {int(eos_set_aside.sum())} sources whose "
+      f"empty output was set aside return 20 tokens instead, at {per_token.min():.2f} to "
+      f"{per_token.max():.2f} nats a token (log p {log_p_2[by_penalty].mean():.1f} on average): "
+      f"score log p / {lp_20:.1f} = {(log_p_2[by_penalty] / lp_20).mean():.2f} on average, "
+      f"against {seed_1['eos_first'][by_penalty].mean():.2f} for stopping at once")
+print("\nseeds 1-8: stop at once / later / cut off at 20, of 64; last column: by how much (at "
+      "least) stopping at once is more likely than each alpha = 0 output that does not")
+print("seed  EOS in top 4 " + "".join(f"{f'alpha = {alpha}':>15s}" for alpha in length_alphas)
+      + "  margin (nats)")
+for seed, study in length_studies.items():
+    study_log_p, study_length, _ = study[0.0]
+    others = study_length > 1  # the alpha = 0 outputs that do not stop at once
+    margin = (f"{(study['eos_first'] - study_log_p)[others].min():.2f}" if others.any() else "-")
+    print(f"{seed:4d} {int((study['eos_place'] <= length_k).sum()):13d} "
+          + "".join(f"{' / '.join(f'{c:2d}' for c in length_spread[seed][alpha]):>15s}"
+                    for alpha in length_alphas)
+          + f"  {margin:>13s}")
+
+# %% [markdown]
+# For seed 1, at $\alpha = 0$, 60 outputs stop at once, seed_1 stops after 2 tokens, and 3 are cut
+# off at the cap. At $\alpha = 0$ there is no penalty at all, so the cut-offs are no preference for
+# length: each is $e^{27}$ to $e^{33}$ times less likely than stopping at once (log p $-29.9$,
+# $-30.6$ and $-35.0$ against $-2.4$, $-2.4$ and $-2.3$). They are search errors: on those three
+# sources `EOS` is only the 7th, 6th and 5th most likely first token, outside the beam's 4, and no
+# later `EOS` gets in either. The output of 2 tokens is seed_1 too ($-3.69$ against $-2.39$; `EOS`
+# 6th). The empty output comes out on exactly the 60 sources where `EOS` is among the 4 most
+# likely first tokens.
+#
+# $\alpha = 0.6$ and $1$ give the same counts. Where the empty output was set aside it still
+# wins: a 20-token output at about 1.6 nats a token has $s \approx -32$, and
+# $\mathrm{lp}(20)$ is only $2.36$ at $\alpha = 0.6$ and $4.17$ at $\alpha = 1$, scores of
+# about $-14$ and $-8$ against about $-2$. Where it was not set aside, no $\alpha$ brings it back.
+#
+# At $\alpha = 2$ the penalty itself acts: $\mathrm{lp}(20) = (25/6)^2 \approx 17.4$. On 36 of the
+# 60 sources whose empty output was set aside, a 20-token output now wins. These outputs cost
+# 1.35 to 1.82 nats a token (log p $-32.5$ on average, some $e^{30}$ times less likely than
+# stopping at once), but divided by 17.4 they score $-1.87$ on average, against $-2.09$ for
+# stopping at once. Where stopping at once is cheaper, or the 20 tokens dearer, the empty output
+# holds (24 sources): a near-tie that goes seed_1 way or the other with the source, hence the split
+# between 1 and 20 tokens and a mean of about 13, an average of 1s and 20s. The 4 sources whose
+# empty output was never set aside are cut off at $\alpha = 2$ as well. (A flat cost of
+# $\log V \approx 2.5$ nats a token would predict no long outputs at all: the score would fall to
+# $-4.5$ at 5 tokens and climb back only to $-2.9$ at 20, below the $-2.5$ of stopping at once.)
+# So $\alpha$ changes which lengths can win, and which ones do depends on the costs of the tokens
+# the beam finds. Wu et al. tuned $\alpha$ on a development set; so should you.
+#
+# The eight seeds differ mostly in the search, not in the penalty. At $\alpha = 0$ the number of
+# outputs that stop at once equals, seed by seed, the number of sources on which `EOS` is among
+# the 4 most likely first tokens: all 64 for seed 4, none for seeds 3 and 5, where every output
+# runs to the cap. Every other output at $\alpha = 0$, cut off or not, is less likely than
+# stopping at once, by at least 1.18 nats (seed 2; the last column), and the 253 cut-offs among
+# them by at least 18 nats (measured outside the notebook): search errors, every one. The
+# penalty then only chooses among the hypotheses the search sets aside (and may let it run
+# longer before it stops): $\alpha = 0$, $0.6$ and $1$ gave the same counts but for seed_1 output
+# (seed 2), and a larger $\alpha$ never sent fewer outputs to the cap, which is what one
+# expects, since for a fixed set of finished hypotheses a larger $\alpha$ can only move the
+# winner to a longer one. The printout is not compared: its counts hang on near-ties (those at
+# $\alpha = 2$ above all), which the rounding of other kernels, a GPU's say, may tip the other
+# way.
+#
+# **Check**, for each of the eight seeds: a larger $\alpha$ never sends fewer outputs to the cap;
+# at $\alpha = 0$ the empty output comes out exactly where `EOS` is among the 4 most likely first
+# tokens (seed_1 half of that holds by construction: otherwise the empty output is never set aside;
+# the other half, that once set aside it wins, is the flat models' doing); and every $\alpha = 0$
+# output that does not stop at once is less likely than stopping at once, a search error. For
+# seed 1, the penalty's own doing: at $\alpha = 2$ some outputs are cut off although the empty
+# output was set aside, each less likely than stopping at once. There the $\alpha = 0$ test fails,
+# as it should: it tells the two causes apart.
+
+# %%
+for seed, study in length_studies.items():
+    cut_offs = [length_spread[seed][alpha][2] for alpha in length_alphas]
+    assert cut_offs == sorted(cut_offs), seed  # a larger alpha never sends fewer to the cap
+    study_log_p, study_length, _ = study[0.0]
+    empty = study_length == 1  # (64,): stops at once
+    assert torch.equal(empty, study["eos_place"] <= length_k), seed  # empty iff set aside
+    assert (study_log_p[~empty] < study["eos_first"][~empty]).all(), seed  # others: search errors
+assert by_penalty.any() and (log_p_2[by_penalty] < seed_1["eos_first"][by_penalty]).all()
+assert not torch.equal(length_2 == 1, eos_set_aside)  # the alpha = 0 test fails at alpha = 2
 
 
 # %% [markdown]
-# The means hide how the lengths are spread: no output is a dozen tokens long. Each one either
-# stops at once or runs to the cap of 20 tokens without ever emitting `EOS` (at the cap the live
-# beams are finished as they are). A histogram of these lengths, taken outside the notebook and
-# not printed here, gives for $\alpha = 0$, $0.6$ and $1$ alike 60 outputs of 1 token, 1 of 2 and
-# 3 cut off at 20; for $\alpha = 2$, 24 outputs of 1 token and 40 cut off at the cap (one of them
-# counted as 19 above: it holds a generated `PAD` or `BOS`, which the count leaves out). So 12.86 is an
-# average of 1s and 20s.
-#
-# With $\alpha \le 1$ the penalty grows too slowly to pay for the cost of each token, and 61 of
-# the 64 outputs stop after one or two tokens. With $\alpha = 2$ it nearly pays: at about 1.8 nats
-# a token, a 20-token output has $s \approx -36$ and $\mathrm{lp} = (25/6)^2 \approx 17.4$, a
-# score of about $-2.07$, against about $-2.1$ for stopping at once. That near-tie goes one way
-# or the other with the source, hence the split between 1 and 20 tokens. (A flat cost of
-# $\log V \approx 2.5$ nats a token would predict no long outputs at all: the score would fall
-# to $-4.5$ at 5 tokens and climb back only to $-2.9$ at 20, below the $-2.5$ of stopping at
-# once.) So $\alpha$ changes which lengths can win, and which ones do depends on the costs of the
-# tokens the beam finds. Wu et al. tuned $\alpha$ on a development set; so should you.
-#
 # **On the trained model.** Does length normalisation ever change what the trained reversal
 # model outputs? We search for a case: beams of 4 with $\alpha = 0$ and with $\alpha = 0.6$, on
 # the 256 test sources and, since the model is at home there, on 512 perturbed ones, 256 each
@@ -1810,12 +1968,6 @@ for alpha in (0.0, 0.6, 1.0, 2.0):
 # $\tau = 5$, a model nobody trained.
 
 # %%
-def outputs_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: do two batches of decoded tokens differ?"""
-    T_max = max(a.size(1), b.size(1))
-    return (pad_right(a, T_max) != pad_right(b, T_max)).any(dim=1)
-
-
 def generated(tokens: torch.Tensor) -> torch.Tensor:
     """(B,) tokens generated after BOS, EOS included: |y| of the length penalty."""
     return ((tokens != PAD) & (tokens != BOS)).sum(dim=1)
@@ -1963,7 +2115,7 @@ with torch.no_grad():
                     tgt_mask=causal_mask(3, device=device))[0, -1].float()  # (V,), one position
 print("logits:", [round(x, 2) for x in z.tolist()])
 p = next_token_probs(z)
-assert_close(p, F.softmax(z, dim=-1))
+assert_close(p, F.softmax(z, dim=-1))  # the defaults (tau = 1, no top-k): a smoke test
 p3 = next_token_probs(z, top_k=3)
 assert int((p3 > 0).sum()) == 3 and math.isclose(p3.sum().item(), 1.0, rel_tol=1e-6)
 kept = p3 > 0
@@ -2057,7 +2209,12 @@ def sample(
 # is not yet an argmax); the same seed gives the same draws, with or without the cache (this
 # notebook's `KVCache`); another seed gives other draws. And `sample` draws with the right
 # frequencies: 20,000 copies of one source, one token each at $\tau = 2$ and top-3, against
-# `next_token_probs` of that step (three standard deviations are at most 0.011 here).
+# `next_token_probs` of that step: each token's frequency must lie within four of its standard
+# deviations, $\sqrt{p(1-p)/20000}$, of its probability $p$ (a chance failure of one of the three
+# has odds of about $2 \times 10^{-4}$). For the stored early model that allows 0.006 to 0.009:
+# tight enough that a sampler at a temperature 5 % off fails (measured outside the notebook: at
+# $\tau = 1.9$ and $2.1$ the top token's frequency is 5.7 and 6.3 standard deviations off, while
+# at $\tau = 2$ no token is more than 1.5 off).
 
 # %%
 def seeded(seed: int) -> torch.Generator:
@@ -2084,7 +2241,8 @@ with torch.no_grad():
                           tgt_mask=causal_mask(1, device=device))[0, -1].float()  # (V,)
 expected = next_token_probs(z_first, temperature=2.0, top_k=3).cpu()
 frequencies = first_tokens.cpu().bincount(minlength=VOCAB) / copies
-assert_close(frequencies, expected, atol=0.015, rtol=0)
+sigma = (expected * (1 - expected) / copies).sqrt()  # (V,) each frequency's standard deviation
+assert ((frequencies - expected).abs() <= 4 * sigma).all(), (frequencies, expected)
 assert (frequencies[expected == 0] == 0).all()  # outside the top 3: never drawn
 
 # %% tags=["nbval-ignore-output"]
@@ -2189,9 +2347,13 @@ assert trained_all[0] >= 0.97 and trained_top3[-1] > trained_all[-1]
 # **Solutions.**
 #
 # 1. Sort the probabilities, keep a token while the mass *before* it is still below $p$ (so the
-#    token that crosses $p$ is kept), and renormalise:
+#    token that crosses $p$ is kept), and renormalise. The test uses the early model's logits `z`
+#    from above; how many tokens $p = 0.9$ keeps depends on that model's run (in the stored run
+#    4, whose first three hold 0.894, just short of 0.9), so the count is printed, not compared.
+#    What is asserted holds for any logits: the two limits, the kept set is the smallest whose
+#    mass reaches $p$, and the result equals top-$k$ with $k$ the size of that set.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 def top_p_probs(logits: torch.Tensor, p: float) -> torch.Tensor:
     """softmax(logits) over the smallest set of top tokens with total probability >= p."""
     if not 0 < p <= 1:
@@ -2208,9 +2370,11 @@ def top_p_probs(logits: torch.Tensor, p: float) -> torch.Tensor:
 assert_close(top_p_probs(z, 1e-6), F.one_hot(z.argmax(), VOCAB).float())
 assert_close(top_p_probs(z, 1.0), F.softmax(z, dim=-1))
 nucleus = top_p_probs(z, 0.9)
-print(f"top-p 0.9 keeps {int((nucleus > 0).sum())} of {VOCAB} tokens")
+nucleus_size = int((nucleus > 0).sum())
+print(f"top-p 0.9 keeps {nucleus_size} of {VOCAB} tokens")  # the early model's: run-dependent
 kept_mass = F.softmax(z, dim=-1)[nucleus > 0]  # the original probabilities of the kept tokens
 assert kept_mass.sum() >= 0.9 and kept_mass.sum() - kept_mass.min() < 0.9  # smallest such set
+assert_close(nucleus, next_token_probs(z, top_k=nucleus_size))  # = top-k with k its size
 
 
 # %% [markdown]
@@ -2244,7 +2408,7 @@ wider_mask = padding_mask(lengths, wider.size(1)).to(device)
 with_mask = greedy_decode(model, wider, max_new_tokens=MAX_LEN + 1, src_mask=wider_mask,
                           use_cache=True).tokens
 without_mask = greedy_decode(model, wider, max_new_tokens=MAX_LEN + 1, use_cache=True).tokens
-changed = (pad_right(without_mask, 10) != pad_right(with_mask, 10)).any(1)
+changed = outputs_differ(without_mask, with_mask)
 print(f"with the mask: identical to the unpadded batch: {torch.equal(with_mask, decoded)}")
 print(f"without it: {int(changed.sum())}/256 outputs change, "
       f"{int(reversed_correctly(without_mask).sum())}/256 still correct")

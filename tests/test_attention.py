@@ -243,3 +243,17 @@ def test_check_attention_inputs_is_the_public_checker():
         check_attention_inputs(Q, Q, Q, None, 1.5)
     with pytest.raises(TypeError, match="mask must be bool"):
         check_attention_inputs(Q, Q, Q, torch.ones(3, 3, dtype=torch.long), 0.0)
+
+
+def test_a_mask_in_pytorchs_padding_shape_is_caught_only_when_it_cannot_broadcast():
+    """A (B, T_k) key-padding mask lines up with (T_q, T_k): a shape check stops it when
+    B != T_q and cannot when B == T_q (notebook 03 shows the limit; padding_mask builds
+    (B, 1, 1, T_k))."""
+    Q, K, V = (t.detach() for t in _inputs((2, 5, 8), (2, 7, 8), (2, 7, 4)))
+    keep = torch.tensor([[True] * 7, [True] * 3 + [False] * 4])  # (B, T_k), lengths 7 and 3
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 7\).*\(2, 5, 7\)"):
+        scaled_dot_product_attention(Q, K, V, mask=keep)
+    _, attn = scaled_dot_product_attention(Q[:, :2], K, V, mask=keep)  # B == T_q == 2: accepted
+    assert attn[1, 0, 3:].sum() > 0  # query 0 of sequence 1 got sequence 0's row: sees padding
+    _, attn = scaled_dot_product_attention(Q[:, :2], K, V, mask=keep[:, None, :])  # (B, 1, T_k)
+    assert torch.all(attn[1, :, 3:] == 0)

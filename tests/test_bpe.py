@@ -110,6 +110,9 @@ def test_unknown_characters_become_unk_or_raise(tokenizer):
     assert tokenizer.decode(ids) == "zwei\ufffd"
     with pytest.raises(ValueError, match="'€'"):
         tokenizer.encode("zwei€", unknown="error")
+    # the message names the character, its word and the whole text (a corpus has many sentences)
+    with pytest.raises(ValueError, match=r"'€' in 'zwei€' is not .*, in the text 'drei und zwei€'"):
+        tokenizer.encode("drei und zwei€", unknown="error")
     with pytest.raises(ValueError, match="unknown"):
         tokenizer.encode("zwei", unknown="ignore")
 

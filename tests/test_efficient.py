@@ -216,6 +216,29 @@ def test_fused_attention_mask_translates_our_masks():
     assert fused_attention_mask(additive, 5, 5) == (additive, False)
 
 
+@pytest.mark.parametrize("T", [1, 2, 5])
+def test_fused_attention_mask_takes_no_length_sorted_padding_batch_for_causal(T):
+    # B == T sequences of lengths 1 .. T: a padding mask (T, 1, 1, T) whose T * T elements, read
+    # in order, are the causal pattern. Only one (T, T) pattern shared by every sequence and head
+    # is the causal mask (for T = 1 the two are the same one-element mask, and either is right).
+    sorted_batch = padding_mask(list(range(1, T + 1)), T)
+    assert torch.equal(sorted_batch.reshape(T, T), causal_mask(T)[0, 0])  # it looks causal
+    per_head = sorted_batch.reshape(1, T, 1, T)  # the same elements as T heads' rows
+    for mask in (sorted_batch, per_head):
+        attn_mask, is_causal = fused_attention_mask(mask, T, T)
+        assert (attn_mask is mask and is_causal is False) or T == 1
+    torch.manual_seed(0)
+    scratch = MultiHeadAttention(8, 2).eval()
+    fast = fast_copy(scratch)
+    x = torch.randn(T, T, 8)  # (B, T, d) with B == T
+    assert_close(fast(x, mask=sorted_batch), scratch(x, mask=sorted_batch))
+    Q, K, V = qkv(B=T, h=2, T_q=T, T_k=T)
+    expected, _ = scaled_dot_product_attention(Q, K, V, mask=sorted_batch)
+    assert_close(fused_attention(Q, K, V, *fused_attention_mask(sorted_batch, T, T)), expected)
+    if T > 1:  # read as the causal mask, the same call computes something else
+        assert not torch.allclose(fused_attention(Q, K, V, None, True), expected)
+
+
 def test_fast_dropout_keeps_one_minus_p_and_scales():
     x = torch.rand(200_000, generator=torch.Generator().manual_seed(0)) + 0.5
     torch.manual_seed(0)
@@ -463,6 +486,23 @@ def test_fast_model_equals_scratch_model_outputs_and_gradients():
         assert_close(fast_params[name].grad, p.grad, atol=1e-5, rtol=1e-4)
 
 
+def test_fast_model_equals_scratch_model_on_a_length_sorted_batch_with_b_equal_to_s():
+    # lengths 1 .. S for B == S sources: the source padding mask holds the causal pattern's
+    # elements; the fast encoder must still run padding attention, not causal attention
+    scratch = small_model().eval()
+    fast = use_fast_path(copy.deepcopy(scratch)).eval()
+    S = 7
+    gen = torch.Generator().manual_seed(4)
+    src, tgt = (
+        torch.randint(3, 12, (S, S), generator=gen),
+        torch.randint(3, 12, (S, 5), generator=gen),
+    )
+    src_mask, tgt_mask = padding_mask(list(range(1, S + 1)), S), causal_mask(5)
+    assert torch.equal(src_mask.reshape(S, S), causal_mask(S)[0, 0])
+    out_s, out_f = scratch(src, tgt, src_mask, tgt_mask), fast(src, tgt, src_mask, tgt_mask)
+    assert_close(out_f, out_s, atol=1e-5, rtol=1e-5)
+
+
 def test_fast_model_equals_nn_transformer():
     scratch = small_model().eval()
     fast = use_fast_path(copy.deepcopy(scratch)).eval()
@@ -501,24 +541,42 @@ def test_fast_model_decodes_the_same_tokens_and_trains():
     assert losses[-1] < losses[0]
 
 
-def test_fast_attention_zeroes_empty_rows_even_if_the_kernel_returns_nan(monkeypatch):
-    def nan_kernel(Q, K, V, attn_mask=None, dropout_p=0.0, is_causal=False):
+def wrong_empty_rows_kernel(fill):
+    """A stand-in for F.scaled_dot_product_attention that gets rows with no allowed key wrong:
+    fill=-inf gives NaN there (as some GPU kernels have); a large finite fill gives the mean of
+    the values, finite and non-zero (as cuDNN's kernel gave on an H200, torch 2.11, float16)."""
+
+    def kernel(Q, K, V, attn_mask=None, dropout_p=0.0, is_causal=False):
         scores = (Q @ K.transpose(-2, -1)) / Q.size(-1) ** 0.5
         if attn_mask is not None:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))  # empty rows: NaN
+            scores = scores.masked_fill(~attn_mask, fill)
         return torch.softmax(scores, dim=-1) @ V
 
+    return kernel
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), -1e9], ids=["nan", "finite"])
+def test_fast_attention_zeroes_empty_rows_whatever_the_kernel_returns_there(monkeypatch, fill):
     torch.manual_seed(0)
     scratch = MultiHeadAttention(8, 2).eval()
     fast = fast_copy(scratch)
     x = torch.randn(2, 4, 8, requires_grad=True)
     mask = padding_mask([4, 0], 4)
-    monkeypatch.setattr(F, "scaled_dot_product_attention", nan_kernel)
+    expected = scratch(x, mask=mask)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    kernel = wrong_empty_rows_kernel(fill)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", kernel)
+    Q, K, V = qkv(B=2, h=2, T_q=4, T_k=4, dtype=torch.float32)
+    empty = kernel(Q, K, V, attn_mask=mask)[1]  # the stand-in gets the empty rows wrong:
+    if fill == float("-inf"):
+        assert empty.isnan().all()
+    else:  # finite and non-zero
+        assert empty.isfinite().all() and empty.abs().max() > 0
     out = fast(x, mask=mask)
     assert torch.isfinite(out).all()
-    assert_close(out, scratch(x, mask=mask))
-    out.sum().backward()
-    assert torch.isfinite(x.grad).all()
+    assert_close(out, expected)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert_close(grad, expected_grad)
 
 
 def test_fast_dropout_with_p_one_drops_everything_like_f_dropout():

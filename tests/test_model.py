@@ -536,13 +536,24 @@ def test_forward_refuses_a_non_causal_tgt_mask():
         "padding only": padding_mask(tgt_len, T),  # (B, 1, 1, T): the forgotten causal part
         "all ones": torch.ones(T, T, dtype=torch.bool),
         "one entry above the diagonal": causal_mask(T) | (ar[:, None] == 2) & (ar == 5),
-        "float zeros": torch.zeros(1, 1, T, T),
-        "float, upper part finite": torch.zeros(T, T).masked_fill(strictly_lower, -math.inf),
     }
     for mask in not_causal.values():
         with pytest.raises(ValueError, match="tgt_mask lets a target position attend to later"):
             model(src, tgt_in, src_mask, mask)
     causal_float = torch.zeros(T, T).masked_fill(~causal_mask(T)[0, 0], -math.inf)
+    not_minus_inf = {  # a float mask must hold -inf above the diagonal, whatever else it holds
+        "float zeros": torch.zeros(1, 1, T, T),
+        "float, upper part finite": torch.zeros(T, T).masked_fill(strictly_lower, -math.inf),
+        "float, -1e9 above": torch.where(causal_mask(T), 0.0, -1e9),
+        "float, one NaN above": causal_float.masked_fill((ar[:, None] == 2) & (ar == 5), math.nan),
+    }
+    minus_inf_only = (
+        "tgt_mask holds values other than -inf above the diagonal, where a float mask must hold "
+        "-inf, the one value that blocks a later key in every dtype and at any size of the scores"
+    )
+    for mask in not_minus_inf.values():
+        with pytest.raises(ValueError, match=minus_inf_only):
+            model(src, tgt_in, src_mask, mask)
     with torch.no_grad():
         expected = model(src, tgt_in, src_mask, causal_mask(T))
         for mask in (causal_mask(T), causal_mask(T)[0, 0], causal_float, tgt_mask):
@@ -553,7 +564,8 @@ def test_forward_refuses_a_non_causal_tgt_mask():
         model(src, tgt_in, src_mask, None)  # no mask given: nothing to check (as nn.Transformer)
         with tfs.checks.validated():  # the callers' escape hatch: checks off
             model(src, tgt_in, src_mask, padding_mask(tgt_len, T))
-        # decode (also the cached path) is not guarded: it sees partial masks
+        # decode (also the cached path) checks its masks' shapes and dtypes, not their
+        # causality: with a cache it sees partial masks
         enc_out = model.encode(src, src_mask)
         model.decode(tgt_in, enc_out, self_mask=padding_mask(tgt_len, T), cross_mask=src_mask)
 
@@ -576,7 +588,8 @@ def test_entry_points_refuse_integer_masks():
     """encode/decode/forward run their layers inside validated(), which switches the attention's
     own dtype check off: so they check a mask's dtype themselves (an integer 0/1 mask would be
     added to the scores and mask nothing), and an integer causal mask is a TypeError, not 'lets a
-    target position attend to later positions'. A float mask must block with -inf, not -1e9."""
+    target position attend to later positions'. A float tgt_mask must hold -inf above the
+    diagonal: -1e9 is refused by the course's rule, not because it leaks in float32."""
     model = small_model().eval()
     src, tgt_in, _, _, _, src_mask, tgt_mask = reversal_batch()
     dtype = r"must be bool \(True = may attend\) or floating \(added to the scores\), got dtype "
@@ -593,10 +606,38 @@ def test_entry_points_refuse_integer_masks():
     with pytest.raises(TypeError, match="self_mask " + dtype):
         model.decode(tgt_in, enc_out, tgt_mask.long(), src_mask)
     minus_1e9 = torch.where(tgt_mask, 0.0, -1e9)
-    with pytest.raises(
-        ValueError, match=r"later positions \(in a float mask only -inf blocks a key\)"
-    ):
+    with pytest.raises(ValueError, match="tgt_mask holds values other than -inf above the diagon"):
         model(src, tgt_in, src_mask, minus_1e9)
     with torch.no_grad():  # the same masks as bool, or as 0/-inf floats, are accepted and agree
         as_float = torch.zeros(tgt_mask.shape).masked_fill(~tgt_mask, -math.inf)
         assert_close(model(src, tgt_in, src_mask, as_float), model(src, tgt_in, src_mask, tgt_mask))
+
+
+def test_why_a_float_tgt_mask_must_hold_minus_inf():
+    """The rule is the course's, not a claim that -1e9 leaks: with the checks off, -1e9 above the
+    diagonal gives the bool mask's logits in float32, while -10 lets later tokens in. Whether a
+    finite value blocks depends on the dtype and on the size of the scores; -inf always blocks."""
+    model = small_model().eval()
+    src, tgt_in, _, _, _, src_mask, tgt_mask = reversal_batch()
+    changed = tgt_in.clone()
+    changed[:, 3] = 4  # a later target token
+    with torch.no_grad(), tfs.checks.validated():
+        expected = model(src, tgt_in, src_mask, tgt_mask)
+        leak = {}
+        for fill in (-10.0, -1e9):
+            finite = torch.where(tgt_mask, 0.0, fill)
+            got = model(src, tgt_in, src_mask, finite)
+            leak[fill] = (model(src, changed, src_mask, finite) - got)[:, 0].abs().max().item()
+            if fill == -1e9:
+                assert_close(got, expected)
+    assert leak[-1e9] == 0 and leak[-10.0] > 1e-6
+
+    def later_weight(fill, gap, dtype):  # a later key masked with fill, `gap` above the allowed one
+        scores = torch.tensor([0.0, gap]).to(dtype) + torch.tensor([0.0, fill]).to(dtype)
+        return torch.softmax(scores, dim=-1)[1].item()
+
+    assert later_weight(-50.0, 0.0, torch.float16) == 0  # e^-50 underflows in float16
+    assert 0 < later_weight(-50.0, 0.0, torch.float32) < 1e-20  # but not in float32
+    assert later_weight(-50.0, 50.0, torch.float32) == 0.5  # and a larger score undoes it
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert later_weight(-math.inf, 1e4, dtype) == 0

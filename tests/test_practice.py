@@ -228,6 +228,23 @@ def test_rng_state_restores_every_generator():
     assert math.floor(1e9 * __import__("random").random()) == first[1]
 
 
+def test_set_rng_state_takes_generator_states_mapped_to_another_device():
+    """load_training_state(map_location="cuda") moves the CPU generator's byte tensor to the GPU;
+    torch.set_rng_state wants it on the CPU (a TypeError on a GPU before the fix)."""
+
+    class Mapped:  # stands in for a byte tensor on another device: usable only after .cpu()
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def cpu(self):
+            return self.tensor
+
+    state = rng_state()
+    first = torch.rand(3)
+    set_rng_state({**state, "torch": Mapped(state["torch"])})
+    assert torch.equal(torch.rand(3), first)
+
+
 def test_layer_grad_norms_groups_by_block():
     model = tiny_model()
     sequence_loss(model, collate_translations(make_items(4))).backward()

@@ -471,6 +471,26 @@ def test_token_loss_mean_sum_smoothing_and_float32():
         token_loss(logits, tgt, reduction="none")
 
 
+def test_token_loss_smoothing_spreads_over_every_class_and_drops_padded_positions():
+    from transformer_from_scratch.train import token_loss
+
+    V, eps = 7, 0.1
+    logits = torch.randn(3, 4, V, generator=torch.Generator().manual_seed(1))
+    tgt = torch.tensor([[4, 5, 3, PAD], [6, PAD, PAD, PAD], [3, 3, 4, 5]])
+    real = tgt != PAD
+    log_p = F.log_softmax(logits, dim=-1)[real]  # (N, V): the graded positions only
+    q = torch.full_like(log_p, eps / V)  # the uniform part over all V classes, PAD included
+    q[torch.arange(len(q)), tgt[real]] += 1 - eps
+    by_hand = -(q * log_p).sum(dim=-1)  # (N,)
+    torch.testing.assert_close(token_loss(logits, tgt, eps), by_hand.mean())
+    torch.testing.assert_close(token_loss(logits, tgt, eps, reduction="sum"), by_hand.sum())
+    q_no_pad = torch.full_like(q, eps / (V - 1))  # the other reading: PAD left out of it
+    q_no_pad[:, PAD] = 0.0
+    q_no_pad[torch.arange(len(q)), tgt[real]] += 1 - eps
+    other = -(q_no_pad * log_p).sum(dim=-1).mean()
+    assert not torch.isclose(token_loss(logits, tgt, eps), other, rtol=1e-4)  # told apart
+
+
 def test_num_tokens_counts_what_the_loss_grades():
     from transformer_from_scratch.train import num_tokens
 

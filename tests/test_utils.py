@@ -39,18 +39,32 @@ def test_set_seed_repeats_every_stream():
 @pytest.mark.parametrize(
     "bad, error, match",
     [
-        (-1, ValueError, "seed must be >= 0"),
+        (-1, ValueError, "seed must be at least 0, got -1"),
+        (2**32, ValueError, r"seed must be at most 2\*\*32 - 1 \(NumPy's limit\), got 4294967296"),
         (1.5, TypeError, "seed must be an int, got float"),
         ("0", TypeError, "seed must be an int, got str"),
         (None, TypeError, "seed must be an int, got NoneType"),
-        (True, TypeError, "seed must be an int, got bool"),
+        (True, TypeError, "seed must be an int, got the bool True"),
+        (torch.tensor(True), TypeError, "seed must be an int, got the bool"),
     ],
 )
 def test_set_seed_rejects_bad_seeds(bad, error, match):
-    # the policy of checks: TypeError for a wrong type (once a ValueError for 1.5), ValueError
-    # for a wrong value
+    # the policy of checks (set_seed calls check_int): TypeError for a wrong type (once a
+    # ValueError for 1.5), ValueError for a wrong value; refused before anything is seeded
+    import random
+
+    state = random.getstate()
     with pytest.raises(error, match=match):
         utils.set_seed(bad)
+    assert random.getstate() == state
+
+
+def test_set_seed_takes_numpy_and_tensor_integers_like_ints():
+    import numpy as np
+
+    expected = torch.rand(3, generator=utils.set_seed(2**32 - 1))
+    for seed in (np.int64(2**32 - 1), np.uint32(2**32 - 1), torch.tensor(2**32 - 1)):
+        assert torch.equal(torch.rand(3, generator=utils.set_seed(seed)), expected)
 
 
 def test_add_to_class_attaches_and_returns_the_function():

@@ -13,9 +13,11 @@ and measures for each seed everything the two notebooks assert about a trained m
   cross-attention heads align (and the one that looks one position off), the runner-up token at
   each step, beam search and sampling, and beam search on the model of step 100.
 
-Seed 0 is the notebooks' own recipe, but its row is the run of the machine the study ran on: the
-stored notebooks were executed on another CPU (AMD EPYC, AVX2), which trains a slightly different
-run, so their numbers differ from this row (notebooks 11 and 12 say where).
+Seed 0 is the notebooks' own recipe, but its row is the run of the CPU kernel the study ran under
+(PyTorch's AVX-512 one, the native kernel of the machine it ran on). The stored notebooks are
+executed with PyTorch's AVX2 kernel (`make execute` sets ATEN_CPU_CAPABILITY=avx2 on x86), which
+trains a slightly different run, so their numbers differ from this row (notebooks 11 and 12 say
+where). Set the same variable to reproduce the stored run here.
 
     python tools/seed_study.py --seeds 0-3 --steps 2500 --jobs 2 --out tools/seed_study
 

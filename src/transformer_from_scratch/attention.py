@@ -17,8 +17,8 @@ from torch import Tensor
 from torch import nn
 
 from transformer_from_scratch.checks import check_bool
-from transformer_from_scratch.checks import check_broadcast
 from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_mask
 from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.checks import check_tensor
 from transformer_from_scratch.checks import checking
@@ -87,13 +87,8 @@ def check_attention_inputs(
         raise ValueError(
             f"the batch dims (all but the last 2) do not broadcast: {shapes}"
         ) from None
-    if isinstance(mask, Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            "mask must be bool (True = may attend) or floating (added to the scores), "
-            f"got dtype {mask.dtype}"
-        )
     scores_shape = (*batch, Q.size(-2), K.size(-2))
-    check_broadcast("mask", mask, scores_shape, f"(..., T_q, T_k) for {shapes}")
+    check_mask("mask", mask, scores_shape, f"(..., T_q, T_k) for {shapes}")
     check_probability("dropout_p", dropout_p)
 
 
@@ -174,11 +169,7 @@ class MultiHeadAttention(nn.Module):
 
     def _check_mask(self, mask: torch.Tensor | None, B: int, T_q: int, T_k: int) -> None:
         """The mask must broadcast to (B, h, T_q, T_k), and be bool (True = may attend) or float."""
-        check_broadcast("mask", mask, (B, self.num_heads, T_q, T_k), "(B, h, T_q, T_k)")
-        if mask is not None and mask.dtype != torch.bool and not mask.is_floating_point():
-            raise TypeError(
-                f"mask must be bool (True = may attend) or float (added), got {mask.dtype}"
-            )
+        check_mask("mask", mask, (B, self.num_heads, T_q, T_k), "(B, h, T_q, T_k)")
 
     def forward(
         self,
@@ -303,10 +294,14 @@ def fused_attention_mask(mask: Tensor | None, T_q: int, T_k: int) -> tuple[Tenso
         return None, False
     if torch.compiler.is_compiling():  # no data-dependent test inside a compiled graph
         return mask, False
+    # The causal mask is one (T, T) pattern shared by all sequences and heads: every leading
+    # dim 1. Counting elements would not do: a padding mask (B, 1, 1, T) with B == T has T * T
+    # of them too, and a batch sorted by length (lengths 1 .. T) reshapes to the causal pattern.
     if (
         mask.dtype == torch.bool
         and T_q == T_k
-        and mask.numel() == T_q * T_k  # one (T, T) pattern shared by all sequences and heads
+        and mask.shape[-2:] == (T_q, T_k)
+        and all(size == 1 for size in mask.shape[:-2])
         and torch.equal(mask.reshape(T_q, T_k), _causal_pattern(T_q, mask.device))
     ):
         return None, True  # the causal mask: no tensor needed, and the kernel skips tiles
@@ -364,7 +359,7 @@ def fused_attention(
         return _attention_with_dropout(Q, K, V, attn_mask, is_causal, dropout_p)
     no_key = None
     if attn_mask is not None:  # empty rows: zeros on every backend (some GPU kernels have
-        attn_mask, no_key = _open_empty_rows(attn_mask)  # returned NaN for them)
+        attn_mask, no_key = _open_empty_rows(attn_mask)  # given NaN or non-zero values there)
     context = F.scaled_dot_product_attention(
         Q, K, V, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
     )  # (B, h, T_q, d_k)

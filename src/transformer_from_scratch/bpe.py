@@ -150,7 +150,10 @@ class BPETokenizer:
     def encode(self, text: str, add_special: bool = True, unknown: str = "unk") -> list[int]:
         """Text -> ids, BOS first and EOS last if add_special; unknown="error" refuses UNK."""
         unknown = check_choice("unknown", unknown, ("unk", "error"))
-        ids = [i for word in split_words(text) for i in self._encode_word(word, unknown)]
+        try:
+            ids = [i for word in split_words(text) for i in self._encode_word(word, unknown)]
+        except ValueError as err:  # name the whole text too: a corpus has many sentences
+            raise ValueError(f"{err}, in the text {text!r}") from None
         return [BOS, *ids, EOS] if add_special else ids
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -7,6 +7,7 @@
 import contextlib
 import contextvars
 import math
+import numbers
 import operator
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -16,11 +17,14 @@ import torch
 
 # Taught in notebook 00 · Setup and conventions
 def check_int(name: str, value: int, minimum: int | None = None) -> int:
-    """`value` as a Python int (NumPy or 0-d integer tensors too, not bools), >= `minimum`."""
-    if isinstance(value, bool):
+    """`value` as a Python int, >= `minimum`. A Python or NumPy integer, or a 0-d integer
+    tensor; never a bool (Python's, NumPy's or a bool tensor)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
+        raise TypeError(f"{name} must be an int, got a tensor of shape {tuple(value.shape)}")
     try:
-        value = operator.index(value)
+        value = operator.index(value)  # NumPy's bool and floats and float tensors refuse this
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if minimum is not None and value < minimum:
@@ -38,8 +42,17 @@ def check_float(
     low_open: bool = False,
     high_open: bool = False,
 ) -> float:
-    """`value` as a finite float in the interval from `low` to `high` (ends open or closed)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """`value` as a finite Python float in the interval from `low` to `high` (ends open or
+    closed). A Python or NumPy number (integer or floating), or a 0-d integer or floating
+    tensor; never a bool."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"{name} must be a number, got a tensor of dtype {value.dtype} and shape "
+                f"{tuple(value.shape)}"
+            )
+        value = value.item()
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's bool is not Real
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value):
@@ -100,14 +113,30 @@ def check_tensor(
 
 
 # Taught in notebook 00 · Setup and conventions
-def check_broadcast(
-    name: str, mask: torch.Tensor | None, shape: Sequence[int], what: str, hint: str = ""
+def check_mask(
+    name: str,
+    mask: torch.Tensor | None,
+    shape: Sequence[int] | None = None,
+    what: str = "",
+    hint: str = "",
 ) -> None:
-    """Raise unless `mask` is None or a tensor that broadcasts to `shape` (`what` in symbols)."""
+    """Raise unless `mask` is None or a bool/floating tensor that broadcasts to `shape`.
+
+    A bool mask says True = may attend; a floating one is added to the scores. Any other dtype
+    (a 0/1 integer mask, say) is a TypeError: added to the scores, it would mask nothing.
+    `what` names `shape` in symbols for the message; `shape=None` checks the dtype only.
+    """
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{name} must be bool (True = may attend) or floating (added to the scores), "
+            f"got dtype {mask.dtype}"
+        )
+    if shape is None:
+        return
     shape = tuple(shape)
     try:
         fits = torch.broadcast_shapes(mask.shape, shape) == shape
@@ -128,8 +157,8 @@ _VALIDATED = contextvars.ContextVar("transformer_from_scratch_validated", defaul
 @contextlib.contextmanager
 def validated() -> Iterator[None]:
     """Inside, inputs were checked by an outer entry point: inner ones skip their checks."""
-    if torch.compiler.is_compiling():  # checking() is off anyway; setting the variable would
-        yield  # break the traced graph in every call
+    if torch.compiler.is_compiling():  # checking() is off anyway; set() and reset() would each
+        yield  # break the traced graph (torch 2.13's Dynamo cannot trace them)
         return
     token = _VALIDATED.set(True)
     try:
@@ -143,7 +172,7 @@ def checking() -> bool:
     """True unless an enclosing `validated()` block checked the inputs (or torch.compile traces).
 
     is_compiling() comes first: under torch.compile it short-circuits, so the trace never reads
-    the context variable (reading one is a graph break in every attention call)."""
+    the context variable (torch 2.13's Dynamo cannot trace ContextVar.get: a graph break)."""
     return not (torch.compiler.is_compiling() or _VALIDATED.get())
 
 
@@ -154,7 +183,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_tensor",
-    "check_broadcast",
+    "check_mask",
     "validated",
     "checking",
 ]

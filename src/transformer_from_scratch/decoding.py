@@ -17,9 +17,9 @@ from torch import Tensor
 from torch import nn
 
 from transformer_from_scratch.checks import check_bool
-from transformer_from_scratch.checks import check_broadcast
 from transformer_from_scratch.checks import check_float
 from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_mask
 from transformer_from_scratch.checks import check_tensor
 from transformer_from_scratch.checks import validated
 from transformer_from_scratch.layers import DecoderCache
@@ -88,7 +88,7 @@ def check_generation_inputs(
             "decoder would read positions beyond its positional table"
         )
     B, T_src = src.shape
-    check_broadcast(
+    check_mask(
         "src_mask",
         src_mask,
         (B, 1, 1, T_src),

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from transformer_from_scratch.checks import check_bool
-from transformer_from_scratch.checks import check_broadcast
 from transformer_from_scratch.checks import check_choice
 from transformer_from_scratch.checks import check_int
+from transformer_from_scratch.checks import check_mask
 from transformer_from_scratch.checks import check_probability
 from transformer_from_scratch.checks import check_tensor
 from transformer_from_scratch.checks import checking
@@ -108,16 +108,6 @@ def _check_tokens(name: str, tokens: torch.Tensor, vocab_size: int, max_len: int
 
 
 # Taught in notebook 10 · The full model
-def _check_mask_dtype(name: str, mask: torch.Tensor | None) -> None:
-    """Raise a TypeError unless mask is None, bool (True = may attend) or floating (added)."""
-    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool and not mask.is_floating_point():
-        raise TypeError(
-            f"{name} must be bool (True = may attend) or floating (added to the scores), "
-            f"got dtype {mask.dtype}"
-        )
-
-
-# Taught in notebook 10 · The full model
 class Transformer(nn.Module):
     """The encoder-decoder Transformer (Vaswani et al., 2017): token ids to logits.
 
@@ -167,8 +157,7 @@ class Transformer(nn.Module):
         if checking():
             _check_tokens("src", src, self.src_embed.num_embeddings, self.max_len)
             B, T_src = src.shape
-            check_broadcast("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T, T)")
-            _check_mask_dtype("src_mask", src_mask)
+            check_mask("src_mask", src_mask, (B, self.num_heads, T_src, T_src), "(B, h, T, T)")
         with validated():  # the layers below need not check again
             x = embed_tokens(
                 self.src_embed, src, "src"
@@ -196,10 +185,8 @@ class Transformer(nn.Module):
             (B, T_tgt), h, T_src = tgt.shape, self.num_heads, enc_out.shape[1]
             if offset > 0 and T_tgt > 1 and self_mask is None:
                 raise ValueError("several new tokens after cached ones need a (causal) self_mask")
-            check_broadcast("self_mask", self_mask, (B, h, T_tgt, offset + T_tgt), "(B, h, T, T_k)")
-            check_broadcast("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T, T_src)")
-            _check_mask_dtype("self_mask", self_mask)
-            _check_mask_dtype("cross_mask", cross_mask)
+            check_mask("self_mask", self_mask, (B, h, T_tgt, offset + T_tgt), "(B, h, T, T_k)")
+            check_mask("cross_mask", cross_mask, (B, h, T_tgt, T_src), "(B, h, T, T_src)")
         with validated():  # the layers below need not check again
             x = embed_tokens(
                 self.tgt_embed, tgt, "tgt"
@@ -222,14 +209,13 @@ class Transformer(nn.Module):
                 shapes = f"src {tuple(src.shape)} and tgt {tuple(tgt.shape)}"
                 raise ValueError(f"{shapes} have different batch sizes")
             (B, T_src), h, T_tgt = src.shape, self.num_heads, tgt.shape[1]
-            check_broadcast(
+            check_mask(
                 "src_mask", src_mask, (B, h, 1, T_src), "(B, h, 1, T_src)",
                 hint="it masks source keys for the encoder's and the decoder's queries alike: "
                 "build it with padding_mask",
             )  # fmt: skip
-            check_broadcast("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
-            _check_mask_dtype("src_mask", src_mask)
-            _check_causal("tgt_mask", tgt_mask, T_tgt)  # checks its dtype first
+            check_mask("tgt_mask", tgt_mask, (B, h, T_tgt, T_tgt), "(B, h, T_tgt, T_tgt)")
+            _check_causal("tgt_mask", tgt_mask, T_tgt)
         with validated():  # checked once, here: encode and decode skip their checks
             enc_out = self.encode(src, src_mask=src_mask)  # (B, T_src, d_model)
             # src_mask again, as cross_mask: the decoder attends over the same source positions.
@@ -242,17 +228,25 @@ def _check_causal(name: str, mask: torch.Tensor | None, T: int) -> None:
     """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys."""
     if mask is None:
         return
-    _check_mask_dtype(name, mask)  # an integer mask is neither kind: refuse it, do not read it
+    check_mask(name, mask)  # an integer mask is neither kind: refuse it, do not read it
     later = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(
         1
     )  # (T, T): key after query
-    may_attend = mask if mask.dtype == torch.bool else mask > float("-inf")
+    may_attend = mask if mask.dtype == torch.bool else ~mask.isneginf()  # float: all but -inf
     if (may_attend & later).any():
-        only_inf = "" if mask.dtype == torch.bool else " (in a float mask only -inf blocks a key)"
-        raise ValueError(
-            f"{name} lets a target position attend to later positions{only_inf}, the tokens it "
-            "must predict: combine causal_mask(T_tgt) with the padding, or build it with make_masks"
-        )
+        if mask.dtype == torch.bool:
+            wrong = (
+                f"{name} lets a target position attend to later positions, the tokens it must "
+                "predict"
+            )
+        else:  # a finite value may or may not block: that depends on the dtype and on the scores
+            wrong = (
+                f"{name} holds values other than -inf above the diagonal, where a float mask "
+                "must hold -inf, the one value that blocks a later key in every dtype and at any "
+                "size of the scores"
+            )
+        fix = "combine causal_mask(T_tgt) with the padding, or build it with make_masks"
+        raise ValueError(f"{wrong}: {fix}")
 
 
 # Taught in notebook 10 · The full model

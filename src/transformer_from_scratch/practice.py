@@ -153,10 +153,12 @@ def rng_state() -> dict:
 
 # Taught in notebook 13 · A real translation task
 def set_rng_state(state: dict) -> None:
+    """Restore what rng_state saved. The generator states are byte tensors that must be on the
+    CPU, wherever `load_training_state(..., map_location=...)` put them."""
     random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # Taught in notebook 13 · A real translation task

@@ -162,7 +162,8 @@ def torch_parameter(theirs: nn.Module, name: str) -> tuple[torch.Tensor, slice]:
 # Taught in notebook 10 · The full model
 def torch_transformer_like(model: Transformer) -> nn.Transformer:
     """An nn.Transformer with our sizes, arrangement and dropout, holding our stacks' weights."""
-    c = model.config  # nn.Transformer takes "relu" and "gelu"; copy_block_to_torch checks the rest
+    c = model.config  # nn.Transformer itself refuses other activations than "relu" and "gelu"
+    # (a RuntimeError); copy_block_to_torch checks that the other settings match
     with warnings.catch_warnings():  # the nested-tensor fast path serves post-norm stacks only
         warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
         theirs = nn.Transformer(

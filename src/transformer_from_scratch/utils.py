@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from transformer_from_scratch.checks import check_int
+
 
 # Taught in notebook 00 · Setup and conventions
 def get_device(prefer: str | None = None) -> torch.device:
@@ -32,10 +34,9 @@ def get_device(prefer: str | None = None) -> torch.device:
 # Taught in notebook 00 · Setup and conventions
 def set_seed(seed: int = 0) -> torch.Generator:
     """Seed Python's random, NumPy and PyTorch (all devices); return a CPU generator alike."""
-    if isinstance(seed, bool) or not isinstance(seed, int):  # the policy of `checks`, below:
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")  # a wrong type
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")  # a wrong value
+    seed = check_int("seed", seed, minimum=0)
+    if seed > 2**32 - 1:
+        raise ValueError(f"seed must be at most 2**32 - 1 (NumPy's limit), got {seed}")
     random.seed(seed)
     try:
         import numpy as np
