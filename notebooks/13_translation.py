@@ -2991,8 +2991,9 @@ if crossings:
     print(f"shuffled peaks, {SHUFFLES} shuffles: crossing share {baseline.mean():.1%} on "
           f"average (standard deviation {baseline.std():.1%}, highest {baseline.max():.1%}); "
           f"measured {crossing_share:.1%}")
-    assert float((baseline >= crossing_share).double().mean()) < 0.01  # chance seldom gets there
-    assert crossing_share - baseline.mean() > 0.05  # 5 points above it (seeds tried: 10 to 19)
+    if STORED_RUN:  # a finding of this run (and of the seeds tried, not of every split: below)
+        assert float((baseline >= crossing_share).double().mean()) < 0.01  # chance seldom there
+        assert crossing_share - baseline.mean() > 0.05  # 5 points above it (seeds tried: 10 to 19)
     # The lower baseline: one permutation per number, shared by its layers (expanded over them).
     shared_baseline = permuted_shares(measured, lambda shape: torch.rand(
         SHUFFLES, 1, shape[-1], generator=generator).argsort(-1).expand(SHUFFLES, *shape))  # fmt: skip
@@ -3034,14 +3035,21 @@ plt.show()
 
 # %% [markdown]
 # What the figure shows depends on the run: another machine's run, or another seed's, may draw
-# another number and weigh it otherwise. What holds for every seed tried is the statistic
+# another number and weigh it otherwise. What held for the seeds tried on this split is the statistic
 # above against its shuffled baseline. That baseline is high, about three pairs in four with
 # this run's peaks (72.6 % on average over the shuffles, standard deviation 2.4 points; a shuffle
 # shared by the two layers gives 54.3 %, at most 63.0 %), so the crossing cell's bound of 0.6
 # only catches a measure that has broken. The test is the baseline's: the stored run's 89.4 % is
 # above every one of the 1,000 shuffles (the highest is 80.4 %) and 17 points above their
-# average. Three seeds tried measured 10 to 19 points above their own baselines, so the asserts
-# ask for fewer than 1 % of the shuffles to reach the share and for 5 points above their average.
+# average. Three seeds tried measured 10 to 19 points above their own baselines, and so did a
+# run with every seed shifted by 1000 on this split of the numbers (84.1 % against 70-71 %, with
+# either CPU kernel). But not every run does:
+# `make robust`'s seed+1000 run, which also draws another split of the numbers and so trains other
+# tokenizers and another model, measured 71.8 % against 72.5 % for its shuffles (highest 79.2 %):
+# no more crossing than chance. So the
+# crossing is a finding of these runs, not a law of the task, and the two asserts, fewer than 1 %
+# of the shuffles reaching the share and 5 points above their average, are made only for the
+# stored run (`STORED_RUN`).
 #
 # Layer by layer, the stored run's crossing is mostly layer 2's: on its own it crosses at 88.4 %
 # of the pairs, nearly the 89.4 % of "either layer", against 47.9 % on average for its shuffles,
