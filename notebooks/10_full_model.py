@@ -558,10 +558,10 @@ def decode(
 # %%
 #| export
 def _check_causal(name: str, mask: torch.Tensor | None, T: int) -> None:
-    """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys."""
+    """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys.
+    The caller has passed it through check_mask first, so it is None, bool or floating."""
     if mask is None:
         return
-    check_mask(name, mask)  # an integer mask is neither kind: refuse it, do not read it
     later = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(1)  # (T, T): key after query
     may_attend = mask if mask.dtype == torch.bool else ~mask.isneginf()  # float: all but -inf
     if (may_attend & later).any():

@@ -225,10 +225,10 @@ class Transformer(nn.Module):
 
 # Taught in notebook 10 · The full model
 def _check_causal(name: str, mask: torch.Tensor | None, T: int) -> None:
-    """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys."""
+    """Raise unless mask (bool: True = may attend; float: -inf = blocked) hides later keys.
+    The caller has passed it through check_mask first, so it is None, bool or floating."""
     if mask is None:
         return
-    check_mask(name, mask)  # an integer mask is neither kind: refuse it, do not read it
     later = torch.ones(T, T, dtype=torch.bool, device=mask.device).triu(
         1
     )  # (T, T): key after query
