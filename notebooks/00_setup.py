@@ -4,7 +4,7 @@
 # **What you will build:** nothing big yet, just the few helpers every later notebook starts
 # with: picking a device, checking inputs, seeding, adding a method to a class one cell at a
 # time, and saving a figure. On the way you will see how the course fits together: notebooks, the
-# `transformer_from_scratch` package they write, and the tests that keep both honest.
+# `transformer_from_scratch` package they write, and the commands that check both.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/00_setup.ipynb) · Assumes: Python and a little PyTorch (tensors, `nn.Module`, autograd).
 
@@ -50,15 +50,18 @@ if "google.colab" in sys.modules:
 # | build the static site into `site/` | `make html` |
 #
 # CI re-executes every notebook with **nbval**, a pytest plugin that runs each code cell again
-# and compares what it prints with the output stored in the `.ipynb` ("strict mode": any
-# difference fails), so everything printed here must come out the same on every run. Three habits make that work:
-# fixed seeds, rounded prints, and an `assert` after anything that depends on the machine.
+# and compares the text of its outputs with the text stored in the `.ipynb` ("strict mode": any
+# difference fails, memory addresses aside). Figures are not compared, so a changed picture
+# passes; everything *printed* here must come out the same on every run. Three habits make that
+# work: fixed seeds, rounded prints, and an `assert` after anything that depends on the machine.
 #
-# The pairing is done by **jupytext**; the export by a short script in `tools/`. This notebook
+# The pairing is done by **jupytext**; the export by a script, `tools/export.py`. This notebook
 # writes the package's first module, `utils`: the line `#| default_exp utils` below names the
 # module that the notebook's `#| export` cells go to. A cell that belongs in another module
 # names it after the marker: the input checks below start with `#| export checks` and go to
-# `transformer_from_scratch/checks.py`.
+# `transformer_from_scratch/checks.py`. Where an exported cell uses a name that another module
+# defines, the exporter writes the import: `set_seed` calls `check_int`, so `utils.py` starts
+# with `from transformer_from_scratch.checks import check_int`.
 
 # %%
 #| default_exp utils
@@ -78,7 +81,7 @@ import torch
 #
 # A report of what you are running goes at the top of any bug report. It differs between
 # machines, so the cell is tagged `nbval-ignore-output`: CI runs it but does not compare what it
-# prints. The `assert` in the next cell checks the part that matters.
+# prints. The `assert` in the next cell checks the version the course needs: torch 2.5 or newer.
 
 # %% tags=["nbval-ignore-output"]
 import platform
@@ -102,7 +105,7 @@ assert torch_major_minor >= (2, 5), "the course needs torch 2.5 or newer"
 #
 # The same notebooks run on a laptop CPU, on an Apple GPU (`mps`) and on Colab's NVIDIA GPU
 # (`cuda`). We ask for the best one available, in that order of preference: CUDA, then MPS, then
-# the CPU. Nothing else in the course names a device.
+# the CPU. Every notebook makes this choice once, at its top: `device = get_device()`.
 
 # %%
 #| export
@@ -118,9 +121,15 @@ def get_device(prefer: str | None = None) -> torch.device:
 
 
 # %%
+from unittest import mock
+
 device = get_device()
-assert device.type in {"cuda", "mps", "cpu"}
 assert (device.type == "cuda") == torch.cuda.is_available()  # CUDA whenever there is one
+# The order of preference, on three pretended machines: `mock.patch` swaps what is available.
+for has_cuda, has_mps, best in ((True, True, "cuda"), (False, True, "mps"), (False, False, "cpu")):
+    with (mock.patch("torch.cuda.is_available", return_value=has_cuda),
+          mock.patch("torch.backends.mps.is_available", return_value=has_mps)):
+        assert get_device() == torch.device(best), (has_cuda, has_mps)
 # `prefer` wins over what is available: "meta" (shapes without data) exists on every machine.
 assert get_device("meta") == torch.device("meta") and get_device("cpu") == torch.device("cpu")
 
@@ -147,7 +156,8 @@ print(device)
 # the numbers. A number may arrive as a Python number, a NumPy scalar (`np.int64(4)`, read from
 # an array) or a 0-d tensor (`lengths.max()`); all three are accepted and returned as a plain
 # Python `int` or `float`. A bool is never a number here, whether Python's, NumPy's or a bool
-# tensor: `True` passed as a width is a mistake, not a 1.
+# tensor: `True` passed as a width is a mistake, not a 1. NumPy's bool must be named: NumPy 1
+# (which the course supports) lets it pass as an index, `operator.index(np.True_) == 1`.
 
 # %%
 #| export checks
@@ -158,20 +168,31 @@ import contextvars
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Iterator, Sequence
 
 import torch
 
 
+def _is_bool(value) -> bool:
+    """Python's bool, NumPy's bool (`np.True_`) or a bool tensor."""
+    numpy = sys.modules.get("numpy")  # a NumPy bool exists only once NumPy has been imported
+    return (
+        isinstance(value, bool)
+        or (numpy is not None and isinstance(value, numpy.bool_))
+        or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+    )
+
+
 def check_int(name: str, value: int, minimum: int | None = None) -> int:
     """`value` as a Python int, >= `minimum`. A Python or NumPy integer, or a 0-d integer
     tensor; never a bool (Python's, NumPy's or a bool tensor)."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    if _is_bool(value):  # str(), not repr(): NumPy 1 and 2 spell the repr of np.True_ differently
+        raise TypeError(f"{name} must be an int, got the bool {value!s}")
     if isinstance(value, torch.Tensor) and value.dim() != 0:
         raise TypeError(f"{name} must be an int, got a tensor of shape {tuple(value.shape)}")
     try:
-        value = operator.index(value)  # NumPy's bool and floats and float tensors refuse this
+        value = operator.index(value)  # floats and float tensors refuse this
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if minimum is not None and value < minimum:
@@ -180,10 +201,10 @@ def check_int(name: str, value: int, minimum: int | None = None) -> int:
 
 
 # %% [markdown]
-# A float parameter (a learning rate, a probability) takes whatever `check_int` takes, and
-# floating numbers of the same three kinds: `np.float32(0.1)` and `torch.tensor(0.1)` are
-# numbers too. It must be finite, and it must lie in an interval whose ends may be open or
-# closed (a dropout probability lies in $[0, 1)$):
+# A float parameter (a learning rate, a probability) takes the three kinds of integer that
+# `check_int` takes, and floating numbers of the same three kinds: `np.float32(0.1)` and
+# `torch.tensor(0.1)` are numbers too. It must be finite, and it must lie in an interval whose
+# ends may be open or closed (a dropout probability lies in $[0, 1)$):
 
 # %%
 #| export checks
@@ -206,7 +227,9 @@ def check_float(
                 f"{tuple(value.shape)}"
             )
         value = value.item()
-    elif isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's bool is not Real
+    elif _is_bool(value):
+        raise TypeError(f"{name} must be a number, got the bool {value!s}")
+    elif not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value):
@@ -245,7 +268,7 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     """`value`, if it is exactly one of `choices` (a value is stored as given, so it must match
     as given: "Adam" is not "adam")."""
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value)}")
+        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value).__name__}")
     if value not in choices:
         hint = [c for c in choices if c.lower() == value.lower()]
         near = f" (choices are case-sensitive: did you mean {hint[0]!r}?)" if hint else ""
@@ -255,8 +278,8 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
 
 # %% [markdown]
 # Last, tensors: `check_tensor` tests the kind of numbers and the number of dimensions, and
-# `check_mask` tests an attention mask (notebook 05 builds masks): bool or floating, and of a
-# shape that broadcasts to the scores it will mask.
+# `check_mask` tests an attention mask: bool or floating, and of a shape that broadcasts to the
+# scores it will mask (masks arrive in notebook 05; skip `check_mask` until then).
 
 # %%
 #| export checks
@@ -264,6 +287,8 @@ def check_tensor(
     name: str, x: torch.Tensor, dim: int | None = None, kind: str | None = None
 ) -> torch.Tensor:
     """x, if it is a tensor with `dim` dimensions of kind "float" or "int" (when given)."""
+    if kind not in (None, "float", "int"):  # a misspelt kind would check nothing
+        raise ValueError(f"kind must be 'float', 'int' or None, got {kind!r}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if kind == "float" and not x.is_floating_point():
@@ -331,6 +356,7 @@ mistakes = {  # the functions just defined above, not the installed package's co
     "num_layers=0": (lambda: check_int("num_layers", 0, minimum=1), ValueError),
     "dropout_p=1.0": (lambda: check_probability("dropout_p", 1.0), ValueError),
     "dropout_p='0.1'": (lambda: check_probability("dropout_p", "0.1"), TypeError),
+    "num_layers=np.True_": (lambda: check_int("num_layers", np.True_, minimum=1), TypeError),
     "dropout_p=np.True_": (lambda: check_probability("dropout_p", np.True_), TypeError),
     "bias=1": (lambda: check_bool("bias", 1), TypeError),
     "activation='ReLU'": (lambda: check_choice("activation", "ReLU", ("relu", "gelu")), ValueError),
@@ -388,16 +414,23 @@ def set_seed(seed: int = 0) -> torch.Generator:
 
 
 # %% [markdown]
-# **Check:** the same seed gives the same numbers, a different seed different ones.
+# **Check:** the same seed gives the same numbers, a different seed different ones, in each of
+# the three streams.
 
 # %%
+def draw():
+    """One draw from each stream that set_seed seeds: PyTorch's, Python's and NumPy's."""
+    return torch.randn(3), random.random(), np.random.rand()  # noqa: NPY002
+
+
 set_seed(0)
-a = torch.randn(3)
+a, a_python, a_numpy = draw()
 set_seed(0)
-b = torch.randn(3)
+b, b_python, b_numpy = draw()
 set_seed(1)
-c = torch.randn(3)
-assert torch.equal(a, b) and not torch.equal(a, c)
+c, c_python, c_numpy = draw()
+assert torch.equal(a, b) and (a_python, a_numpy) == (b_python, b_numpy)
+assert not torch.equal(a, c) and a_python != c_python and a_numpy != c_numpy
 print(a.round(decimals=4))
 
 # %% [markdown]
@@ -405,12 +438,12 @@ print(a.round(decimals=4))
 # same kind of machine. PyTorch promises no more than that: its notes on reproducibility say
 # that results can differ across releases and platforms even with the same seed (on the CPU,
 # `torch.randn` itself has vectorised code paths that depend on the tensor's size and the
-# processor). GPU generators are not the CPU one at all, which is why data for the course is
-# always drawn on the CPU and then moved. Dropout (notebook 06) is the exception that cannot be
-# moved: it draws its random mask on the device it runs on, and even on the CPU the mask can
-# differ between an Intel processor and any other. So a cell whose printout depends on a dropout
-# mask is tagged `nbval-ignore-output` and asserts only what holds for any mask; the second
-# appendix at the end shows where the difference comes from.
+# processor). GPU generators are not the CPU one at all, so random data whose values show in a
+# printed output is drawn on the CPU and then moved to the device. Dropout (notebook 06) is the
+# exception that cannot be moved: it draws its random mask on the device it runs on, and even
+# on the CPU the mask can differ between an Intel processor and any other. So a cell whose
+# printout depends on a dropout mask is tagged `nbval-ignore-output` and asserts only what
+# holds for any mask; the second appendix at the end shows where the difference comes from.
 #
 # **Check** the refusals too: a seed of the wrong type or out of range is refused before any
 # generator is seeded (Python's stream is left as it was), and a NumPy integer seeds like the
@@ -514,9 +547,10 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 #
 # Every other series (heads, layers, dimensions, variants such as "raw" against "scaled",
 # settings) takes the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
-# that order; reference lines (a theory curve, "uniform") are grey. So blue, orange and green
-# keep the meanings of the table and are not used for anything else: blue means queries or
-# ours, never both in one figure, and likewise orange keys or PyTorch's. Heatmaps use colour
+# that order (notebooks 06-10 also give some of them to the parts of a layer, `PART_COLORS`);
+# reference lines (a theory curve, "uniform") are grey. So blue, orange and green keep the
+# meanings of the table and are not used for anything else: blue means queries or ours, never
+# both in one figure, and likewise orange keys or PyTorch's. Heatmaps use colour
 # *maps* instead: a sequential one (`Blues`) for weights in $[0, 1]$, a diverging one
 # (`RdBu_r`, centred on zero) for signed numbers.
 
@@ -551,7 +585,7 @@ rows = ((ax_roles, list(COLORS.items()), "COLORS: roles, the same colour in ever
 for ax, entries, title in rows:
     for i, (name, color) in enumerate(entries):
         ax.barh(0, 1, left=i, color=color)
-        ax.text(i + 0.5, 0, name, ha="center", va="center", color=text_color(color), fontsize=8)
+        ax.text(i + 0.5, 0, name, ha="center", va="center", color=text_color(color), fontsize=9)
     ax.set_xlim(0, len(COLORS))
     ax.set_axis_off()
     ax.set_title(title, fontsize=10)
@@ -564,8 +598,9 @@ plt.show()
 # the same figure again gives the same bytes (no version or date is written into it, so git sees
 # no change), a name that is not a bare stem is refused, and the figures folder is found from a
 # folder inside the repository but not from outside one. Also check the labels of the picture:
-# `text_color` picks black or white by WCAG's relative luminance, the rule notebook 02's
-# appendix derives (white and black contrast equally with a colour of luminance 0.179), so every
+# `text_color` picks black or white by WCAG's relative luminance $L$. White (luminance 1) and
+# black (0) contrast equally with a colour where $1.05/(L + 0.05) = (L + 0.05)/0.05$, that is at
+# $L = \sqrt{1.05 \cdot 0.05} - 0.05 \approx 0.179$; below it white contrasts more. So every
 # swatch's label reaches WCAG's contrast of 4.5 for small text. A simpler rule, white where the
 # *unlinearised* brightness $0.2126R + 0.7152G + 0.0722B$ is below 0.5, falls short on the
 # course's green.
@@ -593,7 +628,11 @@ with tempfile.TemporaryDirectory() as scratch:
             pass
         else:
             raise AssertionError(f"save_figure accepted the name {bad!r}")
-assert saved is None or (saved == find_figures_dir() / "course_colors.png" and saved.is_file())
+# The figure above went to the repository's figures/, found by save_figure itself; None only
+# where there is no repository.
+figures_dir = find_figures_dir()
+assert saved == (None if figures_dir is None else figures_dir / "course_colors.png")
+assert saved is None or saved.is_file()
 # The label colours: black on a light colour, white on a dark one, readable on every swatch.
 assert text_color("white") == "black" and text_color("black") == "white"
 assert [text_color(c) for c in (COLORS["query"], COLORS["accent"], OTHER_COLORS[3])] == [
@@ -701,15 +740,13 @@ assert not doubled(holder).requires_grad  # ... and only the top-level name is w
 # `reset(token)` restores the value from before, so `validated()` blocks nest. Under
 # `torch.compile` the variable is not used at all: `checking()` asks
 # `torch.compiler.is_compiling()` first and is off while a function is traced, and `validated()`
-# then sets nothing. The reason is the compiler's tracer, TorchDynamo: in torch 2.13 it cannot
-# trace any of a `ContextVar`'s three methods, `get`, `set` and `reset`, and each call is a
-# graph break (the model is cut into separate graphs, with Python in between), one in every
-# attention call. `tests/test_checks.py` counts the graphs with `torch._dynamo.explain` on a
-# 2-layer Transformer. With torch 2.13, if `checking()` read the variable under the compiler and
-# `validated()` set it, the model would fall into more than 20 graphs; as written below it is
-# one graph without a break. That count of one holds from torch 2.13 on: older releases break
-# the model for other reasons too (notebook 14 counts 6 graphs for its 2-layer model on torch
-# 2.5.1, the oldest the course supports), so the test asserts it only from 2.13 on.
+# then sets nothing. The reason is the compiler's tracer, TorchDynamo: in torch 2.13 each call
+# of a `ContextVar`'s `get`, `set` or `reset` is a graph break (the model is cut into separate
+# graphs, with Python in between). `tests/test_checks.py` counts the graphs of a 2-layer
+# Transformer: one as written below, more than 20 if the variable were used under the compiler.
+# It asserts this from torch 2.13 on only: torch 2.5.1, the oldest the course supports, does
+# not trace into `validated()` (a `contextlib` wrapper, which its tracer skips), and there the
+# same model falls into 21 graphs, each break at a `validated()` block.
 
 # %%
 #| export checks
@@ -800,10 +837,10 @@ set_seed(0)
 kept = torch.nn.functional.dropout(torch.ones(n_draws), p=p_drop, training=True) != 0
 set_seed(0)
 own_stream = torch.rand(n_draws, dtype=torch.float64) < 1 - p_drop  # PyTorch's generator
-cpuinfo = Path("/proc/cpuinfo")  # Linux only; elsewhere we print the architecture
+cpuinfo = Path("/proc/cpuinfo")  # Linux only; elsewhere only the architecture is known
 lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
 vendors = [line for line in lines if line.startswith("vendor_id")]
-vendor = vendors[0].split(":")[1].strip() if vendors else platform.machine()
+vendor = vendors[0].split(":")[1].strip() if vendors else f"vendor unknown ({platform.machine()})"
 print(f"CPU {vendor}, torch {torch.__version__}, MKL {torch.backends.mkl.is_available()}")
 print("dropout mask == (torch.rand(n, dtype=float64) < 1 - p):", torch.equal(kept, own_stream))
 assert abs(kept.float().mean().item() - (1 - p_drop)) < 0.01  # any mask: ~1 - p kept (SD 0.002)

@@ -32,6 +32,7 @@ if "google.colab" in sys.modules:
         )
 
 # %%
+import itertools
 import math
 
 import matplotlib.pyplot as plt
@@ -88,7 +89,9 @@ UNK = 3  # an unknown symbol: notebook 13's tokenizer writes it for a character 
 
 # %% [markdown]
 # The embeddings and the output head go into the package's `model` module, which this notebook
-# starts and notebook 10 completes:
+# starts and notebook 10 completes. Its imports name two things this notebook meets only later,
+# in the section *A clear error for a bad id*: `check_token_ids`, which that section writes into
+# `tokens`, and `checking`, notebook 00's switch that says whether inputs are still to be checked.
 
 # %%
 #| export
@@ -128,11 +131,12 @@ print("src\n", src, "\ntgt_in\n", tgt_in, "\ntgt_out\n", tgt_out)
 
 
 # %% [markdown]
-# **Check:** the loop above against two other routes to the same batch. PyTorch's
-# `pad_sequence` pads a list of sequences on its own; it must give the same three tensors. And
-# the relation that training relies on (notebook 11): `tgt_in` is `tgt_out` moved one place to
-# the right, with `BOS` in front and the `EOS` left out, so the decoder reads at position $t$
-# exactly the tokens it must predict before $t$.
+# **Check:** the batch against what it should hold, computed from the tensors rather than
+# from the loop's expressions. `src` is what PyTorch's `pad_sequence` makes of the list. Each
+# row of `tgt_out` holds that row of `src` backwards (its length read off the padding), then
+# `EOS`, then padding. And the relation that training relies on (notebook 11): `tgt_in` is
+# `tgt_out` moved one place to the right, with `BOS` in front and the `EOS` left out, so the
+# decoder reads at position $t$ exactly the tokens it must predict before $t$.
 
 # %%
 def padded(rows: list[list[int]]) -> torch.Tensor:
@@ -141,12 +145,14 @@ def padded(rows: list[list[int]]) -> torch.Tensor:
 
 
 assert torch.equal(padded(sequences), src)
-assert torch.equal(padded([[BOS, *seq[::-1]] for seq in sequences]), tgt_in)
-assert torch.equal(padded([[*seq[::-1], EOS] for seq in sequences]), tgt_out)
+src_lengths = (src != PAD).sum(dim=1)  # (B,): the real tokens of each row
+for b, L in enumerate(src_lengths.tolist()):
+    assert torch.equal(tgt_out[b, :L], src[b, :L].flip(0))  # the source, reversed
+    assert tgt_out[b, L] == EOS and (tgt_out[b, L + 1 :] == PAD).all()  # then EOS, then padding
 shifted = torch.cat([torch.full((B, 1), BOS), tgt_out[:, :-1]], dim=1)  # (B, T_tgt): one place right
 shifted[shifted == EOS] = PAD  # EOS is never an input
 assert torch.equal(shifted, tgt_in)
-print("src, tgt_in, tgt_out: as pad_sequence builds them; tgt_in is tgt_out shifted right by one")
+print("src as pad_sequence builds it; tgt_out is src reversed, then EOS; tgt_in is tgt_out shifted right by one")
 
 # %% [markdown]
 # The same batch as a picture, one shade per kind of token: greys, because blue, orange and green
@@ -211,7 +217,7 @@ assert_close(grad_lookup, emb.weight.grad)
 used = torch.zeros(V, dtype=torch.bool, device=device)
 used[ids.unique()] = True
 assert (grad_lookup[~used] == 0).all() and (grad_lookup[used].abs().sum(dim=1) > 0).all()
-assert used[PAD]  # the padding row is trained like any other
+assert grad_lookup[PAD].abs().sum() > 0  # the padding row gets a gradient like any other
 print("rows with a gradient:", used.nonzero().flatten().tolist(),
       "(PAD=0 among them; BOS=1 and EOS=2 are not in src)")
 
@@ -268,7 +274,7 @@ for _ in range(5):
 print("PAD row after nn.init.normal_ and 5 Adam steps:", [round(v, 3) for v in emb.weight[PAD].tolist()])
 symbol_rows = used.clone()
 symbol_rows[PAD] = False  # the rows of the real tokens in the batch
-assert drawn[PAD].norm() > 0.2  # a random row (norm about 1), not zero
+assert drawn[PAD].norm() > 0.2  # the initialisation overwrote the zero row (norm about 1)
 assert torch.equal(emb.weight[PAD], drawn[PAD])  # never trained: the random draw stays
 assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every used row moved
 
@@ -297,25 +303,28 @@ assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every
 #    of this notebook), its rows must be small, $\mathcal{N}(0, 1/d_\text{model})$, for the logits
 #    $h_t \cdot E_v$ to start at unit scale. The multiply then brings those small rows back to
 #    unit-scale entries at the input.
-# 2. **A different step size.** Adam changes every entry of a parameter by a step of the order
-#    of the learning rate, whatever the size of its gradient: by exactly the learning rate on the
-#    first step, by less later where the gradient's sign keeps changing (notebook 08 measures
-#    both). Through the multiply, the same change of
-#    $E$ moves the input $\sqrt{d_\text{model}}$ times more (11 times at $d_\text{model} = 128$).
-#    Two set-ups that start out identical therefore train differently.
-#
+# 2. **A different step size.** Adam moves each entry that has a gradient by a step of the
+#    order of the learning rate, whatever the size of that gradient: on the first step by
+#    $\eta\,|g| / (|g| + \epsilon)$, the learning rate $\eta$ itself unless $|g|$ is as small as
+#    $\epsilon = 10^{-8}$; later by less where the gradient's sign keeps changing (notebook 08
+#    measures both). An entry whose gradient is zero (a token absent from the batch) does not
+#    move. Through the multiply, the same change of $E$ moves the input $\sqrt{d_\text{model}}$
+#    times more (11 times at $d_\text{model} = 128$). Two set-ups that start out identical
+#    therefore train differently.
+
+# %% [markdown]
 # **Check (the second point; the first is checked in the section on tying):** two tables that
 # give the same inputs, one optimiser step on each with the same loss and learning rate. By the
 # chain rule the multiplied table's gradient is $\sqrt{d_\text{model}}$ times the other's. What
-# the check tests is Adam's side of the argument: its first update is
-# $m / (\sqrt{v} + \epsilon) = g / (|g| + \epsilon)$, so every entry with a non-zero gradient
-# moves by the learning rate in *both* tables, and the input behind the multiply moves
-# $\sqrt{d_\text{model}}$ times further. That ratio is Adam's doing, not the multiply's alone:
-# plain SGD, whose step is proportional to the gradient, makes the ratio $d_\text{model}$
-# (the larger gradient *and* the multiply), and the same cell measures it too.
+# the check tests is Adam's side of the argument: every entry with a non-zero gradient moves by
+# the learning rate in *both* tables (to a relative $10^{-3}$), and the input behind the multiply
+# moves $\sqrt{d_\text{model}}$ times further. That ratio is Adam's doing, not the multiply's
+# alone: plain SGD, whose step is proportional to the gradient, makes the ratio $d_\text{model}$
+# (the larger gradient *and* the multiply), and the same cell measures it too. The cell draws its
+# target from its own seeded generator, so that it prints the same numbers when run again.
 
 # %%
-set_seed(0)
+sqrt_generator = set_seed(0)  # this cell's own stream: run again, it draws the same x_goal
 d_model = 128  # the course's model width, from here on
 table_scaled = nn.Embedding(V, d_model)  # E ~ N(0, 1/d), multiplied by sqrt(d)
 nn.init.normal_(table_scaled.weight, std=d_model**-0.5)  # drawn on the CPU, then moved
@@ -327,10 +336,10 @@ with torch.no_grad():
 tokens = src.to(device)  # (B, T_src)
 x_start = (table_scaled(tokens) * math.sqrt(d_model)).detach()  # (B, T_src, d)
 assert_close(table_plain(tokens), x_start)  # the same input at initialisation
-x_goal = torch.randn(B, T_max, d_model, generator=generator).to(device)  # any loss of the input will do
+x_goal = torch.randn(B, T_max, d_model, generator=sqrt_generator).to(device)  # any loss of the input will do
 scaled_start = table_scaled.weight.detach().clone()  # each optimiser starts from these tables
 plain_start = table_plain.weight.detach().clone()
-moved, grad_norm, entry_step = {}, {}, {}  # (optimiser, set-up) -> a number
+moved, grad_norm, entry_step, unused_still = {}, {}, {}, {}  # (optimiser, set-up) -> a number
 for opt_name, make_optimizer in (("Adam", torch.optim.Adam), ("SGD", torch.optim.SGD)):
     for name, table, scale, start in (("times sqrt(d)", table_scaled, math.sqrt(d_model), scaled_start),
                                       ("no multiply", table_plain, 1.0, plain_start)):
@@ -342,8 +351,9 @@ for opt_name, make_optimizer in (("Adam", torch.optim.Adam), ("SGD", torch.optim
         optimizer.step()
         key = (opt_name, name)
         grad_norm[key] = table.weight.grad.norm().item()
-        used = table.weight.grad.abs() > 0  # entries of the rows the batch uses
-        entry_step[key] = (table.weight - start)[used].abs().detach()  # how far each entry moved
+        used_entries = table.weight.grad.abs() > 0  # (V, d): the entries of the rows the batch uses
+        entry_step[key] = (table.weight - start)[used_entries].abs().detach()  # how far each entry moved
+        unused_still[key] = bool(((table.weight - start)[~used_entries] == 0).all())  # BOS, EOS: not in src
         moved[key] = (table(tokens) * scale - x_start).norm().item()  # how far the input moved
         print(f"{opt_name:>4}, {name:>13}: gradient norm {grad_norm[key]:8.1f}, median entry step "
               f"{entry_step[key].median().item():.2e}, the input moved by {moved[key]:.4g}")
@@ -356,6 +366,7 @@ print(f"input moved, with the multiply / without: Adam {ratio_adam:.2f} (sqrt(d)
 assert abs(grad_norm[("Adam", "times sqrt(d)")] / grad_norm[("Adam", "no multiply")] / math.sqrt(d_model) - 1) < 1e-3
 for name in ("times sqrt(d)", "no multiply"):  # Adam: every used entry moves by the learning rate
     assert_close(entry_step[("Adam", name)], torch.full_like(entry_step[("Adam", name)], 1e-3), rtol=1e-3, atol=0)
+    assert unused_still[("Adam", name)]  # and an entry without a gradient does not move
 assert abs(ratio_adam / math.sqrt(d_model) - 1) < 1e-3  # so the input moves sqrt(d) times further
 assert abs(ratio_sgd / d_model - 1) < 1e-3  # SGD: d times further
 
@@ -624,17 +635,15 @@ print("logits", tuple(logits.shape), " first row:", [round(v, 2) for v in logits
 print(f"standard deviation of the initial logits: {logits.std().item():.2f}")
 
 # %% [markdown]
-# **Check:** `F.cross_entropy` on logits is `nll_loss` on `log_softmax`, is the mean over the real
-# target positions of $-\log p_{t, y_t}$ computed by hand, and matches it in its gradient too;
-# the argmax does not change under the softmax.
+# **Check:** `F.cross_entropy` on logits (inside PyTorch, `nll_loss` on `log_softmax`) is the
+# mean over the real target positions of $-\log p_{t, y_t}$ computed by hand, and matches it in
+# its gradient too; the argmax does not change under the softmax.
 
 # %%
 flat_logits, flat_targets = logits.reshape(-1, V), targets.reshape(-1)  # (B*T, V), (B*T,)
 ce = F.cross_entropy(flat_logits, flat_targets, ignore_index=PAD)
-nll = F.nll_loss(F.log_softmax(flat_logits, dim=-1), flat_targets, ignore_index=PAD)
 keep = flat_targets != PAD
 by_hand = -torch.log(torch.softmax(flat_logits[keep], dim=-1)[torch.arange(int(keep.sum())), flat_targets[keep]]).mean()
-assert_close(ce, nll)
 assert_close(ce, by_hand)
 (grad_ce,) = torch.autograd.grad(ce, logits)
 (grad_hand,) = torch.autograd.grad(by_hand, logits)
@@ -762,8 +771,11 @@ assert_close(amp_loss, F.cross_entropy(amp_logits.float(), amp_targets))  # floa
 #
 # $$-\log \frac{e}{e + (V - 1)} = \log\Bigl(1 + \frac{V - 1}{e}\Bigr) \approx 1.62 \text{ nats for } V = 12,$$
 #
-# and the gradient vanishes as the model approaches that floor. **Check:** the floor, reached by a
-# maximally confident and correct model.
+# and the gradient vanishes as the model approaches that floor, so nothing pushes the loss below
+# it. **Check:** the floor, reached by a maximally confident and correct model; then, for a model
+# that gives the right token a logit $+c$ and the eleven others $-c$, the double-softmax loss and
+# its gradient with respect to the logits as the confidence $c$ grows: the loss settles on the
+# floor while the gradient falls towards zero. The logits route's loss, beside it, goes to 0.
 
 # %%
 confident = torch.full((1, V), -50.0, device=device)
@@ -775,6 +787,21 @@ assert_close(double, torch.tensor(floor, device=device))
 assert F.cross_entropy(confident, y).item() < 1e-6  # the logits route: loss 0
 print(f"cross_entropy(softmax(z)) of a perfect model: {double.item():.4f} = log(1 + 11/e);"
       f" cross_entropy(z): {F.cross_entropy(confident, y).item():.1e}")
+
+# %%
+y_conf = torch.tensor([5], device=device)  # the right token
+double_grad_norms = []
+for c in (1.0, 2.0, 3.0, 5.0, 10.0):  # the confidence: logit +c on the right token, -c elsewhere
+    z_conf = torch.full((1, V), -c, device=device)
+    z_conf[0, 5] = c
+    z_conf.requires_grad_(True)
+    double_c = F.cross_entropy(torch.softmax(z_conf, dim=-1), y_conf)
+    (grad_c,) = torch.autograd.grad(double_c, z_conf)
+    double_grad_norms.append(grad_c.norm().item())
+    print(f"c = {c:4}: cross_entropy(softmax(z)) {double_c.item():.4f} (floor {floor:.4f}),"
+          f" its gradient's norm {double_grad_norms[-1]:.1e}; cross_entropy(z) {F.cross_entropy(z_conf, y_conf).item():.4f}")
+assert all(a > b for a, b in itertools.pairwise(double_grad_norms))  # falls as c grows
+assert double_grad_norms[-1] < 1e-7 and abs(double_c.item() - floor) < 1e-6  # at the floor, no gradient left
 
 
 # %% [markdown]
@@ -840,6 +867,62 @@ with torch.no_grad():  # ...and the head's logits already use the changed table
 print("shared gradient = embedding's + head's; one step updates the table in both roles")
 
 # %% [markdown]
+# ### Tying undoes `padding_idx`
+#
+# `padding_idx` keeps the gradient of the *lookup* out of the `PAD` row; it does nothing about
+# other uses of the same `Parameter`. Tied, that row is also the head's weight for the `PAD`
+# logit, $z_{t,\mathrm{PAD}} = h_t \cdot E_\mathrm{PAD} + b_\mathrm{PAD}$, and the head's
+# gradient is not masked. `PAD` is never a graded target (`ignore_index=PAD` drops the padded
+# positions), but every graded position's softmax has the `PAD` logit in its denominator, so
+# the loss $-\log p_{t, y_t}$ has $\partial / \partial z_{t,\mathrm{PAD}} = p_{t,\mathrm{PAD}} > 0$.
+# Averaged over the $N$ graded positions, the head sends the `PAD` row the gradient
+#
+# $$\frac{1}{N} \sum_{t \text{ graded}} p_{t,\mathrm{PAD}}\; h_t ,$$
+#
+# which is not zero, and the first update makes the row non-zero. From then on a padded position
+# enters the first block with a trained vector instead of its positional encoding alone; the
+# masks of notebook 05 still keep other positions from reading it, and the loss still ignores it.
+# The course's model does not tie (below), so its `PAD` rows stay zero.
+#
+# **Check,** with the real loss on the batch of this notebook. The stand-in for the decoder is a
+# random linear layer and the final norm (the norm alone, as above, would leave each position's
+# vector pointing along its own input token's row, and the softmax would all but ignore `PAD`).
+# The tied `PAD` row's gradient is the sum above, computed by hand (the lookup adds nothing to
+# it), so it is not zero; after one SGD step the padded positions' token vectors are no longer
+# zero. And the cause is the denominator: with the `PAD` logit set to $-\infty$ before the loss,
+# so that it drops out of every softmax, the row gets no gradient at all. (Masking that logit is
+# also a fix, for a model that should never emit `PAD`.)
+
+# %%
+tied_pad = tied_pair()  # a fresh pair: its PAD row is zero
+stand_in = nn.Linear(d_model, d_model).to(device)  # with final_norm, a stand-in for the decoder
+pad_targets = tgt_out.to(device)  # (B, T_tgt)
+graded = pad_targets != PAD  # (B, T_tgt): the positions the loss grades
+x_tied = final_norm(stand_in(embed_tokens(tied_pad["embed"], tokens_in)))  # (B, T_tgt, d)
+tied_logits = tied_pad["head"](x_tied)  # (B, T_tgt, V)
+F.cross_entropy(tied_logits.reshape(-1, V), pad_targets.reshape(-1), ignore_index=PAD).backward()
+p_pad = torch.softmax(tied_logits.detach(), dim=-1)[..., PAD]  # (B, T_tgt): PAD's probability
+pad_grad_by_hand = (p_pad[graded].unsqueeze(-1) * x_tied.detach()[graded]).sum(dim=0) / graded.sum()  # (d,)
+assert_close(tied_pad["embed"].weight.grad[PAD], pad_grad_by_hand)
+torch.optim.SGD(tied_pad.parameters(), lr=0.1).step()
+with torch.no_grad():
+    pad_vectors = embed_tokens(tied_pad["embed"], tokens_in)[tokens_in == PAD]  # (number of PADs, d)
+assert (pad_vectors != 0).any(dim=1).all()  # every padded position now has a non-zero token vector
+print(f"PAD's probability at the {int(graded.sum())} graded positions: mean {p_pad[graded].mean().item():.3f};"
+      f" the PAD row's gradient has norm {pad_grad_by_hand.norm().item():.3f};"
+      f" after one SGD step (lr 0.1) the row has norm {tied_pad['embed'].weight[PAD].norm().item():.4f}")
+
+tied_masked = tied_pair()  # the same fresh pair, with PAD's logit masked out of every softmax
+stand_in_masked = nn.Linear(d_model, d_model).to(device)  # the same draw as stand_in
+x_masked = final_norm(stand_in_masked(embed_tokens(tied_masked["embed"], tokens_in)))
+pad_column = torch.arange(V, device=device) == PAD  # (V,)
+masked_logits = tied_masked["head"](x_masked).masked_fill(pad_column, -math.inf)  # (B, T_tgt, V)
+F.cross_entropy(masked_logits.reshape(-1, V), pad_targets.reshape(-1), ignore_index=PAD).backward()
+assert torch.count_nonzero(tied_masked["embed"].weight.grad[PAD]) == 0
+assert torch.count_nonzero(tied_masked["embed"].weight.grad[3:]) > 0  # the symbols' rows still learn
+print("with PAD's logit at -inf, the PAD row's gradient is exactly zero")
+
+# %% [markdown]
 # Tying is where the first point of the $\sqrt{d_\text{model}}$ section comes from. The output
 # layer sees $h_t$ from a `LayerNorm`, with unit-variance entries and $\|h_t\| \approx \sqrt{d}$.
 # With rows $E_v \sim \mathcal{N}(0, 1/d)$ the logits $z_{t,v} = h_t \cdot E_v$ have variance
@@ -849,10 +932,11 @@ print("shared gradient = embedding's + head's; one step updates the table in bot
 #
 # **Check:** the initial logits of a tied head have standard deviation $\approx 1$ with the
 # tensor2tensor's scale and $\approx \sqrt d$ with PyTorch's default, whose softmax is saturated before
-# training starts. The logits are those of the 11 tokens other than `PAD` (whose zero row always
-# gives a logit of 0). Averaged over 4,096 draws of $h_t$, the largest of their 11 probabilities
-# is above 0.8 with the default (0.90 below) and below 0.5 with tensor2tensor's scale (0.32), where
-# a uniform guess would give $1/11 \approx 0.09$.
+# training starts. The logits are $h_t \cdot E_v$ for the 11 tokens other than `PAD`, without the
+# head's bias (its own parameter, whatever the table; at initialisation, when the `PAD` row is
+# still zero, the `PAD` logit is that bias alone). Averaged over 4,096 draws of $h_t$, the
+# largest of their 11 probabilities is above 0.8 with the default (0.90 below) and below 0.5
+# with tensor2tensor's scale (0.32), where a uniform guess would give $1/11 \approx 0.09$.
 
 # %%
 set_seed(0)  # inputs, then weights, from one stream: this cell alone fixes them
@@ -873,7 +957,9 @@ for name in candidate_tables:
 
 # %% jupyter={"source_hidden": true}
 fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
-bins = np.linspace(-45, 45, 181)
+largest_logit = max(zs.abs().max().item() for zs in initial_logits.values())
+edge = 5 * math.ceil(largest_logit / 5)  # the bins cover every logit, in steps of 0.5
+bins = np.linspace(-edge, edge, 4 * edge + 1)
 for name, color in (("N(0, 1) (nn.Embedding default)", COLORS["torch"]),
                     ("N(0, 1/d_model) (tensor2tensor)", COLORS["ours"])):
     ax.hist(initial_logits[name].flatten().cpu().numpy(), bins=bins, density=True, histtype="step", lw=2,
@@ -906,7 +992,7 @@ plt.show()
 # | output head | `nn.Linear(d_model, V)` returns logits | $(B, T, d) \to (B, T, V)$ |
 # | loss | `F.cross_entropy(logits.reshape(-1, V), tgt_out.reshape(-1), ignore_index=PAD)`: fused, never `log(softmax)` | scalar |
 # | decoding | `logits.argmax(-1)`: no softmax needed | $(B, T)$ |
-# | weight tying (optional) | `head.weight = embed.weight` | saves $V d$ parameters |
+# | weight tying (optional) | `head.weight = embed.weight`; the head then trains the PAD row (`padding_idx` masks only the lookup) | saves $V d$ parameters |
 #
 # ## Exercises
 #
@@ -942,11 +1028,14 @@ assert_close(pe_sq, torch.full_like(pe_sq, d / 2))
 #    $\approx 1/3 + 1/(3d)$: small, so the softmax is close to uniform and the loss close to
 #    $\log V$. How far above: at one position, with logits $z_1, \dots, z_V$ of mean $\bar z$ and
 #    variance $s^2 = \frac1V \sum_v (z_v - \bar z)^2$ across the vocabulary, a second-order
-#    expansion gives $\log \sum_v e^{z_v} \approx \log V + \bar z + s^2/2$, and a random target's
-#    $-z_y$ takes off $\bar z$ on average: an expected loss of about $\log V + s^2/2$, with $s^2$
-#    near $\frac{V-1}{V}\bigl(\frac13 + \frac1{3d}\bigr) \approx 0.31$. Take $s^2$ per position,
-#    as the cell does: the variance of *all* the logits also counts the spread of the positions'
-#    means, about $1/(3V) \approx 0.03$ more, which would bias the estimate by 0.015. The check
+#    expansion gives $\log \sum_v e^{z_v} \approx \log V + \bar z + s^2/2$. The cell draws each
+#    target uniformly from the nine symbols $3, \dots, 11$, so $-z_y$ takes off the mean of their
+#    logits on average, which is $\bar z$ only up to the head's random draw (every class's
+#    weights and bias are drawn alike, so over initialisations the two agree on average; for one
+#    head they differ a little, part of the spread measured below): an expected loss of about
+#    $\log V + s^2/2$, with $s^2$ near $\frac{V-1}{V}\bigl(\frac13 + \frac1{3d}\bigr) \approx 0.31$.
+#    Take $s^2$ per position, as the cell does: the variance of *all* the logits also counts the
+#    spread of the positions' means, about $1/(3V) \approx 0.03$ more, which would bias the estimate by 0.015. The check
 #    compares the measured excess with $s^2/2$, allowing 0.07. The 1,280 random targets make the
 #    measured loss itself noisy: each position's loss varies with its target about as much as a
 #    logit does, by about $s \approx 0.6$, so the mean has a standard error of about
@@ -1012,11 +1101,10 @@ print("my_log_softmax matches F.log_softmax, and gives (0, -120) at (0, -120) an
 # within them at every margin. The naive route rounds an exponential, a division and a log,
 # and a GPU's `exp` alone may be two ULPs off (CUDA documents `expf` to 2 ULP), so the check
 # allows it four while $e^{-m}$ is a normal number; on this machine it stays within one. Some
-# way into the subnormal range, as the bits run out, it leaves that band. And once
-# the term $\log(1 + e^{-m})$ is below half an ULP of $m$, the exact loss rounds to $m$ itself:
-# from there on the fused route returns exactly $m$, so its error is the term, which falls like
-# $e^{-m}$ (so does the naive route's, on this machine, until $e^{-m}$ turns subnormal). Where
-# that starts is computed from the float64 reference.
+# way into the subnormal range, as the bits run out, it leaves that band. And once the term
+# $\log(1 + e^{-m})$ is below half an ULP of $m$, the exact loss rounds to $m$ itself, and the
+# fused route returns exactly $m$: its error is then the term, a vanishing fraction of an ULP.
+# Where that starts is computed from the float64 reference.
 
 # %%
 errors_in_ulps, exact_from = {}, {}
@@ -1027,8 +1115,6 @@ for dtype in limits:
     rounds_to_m = (true_loss - margins.double()) < ulp / 2  # the term is below half an ULP
     exact_from[dtype] = margins[~rounds_to_m][-1].item() + 0.5  # from here on, on the grid of 0.5
     print(f"{str(dtype):>14}: the exact loss rounds to m from m = {exact_from[dtype]}")
-float64_is_m_from = margins[true_loss != margins.double()][-1].item() + 0.5  # the float64 reference itself
-print(f" torch.float64: the exact loss rounds to m from m = {float64_is_m_from}")
 
 # %% tags=["nbval-ignore-output"]
 for dtype, (subnormal_from, _) in limits.items():
@@ -1051,32 +1137,17 @@ for dtype, (subnormal_from, zero_from) in limits.items():
     assert torch.equal(stability[dtype]["fused"][beyond].double(), margins[beyond].double())
 
 # %% [markdown]
-# The picture: the two losses (top), and the error of each against the exact value computed in
-# float64 (bottom, log scale), with the fused route's two-ULP band in grey. Once the fused route
-# returns $m$ itself (at the latest from $m = 15$ in float32 and $m = 6.5$ in float16, printed
-# above), its
-# error is the term $\log(1 + e^{-m}) \approx e^{-m}$ that the format cannot hold: a
-# straight line on the log scale, $3 \cdot 10^{-7}$ at $m = 15$.
-#
-# Two features of the float32 panel come from the float64 reference, not from float32. From
-# about $m = 30$ the line turns into steps: the reference is rounded to float64's spacing at $m$
-# (at $m = 33$ the error is $7 \cdot 10^{-15}$, one float64 ULP of 33, against
-# $e^{-33} = 4.7 \cdot 10^{-15}$, printed below). From $m = 33.5$ float64 too rounds the exact
-# loss to $m$, and the error is exactly 0. A log scale has no place for 0, so exact zeros are
-# drawn as the thick bands along the bottom edge, one per route; their height means nothing.
-# The naive route's curve stops where its loss is infinite.
-
-# %%
-term = true_loss - margins.double()  # (M,): the float64 reference's log(1 + e^-m)
-print("term / e^-m at m = 28, 30, 31, 32, 33:",
-      " ".join(f"{(term[margins == m] / math.exp(-m)).item():.2f}" for m in (28, 30, 31, 32, 33)))
-print(f"at m = 33: e^-m = {math.exp(-33):.1e}, float64 spacing of 33 = {math.ulp(33.0):.1e},"
-      f" reference - 33 = {term[margins == 33].item():.1e}")
-assert term[margins == 33].item() == math.ulp(33.0)  # e^-33 rounded up to one float64 step
+# The picture: the two losses (top), and the error of each in ULPs of the exact loss (bottom),
+# with the check's two-ULP band for the fused route in grey. The error axis is linear from 0 to
+# 1 ULP and logarithmic above, so a correctly rounded result sits near the bottom and the
+# naive route's lost digits, tens of thousands of ULPs in float32, fit on the same axis. While
+# $e^{-m}$ is a normal number the two routes stay within one ULP on the machine that built this
+# page (the check allows the naive route four) and mostly coincide: the fused route's thick line
+# shows under the naive route's dashes. Past that point the naive route climbs out of the band,
+# and its curve stops where its loss is infinite.
 
 # %% jupyter={"source_hidden": true}
-ERROR_FLOOR = 1e-18  # the bottom of the error panels, below the smallest nonzero error (7e-15, one float64 ULP of 33)
-fig, axes = plt.subplots(2, 2, figsize=(12, 8.2), sharex="col", layout="constrained")
+fig, axes = plt.subplots(2, 2, figsize=(12, 7.8), sharex="col", layout="constrained")
 for col, (dtype, curves) in enumerate(stability.items()):
     subnormal_from, zero_from = limits[dtype]
     end = 130 if dtype == torch.float32 else 25
@@ -1099,35 +1170,21 @@ for col, (dtype, curves) in enumerate(stability.items()):
     ax.legend(fontsize=8, loc="lower right")
 
     ax = axes[1, col]
-    exact = true_loss[shown]
-    two_ulps = 2 * torch.finfo(dtype).eps * 2.0 ** torch.floor(torch.log2(exact))  # of the result, in dtype
-    ax.fill_between(m_shown, ERROR_FLOOR, two_ulps, color="#d9d9d9", step="mid",
-                    label="within 2 ULP (the check's band for the fused route)")
-    zero_from_m = float("inf")  # the first margin with an exact zero, of either route
-    for name, values, color, style, zero_level in (
-            ("F.log_softmax", curves["fused"][shown], COLORS["torch"], "-", 4 * ERROR_FLOOR),
-            ("-log(softmax(z))", naive, COLORS["accent"], "--", 25 * ERROR_FLOOR)):
-        error = (values.double() - exact).abs()
-        is_zero = error == 0  # exactly right: no place on a log scale, so a mark on the bottom edge
-        error[is_zero] = float("nan")
-        ax.plot(m_shown, error, style, color=color, lw=1.5, label=f"|{name} - exact|")
-        if is_zero.any():  # a band at the bottom, one level per route, wherever the error is exactly 0
-            zero_band = torch.where(is_zero, zero_level, float("nan"))
-            zero_from_m = min(zero_from_m, m_shown[is_zero][0].item())
-            ax.plot(m_shown, zero_band, color=color, lw=4, solid_capstyle="butt",
-                    label=f"{name}: error exactly 0 (from m = {m_shown[is_zero][0].item():g})")
-    if zero_from_m < end:
-        ax.text(zero_from_m, 60 * ERROR_FLOOR, "bands: error exactly 0 (their height is not a value)",
-                fontsize=8, color="#525252", va="bottom", zorder=5,
-                bbox=dict(boxstyle="square,pad=0.1", facecolor="#d9d9d9", edgecolor="none"))
+    ax.axhspan(0, 2, color="#d9d9d9", label="within 2 ULP (the check's band for the fused route)")
+    fused_err = errors_in_ulps[dtype]["fused"][shown]
+    naive_err = errors_in_ulps[dtype]["naive"][shown].clone()
+    naive_err[torch.isinf(naive_err)] = float("nan")  # the loss is infinite: leave a gap
+    ax.plot(m_shown, fused_err, color=COLORS["torch"], lw=4, label="F.log_softmax")
+    ax.plot(m_shown, naive_err, color=COLORS["accent"], lw=1.5, ls="--", label="-log(softmax(z))")
     ax.axvline(subnormal_from, color="#525252", lw=1.2, ls=":")
     ax.axvline(zero_from, color=COLORS["accent"], lw=1.2)
-    ax.text(subnormal_from, 3, r" $e^{-m}$ subnormal" + "\n " + f"from {subnormal_from:.1f}", fontsize=8,
+    ax.text(subnormal_from, 3e4, r"$e^{-m}$ subnormal" + "\n" + f"from {subnormal_from:.1f} ", fontsize=8,
             color="#525252", va="top", ha="right")
-    ax.text(zero_from, 3, f" zero from\n {zero_from:.2f}", fontsize=8, color=COLORS["accent"], va="top")
-    ax.set(yscale="log", ylim=(ERROR_FLOOR, 10), xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
-           ylabel="absolute error (nats)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # below: the panel is full
+    ax.text(zero_from, 3e4, f" zero from\n {zero_from:.2f}", fontsize=8, color=COLORS["accent"], va="top")
+    ax.set_yscale("symlog", linthresh=1, linscale=1.5)  # linear from 0 to 1 ULP, logarithmic above
+    ax.set(ylim=(0, 1e5), xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
+           ylabel="error in ULPs of the exact loss\n(linear up to 1, logarithmic above)")
+    ax.legend(fontsize=8, loc="center left")
 fig.suptitle("Cross-entropy of a confidently wrong prediction: fused log-softmax against softmax-then-log")
 save_figure(fig, "embeddings_logit_stability")
 plt.show()

@@ -4,6 +4,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -24,8 +25,6 @@ def test_get_device_prefers_what_is_available(monkeypatch):
 def test_set_seed_repeats_every_stream():
     import random
 
-    import numpy as np
-
     g1 = utils.set_seed(3)
     a = (random.random(), np.random.rand(), torch.rand(2), torch.rand(2, generator=g1))
     g2 = utils.set_seed(3)
@@ -45,6 +44,7 @@ def test_set_seed_repeats_every_stream():
         ("0", TypeError, "seed must be an int, got str"),
         (None, TypeError, "seed must be an int, got NoneType"),
         (True, TypeError, "seed must be an int, got the bool True"),
+        (np.True_, TypeError, "seed must be an int, got the bool True"),  # NumPy 1 and 2 alike
         (torch.tensor(True), TypeError, "seed must be an int, got the bool"),
     ],
 )
@@ -60,8 +60,6 @@ def test_set_seed_rejects_bad_seeds(bad, error, match):
 
 
 def test_set_seed_takes_numpy_and_tensor_integers_like_ints():
-    import numpy as np
-
     expected = torch.rand(3, generator=utils.set_seed(2**32 - 1))
     for seed in (np.int64(2**32 - 1), np.uint32(2**32 - 1), torch.tensor(2**32 - 1)):
         assert torch.equal(torch.rand(3, generator=utils.set_seed(seed)), expected)

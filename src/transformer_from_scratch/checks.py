@@ -9,6 +9,7 @@ import contextvars
 import math
 import numbers
 import operator
+import sys
 from collections.abc import Iterator
 from collections.abc import Sequence
 
@@ -16,15 +17,26 @@ import torch
 
 
 # Taught in notebook 00 · Setup and conventions
+def _is_bool(value) -> bool:
+    """Python's bool, NumPy's bool (`np.True_`) or a bool tensor."""
+    numpy = sys.modules.get("numpy")  # a NumPy bool exists only once NumPy has been imported
+    return (
+        isinstance(value, bool)
+        or (numpy is not None and isinstance(value, numpy.bool_))
+        or (isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+    )
+
+
+# Taught in notebook 00 · Setup and conventions
 def check_int(name: str, value: int, minimum: int | None = None) -> int:
     """`value` as a Python int, >= `minimum`. A Python or NumPy integer, or a 0-d integer
     tensor; never a bool (Python's, NumPy's or a bool tensor)."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    if _is_bool(value):  # str(), not repr(): NumPy 1 and 2 spell the repr of np.True_ differently
+        raise TypeError(f"{name} must be an int, got the bool {value!s}")
     if isinstance(value, torch.Tensor) and value.dim() != 0:
         raise TypeError(f"{name} must be an int, got a tensor of shape {tuple(value.shape)}")
     try:
-        value = operator.index(value)  # NumPy's bool and floats and float tensors refuse this
+        value = operator.index(value)  # floats and float tensors refuse this
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
     if minimum is not None and value < minimum:
@@ -52,7 +64,9 @@ def check_float(
                 f"{tuple(value.shape)}"
             )
         value = value.item()
-    elif isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's bool is not Real
+    elif _is_bool(value):
+        raise TypeError(f"{name} must be a number, got the bool {value!s}")
+    elif not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     if not math.isfinite(value):
@@ -88,7 +102,7 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> str:
     """`value`, if it is exactly one of `choices` (a value is stored as given, so it must match
     as given: "Adam" is not "adam")."""
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value)}")
+        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value).__name__}")
     if value not in choices:
         hint = [c for c in choices if c.lower() == value.lower()]
         near = f" (choices are case-sensitive: did you mean {hint[0]!r}?)" if hint else ""
@@ -101,6 +115,8 @@ def check_tensor(
     name: str, x: torch.Tensor, dim: int | None = None, kind: str | None = None
 ) -> torch.Tensor:
     """x, if it is a tensor with `dim` dimensions of kind "float" or "int" (when given)."""
+    if kind not in (None, "float", "int"):  # a misspelt kind would check nothing
+        raise ValueError(f"kind must be 'float', 'int' or None, got {kind!r}")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if kind == "float" and not x.is_floating_point():
