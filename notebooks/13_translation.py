@@ -100,10 +100,6 @@ DATA = Path("data")  # the corpus is cached here (gitignored), made again when m
 # `#| default_exp translation` sends this notebook's export cells to
 # `transformer_from_scratch/translation.py`; the tokenizer goes to `bpe` and the training
 # practice to `practice` (`#| export bpe`, `#| export practice`), one idea per module.
-# The import cell below is not the module's whole import list: the names it uses that another
-# module of the package defines (`EOS` from `tokens`, `atomic_open` from `utils`, imported by
-# the import cell at the top; `BPETokenizer`, defined by the `bpe` cells below) are not imported
-# again here, and the exporter adds their imports to `translation.py` by itself.
 
 # %%
 #| export
@@ -503,9 +499,10 @@ class BPETokenizer:
 # sentences must not shape anything the model uses). 5,000 training sentences are plenty to find
 # the frequent pieces and keep training short, but not any 5,000: a tokenizer can only
 # write characters it has seen, and "zero" is the only English number word with a "z". A random
-# sample without it gives a tokenizer that cannot encode the sentence "zero" (a run under another
-# seed found exactly that). So the sample is the 1,000 building blocks, every number below
-# 1,000 (all in the training split), and 4,000 more training sentences from 1,000 up. The blocks
+# sample without it gives a tokenizer that cannot encode the sentence "zero" (`make robust` hit
+# exactly that under another seed; `tools/robust.md` records it). So the sample is the 1,000
+# building blocks, every number below 1,000 (all in the training split), and 4,000 more
+# training sentences from 1,000 up. The blocks
 # hold every German character, but not every English one: the comma appears only from 1,000 up
 # ("one thousand, two hundred"), and it is the larger sentences that bring it in. The cell
 # prints what the blocks alone lack, and checks that the sample lacks nothing of the training
@@ -550,12 +547,10 @@ print(tgt_tokenizer.encode(example_de))
 # suffix, "vier" + "zig", or "vier" + "zigtausend" when "tausend" follows; the irregular one,
 # "dreißig", is a whole token (the cell below prints how each tens word is cut).
 #
-# These pieces are findings of these tokenizers, learnt from this split of the numbers: another
-# seed draws other training sentences and learns other pieces. Under one of the seeds
-# `make robust` tries (the offset 1000), "zwanzig" is a whole token too; "dreißig" stayed whole
-# under every seed tried. So the exact claims are asserted only for the tokenizers of the
-# stored run, recognised by their fingerprints; the share of split words stays within bounds
-# for every seed tried (0.39 to 0.42).
+# These pieces are findings of these tokenizers: another seed draws other training sentences
+# and can learn other pieces. So the exact claims are asserted only for the stored run's
+# tokenizers, recognised by their fingerprints (`STORED_TOKENIZERS`); for any tokenizers, only
+# the share of split words, within a bound.
 
 # %%
 hyphenated = [number_to_words(n, "en") for n in range(21, 100) if n % 10]  # twenty-one ...
@@ -563,7 +558,7 @@ split_up = [w for w in hyphenated if len(src_tokenizer.tokens(w)) > 1]
 print(f"{len(split_up)} of {len(hyphenated)} hyphenated English words are more than one token")
 tens_de = {number_to_words(n, "de"): tgt_tokenizer.tokens(number_to_words(n, "de"))[1:] for n in range(20, 100, 10)}
 print("German tens (after the lone '▁'):", tens_de)
-assert 0.3 < len(split_up) / len(hyphenated) < 0.5  # "about two in five", for every seed tried
+assert 0.3 < len(split_up) / len(hyphenated) < 0.5  # "about two in five", for any tokenizers
 STORED_TOKENIZERS = ("7952d9e6e6dce988", "4275138f112c7a25")  # English, German, the stored run
 if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZERS:
     assert len(split_up) == 30 and tens_de["dreißig"] == ["dreißig"]  # the paragraph, exactly
@@ -575,10 +570,10 @@ if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZE
 # piece starts many sentences: in these tokenizers "▁" + "neunhundert" (a ninth of the numbers
 # from 100,000 up start with it), and no other. So about nine in ten German sentences start with
 # a lone "▁" token, the others with "▁neunhundert" (both counted below). In English, where every
-# sentence has many words, pieces with the marker are frequent: "▁and", "▁hundred". This too
-# depends on the seed: one seed tried merges no such pair, and every sentence starts with a lone
-# "▁"; another merges "▁" with "fünfhundert" and "vierhundert" instead, and 79 % of the
-# sentences start with a lone "▁". The bound asserted below holds for all of them.
+# sentence has many words, pieces with the marker are frequent: "▁and", "▁hundred". Which
+# first piece, if any, is merged with "▁" depends on the sentences the tokenizer learnt from:
+# the list is asserted for the stored run's tokenizers, and for any tokenizers only that most
+# sentences start with a lone "▁".
 
 # %%
 all_de = [de for rows in corpus.values() for _, _, de in rows]  # every German sentence
@@ -587,7 +582,7 @@ marked = sorted(t for t in tgt_tokenizer.id_to_token if t.startswith(SPACE) and 
 lone_share = first_pieces[SPACE] / len(all_de)
 print(f"German sentences that start with a lone '▁': {lone_share:.1%}; "
       f"German tokens that start with '▁': {marked}")  # fmt: skip
-assert lone_share > 0.7  # most sentences, for every seed tried (79 % to 100 %)
+assert lone_share > 0.7  # most sentences, for any tokenizers
 if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZERS:
     assert marked == ["▁neunhundert"]  # the paragraph, exactly
     assert first_pieces["▁neunhundert"] == sum(de.startswith("neunhundert") for de in all_de)
@@ -646,7 +641,7 @@ print(tgt_tokenizer.tokens(unseen), "->", repr(tgt_tokenizer.decode(tgt_tokenize
 assert UNK in tgt_tokenizer.encode(unseen)
 assert tgt_tokenizer.decode(tgt_tokenizer.encode(unseen)) != unseen  # the round trip fails here
 assert tgt_tokenizer.encode(example_de)[0] == BOS and tgt_tokenizer.encode(example_de)[-1] == EOS
-assert tgt_tokenizer.id_to_token[:4] == ["<pad>", "<bos>", "<eos>", "<unk>"] and UNK == 3
+assert [tgt_tokenizer.token_to_id[t] for t in SPECIAL_TOKENS] == [PAD, BOS, EOS, UNK]  # the library's ids
 
 
 # %% [markdown]
@@ -750,17 +745,13 @@ assert seconds_ours > 3 * seconds_hf  # medians of 3: compiled code wins by far 
 # pieces, other routes to the same whole words (ours has `fün`, the library `nf`: two ways to
 # `fünf`). In the end they split every one of the 20,000 German sentences into exactly the same
 # pieces (the count above; asserted for 99 % of them, as another version of the library may break
-# a tie otherwise). The
-# library is much faster, compiled and parallel. The course's model trains on **our**
-# tokenizer: it is the one you can read, its ids are the course's own `PAD, BOS, EOS` (from
-# notebook 09's `tokens` module) by construction, and its round trip is checked above on every
-# sentence. Its slowness is the price: the library encodes the same 2,000 German sentences more
-# than ten times as fast in every run made for this notebook. By how much more depends on the
-# machine and on how busy it is: the cell above prints both times, each the median of three,
-# and their ratio, as measured on the machine that ran it; the assert asks only for three times.
-# Ours needs about ten times the printed time for the corpus's 20,000 sentences, seconds rather
-# than a fraction of one: for German, where every sentence is a different single word, its
-# cache of encoded words never hits, so the time grows with the number of sentences.
+# a tie otherwise). The course's model trains on **our** tokenizer: it is the one you can read,
+# its ids are the course's own `PAD, BOS, EOS` (from notebook 09's `tokens` module), and its
+# round trip is checked above on every sentence. Its slowness is the price: the library,
+# compiled and parallel, is many times faster (the timing cell prints both medians and their
+# ratio on the machine that ran it; the assert asks only for three times, a margin that a busy
+# machine keeps). For German, where every sentence is a different single word, our cache of
+# encoded words never hits, so our time grows with the number of sentences.
 #
 # **BPE turns an open vocabulary into a closed one: a number never seen spells out from pieces
 # that were.**
@@ -986,10 +977,11 @@ for name, batches_, waste_ in (
 # %%
 assert waste_bucketed <= waste_random / 2  # at most half the waste
 assert sorted(i for b in bucketed for i in b) == list(range(len(lengths)))  # each pair once
-assert all(len(b) * max(lengths[i] for i in b) <= MAX_TOKENS for b in bucketed)  # the budget
+for batches_ in (bucketed, random_batches):  # the same budget for both, or the comparison is unfair
+    assert all(len(b) * max(lengths[i] for i in b) <= MAX_TOKENS for b in batches_)
 pairs_random = np.mean([len(b) for b in random_batches])
 pairs_bucketed = np.mean([len(b) for b in bucketed])
-# The prose below, with bounds that hold for every seed tried (18-21 %, 7 %, 145-152, 178):
+# The prose below, with bounds for any seed:
 assert 0.15 < waste_random < 0.25  # "a fifth" of the positions of random batches are padding
 assert waste_bucketed < 0.1  # bucketed batches: "more than nine tenths real tokens"
 assert 130 < pairs_random < 165 and 165 < pairs_bucketed < 195  # "some 145", "about 180"
@@ -1097,8 +1089,8 @@ from transformer_from_scratch.train import token_loss
 # Hugging Face's `Trainer`'s (everything but biases and norm weights): decay every matrix,
 # embedding tables included, and nothing else. Some recipes exempt the embeddings too (an
 # embedding row is updated only when its token appears, while AdamW's decay shrinks every row at
-# every step); at this notebook's $\lambda = 0.01$ the difference is small, and the course keeps
-# one policy for all its optimizers (notebook 15's builds its AdamW with the same groups).
+# every step); the course keeps one policy for all its optimizers (notebook 15's builds its
+# AdamW with the same groups).
 
 # %%
 #| export practice
@@ -1411,29 +1403,20 @@ for name in amp_dtypes[1:]:
 # outputs are nearly uniform whatever the arithmetic. The same comparison, and the loss and
 # accuracy, are repeated on the trained model after training.
 #
-# The speed depends on the processor, and on how busy it is. CPUs with bfloat16 instructions
-# (recent Intel Xeons with AMX or AVX-512 BF16, AMD Zen 4) run the products faster; older ones
-# lose time to the casts (or, without bfloat16 instructions, to converting every number). The
-# timing cell prints what the machine that ran it did, and its numbers change from one run to
-# the next. We have seen both ends: on an AVX2 CPU without bfloat16 instructions a bfloat16
-# step took about ten times as long as a float32 one (0.10x); on an AMD Zen 4 (AVX-512 with
-# BF16) it ran 1.2 to 1.9 times as fast, depending on the load of the machine (the course
-# stores outputs with PyTorch's AVX2 kernels, but the bfloat16 products go through oneDNN,
-# which picks its own instructions). On a recent GPU the products run on tensor cores, which
-# pays off for large matrices; at this notebook's sizes (width 128 in the cell above, 64 in
-# the model trained below; training batches of at most 2,048 tokens) a GPU step is bound by
-# kernel launches, not arithmetic: on an H200 the 16-bit steps of the cell above were no
-# faster than float32's (a little slower, in fact).
+# The speed depends on the processor, and on how busy it is: CPUs with bfloat16 instructions
+# (recent Intel Xeons with AMX or AVX-512 BF16, AMD Zen 4) run the products faster, others lose
+# time converting every number and can be several times slower. The timing cell prints what the
+# machine that ran it did; no assert rests on it. On a GPU the products run on tensor cores,
+# which pays off for large matrices; steps as small as this notebook's (width 64 to 128, at most
+# 2,048 tokens a batch) are bound by launching kernels more than by arithmetic, so 16 bits need
+# not make them faster.
 #
 # The training below stays in float32 on the CPU: many CPUs have no bfloat16 instructions, and
 # a float32 run is the reference the 16-bit results are compared with. On a GPU it uses
 # bfloat16 autocast where the hardware has it (compute capability 8.0 and up), float16 with
-# the gradient scaler otherwise.
-#
-# float32 does not make the numbers the same on every machine: the order in which a matrix
-# product adds its terms differs between BLAS libraries and thread counts, and so do the last
-# bits. That is why the trained model's scores below are printed and bounded, not asserted
-# exactly.
+# the gradient scaler otherwise. float32 does not make the numbers the same on every machine
+# either (the order in which a matrix product adds its terms differs between libraries), which
+# is why the trained model's scores below are printed and bounded, not asserted exactly.
 
 # %% [markdown]
 # ### Gradient checkpointing
@@ -1514,11 +1497,9 @@ assert "forward" not in vars(amp_model.encoder.layers[0])  # switched off again
 
 # %% [markdown]
 # The printout is the machine's that ran the cell, each time the fastest of five steps, the two
-# kinds taken in turn. On a quiet machine checkpointing costs time, as it should; a machine
-# loaded with other jobs can show anything, even a checkpointed step faster than a plain one
-# (one earlier version of this cell, three steps of each kind, one kind after the other, once
-# printed 0.64x). No assert rests on these times; the memory and the gradients are what is
-# checked above.
+# kinds taken in turn. On a quiet machine checkpointing costs time, as it should; a machine busy
+# with other jobs can show anything. No assert rests on these times; the memory and the
+# gradients are what is checked above.
 #
 # **Accumulation trades steps for memory, mixed precision trades bits for speed, and
 # checkpointing trades time for memory; each is checked to change nothing else.**
@@ -1720,7 +1701,10 @@ def evaluate_loss(
 # loader (`micro_batch_groups`, the last group of an epoch shorter when $k$ does not divide the
 # number of batches). Around it, `train_translation` keeps what is per epoch: the validation
 # pass, early stopping, the checkpoints, and at the end the weights of the best epoch (from
-# `best.pt`, or from memory when there is no folder). It is built below in four stages.
+# `best.pt`, or from memory when there is no folder). It is built below in four stages. The
+# history it returns holds lists: per update, notebook 11's `loss`, `lr` and `grad_norm` (the
+# total norm before clipping) and this notebook's `grad_norms` (a dict per part of the model);
+# per epoch, `train_loss`, `val_loss` and `val_acc`.
 
 # %%
 #| export practice
@@ -1968,19 +1952,12 @@ print(f"{len(train_loader)} batches an epoch -> {len(groups)} updates of 4 micro
 # the same model for 2 epochs, "crash", build a *new* model with other weights, resume it from
 # the checkpoint and finish. Both must end with exactly the same weights: on the CPU
 # `torch.equal`, not a tolerance. Dropout is on, so the random generators must really be
-# restored. (On a GPU, a kernel that sums with atomic additions, `index_add_` for one, adds in
-# a varying order unless `torch.use_deterministic_algorithms(True)` is set. So that the check
-# holds whatever kernels a GPU and a torch version pick, there it allows float rounding, and
-# leaves out the biases of the key projections. Their gradient is zero in exact arithmetic,
-# since a bias $b$ adds the same $q \cdot b$ to every score of a query, which the softmax
-# ignores; in floating point it is pure rounding noise, about
-# $10^{-11}$ to $10^{-9}$ for this small model at its start. Adam divides a gradient by its own
-# running size plus $\epsilon = 10^{-9}$, so it turns that noise into steps of a few hundredths
-# to a third of the learning rate: two runs with different noise would walk those biases
-# apart, without any effect on the model's outputs. The GPU branch was run on an H200 with
-# torch 2.11: the resumed run matched the uninterrupted one within the tolerance, in one run
-# even bit for bit, key biases included; another GPU or version need not be that
-# deterministic.)
+# restored. (On a GPU, kernels that sum with atomic additions add in a varying order, so there
+# the check allows float rounding. It also leaves out the key projections' biases: a bias $b$
+# adds the same $q \cdot b$ to every score of a query, which the softmax ignores, so their
+# gradient is zero in exact arithmetic and rounding noise in floating point; Adam, which divides
+# a gradient by its own running size, turns that noise into real steps, and two runs with
+# different noise walk those biases apart without changing any output.)
 #
 # And the negative controls, to show the check can fail: the same resume from a copy of the
 # checkpoint that lacks one piece of the state, once with another random generator state
@@ -2230,16 +2207,12 @@ assert not all(torch.allclose(a, b, rtol=1e-3, atol=1e-4)
 # $d_\text{model} = 64$, 4 heads, $d_\text{ff} = 4 d_\text{model} = 256$ as in the paper, 2
 # encoder and 2 decoder blocks, and no dropout: the validation loss reaches the floor that label
 # smoothing sets (below), so there is no overfitting for dropout to prevent, and it would only
-# slow the training down. The training cell prints its number of steps and the time they took
-# on the machine that ran it; the time depends on the machine and on how busy it is, and the
-# course's checks run every kernel at one thread (set in `tools/kernel.env`), while a Jupyter
-# of your own uses all cores, so your times will differ. While it runs, a progress bar counts
-# the steps and goes away at the end; a viewer that cannot run Jupyter widgets (GitHub's, for
-# one) shows the bar's first state, `0/720`, above the epochs instead, which is not a stalled
-# run. On a GPU the same cell runs as it is, in bfloat16 autocast if the GPU has bfloat16 units
-# (compute capability 8.0 and up: A100, RTX 30xx and later), in float16 with the gradient
-# scaler otherwise (a T4, where `torch.cuda.is_bf16_supported()` says True because bfloat16 is
-# *emulated*, slowly). The checkpoints go to `checkpoints/13_translation/` (gitignored).
+# slow the training down. The training cell prints its steps and the time they took on the
+# machine that ran it (yours will differ); while it runs, a progress bar counts the steps (a
+# viewer without Jupyter widgets, GitHub's for one, shows only its first state, `0/720`). On a
+# GPU the same cell runs as it is, in bfloat16 autocast if the GPU has bfloat16 units (compute
+# capability 8.0 and up), in float16 with the gradient scaler otherwise. The checkpoints go to
+# `checkpoints/13_translation/` (gitignored).
 
 # %%
 CHECKPOINTS = Path("checkpoints") / "13_translation"
@@ -2280,41 +2253,39 @@ for epoch, (train_loss, val_loss, val_acc) in enumerate(
     zip(history["train_loss"], history["val_loss"], history["val_acc"], strict=False), 1
 ):
     print(
-        f"epoch {epoch:2d}  train loss {train_loss:.3f}  val loss {val_loss:.3f}  val token accuracy {val_acc:.2%}"
+        f"epoch {epoch:2d}  train loss {train_loss:.3f}  val loss {val_loss:.4f}  val token accuracy {val_acc:.2%}"
     )
 print(f"{len(history['loss'])} steps in {train_seconds:.0f} s; amp_dtype={config.amp_dtype!r}")
 
 # %% [markdown]
 # Early stopping, checked against the history: the best epoch is the one of lowest validation
 # loss, the run either used all its epochs or stopped exactly `patience` epochs after its best,
-# and the model that `train_translation` returned holds the best epoch's weights (`best.pt`), not
-# the last epoch's. The checkpoint also names the tokenizers its ids belong to.
-#
-# In the stored run all 8 epochs ran and the best epoch was the last (validation loss 0.768 at
-# epoch 8), so `best.pt` and the last epoch hold the same weights, and this check cannot tell
-# them apart. The overfitting run above is the case it guards: there the best epoch came before
-# the last, and the weights returned were the best epoch's.
+# the returned model holds `best.pt`'s weights, and the checkpoints name the tokenizers. In the
+# stored run all 8 epochs ran and the best was the last (validation loss 0.7682), so `best.pt`
+# is also the last epoch's weights: here the check would not notice a loop that forgot to load
+# it back. The overfitting run above, whose best epoch came before its last, is the test of that.
 
 # %%
 last_state = load_training_state(CHECKPOINTS / "last.pt")
 best_state = load_training_state(CHECKPOINTS / "best.pt")
 best_epoch = int(np.argmin(history["val_loss"]))  # 0-based, as EarlyStopping counts
 assert last_state["early_stopping"]["best_epoch"] == best_state["epoch"] == best_epoch
-assert last_state["early_stopping"]["best"] == min(history["val_loss"])  # by construction: one float
+assert last_state["early_stopping"]["best"] == min(history["val_loss"])  # the same float, kept
 epochs_run = len(history["val_loss"])
 assert epochs_run == config.epochs or epochs_run - 1 - best_epoch == config.patience
-# By construction (train_translation ends by loading best.pt); the overfitting run tests it.
+# The returned weights are best.pt's (when best.pt is also the last epoch's, see above).
 assert all(torch.equal(p, best_state["model"][k].to(p.device)) for k, p in model.state_dict().items())
 assert last_state["fingerprints"] == best_state["fingerprints"] == FINGERPRINTS
 assert max(history["val_acc"]) > 0.97  # next-token accuracy on unseen numbers
 
 
 # %% [markdown]
-# A few findings of this one run are quoted below (the cross-attention of one number). Another
-# machine's run, or another seed's, learns other weights, so, as in notebook 12, they are
+# Some findings quoted below are this run's (the early model's error counts, the cross-attention).
+# Another machine's run, or another seed's, learns other weights, so, as in notebook 12, they are
 # asserted only when the weights are the stored run's: `STORED_RUN` compares a hash of every
-# weight's bits with the stored run's. The cell prints whether they are: where they are not, the
-# bounds that hold for every seed tried are still checked, the stored run's exact counts are not.
+# weight's bits with the stored run's. Elsewhere only bounds meant for any run are checked;
+# `make robust` runs this notebook under three other seeds, PyTorch's other CPU kernels and the
+# oldest supported torch, and its table, `tools/robust.md`, records whether they held.
 
 # %% tags=["nbval-ignore-output"]
 def weights_fingerprint(m: nn.Module) -> str:
@@ -2474,10 +2445,11 @@ plt.show()
 # than the others) and none explodes. (A statement about the gradients: how much each part's
 # weights move is Adam's business, as said above.)
 #
-# One bump stands out, in epoch 5: around step 420 all the norms rise several times over for
-# some tens of steps, the total gradient norm to 0.68 and the step loss to 0.825 (printed after
-# the figure), then settle again. It does no lasting harm: epoch 5's validation loss is lower than
-# epoch 4's (0.772 against 0.777, printed by the training cell).
+# In epochs 4 and 5 (steps 270 to 449) the norms rise several times over in a few bumps of some
+# tens of steps each, near steps 320, 360 and 420, and settle again. The largest, around step
+# 420, takes the total gradient norm to 0.68 and the step loss to 0.825 (printed after the
+# figure). They do no lasting harm: epoch 5's validation loss is lower than epoch 4's (0.7724
+# against 0.7772, printed by the training cell).
 
 # %% jupyter={"source_hidden": true}
 grad_names = list(history["grad_norms"][0])
@@ -2495,7 +2467,7 @@ def part_style(name: str) -> dict:
     """One colour per place in a stack (embedding, block 0, block 1, final norm), the output head
     black; the encoder's side solid, the decoder's dashed."""
     place = name.split(".", 1)[-1] if "." in name else name
-    color = {"src_embed": "#a6761d", "tgt_embed": "#a6761d", "layers.0": "#1b9e77",
+    color = {"src_embed": "#e7298a", "tgt_embed": "#e7298a", "layers.0": "#1b9e77",
              "layers.1": "#e6ab02", "norm": "#7570b3"}.get(place, "black")  # fmt: skip
     dashed = name.startswith(("decoder", "tgt"))
     return {"color": color, "ls": "--" if dashed else "-"}
@@ -2512,7 +2484,8 @@ ax_lines.set(
     ylabel="gradient L2 norm (before clipping)",
     title=f"Gradient norm per part of the model (running median, {WINDOW} steps)",
 )
-ax_lines.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
+ax_lines.legend(fontsize=10, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False,
+                title="solid: encoder side, dashed: decoder side", title_fontsize=10)  # fmt: skip
 bar_y = np.arange(len(grad_names))[::-1]  # the first part on top
 for offset, ((period, rows), shade) in zip((0.2, -0.2), zip(grad_periods.items(), ("#4d4d4d", "#a6a6a6"), strict=True), strict=True):
     ax_bars.barh(bar_y + offset, np.nanmean(grad_clean[rows], axis=0), height=0.4, color=shade,
@@ -2520,7 +2493,7 @@ for offset, ((period, rows), shade) in zip((0.2, -0.2), zip(grad_periods.items()
 ax_bars.set_yticks(bar_y, grad_names)
 ax_bars.set(xscale="log", xlabel="mean gradient L2 norm (log scale)",
             title="Mean gradient norm per part, early and late")  # fmt: skip
-ax_bars.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False, ncol=2)
+ax_bars.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False, ncol=1)
 fig.tight_layout()
 save_figure(fig, "13_gradient_flow")
 plt.show()
@@ -2542,11 +2515,14 @@ print(f"from step {from_epoch_4} on: the step loss peaks at step {from_epoch_4 +
       f"{np.nanmedian(total_norm):.3f})")  # fmt: skip
 
 # %%
-# With float16 on a GPU, GradScaler skips a step whose gradient overflowed: its norms are inf.
-# Those steps are left out; the others must all be finite, and nearly every step is taken.
-taken = np.isfinite(grad_table).all(axis=1)
-assert taken.mean() > 0.95
-assert all(np.isfinite(spread) and spread < 50 for spread in grad_spreads.values())  # same order
+taken = np.isfinite(grad_table).all(axis=1)  # steps whose gradient norms are all finite
+if config.amp_dtype == "float16":  # GradScaler skips a step that overflowed (its norms are inf)
+    assert taken.mean() > 0.95
+else:  # no scaler: a non-finite gradient would be a broken step
+    assert taken.all()
+# "None starved": a part whose gradient vanished would sit two decades or more below the largest
+# (a ratio of 100 and up, infinite for a part with no gradient); the ratios printed are about 10.
+assert all(np.isfinite(spread) and spread < 50 for spread in grad_spreads.values())
 
 
 # %% [markdown]
@@ -2571,6 +2547,9 @@ assert all(np.isfinite(spread) and spread < 50 for spread in grad_spreads.values
 # standard way (its defaults fix the tokenisation and the smoothing) and not by another
 # home-made variant. That does not make them comparable with published translation results:
 # a character BLEU on number words can only be compared with another run of this task.
+#
+# On the test split the trained model turns out perfect, which leaves the measures nothing to
+# tell apart; "Where it fails", further below, evaluates an early checkpoint and a harder split.
 
 # %%
 #| export
@@ -2647,6 +2626,32 @@ print(f"{len(test_en):,d} test numbers")
 # %%
 for s in scores.values():
     assert s["exact_match"] >= 97.0 and s["chrf"] >= 99.0  # the targets
+
+# %% [markdown]
+# ### Try it
+#
+# The trained model on a few numbers; add your own to `your_numbers` (0 to 999,999). `translate`
+# takes English text in `num2words`' spelling, which `number_to_words` writes. Each line says
+# which split the number is in ("none" for most of the million) and whether the German is right.
+# In the stored run every example is right but the first: "zero" is one training sentence among
+# 16,000, unlike any other, and the model writes a number of thousands instead of "null".
+
+# %% tags=["nbval-ignore-output"]
+examples = [0, 42, 1_001, 12_345, 77_777, 500_005, 999_999]
+your_numbers = []  # yours here, e.g. [2_024, 314_159]
+split_of = {n: split for split, rows in corpus.items() for n, _, _ in rows}
+tried = examples + your_numbers
+tried_de = translate(model, src_tokenizer, tgt_tokenizer, [number_to_words(n, "en") for n in tried])
+tried_right = [de == number_to_words(n, "de") for n, de in zip(tried, tried_de, strict=True)]
+for n, de, right in zip(tried, tried_de, tried_right, strict=True):
+    print(f"{n:>7,d} ({split_of.get(n, 'none')}): {number_to_words(n, 'en')}\n{'':9s}-> {de}  "
+          + ("right" if right else f"wrong, the truth is {number_to_words(n, 'de')}"))
+
+# %%
+examples_right = tried_right[: len(examples)]
+assert sum(examples_right[1:]) >= len(examples) - 2  # all but "zero": at most one wrong, any run
+if STORED_RUN:
+    assert examples_right == [False] + [True] * (len(examples) - 1)  # the paragraph above
 
 # %% [markdown]
 # ### Error analysis
@@ -2798,10 +2803,10 @@ assert early["greedy"]["chrf"] > early["greedy"]["exact_match"] + 10  # partial 
 assert early["differ"] > 0.02 * early["n"]  # beam search changes many outputs
 assert len(early["kinds"]) >= 3  # errors of several kinds, not one
 # One digit wrong: nearly always the units or the tens, the two digits German reorders, hardly
-# ever the hundreds (six seeds tried: 13 to 165 times as many). Which of units and tens leads
-# varies from run to run (tens / units from 0.3 to 3.9 over those seeds), so it is not asserted.
+# ever the hundreds; and mistakes of order (two digits swapped) are rare. Bounds for any run
+# (which of units and tens leads is one run's count, and is not asserted).
 assert early_places["tens"] + early_places["units"] > 5 * early_places["hundreds"]
-assert early_swaps < 0.1 * len(early["errors"])  # mistakes of order are rare (0.5 to 4.7 %)
+assert early_swaps < 0.1 * len(early["errors"])
 # The trained model on the harder split: mostly right, and no better than on the test split.
 assert trained["greedy"]["exact_match"] >= rounds["greedy"]["exact_match"] > 50
 if STORED_RUN:  # the stored run's counts, quoted below
@@ -2818,7 +2823,7 @@ if STORED_RUN:  # the stored run's counts, quoted below
 # - **Exact match and chrF part ways.** The early checkpoint gets about a fifth of the numbers
 #   exactly right (21.7 %) and still scores a chrF of 86.3: most of its characters are right
 #   even where the number is wrong. Its wrong numbers are not mostly near misses (988 of the
-#   1,566 are further off than one digit, sorted above); the credit comes from right pieces
+#   1,566 are none of the near misses the analysis names); the credit comes from right pieces
 #   inside wrong numbers, as in the first example printed, whose "sechshundert" and
 #   "tausenddreihundert" are right. (The assert asks only that chrF exceed exact match by 10
 #   points, and exact match stay below 75 %.) chrF measures how close a
@@ -2831,22 +2836,17 @@ if STORED_RUN:  # the stored run's counts, quoted below
 #   for more than 2 %), and gets a few more numbers exactly right (24.1 % against 21.7 %),
 #   because a more likely sequence is more often the right one; it cannot fix
 #   what the model has not learned.
-# - **The errors have a pattern.** Most of the early model's errors are further off than one
-#   digit (988 of 1,566). The 553 that are one digit away, sorted by the digit's place in its
-#   block of three (the last line printed two cells up; the thousands digit is the units of
-#   the thousands block, so it counts with the units): the tens go wrong 428 times, the units
-#   109, the hundreds 16. Two parts of this held in every run tried (this seed and five others,
-#   the early model trained and its errors sorted again for each), and are asserted: the units
-#   and the tens, the two digits German reorders ("zwei-und-vierzig"), take nearly all the
-#   one-digit errors, the hundreds, which both languages write first, hardly any (13 to 165
-#   times fewer; the assert asks for 5); and the mistake of order, two digits swapped, is rare
-#   (12 of the 1,566 errors here; 0.5 to 4.7 % of the errors over the seeds, asserted below
-#   10 %). The third part did not hold: which of units and tens goes wrong more changes from
-#   run to run (here the tens, 3.9 times as often as the units, the most of any seed; under two
-#   other seeds the units, two to three times as often as the tens), so this run's lead of the
-#   tens says nothing about the reordering. Nor can the counts say *why* the reordered pair
-#   goes wrong: their words are also the most varied ("zweiund", "vier" + "zig", the teens),
-#   and counts cannot tell the order's difficulty from the words'. The trained model has
+# - **The errors have a pattern.** The 553 errors of one wrong digit, sorted by the digit's
+#   place in its block of three (the last line printed two cells up; the thousands digit is the
+#   units of the thousands block, so it counts with the units): the tens go wrong 428 times, the
+#   units 109, the hundreds 16. The units and the tens, the two digits German reorders
+#   ("zwei-und-vierzig"), take nearly all of them; the hundreds, which both languages write
+#   first, hardly any. The mistake of order, two digits swapped, is rare (12 of the 1,566
+#   errors). Both are asserted with margins meant for any run (units and tens more than 5 times
+#   the hundreds, swaps under 10 % of the errors); the lead of the tens over the units is this
+#   run's count and is not. Nor can the counts say *why* the reordered pair goes wrong: their
+#   words are also the most varied ("zweiund", "vier" + "zig", the teens), and counts cannot
+#   tell the order's difficulty from the words'. The trained model has
 #   learnt both; its remaining errors sit where training had little to say. On the round
 #   thousands most of them are one kind (18 of 26 here): after "tausend" it writes the
 #   thousands block a second time ("achtzehntausendachtzehn" for 18,000), where the German
@@ -2936,14 +2936,20 @@ def crossing_rows(n: int) -> list[bool]:
 reordered_right = [n for n, hyp, ref in zip(test_numbers, greedy_de, test_de, strict=False)
                    if is_reordered(n) and hyp == ref]
 measured = [row_peaks(n) for n in reordered_right]  # (peaks, unit rows) of each number
-crossings = [bool((p[:, r] > p[:, r + 1]).any()) for p, rows in measured for r in rows]
+crossings = [bool((p[:, r] > p[:, r + 1]).any()) for p, rows in measured for r in rows]  # either
 if crossings:
     crossing_share = sum(crossings) / len(crossings)
-    print(f"{len(reordered_right)} reordered numbers, {len(crossings)} unit/tens pairs: "
-          f"the alignment crosses at {crossing_share:.0%} of them")
-    assert len(crossings) > 100 and crossing_share > 0.6  # every seed tried; the runs vary
+    layer_crossing = [sum(bool(p[k, r] > p[k, r + 1]) for p, rows in measured for r in rows)
+                      / len(crossings) for k in range(measured[0][0].size(0))]  # fmt: skip
+    print(f"{len(reordered_right)} reordered numbers, {len(crossings)} unit/tens pairs; the "
+          f"alignment crosses at {', '.join(f'{x:.1%} in layer {k + 1}' for k, x in enumerate(layer_crossing))}"
+          f", {crossing_share:.1%} in either layer")  # fmt: skip
+    # A sanity bound for any run, not a test against chance (the shuffles below are that): a
+    # broken measure, comparing the wrong way round or a unit row with the row before it, falls
+    # far below it.
+    assert len(crossings) > 100 and crossing_share > 0.6
     if STORED_RUN:
-        assert round(100 * crossing_share) == 89  # the stored run's share
+        assert f"{layer_crossing[1]:.1%} {crossing_share:.1%}" == "88.4% 89.4%"  # the stored run's
 else:  # the rows are found by their pieces: a tokenizer without "...und" pieces has none
     print("no unit piece ending in 'und' in these tokenizers: the measure does not apply")
 if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZERS:
@@ -2951,20 +2957,14 @@ if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZE
 
 
 # %% [markdown]
-# Is that share high? Chance is not one half: a pair of rows counts as crossing when either of
-# the two layers crosses, and peaks placed at random cross in one layer or the other far more
-# often than half the time. So the chance level is
-# measured, on the same numbers and the same peaks: each layer's peaks are shuffled among the
-# rows of their number (a random permutation of which row looks where, 1,000 of them from a fixed
-# generator), and the share is counted again. Each layer gets its own permutation. So a
-# shuffle keeps which English pieces each layer looks at, and how often, and loses two things:
-# the order that ties each German row to its English piece, and the tie between a row's peak in
-# layer 1 and its peak in layer 2. Losing the second makes the two layers two nearly
-# independent chances to cross, which raises this baseline: one permutation shared by both
-# layers, which moves each row's pair of peaks together, gives less (both are printed below).
-# The notebook tests against the higher baseline, the harder one to beat. Last, each layer is
-# measured on its own, its share against its own shuffles, to see which layer crosses.
-# The function is checked first on the unshuffled peaks, where it must give the share above.
+# Is that high? Chance is measured, on the same numbers and the same peaks: each layer's peaks
+# are shuffled among the rows of their number (1,000 random permutations of which row looks
+# where, from fixed generators), and the share is counted again. A shuffle keeps which English
+# pieces a layer looks at, and how often, and loses the order that ties each German row to its
+# English piece. For one layer, chance is a little under one half (two rows that peak on the same
+# piece do not cross). For "either layer" it is higher, since two layers, shuffled each on its
+# own, are two chances to cross. The function is checked first on the unshuffled peaks, where it
+# must give the shares above.
 
 # %% tags=["nbval-ignore-output"]
 def permuted_shares(measured: list, orders) -> torch.Tensor:
@@ -2980,44 +2980,42 @@ def permuted_shares(measured: list, orders) -> torch.Tensor:
     return torch.as_tensor(hits, dtype=torch.float64) / pairs
 
 
+SHUFFLES = 1000
+
+
+def unshuffled(shape) -> torch.Tensor:
+    return torch.arange(shape[-1]).expand(1, *shape)  # one permutation: the identity
+
+
+def shuffled(seed: int):
+    """SHUFFLES random row permutations per number, each layer its own, from a fixed generator."""
+    generator = torch.Generator().manual_seed(seed)
+    return lambda shape: torch.rand(SHUFFLES, *shape, generator=generator).argsort(-1)
+
+
 if crossings:
-    unshuffled = permuted_shares(measured, lambda shape: torch.arange(shape[-1]).expand(1, *shape))
-    assert math.isclose(float(unshuffled[0]), crossing_share)  # the statistic above, vectorised
-    SHUFFLES = 1000
-    generator = torch.Generator().manual_seed(0)
-    baseline = permuted_shares(
-        measured, lambda shape: torch.rand(SHUFFLES, *shape, generator=generator).argsort(-1)
-    )
-    print(f"shuffled peaks, {SHUFFLES} shuffles: crossing share {baseline.mean():.1%} on "
-          f"average (standard deviation {baseline.std():.1%}, highest {baseline.max():.1%}); "
-          f"measured {crossing_share:.1%}")
-    if STORED_RUN:  # a finding of this run (and of the seeds tried, not of every split: below)
-        assert float((baseline >= crossing_share).double().mean()) < 0.01  # chance seldom there
-        assert crossing_share - baseline.mean() > 0.05  # 5 points above it (seeds tried: 10 to 19)
-    # The lower baseline: one permutation per number, shared by its layers (expanded over them).
-    shared_baseline = permuted_shares(measured, lambda shape: torch.rand(
-        SHUFFLES, 1, shape[-1], generator=generator).argsort(-1).expand(SHUFFLES, *shape))  # fmt: skip
-    print(f"one shuffle shared by both layers: {shared_baseline.mean():.1%} on average "
-          f"(highest {shared_baseline.max():.1%})")  # fmt: skip
-    layer_shares = {}  # each layer on its own: its share, its shuffles' mean and highest
+    chance = {}  # name: (its crossing share, the shares of its shuffles)
     for k in range(measured[0][0].size(0)):  # the peaks are (layers, T_tgt)
         alone = [(peaks[k : k + 1], rows) for peaks, rows in measured]
-        layer_baseline = permuted_shares(
-            alone, lambda shape: torch.rand(SHUFFLES, *shape, generator=generator).argsort(-1)
-        )
-        layer_share = float(permuted_shares(alone, lambda shape: torch.arange(
-            shape[-1]).expand(1, *shape))[0])  # fmt: skip
-        layer_shares[k + 1] = (layer_share, float(layer_baseline.mean()), float(layer_baseline.max()))
-        print(f"layer {k + 1} alone: crosses at {layer_share:.1%} of the pairs; shuffled "
-              f"{layer_baseline.mean():.1%} on average (highest {layer_baseline.max():.1%})")
-    if STORED_RUN:  # the numbers quoted below
-        assert f"{baseline.mean():.1%} {baseline.std():.1%} {baseline.max():.1%}" == "72.6% 2.4% 80.4%"
-        assert f"{shared_baseline.mean():.1%} {shared_baseline.max():.1%}" == "54.3% 63.0%"
-        assert {k: " ".join(f"{x:.1%}" for x in v) for k, v in layer_shares.items()} == {
-            1: "63.8% 47.3% 55.3%", 2: "88.4% 47.9% 56.3%"}  # fmt: skip
+        chance[f"layer {k + 1}"] = (float(permuted_shares(alone, unshuffled)[0]),
+                                    permuted_shares(alone, shuffled(k + 1)))  # fmt: skip
+    chance["either layer"] = (float(permuted_shares(measured, unshuffled)[0]),
+                              permuted_shares(measured, shuffled(0)))  # fmt: skip
+    for name, (share, shares) in chance.items():
+        print(f"{name:12s} crosses at {share:.1%} of the pairs; {SHUFFLES} shuffles: "
+              f"{shares.mean():.1%} on average, highest {shares.max():.1%}")
+    assert math.isclose(chance["either layer"][0], crossing_share)  # the statistic, vectorised
+    assert all(math.isclose(chance[f"layer {k + 1}"][0], x) for k, x in enumerate(layer_crossing))
+    if STORED_RUN:  # findings of this run, not of every run (below)
+        for name, margin in (("layer 2", 0.3), ("either layer", 0.05)):
+            share, shares = chance[name]
+            assert float((shares >= share).double().mean()) < 0.01  # chance seldom gets there
+            assert share - float(shares.mean()) > margin  # and is far below on average
+        assert {name: f"{s:.1%} {sh.mean():.1%} {sh.max():.1%}" for name, (s, sh) in chance.items()} == {
+            "layer 1": "63.8% 47.4% 55.6%", "layer 2": "88.4% 47.9% 56.3%", "either layer": "89.4% 72.6% 80.4%"}  # fmt: skip
 
 # %% jupyter={"source_hidden": true}
-fig, axes = plt.subplots(1, len(layer_weights), figsize=(6 * len(layer_weights), 5.2))
+fig, axes = plt.subplots(1, len(layer_weights), figsize=(6 * len(layer_weights), 4.6), layout="constrained")
 for layer, (ax, w) in enumerate(zip(np.atleast_1d(axes), layer_weights, strict=False)):
     image = ax.imshow(w[0].mean(0).float().cpu().numpy(), cmap="Blues", vmin=0, vmax=1)
     ax.set_xticks(range(len(src_labels)), src_labels, rotation=70, fontsize=8)
@@ -3028,35 +3026,26 @@ for layer, (ax, w) in enumerate(zip(np.atleast_1d(axes), layer_weights, strict=F
         title=f"Cross-attention, decoder layer {layer + 1}, mean of heads",
     )
     fig.colorbar(image, ax=ax, fraction=0.046, label="attention weight")
-fig.suptitle(f"{shown_n:,d}: {shown_en} -> {shown_de}", fontsize=9)
-fig.tight_layout()
+fig.suptitle(f"{shown_n:,d}: {shown_en} -> {shown_de}\n(▁ marks the start of a word)", fontsize=12)
 save_figure(fig, "13_cross_attention")
 plt.show()
 
 # %% [markdown]
-# What the figure shows depends on the run: another machine's run, or another seed's, may draw
-# another number and weigh it otherwise. What held for the seeds tried on this split is the statistic
-# above against its shuffled baseline. That baseline is high, about three pairs in four with
-# this run's peaks (72.6 % on average over the shuffles, standard deviation 2.4 points; a shuffle
-# shared by the two layers gives 54.3 %, at most 63.0 %), so the crossing cell's bound of 0.6
-# only catches a measure that has broken. The test is the baseline's: the stored run's 89.4 % is
-# above every one of the 1,000 shuffles (the highest is 80.4 %) and 17 points above their
-# average. Three seeds tried measured 10 to 19 points above their own baselines, and so did a
-# run with every seed shifted by 1000 on this split of the numbers (84.1 % against 70-71 %, with
-# either CPU kernel). But not every run does:
-# `make robust`'s seed+1000 run, which also draws another split of the numbers and so trains other
-# tokenizers and another model, measured 71.8 % against 72.5 % for its shuffles (highest 79.2 %):
-# no more crossing than chance. So the
-# crossing is a finding of these runs, not a law of the task, and the two asserts, fewer than 1 %
-# of the shuffles reaching the share and 5 points above their average, are made only for the
-# stored run (`STORED_RUN`).
+# What the figure shows depends on the run: another run may draw another number and weigh it
+# otherwise. The test is the statistic against its shuffles, and in the stored run it is
+# clearest in layer 2: its 88.4 % of crossing pairs is above every one of its 1,000 shuffles
+# (the highest is 56.3 %) and 40 points above their average (47.9 %). Layer 1 crosses less,
+# 63.8 % against 47.4 % for its shuffles (highest 55.6 %). Counting a pair when either layer
+# crosses gives 89.4 %, little more than layer 2 alone, against a higher chance level (72.6 %
+# on average, highest 80.4 %).
 #
-# Layer by layer, the stored run's crossing is mostly layer 2's: on its own it crosses at 88.4 %
-# of the pairs, nearly the 89.4 % of "either layer", against 47.9 % on average for its shuffles,
-# 40 points above them. Layer 1 on its own crosses at 63.8 %, against 47.3 %: above chance too,
-# and above its highest shuffle (55.3 %), but by 16 points. The observations below are those of
-# the stored run, and the cell after them asserts them only when the weights are the stored
-# run's (`STORED_RUN`).
+# These are findings of the stored run. A run under other seeds draws another split of the
+# numbers, and so trains other tokenizers and another model, which need not align the same way;
+# so the comparisons with chance are asserted only for the stored run (`STORED_RUN`). For any
+# run the crossing cell checks only that the measure is sane (more than 60 % of the pairs in
+# either layer): a bound below chance, which catches a broken measure, not a missing crossing.
+# The observations below are the stored run's too, asserted under `STORED_RUN` in the cell
+# after them.
 #
 # The stored run draws 936,072, whose English is cut into "▁thirty-s" + "ix" (36) and "▁seven" +
 # "ty-two" (72). In both halves the unit row looks further right in the English than the tens
@@ -3098,27 +3087,27 @@ if STORED_RUN:  # the observations above, for the stored run's weights only
 #
 # ## Recap
 #
-# | piece | code | checked by |
-# |---|---|---|
-# | corpus and splits | `split_numbers`, `number_to_words`, `load_corpus` | splits share no number |
-# | tokenizer | `BPETokenizer.train / encode / decode / save / load`, `UNK = 3` | round trip on every sentence, and its failure on an unseen character; vs Hugging Face `tokenizers` |
-# | dataset | `TranslationDataset(pairs, src_tok, tgt_tok, max_len)` | too-long pairs refused |
-# | dynamic padding | `collate_translations` → `(src, tgt_in, tgt_out, src_lengths)` | padded to the longest in the batch |
-# | batches by tokens | `TokenBatchSampler(lengths, max_tokens, bucket=True)`, `padding_fraction` | at most half the padding of random batches |
-# | AdamW groups | `param_groups(model, weight_decay)` | decay on matrices (embeddings too), none on norms and biases |
-# | schedule | `warmup_cosine(step, warmup, total, min_ratio)` | peak at the end of warmup, then monotone |
-# | accumulation | `accumulate_gradients(model, micro_batches)`, `micro_batch_groups(loader, k)` | equals one big batch, micro-batches of different widths |
-# | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | same gradient direction, untrained and trained; trained model's loss and accuracy as float32's |
-# | checkpointing | `set_gradient_checkpointing(model)` | same gradients, less memory |
-# | early stopping, checkpoints | `EarlyStopping`, `save_training_state`, `load_training_state` | resumed = uninterrupted, `torch.equal` on the CPU; other tokenizers refused; an overfitting run returns its best epoch's weights, not the last's |
-# | the loop | `train_translation(model, train, valid, TrainConfig(...))`, on notebook 11's `Trainer` | curves, gradient flow |
-# | evaluation | `translate`, `score_translations` | exact match and chrF on unseen numbers |
+# | piece | code | shape | checked by |
+# |---|---|---|---|
+# | corpus and splits | `split_numbers`, `number_to_words`, `load_corpus` | (number, English, German) triples per split | splits share no number |
+# | tokenizer | `BPETokenizer.train / encode / decode / save / load`, `UNK = 3` | text → `[BOS, …, EOS]` ids | round trip on every sentence, and its failure on an unseen character; vs Hugging Face `tokenizers` |
+# | dataset | `TranslationDataset(pairs, src_tok, tgt_tok, max_len)` | item: `(src_ids, tgt_ids)`, each `(T,)` | too-long pairs refused |
+# | dynamic padding | `collate_translations` | `src (B, T_src)`, `tgt_in, tgt_out (B, T_tgt)`, `src_lengths (B,)` | padded to the longest in the batch |
+# | batches by tokens | `TokenBatchSampler(lengths, max_tokens, bucket=True)`, `padding_fraction` | lists of indices, B × longest ≤ `max_tokens` | the budget, with and without bucketing; at most half the padding of random batches |
+# | AdamW groups | `param_groups(model, weight_decay)` | two groups: dim ≥ 2, and vectors | decay on matrices (embeddings too), none on norms and biases |
+# | schedule | `warmup_cosine(step, warmup, total, min_ratio)` | step → multiplier in (0, 1] | peak at the end of warmup, then monotone |
+# | accumulation | `accumulate_gradients(model, micro_batches)`, `micro_batch_groups(loader, k)` | k batches → one update | equals one big batch, micro-batches of different widths |
+# | mixed precision | `amp_autocast(device, "bfloat16")`, `GradScaler` for float16 | logits `(B, T_tgt, V)` in 16 bits | same gradient direction, untrained and trained; trained model's loss and accuracy as float32's |
+# | checkpointing | `set_gradient_checkpointing(model)` | shapes unchanged | same gradients, less memory |
+# | early stopping, checkpoints | `EarlyStopping`, `save_training_state`, `load_training_state` | a dict of states (`last.pt`), weights (`best.pt`) | resumed = uninterrupted, `torch.equal` on the CPU; other tokenizers refused; an overfitting run returns its best epoch's weights, not the last's |
+# | the loop | `train_translation(model, train, valid, TrainConfig(...))`, on notebook 11's `Trainer` | history: lists per update and per epoch | curves, gradient flow |
+# | evaluation | `translate`, `score_translations` | texts → texts; scores 0-100 | exact match and chrF on unseen numbers |
 #
 # ## Exercises
 #
 # 1. French counts in twenties: 97 is "quatre-vingt-dix-sept" (four-twenty-ten-seven). Train a
 #    French tokenizer on the training numbers and check its round trip. Which pieces does it
-#    learn for the numbers 70-99?
+#    learn for 70, 71, 80 and 97?
 # 2. The loop stops on the validation *loss*, but what we care about is exact match. Why not
 #    stop on exact match, and what would it cost?
 # 3. You want steps over 4 times more tokens without 4 times the memory. (a) Train with
@@ -3158,7 +3147,7 @@ for n in (70, 71, 80, 97):
 #    accuracy is already 100.00 % from epoch 6 on (the training cell's printout). With every
 #    next token right under teacher forcing, greedy decoding writes every number right, so exact
 #    match is at its ceiling and can no longer tell the epochs apart, while the loss still falls
-#    (0.769, 0.769, 0.768 over epochs 6 to 8). The loss is cheap and keeps measuring; exact
+#    (0.7693, 0.7685, 0.7682 over epochs 6 to 8). The loss is cheap and keeps measuring; exact
 #    match is the final test, computed once.
 # 3. (a) Four micro-batches make one optimizer step: about a quarter as many steps per epoch
 #    (23 instead of 90), so `total_steps` shrinks about four times. `warmup=60` is a

@@ -306,3 +306,46 @@ def test_non_tensor_inputs(mha):
         mha([[0.0] * D_MODEL])
     with pytest.raises(TypeError, match="mask must be a torch.Tensor"):
         mha(torch.zeros(1, 2, D_MODEL), mask=[[True, True]])
+
+
+# --- reference.copy_attention_to_torch and torch_attention_like (notebook 03's parity tools) ---
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_torch_attention_like_matches_ours_with_biases_and_padding(bias):
+    from transformer_from_scratch.reference import torch_attention_like
+
+    torch.manual_seed(0)
+    ours = MultiHeadAttention(16, 4, bias=bias).double().eval()
+    if bias:  # non-zero biases, so that a forgotten bias copy shows
+        with torch.no_grad():
+            for proj in (ours.W_q, ours.W_k, ours.W_v, ours.W_o):
+                proj.bias.normal_(std=0.1)
+    theirs = torch_attention_like(ours).double().eval()
+    assert theirs.batch_first and (theirs.in_proj_bias is not None) == bias
+    x, kv = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(2, 7, 16, dtype=torch.float64)
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[1, 4:] = False  # the second sequence has 4 real keys
+    ours_out = ours(x, kv, mask=keep[:, None, None, :])
+    theirs_out, _ = theirs(x, kv, kv, key_padding_mask=~keep)  # PyTorch: True = ignore
+    torch.testing.assert_close(ours_out, theirs_out)
+
+
+def test_copy_attention_to_torch_copies_every_projection():
+    from transformer_from_scratch.reference import copy_attention_to_torch
+
+    torch.manual_seed(1)
+    ours = MultiHeadAttention(8, 2)
+    theirs = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    copy_attention_to_torch(ours, theirs)
+    W_q, W_k, W_v = theirs.in_proj_weight.detach().chunk(3)
+    assert torch.equal(W_q, ours.W_q.weight) and torch.equal(W_k, ours.W_k.weight)
+    assert torch.equal(W_v, ours.W_v.weight)
+    assert torch.equal(theirs.out_proj.weight, ours.W_o.weight)
+
+
+def test_copy_attention_to_torch_refuses_other_sizes():
+    from transformer_from_scratch.reference import copy_attention_to_torch
+
+    with pytest.raises(RuntimeError):
+        copy_attention_to_torch(MultiHeadAttention(8, 2), torch.nn.MultiheadAttention(16, 2))

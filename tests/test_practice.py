@@ -288,6 +288,28 @@ def test_a_step_that_the_grad_scaler_skips_leaves_the_weights_and_logs_an_inf_ro
     assert taken == [False, True]
 
 
+def test_resume_restores_the_grad_scaler(tmp_path):
+    """float16's loss scale is part of last.pt: a resumed run goes on with the scale it had
+    backed off to, not the initial one. (The loop takes float16 only on a GPU, so the trainer
+    is built directly here, with the CPU's GradScaler.)"""
+    from transformer_from_scratch.practice import _make_trainer
+    from transformer_from_scratch.practice import _resume
+    from transformer_from_scratch.practice import _training_state
+
+    train, _ = loaders(make_items(8))
+    config = TrainConfig(amp_dtype="float16")
+    trainer, _ = _make_trainer(tiny_model(), train, config)
+    assert trainer.scaler.is_enabled()
+    trainer.scaler.scale(torch.ones(()))  # the scale is made on first use
+    trainer.scaler.update(new_scale=2.0**7)  # as after overflows backed it off
+    state = _training_state(trainer, EarlyStopping(3), 0, config, None)
+    save_training_state(tmp_path / "last.pt", state)
+    fresh, _ = _make_trainer(tiny_model(seed=5), train, config)
+    assert fresh.scaler.get_scale() != 2.0**7
+    _resume(fresh, EarlyStopping(3), load_training_state(tmp_path / "last.pt"), config, None)
+    assert fresh.scaler.get_scale() == 2.0**7
+
+
 def test_train_config_validates():
     with pytest.raises(ValueError):
         TrainConfig(epochs=0)

@@ -127,9 +127,12 @@ def test_collate_pads_to_the_longest_and_shifts_the_target(tokenizers):
         collate_translations([])
 
 
-def test_sampler_respects_the_budget_covers_everything_and_is_reproducible():
+@pytest.mark.parametrize("bucket", [True, False])
+def test_sampler_respects_the_budget_covers_everything_and_is_reproducible(bucket):
+    # Unsorted (bucket=False), a pair can be shorter than the batch's longest so far: the budget
+    # must count the running longest, not the newest pair's length.
     lengths = [(i * 7919) % 23 + 3 for i in range(500)]
-    sampler = TokenBatchSampler(lengths, max_tokens=128, seed=1)
+    sampler = TokenBatchSampler(lengths, max_tokens=128, bucket=bucket, seed=1)
     batches = list(sampler)
     assert sorted(i for b in batches for i in b) == list(range(500))
     assert all(len(b) * max(lengths[i] for i in b) <= 128 for b in batches)
