@@ -322,9 +322,11 @@ def tiled_attention_forward(
 # %% [markdown]
 # ### The backward pass, recomputed
 #
-# Autograd through the loop above would keep every tile for the backward pass, all $T\times T$ of
-# them again. Instead, a custom `torch.autograd.Function` saves only $Q, K, V, O$ and $L$, and its
-# backward rebuilds each tile. With $dO$ the gradient of the output, for every tile:
+# Autograd through a loop like the one above (written without in-place operations, which autograd
+# cannot differentiate through; "Without the custom backward" below measures it) would keep every
+# tile for the backward pass, all $T\times T$ of them again. Instead, a custom
+# `torch.autograd.Function` saves only $Q, K, V, O$ and $L$, and its backward rebuilds each tile.
+# With $dO$ the gradient of the output, for every tile:
 #
 # $$P = e^{S - L},\quad dV \mathrel{+}= P^\top dO,\quad dP = dO\,V^\top,\quad
 # dS = P \odot (dP - D),\quad dQ \mathrel{+}= \tfrac{1}{\sqrt{d_k}}\, dS\,K,\quad
@@ -529,18 +531,19 @@ assert slope_tiled_fwd < 1.2 and slope_tiled_train < 1.2
 assert all(t < n / 8 for t, n in zip(tiled_train_mem[2:], naive_train_mem[2:], strict=True))
 
 # %% jupyter={"source_hidden": true}
+all_lengths = [*lengths, T_long]  # the forward passes were measured at T = 8192 too
 fig, ax = plt.subplots(figsize=(6.4, 4), layout="constrained")
-ax.loglog(lengths, [b / MiB for b in naive_fwd_mem], "o-", color=COLORS["accent"],
+ax.loglog(all_lengths, [b / MiB for b in [*naive_fwd_mem, naive_long]], "o-", color=COLORS["accent"],
           label="naive, forward")
 ax.loglog(lengths, [b / MiB for b in naive_train_mem], "s--", color=COLORS["accent"],
           label="naive, forward + backward")
-ax.loglog(lengths, [b / MiB for b in tiled_fwd_mem], "o-", color=COLORS["ours"],
+ax.loglog(all_lengths, [b / MiB for b in [*tiled_fwd_mem, tiled_long]], "o-", color=COLORS["ours"],
           label="tiled, forward")
 ax.loglog(lengths, [b / MiB for b in tiled_train_mem], "s--", color=COLORS["ours"],
           label="tiled (recomputing backward), forward + backward")
-ax.loglog(lengths, [T * T * 4 / MiB for T in lengths], ":", color="gray",
+ax.loglog(all_lengths, [T * T * 4 / MiB for T in all_lengths], ":", color="gray",
           label="one T × T float32 matrix")
-ax.set_xticks(lengths, [str(T) for T in lengths])
+ax.set_xticks(all_lengths, [str(T) for T in all_lengths])
 ax.minorticks_off()
 ax.set_xlabel("sequence length T (tokens)")
 ax.set_ylabel("peak memory (MiB)")
@@ -677,7 +680,9 @@ print(f"{device.type}, {kernel_dtype}: " + ", ".join(
 # holds everywhere:
 
 # %%
-assert runs_here["math"]  # the reference implementation runs everywhere
+# The math backend runs everywhere, so this checks the probe: one that failed for a reason of its
+# own (a shape error is a RuntimeError too, and it catches those) would report no backend at all.
+assert runs_here["math"]
 
 
 # %% [markdown]
@@ -712,7 +717,9 @@ for name, ok in probe_runs.items():
     print(f"{name:>12}: " + ", ".join(f"{b} {'runs' if r else 'refuses'}" for b, r in ok.items()))
 
 # %%
-assert all(ok["math"] for ok in probe_runs.values())  # the fallback takes every argument
+# Every probe's arguments are valid (the fallback takes them all): a "refuses" above is the flash
+# backend's refusal, not a broken probe.
+assert all(ok["math"] for ok in probe_runs.values())
 
 # %% [markdown]
 # On the CPU that stored these outputs the flash kernel took both masks, bfloat16 and
@@ -767,12 +774,12 @@ assert kernel_mem["F.scaled_dot_product_attention"] < kernel_mem["naive (noteboo
 #
 # | piece | from scratch | fast path | why |
 # |---|---|---|---|
-# | projections | three matmuls, $W_q$, $W_k$, $W_v$ (each already holds all heads) | one, with the three concatenated into a $(3d, d)$ matrix (cross-attention: $W_k, W_v$ into $(2d, d)$); the heads are views of its output | one large matmul is faster than three small ones |
+# | projections | three matmuls, $W_q$, $W_k$, $W_v$ (each already holds all heads) | one, with the three concatenated into a $(3d, d)$ matrix (cross-attention: $W_k, W_v$ into $(2d, d)$); the heads are views of its output | one call instead of three, the same FLOPs (at this model's size not measurably faster: timed below) |
 # | attention | notebook 02's formula, $T \times T$ weights in memory | `F.scaled_dot_product_attention`; `is_causal=True` for the causal mask, so its kernel skips the tiles above the diagonal | a fused kernel (section 4) |
-# | a row with no allowed key | zeros (notebook 05's policy) | the row opened to every key, its output then zeroed | PyTorch's CPU kernels give zeros (since torch 2.5); GPU kernels need not: some have given NaN, and cuDNN's (an H200, torch 2.11, float16) finite non-zero values |
+# | a row with no allowed key | zeros (notebook 05's policy) | the row opened to every key, its output then zeroed | PyTorch's CPU kernels give zeros (since torch 2.5); GPU kernels need not (appendix A) |
 # | attention in training with dropout, on a CPU | as above | notebook 02's arithmetic, with the dropout below | the CPU flash kernel refuses dropout (section 4's probe), and the math backend would draw with `bernoulli_` |
 # | layer norm | five operations | `F.layer_norm` | one kernel |
-# | dropout on the attention weights, on a CPU | `F.dropout`: a mask from `bernoulli_` | `fast_dropout`: keep where $u \ge p$, $u \sim U[0, 1)$ | the same distribution, cheaper draws (timed below); the weights are the model's largest dropout: $16 \cdot 4 \cdot 128^2$ numbers a layer for 16 sequences of 128 tokens and 4 heads, against $16 \cdot 128 \cdot 128$ for a sub-layer's output |
+# | dropout on the attention weights, on a CPU | `F.dropout`: a mask from `bernoulli_` | `fast_dropout`: keep where $u \ge p$, $u \sim U[0, 1)$ | the same distribution, cheaper draws (timed below, with a margin that moves from run to run); the weights are the model's largest dropout: $16 \cdot 4 \cdot 128^2$ numbers a layer for 16 sequences of 128 tokens and 4 heads, against $16 \cdot 128 \cdot 128$ for a sub-layer's output |
 #
 # Our boolean masks already mean what PyTorch's do (True: may attend), so they pass through,
 # except the causal mask: `fused_attention_mask` recognises it (one $T \times T$ lower-triangular
@@ -974,14 +981,9 @@ def use_fast_path(model: nn.Module, enabled: bool = True) -> nn.Module:
 # and a source padding mask with a fully padded sequence (compared in eval mode, where dropout is
 # off: with dropout on, the two paths draw different random masks). On a CPU the fully padded
 # sequence does not test the fast path's own handling of rows with no allowed key (open the row,
-# zero its output): PyTorch's CPU kernels return zeros for such a row by themselves, so the
-# check passes with that handling removed. So did it on an H200 GPU (torch 2.11), where this
-# float32 model's attention runs in the memory-efficient kernel, which returns zeros too. The
-# kernel there that needs the handling is cuDNN's: for a float16 row with no allowed key it
-# returned finite, non-zero values (neither zeros nor NaN); it takes no float32, so it never
-# runs here. This check therefore shows that the fast path computes the same model, and shows
-# its handling of empty rows at work only on a machine whose kernel gets such rows wrong; the
-# cell after it supplies such a kernel.
+# zero its output): PyTorch's CPU kernels return zeros for such a row by themselves, so the check
+# passes with that handling removed. It shows that the fast path computes the same model; the
+# cell after it supplies a kernel that gets empty rows wrong, as some GPU kernels do (appendix A).
 
 # %%
 set_seed(0)
@@ -1022,7 +1024,10 @@ print(f"logits and all {len(grads_fast)} gradients equal (to float32 rounding)")
 # values we did not look into). With it in place, the fast path as written must still equal the
 # from-scratch model, and the fast path without its handling (`_open_empty_rows` replaced by one
 # that opens nothing, so that nothing is zeroed either) must not. The test suite runs the fast
-# path against this stand-in and against one that returns NaN (`tests/test_efficient.py`).
+# path against this stand-in and against one that returns NaN (`tests/test_efficient.py`). (Both
+# replacements reach the model: `F.scaled_dot_product_attention` is replaced in the module `F`,
+# through which `fused_attention` calls it; `_open_empty_rows` among the notebook's names, where
+# the notebook's `fused_attention` looks it up. The package's copy would not see the second.)
 
 # %%
 def finite_kernel(Q, K, V, attn_mask=None, dropout_p=0.0, is_causal=False):
@@ -1185,7 +1190,8 @@ def sums_the_kept_weights(out):
 
 # %% tags=["nbval-ignore-output"]
 for name, fraction in drop_fraction.items():
-    print(f"{name}: dropped {fraction:.4f} of the weights (p = {p_drop}, "
+    dropped_what = "outputs" if name == "dropout on the output" else "weights"
+    print(f"{name}: dropped {fraction:.4f} of the {dropped_what} (p = {p_drop}, "
           f"standard deviation {drop_sd:.4f})")
 row_sums = dropped_by["fast path (fused_attention)"][..., T_d]  # (2, 4, T_d): one per row
 print(f"fast path, last outputs: {row_sums.unique().numel()} different values, from "
@@ -1205,8 +1211,10 @@ print("dropout on the weights (both attentions): each row's last output is the s
 # %% [markdown]
 # The path that training on a CPU takes with dropout on is the other branch of
 # `fused_attention`, the arithmetic of notebook 02 with the faster dropout. **Check** it against
-# notebook 02's function with a dropout probability too small to drop anything ($10^{-12}$), so
-# that the two must agree, for a padding, a causal, a combined and a float mask:
+# notebook 02's function with a dropout probability that almost surely drops nothing ($10^{-12}$:
+# only a uniform of exactly 0 falls below it, which `torch.rand` draws with a probability of
+# $2^{-24}$ per number), so that the two must agree, for a padding, a causal, a combined and a
+# float mask:
 
 # %%
 Q_c, K_c, V_c = (torch.randn(2, 4, 9, 16, generator=gen).to(device) for _ in range(3))
@@ -1245,57 +1253,144 @@ print("weights on request and cached decoding: handed over to the from-scratch c
 # %% [markdown]
 # The fast path's own decoding: greedy decoding *without* the cache runs the whole prefix
 # through the fast decoder at every step, with a causal mask that grows by one position each
-# time (which `fused_attention_mask` turns into `is_causal=True`). It must produce the tokens of
-# the from-scratch model, with or without its cache. A counter on `fast_forward` in the first
-# decoder layer's self-attention proves that the fast path is what ran, once per generated
-# token, and records what `fused_attention_mask` makes of each mask it receives: every call must
-# take the causal kernel, no mask tensor:
+# time, which `fast_forward` must hand the kernel as `is_causal=True`, with no mask tensor. It
+# must produce the tokens of the from-scratch model, with or without its cache. The cell below
+# records the arguments of every call that the first decoder layer's self-attention makes to
+# `fused_attention`. Tokens alone cannot show the causal kernel at work: a `fast_forward` that
+# handed on the mask tensor instead (here: `fused_attention_mask` replaced by one that keeps
+# every mask) computes the same attention and decodes the same tokens; only the recorded
+# arguments tell the two apart. (The replacements reach `fast_forward` because it was defined
+# in this notebook and looks both names up among the notebook's; the package's copy would not
+# see them. The stand-in kernel above is reached differently: `fused_attention` calls it through
+# the module `F`.)
 
 # %%
-causal_flags = []  # one (no mask tensor?, is_causal) per call
 fast_self_attn = fast_model.decoder.layers[0].self_attn
+real_fused_attention, real_fused_attention_mask = fused_attention, fused_attention_mask
 
 
-def counted_fast_forward(x_q, x_kv, mask):  # records what fast_forward hands the kernel
-    attn_mask, is_causal = fused_attention_mask(mask, x_q.size(1), x_q.size(1))
-    causal_flags.append((attn_mask is None, is_causal))
-    return type(fast_self_attn).fast_forward(fast_self_attn, x_q, x_kv, mask)
+def decode_recording(mask_reader):
+    """Fast-path greedy decoding (no cache) with mask_reader in place of fused_attention_mask:
+    the tokens, and (no mask tensor?, is_causal) of each call that the first decoder layer's
+    self-attention makes to fused_attention."""
+    global fused_attention, fused_attention_mask
+    received, inside = [], []
+
+    def recording_fused_attention(Q, K, V, attn_mask, is_causal, dropout_p=0.0):
+        if inside:  # called from the first decoder layer's self-attention
+            received.append((attn_mask is None, is_causal))
+        return real_fused_attention(Q, K, V, attn_mask, is_causal, dropout_p)
+
+    def marked_fast_forward(x_q, x_kv, mask):
+        inside.append(True)
+        try:
+            return type(fast_self_attn).fast_forward(fast_self_attn, x_q, x_kv, mask)
+        finally:
+            inside.pop()
+
+    fused_attention, fused_attention_mask = recording_fused_attention, mask_reader
+    fast_self_attn.fast_forward = marked_fast_forward  # an instance attribute: only this layer
+    try:
+        tokens = greedy_decode(fast_model, src, max_new_tokens=12, src_mask=src_mask).tokens
+    finally:
+        fused_attention, fused_attention_mask = real_fused_attention, real_fused_attention_mask
+        del fast_self_attn.fast_forward
+    return tokens, received
 
 
-fast_self_attn.fast_forward = counted_fast_forward  # an instance attribute: only this layer
-try:
-    decoded_fast = greedy_decode(fast_model, src, max_new_tokens=12, src_mask=src_mask).tokens
-finally:
-    del fast_self_attn.fast_forward
 decoded_scratch = greedy_decode(scratch_model, src, max_new_tokens=12, src_mask=src_mask).tokens
-assert len(causal_flags) == decoded_fast.shape[1] - 1 > 0  # one call per generated token
-assert all(no_mask and is_causal for no_mask, is_causal in causal_flags), causal_flags
+decoded_fast, received = decode_recording(real_fused_attention_mask)
+assert len(received) == decoded_fast.shape[1] - 1 > 0  # one call per generated token
+assert all(no_tensor and is_causal for no_tensor, is_causal in received), received
 assert torch.equal(decoded_fast, decoded_scratch) and torch.equal(decoded_fast, decoded_cached)
-print(f"fast-path greedy decoding: {decoded_fast.shape[1] - 1} tokens per sequence, "
-      f"{len(causal_flags)} fast self-attention calls in layer 0, the same tokens as the from-scratch model")
+decoded_kept, received_kept = decode_recording(lambda mask, T_q, T_k: (mask, False))  # broken
+assert torch.equal(decoded_kept, decoded_scratch)  # the same tokens: they cannot tell
+assert not any(is_causal for _, is_causal in received_kept)  # the arguments can
+print(f"fast-path greedy decoding: {decoded_fast.shape[1] - 1} tokens per sequence, the same as "
+      f"the from-scratch model's; layer 0's self-attention: {len(received)} calls, "
+      f"{sum(a and c for a, c in received)} of them with is_causal=True and no mask tensor")
+print(f"with every mask handed on as a tensor: the same tokens, "
+      f"{sum(c for _, c in received_kept)} of {len(received_kept)} calls with is_causal=True")
 
 # %% [markdown]
 # ### How much faster?
 #
-# The faster dropout first, on attention weights of 16 sequences × 4 heads × 128 × 128:
+# Piece by piece first. The faster dropout draws other random numbers than `F.dropout`, so its
+# rate and scale are checked before it is timed, on the CPU (where `fast_dropout` is ours; on a
+# GPU it hands over to `F.dropout`), on attention weights of 16 sequences × 4 heads × 128 × 128:
 
 # %%
-weights = torch.rand(16, 4, 128, 128, generator=gen).to(device)
+weights_cpu = torch.rand(16, 4, 128, 128, generator=gen)  # on the CPU: there fast_dropout is ours
 torch.manual_seed(0)  # fast_dropout draws from the global generator, as F.dropout does
-dropped = fast_dropout(weights, 0.1)
+dropped = fast_dropout(weights_cpu, 0.1)
 kept = dropped != 0
 print(f"kept {kept.float().mean().item():.2f} of the weights (expected 0.9), "
-      f"survivors scaled by {(dropped[kept] / weights[kept]).mean().item():.4f} (1 / 0.9 = 1.1111)")
+      f"survivors scaled by {(dropped[kept] / weights_cpu[kept]).mean().item():.4f} (1 / 0.9 = 1.1111)")
 assert abs(kept.float().mean().item() - 0.9) < 0.002
-assert_close(dropped[kept], weights[kept] / 0.9)
-assert torch.equal(fast_dropout(weights, 0.1, training=False), weights)
+assert_close(dropped[kept], weights_cpu[kept] / 0.9)
+assert torch.equal(fast_dropout(weights_cpu, 0.1, training=False), weights_cpu)
+
+# %% [markdown]
+# Then each piece of the fast path against the from-scratch code it replaces, forward only, on
+# 8 sequences of 128 tokens ($d = 128$, 4 heads), one thread, in turns (five rounds of three
+# calls, the median of all fifteen): the projections (three matmuls, or one with the weights
+# concatenated in the call, as `fast_forward` does), causal attention (notebook 02's, or
+# `fused_attention`), layer norm (five operations, or `F.layer_norm`) and dropout on the
+# attention weights:
 
 # %% tags=["nbval-ignore-output"]
-t_bernoulli = time_call(lambda: F.dropout(weights, 0.1), warmup=1, repeats=5)
-t_uniform = time_call(lambda: fast_dropout(weights, 0.1), warmup=1, repeats=5)
-print(f"F.dropout {1e3 * t_bernoulli:.1f} ms, ours {1e3 * t_uniform:.1f} ms "
-      f"({t_bernoulli / t_uniform:.1f}x) for {weights.numel():,} weights on {device.type}, "
-      f"torch threads: {torch.get_num_threads()}")
+x_piece = torch.randn(8, 128, 128, generator=gen).to(device)  # (B, T, d)
+W_piece = (fast_self_attn.W_q, fast_self_attn.W_k, fast_self_attn.W_v)  # (d, d) each
+Q_p, K_p, V_p = (torch.randn(8, 4, 128, 32, generator=gen).to(device) for _ in range(3))
+causal_p = causal_mask(128, device=device)  # (1, 1, T, T)
+norm_scratch, norm_fast = LayerNorm(128).to(device), LayerNorm(128, fast=True).to(device)
+weights = weights_cpu[:8].to(device)  # (B, h, T, T)
+pieces = {  # name: (from scratch, fast path)
+    "projections Q, K, V": (
+        lambda: torch.cat([F.linear(x_piece, w.weight, w.bias) for w in W_piece], dim=-1),
+        lambda: F.linear(x_piece, torch.cat([w.weight for w in W_piece]),
+                         torch.cat([w.bias for w in W_piece]))),  # (B, T, 3d) both
+    "causal attention": (lambda: scaled_dot_product_attention(Q_p, K_p, V_p, mask=causal_p)[0],
+                         lambda: fused_attention(Q_p, K_p, V_p, None, True)),  # (B, h, T, d_k)
+    "layer norm": (lambda: norm_scratch(x_piece), lambda: norm_fast(x_piece)),
+    "dropout on the weights": (lambda: F.dropout(weights, 0.1), lambda: fast_dropout(weights, 0.1)),
+}
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+try:
+    with torch.no_grad():
+        for scratch_fn, fast_fn in pieces.values():  # warm-up
+            scratch_fn(), fast_fn()
+        piece_turns = [{name: ([time_call(a, warmup=0, repeats=1) for _ in range(3)],
+                               [time_call(b, warmup=0, repeats=1) for _ in range(3)])
+                        for name, (a, b) in pieces.items()} for _ in range(5)]  # fmt: skip
+finally:
+    torch.set_num_threads(threads)
+piece_time = {name: [sorted(t for turn in piece_turns for t in turn[name][k])[7] for k in (0, 1)]
+              for name in pieces}  # medians of 15 calls: (from scratch, fast path)
+for name, (t_scratch, t_fast) in piece_time.items():
+    print(f"{name:>22}: from scratch {1e3 * t_scratch:6.2f} ms, fast path {1e3 * t_fast:6.2f} ms "
+          f"({t_fast / t_scratch:.2f} of the time)")
+
+# %% [markdown]
+# The check: the same work on both sides (all but dropout compute the same numbers), and, on
+# x86-64 CPUs where we measured it, the fused attention and `F.layer_norm` faster than the code
+# they replace; in our runs they took from about a twentieth to 0.6 of its time, so the bound
+# holds with a margin. The other two pieces are not asserted faster: the faster dropout took
+# from about a tenth to all of `F.dropout`'s time in our runs on a busy machine, and the packed
+# projections, the same FLOPs in one call instead of three, moved to either side of 1.
+
+# %%
+with torch.no_grad():
+    for name, (scratch_fn, fast_fn) in pieces.items():
+        if name != "dropout on the weights":
+            assert_close(fast_fn(), scratch_fn(), atol=1e-5, rtol=1e-5, msg=name)
+# The bounds on rates of time in this notebook were measured on x86-64 CPUs only (AVX2 and
+# AVX-512); an Arm CPU's matrix library (on a Mac, Apple's) or a GPU may move them.
+X86_CPU = device.type == "cpu" and platform.machine().lower() in {"x86_64", "amd64"}
+if X86_CPU:
+    for name in ("causal attention", "layer norm"):
+        assert piece_time[name][1] < piece_time[name][0], (name, piece_time[name])
 
 
 # %% [markdown]
@@ -1393,7 +1488,8 @@ for out in eval_out[1:]:
     torch.testing.assert_close(out, eval_out[0], atol=1e-4, rtol=1e-4)
 
 # %%
-steps = {name: make_train_step(m, *train_batch) for name, m in
+# Steps of copies: the three models stay as the cell above checked them, equal, if it is re-run.
+steps = {name: make_train_step(copy.deepcopy(m), *train_batch) for name, m in
          (("from scratch", bench_scratch), ("fast path", bench_fast), ("nn.Transformer", bench_torch))}
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
@@ -1413,37 +1509,37 @@ for name, seconds in step_time.items():
           f"{seconds / step_time['nn.Transformer']:.2f} of nn.Transformer")
 
 # %% [markdown]
-# The ratios above are one run on this course's shared 2-core machine, and they move from run to
-# run, so the notebook makes no claim about their order; `make bench` measures them properly
-# (section 8, which also gathers in one table every number of this notebook that moves from run
-# to run, beside the range we saw). The three are timed in turns (medians of five rounds), so that a burst of other
-# work on the machine slows all three rather than one. A notebook cannot assert a time; it
-# asserts a generous bound on the ratio, and a finite loss from each step:
+# The ratios above are one run on this course's shared 2-core machine and move from run to run,
+# so the notebook makes no claim about their order (appendix E lists the range we saw of every
+# such number); `make bench` (section 8) measures them properly. The three are timed in turns
+# (medians of five rounds), so that a burst of other work slows all three rather than one. A
+# notebook cannot assert a time; it asserts a generous bound on the ratio, and a finite loss
+# from each step:
 
 # %%
 assert step_time["fast path"] < 1.5 * step_time["nn.Transformer"]
 assert all(math.isfinite(step()) for step in steps.values())
 
 # %% [markdown]
-# Why are the three so close? The largest part of each step is the matmuls (half or more of the
-# operators' own time, in the profile below; a smaller share of the wall-clock time, section 6):
-# projections, feed-forward and their gradients, the same arithmetic (the same
-# FLOPs) in all three models, so whatever one model saves elsewhere is a fraction of a step.
-# Which of them is ahead, and by how much, moves from run to run on a shared machine (`make
-# bench`, section 8, is the measurement that counts). Against `nn.Transformer` as PyTorch ships it, with its extra
-# dropout, the fast path would look better still, by about a tenth of a step in `make bench`
-# (`train_step_ratio_fast_vs_shipped`), but that tenth is work we skip, not speed we gained.
+# Why are the three so close, when the pieces are faster? At this shape, nine positions, what the
+# fast path replaces is a small part of a step: attention's two matmuls are 1.4 % of its FLOPs
+# (section 6). The largest part is the matmuls of the projections, the feed-forward and their
+# gradients (over half of the operators' own time, in the profile below), the same arithmetic in
+# all three models, so whatever one model saves elsewhere is a fraction of a step. Against
+# `nn.Transformer` as PyTorch ships it, with its extra dropout, the fast path looks better by
+# about a tenth of a step (`train_step_ratio_fast_vs_shipped`, section 8), but that tenth is work
+# we skip, not speed we gained.
 #
 # ### Where a step's time goes
 #
-# The course's goal for the fast path is a step at most 0.85 of `nn.Transformer`'s. At equal
-# work `make bench` measured 0.79 to 0.94 over its four shapes and thread counts on one of our
-# 2-core machines and 0.87 to 1.02 on another (section 8): the goal is met in one row of eight.
-# A profile says why, and what would close the gap.
-# `torch.profiler` records every operator a step calls with its *self* time (the time in the
-# operator itself, not in those it calls); we sum it over five steps of each model, one thread,
-# and group the operators: the matmuls (`mm`, `addmm`, `bmm` and their batched forms), the
-# random numbers of dropout (`uniform_`, `bernoulli_`), copies (`copy_`, `cat`), and the rest.
+# The course's goal for the fast path is a step at most 0.85 of `nn.Transformer`'s. Two runs of
+# `make bench` on two of our 2-core machines (quoted in section 8) measured 0.79 to 1.02 at equal
+# work over four shapes and thread counts: the goal was met in one row of eight. A profile says
+# why, and what would close the gap. `torch.profiler` records every operator a step calls with
+# its *self* time (the time in the operator itself, not in those it calls); we sum it over five
+# steps of each model, one thread, and group the operators: the matmuls (`mm`, `addmm`, `bmm`
+# and their batched forms), the random numbers of dropout (`uniform_`, `bernoulli_`), copies
+# (`copy_`, `cat`), and the rest.
 
 # %%
 #| export measure
@@ -1536,11 +1632,8 @@ for name, ops in profiles.items():
 
 # %%
 # The profile records CPU time: on a GPU that is the kernels' launch, not their run, and there
-# the fast path's dropout is F.dropout's (no uniform_), so these checks are for a CPU only. The
-# bounds on shares and rates of time, here and in section 6, were measured on x86-64 CPUs only
-# (AVX2 and AVX-512); an Arm CPU's matrix library (on a Mac, Apple's, which uses its matrix
-# units) may move them, so they are asserted on x86-64 only.
-X86_CPU = device.type == "cpu" and platform.machine().lower() in {"x86_64", "amd64"}
+# the fast path's dropout is F.dropout's (no uniform_), so these checks are for a CPU only; the
+# bounds on shares of time, as those on the pieces' times, for an x86-64 CPU (X86_CPU, above).
 if device.type == "cpu":
     for name, grouped in by_group.items():  # the matmuls are a large share of the step in both
         assert not X86_CPU or grouped["matmul"] > 0.3 * sum(grouped.values()), (name, grouped)
@@ -1552,99 +1645,26 @@ if device.type == "cpu":
 
 
 # %% [markdown]
-# The row of dropout's random numbers asks for a closer look, since both models draw with
-# `bernoulli_` for the same sub-layer outputs. A profile of one more step that records the shapes
-# of the operators' inputs counts the calls and the numbers each model draws, and the profile
-# above gives their time, per million numbers:
-
-# %% tags=["nbval-ignore-output"]
-def random_numbers_drawn(model):
-    """{operator: (calls, numbers drawn)} of dropout's random-number operators in one training
-    step of a copy of model, from a profile that records the shapes of their inputs."""
-    step = make_train_step(copy.deepcopy(model), *train_batch)
-    step()  # warm-up
-    with stderr_silenced(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        step()
-    drawn = {}
-    for event in prof.key_averages(group_by_input_shape=True):
-        if event.key in GROUPS["dropout's random numbers"]:
-            calls, numbers = drawn.get(event.key, (0, 0))
-            drawn[event.key] = (calls + event.count,
-                                numbers + event.count * math.prod(event.input_shapes[0]))
-    return drawn
-
-
-drawn_by = {name: random_numbers_drawn(m) for name, m in
-            (("fast path", bench_fast), ("nn.Transformer", bench_torch))}  # fmt: skip
-per_million = {}
-for name, drawn in drawn_by.items():
-    for op, (calls, numbers) in sorted(drawn.items()):
-        per_million[name, op] = profiles[name].get(op, 0.0) / (numbers / 1e6)
-        print(f"{name:>14}, {op[6:]:>10}: {calls:2d} calls, {numbers:9,} numbers a step, "
-              f"{profiles[name].get(op, 0.0):5.1f} ms = "
-              f"{per_million[name, op]:5.1f} ms per million")
-bernoulli_ratio = (per_million["fast path", "aten::bernoulli_"]
-                   / per_million["nn.Transformer", "aten::bernoulli_"])
-print(f"bernoulli_, ms per million numbers, fast path / nn.Transformer: {bernoulli_ratio:.2f}")
-
-# %%
-if device.type == "cpu":  # on a GPU both models drop with F.dropout's fused kernel
-    numbers_of = {(name, op): numbers for name, drawn in drawn_by.items()
-                  for op, (_, numbers) in drawn.items()}
-    # the same dropout, split differently: nn.Transformer draws with bernoulli_ what the fast
-    # path draws with bernoulli_ (the sub-layer outputs) and with uniform_ (the attention weights)
-    assert numbers_of["nn.Transformer", "aten::bernoulli_"] == (
-        numbers_of["fast path", "aten::bernoulli_"] + numbers_of["fast path", "aten::uniform_"])
-
-# %% [markdown]
 # **What the profile shows.** The two models do the same matmul work (the same weights applied to
-# the same tokens: the same FLOPs), and in both the matmuls are half of the operators' own time or
-# more (the shares are printed above). Whether the same work takes the same time is another
-# question the profile answers differently from run to run: the ratio of the two models' matmul
-# times (printed above) came out between about 0.76 and 1.02 in our runs of this cell. So the
-# profile does not show that either model's matmuls are faster, and the check asserts only that
-# the two agree within a factor 1.5, and a share of the step above 0.3 (on x86-64 CPUs, where we
-# measured it), not that the matmuls are the largest group. The fast path's matmuls alone are a
-# fraction of `nn.Transformer`'s whole step well below 0.85 (printed as "its matmuls alone would
-# be"), so the goal is reachable in principle if the fast path sheds from the rest of its step
-# what the next line says, once in the profile's units (the operators' own time) and once in the
-# timed step's wall-clock time. The two numbers differ (why, below); the second is the target,
-# since `make bench` measures wall-clock time.
+# the same tokens: the same FLOPs), and in both the matmuls take a large share of the operators'
+# own time (printed above). Whether the same work takes the same time the profile answers
+# differently from run to run (the ratio "matmuls alone" came out between about 0.76 and 1.02 in
+# our runs), so the check asserts only that the two agree within a factor 1.5, and a share of the
+# step above 0.3. The fast path's matmuls alone are a fraction of `nn.Transformer`'s whole step
+# well below 0.85 ("its matmuls alone would be"), so the goal is reachable in principle if the
+# fast path sheds from the rest of its step what the next line says, once in the profile's units
+# (the operators' own time) and once in the timed step's wall-clock time, the target, since `make
+# bench` measures wall-clock time (why the two differ: appendix C). Outside the matmuls:
 #
-# **Outside the matmuls**, row by row:
-#
-# - *dropout's random numbers*: the fast path draws uniforms for the attention weights
-#   (`uniform_`, which only its profile has: checked above), but at this shape, nine
-#   positions, the weights are the small part of the model's dropout
-#   ($64 \cdot 4 \cdot 9^2$ numbers per attention layer against $64 \cdot 9 \cdot 128$ per
-#   sub-layer output), and the sub-layer outputs go through the blocks' own `nn.Dropout`
-#   modules, `bernoulli_` as in `nn.Transformer` (it is among the largest operators of both).
-#   So the fast path's `bernoulli_` draws a subset of what `nn.Transformer`'s draws, the same
-#   twelve tensors of the same shapes, and the rest with `uniform_` (the counts above, checked).
-#   Its row cannot be larger for any reason but noise, yet it can come out larger: the same
-#   operator, on the same twelve tensors (`nn.Transformer`'s also on the six smaller
-#   attention-weight tensors, $64 \times 4 \times 9 \times 9$ and the like), cost the fast path
-#   from about 0.6 to 2 times as much per number as `nn.Transformer` in our runs (the ratio
-#   printed above). The six smaller tensors do not explain it: timed alone, one thread,
-#   `bernoulli_` cost the same per number on every one of these shapes (12 ms per million, within
-#   7 %, in one of our runs). This row is the least
-#   steady of the profile: a reading of it, either way, needs this ratio beside it;
-# - *copies*, which both models make: the fast path's packed projections concatenate
-#   $W^Q, W^K, W^V$ anew in every call and split their gradient in the backward (its `cat`),
-#   where `nn.MultiheadAttention` *stores* one packed `in_proj_weight` but transposes its
-#   batch-first inputs to $(T, B, d)$ inside and its output back (its `copy_`);
+# - *dropout's random numbers*: the fast path draws the attention weights' mask with `uniform_`
+#   (only its profile has that operator: checked above) and the sub-layer outputs' with
+#   `bernoulli_`, as `nn.Transformer` does for both. At nine positions the weights are the small
+#   part of the dropout; appendix B counts the numbers each model draws;
+# - *copies*: the fast path concatenates $W^Q, W^K, W^V$ anew in every call and splits their
+#   gradient in the backward (its `cat`), where `nn.MultiheadAttention` *stores* one packed
+#   `in_proj_weight` but transposes its batch-first inputs to $(T, B, d)$ inside and its output
+#   back (its `copy_`);
 # - *everything else*: element-wise work, layer norm, softmax, the optimizer.
-#
-# **Profile and timing measure different things.** A profile is a picture of where the time
-# goes, not a step time, and its ratio of the two steps (`fast / torch`, printed above) need
-# not be the timed one (the timing cell before). The timing is the wall-clock time of whole
-# steps, the median of five turns. The profile sums only the operators' own time, each
-# operator's the smallest of three interleaved rounds (so the sum can mix rounds), and leaves
-# out what happens between operators, Python and the dispatcher: the line "the fast path's
-# step" above puts its profiled step beside its timed one. The profiler also adds a cost
-# of its own to every operator call, and on a busy machine the two measurements saw different
-# loads. `make bench`, like the timing cell, uses whole steps' wall-clock time (medians of
-# interleaved runs).
 #
 # **What could close the gap** (proposals, not measured here): a stored packed weight (no
 # concatenation, and Adam over one tensor instead of three), the faster mask on the sub-layer
@@ -1659,63 +1679,91 @@ if device.type == "cpu":  # on a GPU both models drop with F.dropout's fused ker
 # %% [markdown]
 # ### `torch.compile`
 #
-# `torch.compile` traces the model into a graph (TorchDynamo) and generates fused kernels for
-# it (Triton on a GPU, C++ on a CPU). Where the tracer meets Python it cannot put into a graph,
-# it *breaks* the graph: the model then runs as several graphs with Python between them, and no
-# kernel is fused across a break. Under compilation the fast path skips its data-dependent
-# tests (the checks of the inputs, the causal-mask detection, the check for rows with no allowed
-# key) and keeps the plain, always correct arithmetic, so that nothing should break the graph.
-# `torch._dynamo.explain` traces without compiling (seconds, not minutes) and counts the graphs
-# and the breaks. The fast model on the batch of the timing above, in evaluation and in training
-# mode, and, to show that the count can fail, the same model called twice with a break put in
-# by hand between the calls:
+# `torch.compile` traces the model into a graph (TorchDynamo) and hands the graph to a *backend*,
+# by default Inductor, which generates fused kernels for it (Triton on a GPU, C++ on a CPU). Where
+# the tracer meets Python it cannot put into a graph, it *breaks* the graph: the model then runs
+# as several graphs with Python between them, and no kernel is fused across a break. Under
+# compilation the fast path skips its data-dependent tests (the checks of the inputs, the
+# causal-mask detection, the check for rows with no allowed key) and takes the plain arithmetic
+# that is right for every mask: a second version of its code, which needs a check of its own.
+#
+# Compiling with Inductor takes long on this course's 2-core CPU (this model's forward and
+# backward: over a minute of CPU time in one of our runs, as long as the rest of the notebook), so
+# the cell below compiles with a backend of our own, which counts the graphs TorchDynamo hands
+# it and runs each with PyTorch's ordinary kernels: seconds. That checks what is ours, the traced
+# code of the fast path, not Inductor's generated kernels (PyTorch tests those). The compiled fast
+# model, in evaluation mode on the batch of the first check of this section (a fully padded
+# source, a causal target mask), must give the from-scratch model's logits and gradients. Then the
+# graphs are counted, in evaluation and in training mode, and, to show that the count can fail,
+# for the model called twice with a break put in by hand between the calls:
 
 # %% tags=["nbval-ignore-output"]
-explain_model = use_fast_path(copy.deepcopy(bench_scratch))
-explain_src, explain_tgt, _ = train_batch
-explain_mask = causal_mask(explain_tgt.size(1), device=device)
+def compiled_graphs(fn, *args, **kwargs):
+    """fn compiled with a backend that records each graph and runs it as it is, called once:
+    (its result, the graphs)."""
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward  # PyTorch's own kernels: no code generated
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=recording_backend)(*args, **kwargs), graphs
+
+
+compiled_fast = use_fast_path(copy.deepcopy(scratch_model)).eval()
+for mdl in (scratch_model.eval(), compiled_fast):
+    mdl.zero_grad(set_to_none=True)
+reference_logits = scratch_model(src, tgt, src_mask, tgt_mask)  # (B, T, V)
+reference_logits.square().mean().backward()
+compiled_logits, graphs_eval = compiled_graphs(compiled_fast, src, tgt, src_mask, tgt_mask)
+compiled_logits.square().mean().backward()  # through the compiled graphs
+compiled_grads = dict(compiled_fast.named_parameters())
+grad_gap = max((compiled_grads[name].grad - p.grad).abs().max().item()
+               for name, p in scratch_model.named_parameters())
+
+count_model = use_fast_path(copy.deepcopy(bench_scratch))
+count_src, count_tgt, _ = train_batch
+count_mask = causal_mask(count_tgt.size(1), device=device)
 
 
 def with_a_break(src_ids, tgt_in, tgt_mask):
     """The model twice, with a graph break between the two calls."""
-    first = explain_model(src_ids, tgt_in, tgt_mask=tgt_mask)
+    first = count_model(src_ids, tgt_in, tgt_mask=tgt_mask)
     torch._dynamo.graph_break()
-    return first + explain_model(src_ids, tgt_in, tgt_mask=tgt_mask)
+    return first + count_model(src_ids, tgt_in, tgt_mask=tgt_mask)
 
 
-explained = {}
-for name, fn, training in (("evaluation", explain_model, False), ("training", explain_model, True),
-                           ("with a break put in", with_a_break, False)):
-    explain_model.train(training)
-    torch._dynamo.reset()
-    explained[name] = torch._dynamo.explain(fn)(explain_src, explain_tgt, tgt_mask=explain_mask)
-    print(f"{name:>20}: {explained[name].graph_count} graph(s), "
-          f"{explained[name].graph_break_count} break(s), torch {torch.__version__}")
+graph_counts = {"evaluation": len(graphs_eval)}
+for name, fn, training in (("training", count_model, True), ("with a break put in", with_a_break, False)):
+    count_model.train(training)
+    graph_counts[name] = len(compiled_graphs(fn, count_src, count_tgt, tgt_mask=count_mask)[1])
 torch._dynamo.reset()
+print(f"compiled fast model, evaluation: logits within "
+      f"{(compiled_logits - reference_logits).abs().max().item():.1e} of the from-scratch model's, "
+      f"gradients within {grad_gap:.1e}")
+print("graphs: " + ", ".join(f"{name} {n}" for name, n in graph_counts.items())
+      + f"; torch {torch.__version__}")
 
 # %%
-# One graph with torch 2.13 (this notebook's stored run, CPU) and 2.11 (an H200 GPU), the oldest
-# release we saw give one; 2.5.1, the course's oldest, gives 6. 2.6 to 2.10 and 2.12 not tried.
+assert_close(compiled_logits, reference_logits, atol=1e-5, rtol=1e-5)
+for name, p in scratch_model.named_parameters():
+    assert_close(compiled_grads[name].grad, p.grad, atol=1e-5, rtol=1e-4)
+# One graph from torch 2.11 on, the oldest release we saw give one; 2.5.1 gives 6 (appendix D).
 ONE_GRAPH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
-for name in ("evaluation", "training"):  # the whole model is one graph: nothing breaks it
-    if ONE_GRAPH:
-        assert explained[name].graph_count == 1 and explained[name].graph_break_count == 0, name
-assert explained["with a break put in"].graph_break_count >= 1  # and the count does see a break
+if ONE_GRAPH:  # the whole model is one graph in both modes: nothing breaks it
+    assert graph_counts["evaluation"] == graph_counts["training"] == 1, graph_counts
+assert graph_counts["with a break put in"] >= 2  # and the count does see a break
 
 # %% [markdown]
-# One graph and no break, in both modes: the whole step's forward pass is open to fusion. That
-# depends on the release. We saw one graph with torch 2.13 (this stored run, on a CPU) and with
-# 2.11 (on an H200 GPU), and 6 graphs for this 2-layer model with 2.5.1, the oldest release the
-# course supports; releases 2.6 to 2.10 and 2.12 we did not try, nor 2.11 on a CPU. So the assert
-# above runs from 2.11 on, the oldest release measured to give one graph, and is skipped before
-# it. What
-# that buys in time this notebook does not measure on the CPU: compiling the training step takes
-# minutes on this course's 2-core CPU, longer than the rest of the notebook, and a timing taken
-# on a shared machine would not be worth quoting. What compilation can change is the profile's
-# rows outside the matmuls (element-wise work, copies), which it fuses; the matmuls, about half
-# of the step, it hands to the same matrix library as before. On a GPU, where launching many
-# small kernels costs, fusing them is what compilation is good at. The cell below times it there
-# only:
+# The traced fast path computes the same model, and with this release (printed) the forward pass
+# is one graph in both modes, open to fusion whole; older releases break it (appendix D says
+# which we tried). What fusion buys in time this notebook does not measure on the CPU, where
+# compiling with Inductor takes that long, and a timing on a shared machine would not be worth
+# quoting. What it can change is the profile's rows outside
+# the matmuls (element-wise work, copies), which it fuses; the matmuls, about half of the step, it
+# hands to the same matrix library as before. On a GPU, where launching many small kernels costs,
+# fusing them is what compilation is good at; the cell below times it there only:
 
 # %% tags=["nbval-ignore-output"]
 RUN_COMPILE = device.type == "cuda"
@@ -1839,11 +1887,9 @@ assert not flops_agree(counted, mistaken_linear, flops_attention)
 # which the check below shows the way that can fail: both optimizers get the *same* gradients
 # for five steps (random, their scales spread over six decades, so that the moments, the bias
 # correction and $\epsilon$ all matter), and must end with the same weights to float rounding.
-# (Comparing two training runs instead would not do: after one step the two models differ in
-# the last bits, their next gradients too, and Adam divides by $\sqrt{v}$, which for a weight
-# whose gradient is nearly zero turns a rounding difference into a step of size $\mathrm{lr}$.
-# In our runs, five training steps of each, from the same weights and with the same dropout
-# masks, ended as much as $3 \cdot 10^{-5}$ apart, where the check below sees rounding only.)
+# (Two training runs would not do: after one step the two models differ in the last bits, and
+# Adam's division by $\sqrt{v}$ can turn that into a step of size $\mathrm{lr}$ for a weight
+# whose gradient is nearly zero.)
 
 # %% tags=["nbval-ignore-output"]
 adam_models = {fused: copy.deepcopy(bench_fast) for fused in (False, True)}
@@ -1922,10 +1968,10 @@ assert matmul_rate is None or not X86_CPU or 0.3 < matmul_rate < 2.5
 # %% [markdown]
 # Both steps do the same update; which is faster, and by how much, moves from run to run on a
 # shared machine: the printed ratio ranged from about 0.65 to 1.3 in our runs on this course's
-# 2-core CPUs, so the notebook asserts only that the fused step is not twice as slow. `make bench` reports the fused step's MFU as
-# `mfu_measured_peak`, with the matmul timed in turns with the step (section 8's table: 0.53
-# and 0.44 on two of our machines, against a goal of 0.55); this cell times the matmul and the
-# steps one after the other, so its MFU moves more from run to run.
+# 2-core CPUs, so the notebook asserts only that the fused step is not twice as slow. `make bench`
+# reports the fused step's MFU as `mfu_measured_peak`, with the matmul timed in turns with the step
+# (0.53 and 0.44 in the two runs quoted in section 8, against a goal of 0.55); this cell times the
+# matmul and the steps one after the other, so its MFU moves more from run to run.
 #
 # Where does the rest go? The line "the step's matmuls alone" divides the FLOPs that
 # `FlopCounterMode` counted (all of them matmul FLOPs) by the matmuls' own time in section 5's
@@ -1933,8 +1979,9 @@ assert matmul_rate is None or not X86_CPU or 0.3 < matmul_rate < 2.5
 # out between about two thirds (on a busy machine) and 1.4. The ratio is rough: the profile and this
 # cell are different runs, the profile keeps each operator's least disturbed round of three, and the
 # peak is one matmul timed at whatever moment, so it comes out above 1 when that moment was busier.
-# What it does show: small as they are (512 rows of width 128), the step's matmuls run at most of
-# the speed of the 1024 × 1024 one that defines the peak. So most of the gap between the MFU and 1
+# What it does show: small as they are (512 or 576 rows of width 128: the encoder's 64 × 8 tokens,
+# the decoder's 64 × 9), the step's matmuls run at a large fraction of the speed of the
+# 1024 × 1024 one that defines the peak, or faster. So most of the gap between the MFU and 1
 # is not slow matmuls but everything else: element-wise work on activations of a megabyte or so
 # (dropout masks; the feed-forward's ReLU and its gradient; layer norm; softmax), copies, the
 # optimizer and Python. Their time counts in the step, their arithmetic is not counted in the model
@@ -2011,39 +2058,40 @@ A100_BALANCE = 312e12 / 2.0e12  # data sheet: bf16 tensor cores, HBM2e (A100 80 
 naive_bf16, tiled_bf16, flops_2048 = attention_bytes(2048, bytes_per_number=2)
 intensity_bf16 = (flops_2048 / naive_bf16, flops_2048 / tiled_bf16)  # 2-byte numbers
 I_axis = torch.logspace(-1, 3, 200)
-fig, ax = plt.subplots(figsize=(6.4, 5.4), layout="constrained")
-ax.loglog(I_axis, torch.clamp(I_axis / balance, max=1.0), color="black", linewidth=2,
-          label=f"roof: this machine, float32, one thread (balance {balance:.0f} FLOP/byte, measured)")
-ax.loglog(I_axis, torch.clamp(I_axis / A100_BALANCE, max=1.0), color="gray", linewidth=2,
-          label=f"roof: A100, bf16 (balance {A100_BALANCE:.0f} FLOP/byte, data sheet)")
-# the colours of the memory figure: naive red, tiled blue; float32 dashed, bfloat16 dotted
-for name, color, I_f32, I_bf16 in (("naive", COLORS["accent"], intensity[2048][0], intensity_bf16[0]),
-                                   ("tiled", COLORS["ours"], intensity[2048][1], intensity_bf16[1])):
-    ax.axvline(I_f32, color=color, linestyle="--",
-               label=f"{name} attention, float32 (this machine's roof): {I_f32:.0f} FLOP/byte")
-    ax.axvline(I_bf16, color=color, linestyle=":",
-               label=f"{name} attention, bf16 (the A100's roof): {I_bf16:.0f} FLOP/byte")
-ax.set_xlabel("arithmetic intensity (FLOP per byte of memory traffic)")
-ax.set_ylabel("attainable fraction of each machine's own peak")
-ax.set_ylim(1e-3, 2)
-ax.set_title("Roofline: attention at T = 2048, $d$ = 64, against two machines")
-fig.legend(fontsize=7, loc="outside lower center")
+fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True, layout="constrained")
+panels = (  # (axis, machine, balance, how it was found, number format, (naive, tiled) intensities)
+    (axes[0], "this machine, float32, one thread", balance, "measured", "float32", intensity[2048]),
+    (axes[1], "A100, bfloat16", A100_BALANCE, "data sheet", "bfloat16", intensity_bf16),
+)
+for ax, machine, ridge, source, number, (I_naive, I_tiled) in panels:
+    ax.loglog(I_axis, torch.clamp(I_axis / ridge, max=1.0), color="black", linewidth=2,
+              label=f"roof (balance {ridge:.0f} FLOP/byte, {source})")
+    for name, color, I_att in (("naive", COLORS["accent"], I_naive), ("tiled", COLORS["ours"], I_tiled)):
+        ax.axvline(I_att, color=color, linestyle="--", linewidth=1)
+        ax.plot([I_att], [min(1.0, I_att / ridge)], "o", color=color, markersize=8,
+                label=f"{name} attention, {number}: {I_att:.0f} FLOP/byte")
+    ax.set_title(machine)
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of memory traffic)")
+    ax.set_ylim(1e-3, 2)
+    ax.legend(fontsize=8, loc="lower right")
+axes[0].set_ylabel("attainable fraction of the machine's own peak")
+fig.suptitle("Roofline: one head of attention at T = 2048, $d$ = 64, on two machines")
 save_figure(fig, "14_roofline")
 plt.show()
 
 # %% [markdown]
-# Each attention is drawn twice, at its float32 intensity (dashed, to be read against this machine's
-# float32 roof) and at its bfloat16 one (dotted, twice as high: 2-byte numbers, to be read against
-# the A100's bf16 roof). Each roof is a fraction of its own machine's peak, so the figure compares
-# where each machine's ridge lies, not how fast the two machines are (the A100's bf16 peak is
-# thousands of times this CPU thread's). On this CPU with one thread the balance is low (printed
-# above, and on an x86-64 CPU checked to lie below the naive attention's intensity): both dashed lines meet the flat
-# part of the black roof, so by the roofline neither attention's matmuls need wait for memory. On a
-# GPU the balance is in the hundreds (156 FLOP/byte for the A100): there the naive attention in
-# bfloat16 (intensity about $d/2 = 32$) is memory-bound at about a fifth of the peak, where its
-# dotted red line meets the gray roof, while the tiled one, with our 256-row tiles, lies right of
-# the ridge. **Tiling raises the arithmetic intensity from $d/4$ to $b_q/2$ (float32): that, not
-# fewer FLOPs, is where a fused attention kernel's speed comes from on a GPU.**
+# Each panel is one machine with the number format it would run attention in: this CPU in float32,
+# the A100 in bfloat16 (2-byte numbers, so each intensity is twice the float32 one). Each roof is a
+# fraction of its own machine's peak, so the panels compare where each machine's ridge lies, not
+# how fast the two machines are (the A100's bf16 peak is thousands of times this CPU thread's). On
+# this CPU with one thread the balance is low (printed above, and on an x86-64 CPU checked to lie
+# below the naive attention's intensity): both dots sit on the flat part of the roof, so by the
+# roofline neither attention's matmuls need wait for memory. On a GPU the balance is in the
+# hundreds (156 FLOP/byte for the A100): there the naive attention (intensity about $d/2 = 32$ in
+# bfloat16) is memory-bound at about a fifth of the peak, where its red dot sits on the sloped part
+# of the roof, while the tiled one, with our 256-row tiles, lies right of the ridge. **Tiling
+# raises the arithmetic intensity from $d/4$ to $b_q/2$ (float32): that, not fewer FLOPs, is where
+# a fused attention kernel's speed comes from on a GPU.**
 #
 # A roofline is an upper bound, and it counts bytes, nothing else. Where the naive attention's
 # time goes on this CPU, a profile says: section 4's call ($T = 2048$, four heads), one thread,
@@ -2071,8 +2119,8 @@ qk_flops = 2 * 4 * 2048 * 2048 * 64
 print(f"naive attention: {naive_total:.0f} ms of operators' own time, {naive_matmul_share:.2f} of it "
       f"in matmuls; the largest operators:", ", ".join(f"{op[6:]} {ms:.0f}" for ms, op in naive_top[:3]))
 print(f"Q K^T into a new tensor {1e3 * qk_new:.0f} ms ({qk_flops / qk_new / 1e9:.1f} GFLOP/s), into a "
-      f"reused one {1e3 * qk_reused:.0f} ms ({qk_flops / qk_reused / 1e9:.1f} GFLOP/s); "
-      f"the matmul peak {peak_flops / 1e9:.1f} GFLOP/s")
+      f"reused one {1e3 * qk_reused:.0f} ms ({qk_flops / qk_reused / 1e9:.1f} GFLOP/s, "
+      f"{qk_new / qk_reused:.1f} times as fast); the matmul peak {peak_flops / 1e9:.1f} GFLOP/s")
 
 # %%
 if X86_CPU:  # the profile records CPU time (on a GPU, the kernels' launch); measured on x86-64
@@ -2081,8 +2129,8 @@ if X86_CPU:  # the profile records CPU time (on a GPU, the kernels' launch); mea
 # %% [markdown]
 # So on this CPU the roofline's bound is not what limits the naive attention. A large part of its
 # time is in its two matmuls (the share printed above: from a third to about a half in our runs),
-# and they are slow: $QK^\top$ into a new tensor ran far below the matmul peak, and about two to
-# four times faster into a reused one in our runs (both printed above). The likely cause is the
+# and they are slow: $QK^\top$ into a new tensor ran far below the matmul peak, and faster into a
+# reused one, by the factor printed above (from 1.9 to about 4 in our runs). The likely cause is the
 # first write into new memory: a 64 MiB tensor is fresh pages from the operating system, each of
 # which costs a page fault when it is first written, a cost that the copy measurement above (on
 # buffers written before) does not see and that a count of bytes leaves out. The rest is the
@@ -2145,8 +2193,9 @@ amp_name = str(amp_dtype).removeprefix("torch.")
 # How much does a 16-bit forward pass change the model's output? An untrained model is no test:
 # its logits are small and nearly flat, and a comparison of its losses would pass even for
 # logits that were all zero. So first 100 steps of training on the reversal task (in float32),
-# enough for the model to reverse most sequences of 8 symbols, then its logits with and without
-# autocast on held-out sequences:
+# enough for the model to reverse most sequences of 8 symbols (printed below: the share of
+# held-out sequences it gets right at every position given the right prefix, which is what greedy
+# decoding would then reproduce), then its logits with and without autocast on held-out sequences:
 
 # %%
 set_seed(0)
@@ -2172,12 +2221,15 @@ def held_out_logits(autocast):
 logits_fp32, logits_amp = held_out_logits(False), held_out_logits(True)
 logit_error = (logits_amp.float() - logits_fp32).abs()  # (B, T, V)
 logit_scale = logits_fp32.std().item()
-amp_accuracy = (logits_fp32.argmax(-1) == held_out[2]).float().mean().item()
+amp_right = logits_fp32.argmax(-1) == held_out[2]  # (B, T): each position, teacher-forced
+amp_accuracy = amp_right.float().mean().item()
+amp_sequences = amp_right.all(dim=-1).float().mean().item()  # every position of the sequence right
 amp_agree = (logits_amp.argmax(-1) == logits_fp32.argmax(-1)).float().mean().item()
 
 # %% tags=["nbval-ignore-output"]
-print(f"held-out accuracy {amp_accuracy:.3f}; logits: standard deviation {logit_scale:.2f}, "
-      f"largest {logits_fp32.abs().max().item():.2f}")
+print(f"held out: {amp_accuracy:.3f} of the positions predicted right (teacher-forced), "
+      f"{amp_sequences:.3f} of the sequences right at every position; logits: standard "
+      f"deviation {logit_scale:.2f}, largest {logits_fp32.abs().max().item():.2f}")
 print(f"{amp_name} autocast against float32: largest error {logit_error.max().item():.4f}, "
       f"root mean square {logit_error.square().mean().sqrt().item():.4f} "
       f"({logit_error.square().mean().sqrt().item() / logit_scale:.4f} of the logits' spread); "
@@ -2255,25 +2307,25 @@ print(f"forward+backward: float32 {1e3 * amp_time[False]:.0f} ms, {amp_mem[False
 assert amp_mem[True] < amp_mem[False]  # 16-bit activations: less memory on any machine
 
 # %% [markdown]
-# Read the two ratios above as this machine's, not as a law. The memory is less, but not half: the
-# activations autocast keeps for the backward are 16-bit, while the float32 weights, their
-# gradients, the logits cast back for the loss and the float32 residual stream are not. (Which ops
-# autocast holds in float32 depends on the device: on a CUDA GPU softmax and layer norm among them;
-# on the CPU only the losses and a list of delicate ops, so a softmax of bfloat16 scores runs in
-# bfloat16 there. The course's norms still see float32 because the residual stream stays float32: a
-# float32 tensor plus a bfloat16 sublayer output is float32.) The time depends on whether the
-# hardware has fast 16-bit matmuls. A CPU with bfloat16 instructions (on Linux, `avx512_bf16` or
-# `amx_bf16` among an x86 CPU's flags in `/proc/cpuinfo`, `bf16` among an Arm CPU's features; the
-# line before the ratio printed above says whether this CPU has them, or that it cannot tell) runs
-# them fast enough to pay back much of the cost of casting each matmul's inputs first: on such a CPU
-# (ours: x86-64, with `avx512_bf16`) autocast took about as long as float32, within a factor of
-# about 1.5 either way, in our runs, varying from run to run (this toy model's matmuls are small, so
-# the casts weigh); no speed-up is to be expected from it here. A CPU without them computes in
-# bfloat16 by converting back and forth, and autocast can then be up to an order of magnitude
-# *slower* than float32: 11 times, on one of our machines without them. We did not time an Arm CPU.
-# Mixed precision on a CPU is a memory saving first, and a speed-up only on the right hardware. On a
+# **Memory: less, not half.** Autocast keeps 16-bit activations for the backward (the ratio
+# printed above), while the float32 weights, their gradients, the logits cast back for the loss
+# and the residual stream stay float32. (Which ops autocast holds in float32 depends on the
+# device: on a CUDA GPU softmax and layer norm among them; on the CPU only the losses and a list
+# of delicate ops. The course's norms still see float32 because the residual stream stays
+# float32: a float32 tensor plus a bfloat16 sublayer output is float32.)
+#
+# **Time: it depends on the hardware.** Read the time ratio above as this machine's, not as a
+# law. A CPU with bfloat16 instructions (on Linux, `avx512_bf16` or `amx_bf16` among an x86 CPU's
+# flags in `/proc/cpuinfo`, `bf16` among an Arm CPU's features; the line above says whether this
+# one has them) runs 16-bit matmuls fast enough to pay back much of the cost of casting their
+# inputs: on ours (x86-64, with `avx512_bf16`) autocast took about as long as float32, within a
+# factor of about 1.5 either way from run to run, since this toy model's matmuls are small and
+# the casts weigh. A CPU without them converts back and forth, and autocast can then be up to an
+# order of magnitude *slower*: 11 times, on one of our machines. We did not time an Arm CPU. On a
 # GPU with tensor cores (float16 on a T4, bfloat16 or float16 on an A100) a model large enough to
-# fill the GPU typically runs about 2× faster or more; this toy model is too small to show it.
+# fill it typically runs about 2× faster or more; this toy model is too small to show it.
+# **Mixed precision on a CPU is a memory saving first, and a speed-up only on the right
+# hardware.**
 #
 # **16-bit inputs, float32 accumulators.** Our `tiled_attention_forward` keeps its running
 # $m$, $\ell$ and $a$ (and the tile's scores) in float32 when $Q$, $K$, $V$ are bfloat16 or float16,
@@ -2399,8 +2451,9 @@ assert ckpt_time["checkpointed"] < 3 * ckpt_time["plain"]
 # | `device`, `torch`, `threads`, `cpu` | what it ran on (`cpu`: model name, AVX2 / AVX-512 / AMX flags, clock) | |
 # | `targets` | each target, its value, and whether it was met | |
 #
-# Measured with torch 2.13.0 on two of this course's 2-core AMD EPYC machines (the rows are 1
-# thread 64×8, 16×128; 2 threads 64×8, 16×128):
+# Two runs of `make bench`, quoted here (their `bench.json` is not in the repository: run
+# `make bench` for your machine's), with torch 2.13.0 on two of this course's 2-core AMD EPYC
+# machines (the four numbers of a row are 1 thread 64×8, 16×128; 2 threads 64×8, 16×128):
 #
 # | | one with AVX-512 (shared with other work) | one with AVX2 only (quiet) |
 # |---|---|---|
@@ -2411,36 +2464,14 @@ assert ckpt_time["checkpointed"] < 3 * ckpt_time["plain"]
 # So the 0.85 goal is missed in seven rows of eight (the profile in section 5 says where the
 # time goes): the matmuls, the same in both models, are about half of a step, and the fast path
 # sheds less than the rest would have to. The shipped comparison looks better by the work it
-# skips. The measured peak is the honest denominator for "how much of what this machine's matmul
-# can do", the theoretical one for "how much of the silicon"; the two machines rank differently
-# on each. That ranking rests on an assumption of the benchmark: it takes the AVX-512 machine's
-# theoretical peak to be twice as wide as the AVX2 one's (16 float32 lanes instead of 8, and two
-# FMA units for both). An AMD EPYC with AVX-512 is a Zen 4 or a Zen 5, and Zen 4 runs each
-# 512-bit FMA on 256-bit units, at the float32 width per cycle of AVX2: on a Zen 4 the assumed
-# peak is twice the real one at the same clock, and the MFU against it half the MFU against the
-# real one (the benchmark's `cpu_info` warns of this in its `assumption`, stored in `bench.json`).
+# skips. The measured peak is the denominator for "how much of what this machine's matmul can
+# do", the theoretical one for "how much of the silicon"; the two machines rank differently on
+# each, but the theoretical peak rests on an assumption about the CPU (appendix F).
 #
 # `benchmarks/model.py` holds the code (outside the package: a benchmark is not a library
 # function); `python benchmarks/model.py --help` lists its options. The targets are the course's
 # goals for this 2-core CPU, not asserts: the script prints each ratio beside its target and
 # marks a miss, so that a slower or faster machine, where the ratios move, never fails a test.
-#
-# **What moves from run to run.** The notebook's own timings and profiles are single runs on a
-# shared machine; the prose beside them quotes the range we saw over several runs on this
-# course's 2-core x86-64 CPUs. In one place, each such ratio, where it is printed, that range,
-# and what the notebook asserts about it (a bound that holds far outside the range, or nothing):
-#
-# | ratio | printed in | range in our runs | asserted |
-# |---|---|---|---|
-# | fast path / `nn.Transformer`, one timed step | section 5, "How much faster?" | `make bench`: 0.79 to 1.02 (the table above) | below 1.5 |
-# | their matmuls' own times, fast path / `nn.Transformer` | section 5's profile ("matmuls alone") | 0.76 to 1.02 | within a factor 1.5 |
-# | `bernoulli_`'s time per number, fast path / `nn.Transformer` | section 5, after the profile | 0.6 to 2 | nothing |
-# | fused Adam / plain Adam, one step | section 6, MFU | 0.65 to 1.3 | below 2 |
-# | the step's matmuls' rate / the measured matmul peak | section 6, MFU ("the step's matmuls alone") | about 2/3 to 1.4 | 0.3 to 2.5 (x86-64) |
-# | the naive attention's matmuls / all its operators' time | section 6, after the roofline | about 1/3 to 1/2 | 0.15 to 0.85 (x86-64) |
-# | $QK^\top$ into a reused tensor / into a new one, speed | section 6, after the roofline | about 2 to 4 | nothing |
-# | bfloat16 autocast / float32, time of a forward and backward | section 7 | 2/3 to 1.5 with bfloat16 instructions; 11 on one machine without | nothing (its memory: below float32's) |
-# | checkpointed / plain, time of a forward and backward | section 7 | either side of the arithmetic's 4/3 | below 3 |
 #
 # ## Recap
 #
@@ -2563,6 +2594,137 @@ assert 3.9 < wide_ratio < 4.0
 cache_numbers = 2 * 6 * 8 * 512 * (400 + 100)
 print(f"{cache_numbers:,} numbers: {cache_numbers * 4 / 1e6:.1f} MB in float32, "
       f"{cache_numbers * 2 / 1e6:.1f} MB in bfloat16")
+
+
+# %% [markdown]
+# ## Appendix · Measurement notes
+#
+# What a reader re-measuring this notebook may want, and a learner can skip: what we saw on other
+# machines and releases, a closer look at one row of section 5's profile, the range of every
+# number that moves from run to run, and two details of section 6.
+#
+# **A · Rows with no allowed key on GPU kernels.** PyTorch's CPU kernels return zeros for such a
+# row (since torch 2.5); GPU kernels need not: some have given NaN, and on an H200 GPU (torch
+# 2.11) cuDNN's kernel returned finite, non-zero values (neither zeros nor NaN) for a float16 row
+# with no allowed key. Section 5's check of the whole model passed on that H200 with the fast
+# path's handling of such rows removed too: its float32 attention runs there in the
+# memory-efficient kernel, which returns zeros, and cuDNN's takes no float32. Hence the stand-in
+# kernel of section 5, and the unit tests against it and against one that returns NaN.
+#
+# **B · Dropout's random numbers, counted.** Both models draw with `bernoulli_` for the same
+# sub-layer outputs. A profile of one more step that records the shapes of the operators' inputs
+# counts the calls and the numbers each model draws; section 5's profile gives their time, per
+# million numbers; and `bernoulli_` is timed alone, one thread, on each shape that
+# `nn.Transformer` draws:
+
+# %% tags=["nbval-ignore-output"]
+def random_numbers_drawn(model):
+    """{operator: (calls, numbers drawn, {input shapes})} of dropout's random-number operators in
+    one training step of a copy of model, from a profile that records the shapes of their inputs."""
+    step = make_train_step(copy.deepcopy(model), *train_batch)
+    step()  # warm-up
+    with stderr_silenced(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        step()
+    drawn = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key in GROUPS["dropout's random numbers"]:
+            calls, numbers, shapes = drawn.get(event.key, (0, 0, set()))
+            shape = tuple(event.input_shapes[0])
+            drawn[event.key] = (calls + event.count, numbers + event.count * math.prod(shape),
+                                shapes | {shape})
+    return drawn
+
+
+drawn_by = {name: random_numbers_drawn(m) for name, m in
+            (("fast path", bench_fast), ("nn.Transformer", bench_torch))}  # fmt: skip
+per_million = {}
+for name, drawn in drawn_by.items():
+    for op, (calls, numbers, _) in sorted(drawn.items()):
+        per_million[name, op] = profiles[name].get(op, 0.0) / (numbers / 1e6)
+        print(f"{name:>14}, {op[6:]:>10}: {calls:2d} calls, {numbers:9,} numbers a step, "
+              f"{profiles[name].get(op, 0.0):5.1f} ms = "
+              f"{per_million[name, op]:5.1f} ms per million")
+bernoulli_ratio = (per_million["fast path", "aten::bernoulli_"]
+                   / per_million["nn.Transformer", "aten::bernoulli_"])
+print(f"bernoulli_, ms per million numbers, fast path / nn.Transformer: {bernoulli_ratio:.2f}")
+torch.set_num_threads(1)
+try:
+    alone = {}
+    for shape in sorted(drawn_by["nn.Transformer"]["aten::bernoulli_"][2]):
+        target = torch.empty(shape, device=device)
+        seconds = time_call(lambda t=target: t.bernoulli_(0.9), warmup=2, repeats=20)
+        alone[shape] = 1e3 * seconds / (math.prod(shape) / 1e6)  # ms per million numbers
+finally:
+    torch.set_num_threads(threads)
+print("bernoulli_ alone, one thread, ms per million numbers: "
+      + ", ".join(f"{'×'.join(map(str, shape))} {ms:.1f}" for shape, ms in alone.items()))
+
+# %%
+if device.type == "cpu":  # on a GPU both models drop with F.dropout's fused kernel
+    numbers_of = {(name, op): numbers for name, drawn in drawn_by.items()
+                  for op, (_, numbers, _) in drawn.items()}
+    # the same dropout, split differently: nn.Transformer draws with bernoulli_ what the fast
+    # path draws with bernoulli_ (the sub-layer outputs) and with uniform_ (the attention weights)
+    assert numbers_of["nn.Transformer", "aten::bernoulli_"] == (
+        numbers_of["fast path", "aten::bernoulli_"] + numbers_of["fast path", "aten::uniform_"])
+
+# %% [markdown]
+# At nine positions the attention weights are the small part of the model's dropout
+# ($64 \cdot 4 \cdot 9^2$ numbers per attention layer against $64 \cdot 9 \cdot 128$ per sub-layer
+# output). The fast path's `bernoulli_` draws a subset of what `nn.Transformer`'s draws, the same
+# twelve tensors of the same shapes, and the rest with `uniform_` (the counts above, checked). Its
+# row cannot be larger for any reason but noise, yet it can come out larger: the same operator on
+# the same twelve tensors cost the fast path from about 0.6 to 2.4 times as much per number as
+# `nn.Transformer` in our runs (the ratio printed above). The six smaller attention-weight tensors
+# that only `nn.Transformer` draws ($64 \times 4 \times 9 \times 9$ and the like) would explain it
+# only if `bernoulli_` cost less per number on them; timed alone (the last line above), it costs
+# about the same on every shape. This row is the least steady of the profile: a reading of it,
+# either way, needs this ratio beside it.
+#
+# **C · Profile and timing measure different things.** A profile is a picture of where the time
+# goes, not a step time, and its ratio of the two steps (`fast / torch` in section 5) need not be
+# the timed one. The timing is the wall-clock time of whole steps, the median of five turns. The
+# profile sums only the operators' own time, each operator's the smallest of three interleaved
+# rounds (so the sum can mix rounds), and leaves out what happens between operators, Python and
+# the dispatcher: the line "the fast path's step" of the profile puts its profiled step beside its
+# timed one. The profiler also adds a cost of its own to every operator call, and on a busy
+# machine the two measurements saw different loads. `make bench`, like the timing cell, uses whole
+# steps' wall-clock time (medians of interleaved runs).
+#
+# **D · Graphs per release.** The fast model traced to one graph, in evaluation and in training
+# mode, with torch 2.13 (this stored run, on a CPU) and with 2.11 (on an H200 GPU), and to 6
+# graphs with 2.5.1, the oldest release the course supports; releases 2.6 to 2.10 and 2.12 we did
+# not try, nor 2.11 on a CPU. So section 5 asserts one graph from 2.11 on, and skips that assert
+# before it.
+#
+# **E · What moves from run to run.** The notebook's own timings and profiles are single runs on a
+# shared machine; the prose beside them quotes the range we saw over several runs on this course's
+# 2-core x86-64 CPUs. Each such ratio, where it is printed, that range, and what the notebook
+# asserts about it (a bound that holds far outside the range, or nothing):
+#
+# | ratio | printed in | range in our runs | asserted |
+# |---|---|---|---|
+# | fused attention, `F.layer_norm` / the from-scratch piece | section 5, "How much faster?" | about 0.05 to 0.6 | below 1 (x86-64) |
+# | `fast_dropout` / `F.dropout`; packed / three projections | section 5, "How much faster?" | about 0.1 to 1; about 0.1 to 2.4 | nothing |
+# | fast path / `nn.Transformer`, one timed step | section 5, "How much faster?" | `make bench`: 0.79 to 1.02 (section 8) | below 1.5 |
+# | their matmuls' own times, fast path / `nn.Transformer` | section 5's profile ("matmuls alone") | 0.76 to 1.02 | within a factor 1.5 |
+# | `bernoulli_`'s time per number, fast path / `nn.Transformer` | B, above | 0.6 to 2.4 | nothing |
+# | fused Adam / plain Adam, one step | section 6, MFU | 0.65 to 1.3 | below 2 |
+# | the step's matmuls' rate / the measured matmul peak | section 6, MFU ("the step's matmuls alone") | about 2/3 to 1.4 | 0.3 to 2.5 (x86-64) |
+# | the naive attention's matmuls / all its operators' time | section 6, after the roofline | about 1/3 to 1/2 | 0.15 to 0.85 (x86-64) |
+# | $QK^\top$ into a reused tensor / into a new one, speed | section 6, after the roofline | 1.9 to about 4 | nothing |
+# | bfloat16 autocast / float32, time of a forward and backward | section 7 | 2/3 to 1.5 with bfloat16 instructions; 11 on one machine without | nothing (its memory: below float32's) |
+# | checkpointed / plain, time of a forward and backward | section 7 | either side of the arithmetic's 4/3 | below 3 |
+#
+# **F · Two details of sections 6 and 8.** *The theoretical peak's assumption.* `make bench`
+# takes the AVX-512 machine's theoretical peak to be twice as wide as the AVX2 one's (16 float32
+# lanes instead of 8, and two FMA units for both). An AMD EPYC with AVX-512 is a Zen 4 or a Zen 5,
+# and Zen 4 runs each 512-bit FMA on 256-bit units, at the float32 width per cycle of AVX2: on a
+# Zen 4 the assumed peak is twice the real one at the same clock, and the MFU against it half the
+# MFU against the real one (the benchmark's `cpu_info` warns of this in its `assumption`, stored
+# in `bench.json`). *Plain and fused Adam, trained instead of fed the same gradients* (section
+# 6): in our runs, five training steps of each, from the same weights and with the same dropout
+# masks, ended as much as $3 \cdot 10^{-5}$ apart, where the check sees rounding only.
 
 # %% [markdown]
 # Next: notebook 15, *Tuning and generalisation*.

@@ -486,6 +486,49 @@ def test_fast_model_equals_scratch_model_outputs_and_gradients():
         assert_close(fast_params[name].grad, p.grad, atol=1e-5, rtol=1e-4)
 
 
+def compiled_with_recording_backend(model):
+    """model under torch.compile with a backend that records TorchDynamo's graphs and runs them
+    with PyTorch's own kernels (no code generated: seconds, not Inductor's minutes)."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend), graphs
+
+
+def test_compiled_fast_model_equals_scratch_and_eager_models():
+    # Under compilation the fast path takes its traced branches (no causal-mask detection, every
+    # mask's empty rows opened and zeroed, the CPU dropout branch without its data-dependent test)
+    scratch = small_model().eval()
+    fast = use_fast_path(copy.deepcopy(scratch)).eval()
+    compiled, graphs = compiled_with_recording_backend(fast)
+    gen = torch.Generator().manual_seed(0)
+    src, tgt = (
+        torch.randint(3, 12, (4, 7), generator=gen),
+        torch.randint(3, 12, (4, 6), generator=gen),
+    )
+    src_mask, tgt_mask = padding_mask([7, 5, 0, 2], 7), causal_mask(6)
+    out_s, out_c = scratch(src, tgt, src_mask, tgt_mask), compiled(src, tgt, src_mask, tgt_mask)
+    assert graphs  # it was traced
+    assert_close(out_c, out_s, atol=1e-5, rtol=1e-5)
+    out_s.square().mean().backward()
+    out_c.square().mean().backward()
+    fast_params = dict(fast.named_parameters())
+    for name, p in scratch.named_parameters():
+        assert_close(fast_params[name].grad, p.grad, atol=1e-5, rtol=1e-4)
+    # training mode, dropout on: the same random draws in the same order as the eager fast path
+    fast.train()
+    torch.manual_seed(5)
+    eager = fast(src, tgt, src_mask, tgt_mask)
+    compiled, graphs = compiled_with_recording_backend(fast)
+    torch.manual_seed(5)
+    assert torch.equal(compiled(src, tgt, src_mask, tgt_mask), eager) and graphs
+    torch._dynamo.reset()
+
+
 def test_fast_model_equals_scratch_model_on_a_length_sorted_batch_with_b_equal_to_s():
     # lengths 1 .. S for B == S sources: the source padding mask holds the causal pattern's
     # elements; the fast encoder must still run padding attention, not causal attention
