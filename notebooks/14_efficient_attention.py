@@ -106,7 +106,7 @@ from transformer_from_scratch.model import TransformerConfig
 # %% [markdown]
 # ## 1 · Where the memory goes
 #
-# Notebook 02 measured that attention's *time* grows as $T^2$. Its memory does too, and memory is
+# Notebook 02 counted that attention's *work* grows as $T^2$. Its memory does too, and memory is
 # what stops long sequences first. The naive attention of notebook 02 builds
 #
 # $$S = \frac{QK^\top}{\sqrt{d_k}} \in \mathbb{R}^{T\times T},\qquad
