@@ -145,7 +145,7 @@ for gain in (0.8, 1.2):
     assert all(abs(r / gain - 1) < 0.1 for r in depth_runs[(gain, True)]), gain
 
 # %% jupyter={"source_hidden": true}
-fig, ax = plt.subplots(figsize=(7, 3.6))
+fig, ax = plt.subplots(figsize=(9.5, 3.6))
 layers = range(1, 33)
 # Colour = normalisation (purple, the course's colour for layer norm; grey: none), style = gain.
 for gain, style in ((0.8, "--"), (1.2, "-")):
@@ -157,7 +157,7 @@ ax.set_yscale("log")
 ax.set_xlabel("layer $l$")
 ax.set_ylabel("RMS of layer $l$'s output (log scale)")
 ax.set_title("Activation scale through a 32-layer ReLU stack")
-ax.legend(fontsize=9)
+ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: covers no line
 ax.grid(alpha=0.3)
 plt.show()
 
@@ -241,9 +241,9 @@ class LayerNorm(nn.Module):
 # The forward pass is the formula, line by line. The statistics keep their reduced axis
 # (`keepdim=True`) so they broadcast back over the $D$ features; $\gamma$ and $\beta$, of shape
 # $(D,)$, broadcast over every leading dimension, so any input shaped $(\ldots, D)$ works.
-# The input checks at the top run only while `checking()` (notebook 00) is true: a block that
-# has checked its input once runs its parts inside `validated()`, which switches them off, so the
-# same tensor is not checked again by every layer it passes.
+# The input checks at the top (notebook 00's `checks` module) can be switched off by a caller
+# that has already checked the same tensor; notebook 08's blocks do that, so you can ignore the
+# switch here.
 # With `fast=True` (notebook 14's fast path) the module computes the same function with PyTorch's
 # one fused kernel, `F.layer_norm`, instead of the five operations: equal to float32 rounding
 # (checked below), not bit for bit.
@@ -323,7 +323,8 @@ for name, (a, b) in parity.items():
 # relative terms: $1.3 \cdot 10^{-6}$ relative, $10^{-5}$ absolute). So do those of the same
 # module with its `fast` switch on (notebook 14), which hands the work to `F.layer_norm`.
 #
-# That tolerance is too loose for one of the three details above. Moving $\epsilon$ outside the
+# *An aside on testing (the rest of the notebook does not depend on it).* That tolerance is too
+# loose for one of the three details above. Moving $\epsilon$ outside the
 # square root, $(x - \mu)/(\sigma + \epsilon)$, multiplies a token's $\hat{x}$ by
 # $\sqrt{\sigma^2 + \epsilon}/(\sigma + \epsilon) \approx 1 - \frac{\epsilon}{\sigma}\bigl(1 - \frac{1}{2\sigma}\bigr)$,
 # a relative change of at most $\epsilon/2 = 5 \cdot 10^{-6}$ (reached at $\sigma = 1$) for
@@ -336,8 +337,8 @@ for name, (a, b) in parity.items():
 # | float32, `assert_close`'s defaults | $1.3 \cdot 10^{-6}$, $10^{-5}$ | up to chance: caught only where a token with $\sigma$ near 1 has an entry with $\lvert\hat{x}_i\rvert$ above about 2.7, so that $5 \cdot 10^{-6}\lvert\hat{x}_i\rvert$ exceeds $10^{-5} + 1.3 \cdot 10^{-6}\lvert\hat{x}_i\rvert$ |
 # | float64, `assert_close`'s defaults | $10^{-7}$, $10^{-7}$ | caught: the relative change reaches $5 \cdot 10^{-6}$, 50 times the relative tolerance |
 #
-# So the comparison is repeated in float64, where two correct implementations agree to about
-# $10^{-15}$; there the misplaced $\epsilon$ fails, shown on a copy of the formula with that
+# So the comparison is repeated in float64, where the two correct implementations agree to
+# within $10^{-12}$ relative to the largest value (asserted in the next cell); there the misplaced $\epsilon$ fails, shown on a copy of the formula with that
 # mistake. The cell also counts, over 200 fresh draws of $x$, how often the float32 defaults
 # would have caught it. (We compare $\hat{x}$, before $\gamma$ and $\beta$: on
 # $y = \gamma\hat{x} + \beta$ the same absolute change is judged relative to $|y|$, which is
@@ -356,6 +357,7 @@ for name, a, b in zip(parity, output_and_grads(fast_norm, x), output_and_grads(o
 x64, ours64, reference64 = x.double(), copy.deepcopy(ours).double(), copy.deepcopy(reference).double()
 for name, a, b in zip(parity, output_and_grads(ours64, x64), output_and_grads(reference64, x64), strict=True):
     assert_close(a, b, msg=f"float64 {name}")
+    assert (a - b).abs().max() <= 1e-12 * b.abs().max(), name  # far inside the float64 tolerance
 
 
 def layer_norm_eps_outside(x, weight, bias, eps=1e-5):
@@ -395,8 +397,8 @@ print(f"float32 at assert_close's defaults: caught in {caught_by_default} of 200
 # `torch.var` divides by $D - 1$ by default (Bessel's correction), so the tempting one-liner
 # `x.var(-1, keepdim=True)` computes a slightly larger variance than layer norm's. The output
 # then shrinks by the factor $\sqrt{(D-1)/D}$ (when $\epsilon$ is negligible): 6.5 % at
-# $D = 8$, only 0.1 % at $D = 512$. Small enough to train fine; large enough that the weights
-# of a model trained with one do not give the same numbers in the other.
+# $D = 8$, only 0.1 % at $D = 512$. Small, but large enough that the weights of a model
+# trained with one do not give the same numbers in the other.
 
 # %%
 def layer_norm_unbiased(x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -693,6 +695,7 @@ running_mean, running_var = torch.zeros(d_feat), torch.ones(d_feat)  # BatchNorm
 for mean_s, var_s in batch_stats:  # the 12 batches, in order
     running_mean = 0.9 * running_mean + 0.1 * mean_s.cpu()
     running_var = 0.9 * running_var + 0.1 * var_s.cpu()
+# These two lines test PyTorch's BatchNorm1d, not course code: a demonstration of its rule.
 assert_close(batch_norm.running_mean.cpu(), running_mean)  # an exponential moving average ...
 assert_close(batch_norm.running_var.cpu(), running_var)  # ... of the unbiased variance too
 print(f"running statistics: momentum {batch_norm.momentum}, weight left on the start values "
@@ -807,7 +810,7 @@ for name, y in (("ours", ours_drop), ("nn.Dropout", torch_drop)):
     assert ((y.mean(dim=0) - x_drop).abs() <= tolerance).all(), name
     assert abs((y == 0).float().mean().item() - p) < 0.003, name
 kept_torch, kept_ours = torch_drop != 0, ours_drop != 0  # (S, D) each
-assert_close(torch_drop[kept_torch], (samples / (1 - p))[kept_torch])
+assert_close(torch_drop[kept_torch], (samples / (1 - p))[kept_torch])  # PyTorch's rule, shown
 survivor = torch_drop.abs().amax(dim=0) * x_drop.sign()  # (D,): nn.Dropout's value per feature
 assert_close(ours_drop[kept_ours], survivor.expand_as(ours_drop)[kept_ours])
 
@@ -818,7 +821,7 @@ assert_close(ours_drop[kept_ours], survivor.expand_as(ours_drop)[kept_ours])
 drop_module = nn.Dropout(p)
 drop_module.eval()
 assert torch.equal(drop_module(samples), samples)
-assert torch.equal(dropout(samples, p, training=False), samples)
+assert torch.equal(dropout(samples, p, training=False), samples)  # ours: fails if eval drops
 drop_module.train()
 assert not torch.equal(drop_module(samples), samples)
 
@@ -831,8 +834,9 @@ assert not torch.equal(drop_module(samples), samples)
 # would meet inputs of a different scale as soon as it is evaluated.
 
 # %% jupyter={"source_hidden": true}
-mask_image = (dropout(torch.ones(12, 48), p, generator=generator) != 0).float()  # (T, D)
-draws = torch.rand(5000, generator=generator) >= p  # one activation, 5000 draws
+figure_draws = torch.Generator().manual_seed(58)  # its own stream: later cells never depend on it
+mask_image = (dropout(torch.ones(12, 48), p, generator=figure_draws) != 0).float()  # (T, D)
+draws = torch.rand(5000, generator=figure_draws) >= p  # one activation, 5000 draws
 steps = torch.arange(1, 5001)
 running_inverted = torch.cumsum(draws / (1 - p), dim=0) / steps
 running_plain = torch.cumsum(draws.float(), dim=0) / steps
@@ -869,6 +873,9 @@ plt.show()
 #
 # ## The three places dropout sits
 #
+# In short: the paper drops out in places (1) and (3) below; (2) is optional, a choice each
+# implementation makes.
+#
 # Vaswani et al. (2017, §5.4, "Residual Dropout") specify dropout in two places, with
 # $P_{\text{drop}} = 0.1$ for the base model; most implementations add a third. Numbered from the
 # bottom of the stack up:
@@ -880,7 +887,7 @@ plt.show()
 #    paper does not mention it, and the authors' tensor2tensor library did not use it in the
 #    paper's era: its `transformer_base_v1` settings have `attention_dropout = 0.0` (and
 #    `relu_dropout = 0.0`, the dropout inside the feed-forward network), with only the residual
-#    dropout at 0.1. The later `transformer_base_v2` set both to 0.1, in the same change that
+#    dropout at 0.1. The later `transformer_base_v2` set both to 0.1, in the same settings that
 #    moved the library to pre-norm (`layer_preprocess_sequence = "n"`). PyTorch's layers
 #    (`nn.MultiheadAttention(dropout=...)`, which `nn.TransformerEncoderLayer` gives its one
 #    `dropout` rate), `F.scaled_dot_product_attention(dropout_p=...)` and this course's
@@ -1241,8 +1248,9 @@ print(f"largest |x_hat . grad|: {along_x_hat.abs().max().item():.1e}, "
 #    x_i^2\,p/(1-p)$. The mean is kept but the spread grows; in evaluation the spread goes back
 #    down, so the layers after dropout see activations with the same mean and a slightly
 #    smaller variance than in training. For $p = 0.1$ the extra variance is $11\%$ of $x_i^2$.
-#    The next layer norm rescales every token to unit variance anyway, which is one reason the
-#    mismatch does little harm in a Transformer.
+#    The next layer norm divides every token by its own standard deviation, so an overall change
+#    of scale does not get past it; how much the mismatch costs a trained model is not measured
+#    here.
 
 # %%
 x_var = torch.tensor([0.5, -1.0, 2.0])  # (3,)

@@ -54,8 +54,8 @@ ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = PART_COLORS["attention"], PART_CO
 #
 # Self-attention moves information *between* positions. For fixed attention weights
 # $\alpha_{ij}$ (notebooks 01–02), the output at position $i$ is $\sum_j \alpha_{ij}\, v_j$: a
-# weighted average of value vectors, which are themselves linear maps of the inputs. The only nonlinearity is the softmax that picks the
-# weights; what gets averaged is never transformed by anything but a matrix.
+# weighted average of value vectors, which are themselves linear maps of the inputs. The
+# softmax only computes the weights; the vectors being averaged pass through nothing but matrices.
 #
 # The feed-forward sublayer does the complementary job. It transforms the vector *at* each
 # position, through a nonlinearity, and never looks at the neighbours. Vaswani et al. (2017, §3.3)
@@ -87,8 +87,8 @@ ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = PART_COLORS["attention"], PART_CO
 #
 # where $\Phi$ is the standard normal CDF: the input is kept with the probability that a standard
 # normal variable falls below it. It is a smooth ReLU: close to $x$ for large $x$, close to $0$
-# for very negative $x$, with a small dip below zero in between. Before `erf` was fast everywhere,
-# implementations used the tanh approximation from the same paper,
+# for very negative $x$, with a small dip below zero in between. Some implementations
+# use instead the tanh approximation from the same paper,
 #
 # $$\mathrm{GELU}(x) \approx \tfrac12\, x \Bigl(1 + \tanh\bigl(\sqrt{2/\pi}\,(x + 0.044715\,x^3)\bigr)\Bigr).$$
 #
@@ -151,13 +151,14 @@ assert -0.18 < gelu_exact(xs).min() < -0.16
 
 
 # %% [markdown]
-# The approximation is off by less than $5 \cdot 10^{-4}$ anywhere, well below what matters for
-# training, but not zero: swapping one for the other in a trained model changes its outputs a
-# little, so a model should be run with the variant it was trained with.
+# The approximation is off by less than $5 \cdot 10^{-4}$ anywhere: small but not zero, so
+# swapping one for the other in a trained model changes its outputs a little; run a model with
+# the variant it was trained with.
 #
 # The derivatives tell the real difference. ReLU's gradient is a step: exactly zero for every
-# negative input, so a unit whose pre-activation is negative for all inputs stops learning (a
-# "dead" unit). GELU's derivative, $\Phi(x) + x\,\varphi(x)$ with $\varphi$ the normal density, is
+# negative input, so a unit whose pre-activation is negative for all inputs gets a zero gradient
+# on every input, and gradient descent never changes its incoming weights again (a "dead"
+# unit). GELU's derivative, $\Phi(x) + x\,\varphi(x)$ with $\varphi$ the normal density, is
 # smooth and slightly negative below $x \approx -0.75$. At $x = 0$ ReLU has no derivative, and
 # PyTorch's autograd takes it to be 0; the grid holds $x = 0$ exactly, so the check covers that
 # point too, and a ReLU written with `t >= 0`, whose autograd derivative at 0 is 1, fails it.
@@ -265,6 +266,11 @@ d_model, d_ff = 16, 64
 ffn = feed_forward(d_model, d_ff).to(device)
 assert [type(m) for m in ffn] == [nn.Linear, nn.ReLU, nn.Linear]
 assert type(feed_forward(8, 32, activation="gelu", dropout_p=0.1)[3]) is nn.Dropout
+with torch.random.fork_rng(devices=[]):  # leaves the global random stream as it was
+    ffn_gelu = feed_forward(8, 32, activation="gelu")  # the activation argument is used, not just checked
+    x_gelu = torch.randn(3, 8)  # (N, d_model)
+assert type(ffn_gelu[1]) is nn.GELU
+assert_close(ffn_gelu(x_gelu), F.gelu(ffn_gelu[0](x_gelu)) @ ffn_gelu[2].weight.T + ffn_gelu[2].bias)
 
 x = torch.randn(2, 5, d_model).to(device)  # (B, T, d_model)
 y = ffn(x)  # (B, T, d_model) -> (B, T, d_ff) -> (B, T, d_model)
@@ -301,6 +307,9 @@ for bad in [dict(d_model=0, d_ff=8), dict(d_model=8, d_ff=-1), dict(d_model=8, d
 # $$y_t = \mathrm{FFN}(x_t) \quad\Longrightarrow\quad
 # \frac{\partial y_t}{\partial x_s} = 0 \;\; (s \ne t), \qquad
 # \frac{\partial y_t}{\partial x_t} = W_2^\top \operatorname{diag}\bigl(\mathbb{1}[x_t W_1 + b_1 > 0]\bigr) W_1^\top.$$
+#
+# (Row vectors, as in the paper's $y = xW$. `nn.Linear` stores its `weight` as $(\text{out}, \text{in})$,
+# which is $W^\top$, so in code the diagonal block is `ffn[2].weight @ diag(.) @ ffn[0].weight`.)
 #
 # The Jacobian of the whole sequence map, a $(T d_\text{model}) \times (T d_\text{model})$ matrix,
 # is block-diagonal. Four demonstrations make this concrete. They hold for any stack of `Linear`,
@@ -352,6 +361,8 @@ assert torch.count_nonzero(blocks[off_diagonal]) == 0  # exactly zero, not just 
 
 for t in range(T):
     active = (ffn[0](x_seq[t]) > 0).to(x_seq.dtype)  # which of the d_ff ReLUs pass, (d_ff,)
+    # nn.Linear stores its weight as (out, in), the transpose of the row-vector W: ffn[0].weight is
+    # W_1^T and ffn[2].weight is W_2^T, so no .T is needed here.
     analytic = ffn[2].weight @ torch.diag(active) @ ffn[0].weight  # W_2^T diag(.) W_1^T, (d_model, d_model)
     assert_close(blocks[t, t], analytic)
 print(f"Jacobian {tuple(J.shape)}: {int(off_diagonal.sum())} off-diagonal blocks, all exactly zero")
@@ -513,6 +524,7 @@ for name, (d, _, dff) in configs.items():
 for name, (d, h, dff) in configs.items():
     c = counts[name]
     assert c["ffn"] == 2 * d * dff + dff + d
+    # The next two lines count PyTorch's modules (a check of the table, not of our code).
     assert c["attention"] == 4 * d**2 + 4 * d
     assert c["layernorm"] == 2 * d
     reference_encoder = nn.TransformerEncoderLayer(d, h, dim_feedforward=dff, batch_first=True)
@@ -539,6 +551,17 @@ print(f"paper base: FFN {counts['paper base']['ffn']:,} = 2·512·2048 + 2048 + 
 #   vocabularies in general, so each side has its own (notebooks 09 and 10);
 # - **the output head**, an `nn.Linear(128, 12)` with its own weight and bias, *not* tied to the
 #   target embedding (notebook 09 shows weight tying, which would save the $12 \times 128$).
+#
+# In numbers (the next cell computes each row from real modules):
+#
+# | part | count |
+# |---|---|
+# | 2 encoder blocks | $2 \times 198{,}272$ |
+# | 2 decoder blocks | $2 \times 264{,}576$ |
+# | 2 final `LayerNorm`s | $2 \times 256$ |
+# | 2 embedding tables | $2 \times 1{,}536$ |
+# | output head | $1{,}548$ |
+# | **total** | **930,828** |
 
 # %%
 c = counts["paper base"]
@@ -628,7 +651,8 @@ for name, (d, _, dff) in configs.items():
     style = (dict(ms=12, mfc="none", mew=2, color="black") if name == "paper base"
              else dict(ms=5, color="0.45"))  # both sit at r = 4: a ring around a dot
     ax_r.plot(dff / d, c["ffn"] / (c["attention"] + c["ffn"] + 2 * c["layernorm"]), "o",
-              label=f"{name}, counted", **style)
+              label=f"{name}, counted ({'ring' if name == 'paper base' else 'dot inside the ring'})",
+              **style)
 ax_r.axhline(2 / 3, color="grey", lw=0.5, ls="--")
 ax_r.annotate("$r = 4$: 2/3", (4, 2 / 3), xytext=(5, 0.5), fontsize=9,
               arrowprops=dict(arrowstyle="->", color="grey"))
@@ -750,8 +774,7 @@ for name, d, dff in [("Shazeer's T5 base", 768, 3072), ("paper base", 512, 2048)
     assert abs(gated - standard) / standard < 1e-3
     print(f"{name:>17}: FFN d_ff={dff} {standard:>9,} | gated d_ff'={matched_d_ff(dff)} {gated:>9,} "
           f"({gated / standard - 1:+.4%}) | gated at d_ff={dff} {unmatched:>9,}")
-assert matched_d_ff(3072) == 2048
-assert num_params(GatedFeedForward(768, 2048)) == num_params(feed_forward(768, 3072, bias=False))
+assert matched_d_ff(3072) == 2048  # Shazeer's T5 choice (arithmetic, a reminder rather than a test)
 
 # %% [markdown]
 # What a single hidden unit computes, as a function of its two pre-activations $a = x\cdot w$ (the
