@@ -149,6 +149,9 @@ plt.show()
 # %% [markdown]
 # ### An encoder is order-blind; a causal decoder is not quite
 #
+# *Optional on a first reading: it answers "and a decoder?", and nothing later in this notebook
+# depends on it. Skip to section 2 if you like.*
+#
 # A decoder's self-attention carries a causal mask (notebook 05): query $t$ may read the keys at
 # positions $0, \dots, t$ only. The mask belongs to the positions, not to the tokens, so shuffling
 # the input changes what each query may read, and $\operatorname{Attn}(PX) = P\,\operatorname{Attn}(X)$
@@ -173,7 +176,9 @@ plt.show()
 # norms and residuals, random weights): without a mask, reordering the input only reorders the
 # output; with a causal mask it does not; the causal layer's output at the last position does
 # not change when the tokens before it are reordered; and the output of two causal layers (the
-# same layer applied twice, which is enough to show it) does change.
+# same layer applied twice, which is enough to show it) does change. For scale: the layer ends in a
+# layer norm, so its outputs have entries of standard deviation about 1 (printed), and a gap that
+# is only float rounding prints as 0.0000.
 
 # %%
 encoder_layer = nn.TransformerEncoderLayer(d_model, nhead=2, dim_feedforward=32, dropout=0.0,
@@ -193,12 +198,14 @@ with torch.no_grad():
     encoder_gap = (encoder_layer(x_layer[:, shuffle_all]) - encoder_layer(x_layer)[:, shuffle_all]).abs().max()
     decoder_gap = (causal_layer(x_layer[:, shuffle_all]) - causal_layer(x_layer)[:, shuffle_all]).abs().max()
     last_gap = (causal_layer(x_layer[:, shuffle_prefix])[:, -1] - causal_layer(x_layer)[:, -1]).abs().max()
+    two_layers = causal_layer(causal_layer(x_layer))  # (B, T, d_model)
     two_layer_gap = (causal_layer(causal_layer(x_layer[:, shuffle_prefix]))[:, -1]
-                     - causal_layer(causal_layer(x_layer))[:, -1]).abs().max()
+                     - two_layers[:, -1]).abs().max()
 print(f"largest change once the reordering is undone: no mask {encoder_gap:.4f}, "
       f"causal mask {decoder_gap:.2f}")
 print(f"last position, prefix reordered: one causal layer {last_gap:.4f}, "
       f"two causal layers {two_layer_gap:.2f}")
+print(f"standard deviation of the entries of the outputs: {two_layers.std().item():.2f}")
 assert encoder_gap < 1e-4 and last_gap < 1e-4
 assert decoder_gap > 0.1
 assert two_layer_gap > 0.01  # two layers see the order of the prefix
@@ -324,10 +331,11 @@ class PositionalEncoding(nn.Module):
 
 # %% [markdown]
 # The forward pass checks its input first (`_check_sequence` above): a wrong rank or width
-# would otherwise broadcast silently into a wrong shape, and a sequence longer than the table
-# would be cut short without a word. Then it adds the rows of the positions the tokens sit at:
-# $0, \dots, T-1$, or, with an `offset`, $\text{offset}, \dots, \text{offset} + T - 1$. A decoder
-# that generates one token at a time (notebook 12) passes the number of tokens before it.
+# would otherwise broadcast silently into a wrong shape, and positions past the end of the table
+# would fail in ways that do not say so (shown after the next cell). Then it adds the rows of the
+# positions the tokens sit at: $0, \dots, T-1$, or, with an `offset`,
+# $\text{offset}, \dots, \text{offset} + T - 1$. A decoder that generates one token at a time
+# (notebook 12) passes the number of tokens before it.
 
 # %%
 #| export
@@ -339,6 +347,35 @@ def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
     T = x.size(1)
     return self.dropout(x + self.pe[:, offset : offset + T].to(x.dtype))  # (B, T, d) + (1, T, d)
 
+
+# %% [markdown]
+# What the length check prevents. A model that has checked its inputs once runs its parts inside
+# `checks.validated()` (notebook 00), where this check is off. Switch it off here too, for a
+# table of 64 rows: the slice `pe[:, offset : offset + T]` then holds fewer than $T$ rows, and
+# what happens depends on how many are left: several, and the addition fails with a broadcasting error that
+# names no position; exactly one (`offset` = 63), and that one row is added to every token
+# without an error; none, for a single token past the end (`offset` $\ge$ 64, $T = 1$, one step of
+# a decoder that outgrew the table), and the token is dropped: the output holds no positions at
+# all, again without an error.
+
+# %%
+from transformer_from_scratch.checks import validated
+
+short_table = PositionalEncoding(128, max_len=64).to(device).eval()  # rows for positions 0..63
+x_ten = torch.randn(2, 10, 128, generator=torch.Generator().manual_seed(2)).to(device)  # (B, T, d)
+with validated():  # the checks are off, as inside a model that checked its inputs
+    try:
+        short_table(torch.zeros(2, 65, 128).to(device))  # T = 65 > 64 rows
+    except RuntimeError as err:
+        print("T = 65:", type(err).__name__, "(a broadcasting error)")
+    else:
+        raise AssertionError("65 positions fitted a table of 64 rows")
+    one_row = short_table(x_ten, offset=63)  # positions 63..72: only row 63 exists
+    dropped = short_table(x_ten[:, :1], offset=64)  # position 64: no row at all
+print("offset = 63, T = 10: output", tuple(one_row.shape), "| offset = 64, T = 1: output",
+      tuple(dropped.shape))
+assert torch.equal(one_row, x_ten + short_table.pe[:, 63:64])  # row 63 added to all 10 tokens
+assert dropped.shape == (2, 0, 128)  # the token is gone
 
 # %%
 pos_enc = PositionalEncoding(d_model=128).to(device)
@@ -386,7 +423,8 @@ assert_close(pos_enc(x), x + pos_enc.pe[:, :10])
 assert_close(pos_enc(x, offset=30), x + pos_enc.pe[:, 30:40])  # positions 30..39
 assert not torch.allclose(pos_enc(x, offset=30), pos_enc(x))  # the offset is not ignored
 assert "pe" in pos_enc.state_dict() and len(list(pos_enc.parameters())) == 0
-assert pos_enc.pe.device.type == device.type
+# .to() moves the buffer; the "meta" device (shapes, no data) shows it on any machine.
+assert PositionalEncoding(128, max_len=8).to("meta").pe.device.type == "meta"
 
 # Dropout acts in training mode only; in eval mode the module is x + PE exactly.
 noisy = PositionalEncoding(128, dropout_p=0.5).to(device)
@@ -411,9 +449,10 @@ plt.show()
 # The wavelengths can be read off the table itself. Row $t = 1$ holds $(\sin\omega_i, \cos\omega_i)$
 # in pair $i$, so $\operatorname{atan2}$ of the two gives the speed $\omega_i$ of each pair
 # (every $\omega_i \le 1 < \pi$, so there is no wrap-around). **Check:** the speeds measured on
-# the table are the formula's, the first wavelength is $2\pi$, the last is $10000 \cdot 2\pi$
-# times $10000^{-2/d_{\text{model}}}$, and each wavelength is the previous one times the same
-# factor $10000^{2/d_{\text{model}}}$.
+# the table are the formula's (to a relative $10^{-5}$, so the last wavelength is
+# $10000 \cdot 2\pi$ times $10000^{-2/d_{\text{model}}}$ to the same precision), the first
+# wavelength is $2\pi$, and each wavelength is the previous one times the same factor
+# $10000^{2/d_{\text{model}}}$.
 
 # %%
 omega = 10000 ** (-torch.arange(0, 128, 2, dtype=torch.float64) / 128)  # (64,): the formula
@@ -423,8 +462,7 @@ ratios = wavelength[1:] / wavelength[:-1]  # (63,)
 assert_close(omega_table, omega, rtol=1e-5, atol=0)
 assert abs(wavelength[0].item() - 2 * math.pi) < 1e-4
 assert_close(ratios, torch.full_like(ratios, 10000 ** (2 / 128)), rtol=1e-5, atol=0)  # one ratio
-last_share = wavelength[-1].item() / (10000 * 2 * math.pi)  # 10000^(-2/128)
-assert abs(last_share - 10000 ** (-2 / 128)) < 1e-4
+last_share = wavelength[-1].item() / (10000 * 2 * math.pi)  # 10000^(-2/128), by the asserts above
 print(f"wavelengths: {wavelength[0].item():.2f} to {wavelength[-1].item():.0f} positions "
       f"({last_share:.2f} x 10000·2π), each {ratios.mean().item():.4f} times the previous")
 
@@ -444,9 +482,14 @@ for row, (i, color) in enumerate(zip([0, 4, 16, 32], colors, strict=True)):
     ax1.plot(range(61), lift + pe[:61, 2 * i], "o", ms=3, color=color)
     lifts.append(lift)
     names.append(f"dim {2 * i}\n$\\lambda$ = {wavelength[i]:.1f}")
-ax1.set_yticks(lifts, names, fontsize=8)
+ax1.set_yticks(lifts, names, fontsize=8)  # each tick marks its curve's 0
+# Scale bar: every curve spans -1 to 1 around its tick.
+ax1.plot([63.5, 63.5], [lifts[0] - 1, lifts[0] + 1], color="black", lw=2, clip_on=False)
+ax1.text(64.5, lifts[0], "$-1$\nto\n$1$", va="center", fontsize=8)
+ax1.set_xlim(-2, 70)
+ax1.set_xticks(range(0, 61, 10))
 ax1.set_xlabel("position $t$ (tokens); dots: the entries of the table")
-ax1.set_ylabel("$\\sin(\\omega_i t)$, one curve per dimension")
+ax1.set_ylabel("$\\sin(\\omega_i t)$, curves offset vertically")
 ax1.set_title("A few sine dimensions against position")
 ax2.semilogy(wavelength, "o", ms=3, color="0.2")
 ax2.axhline(2 * math.pi, ls="--", color="gray")
@@ -782,6 +825,12 @@ class RotaryEmbedding(nn.Module):
 # Rotating pair $j$, $(a, b) = (x_{2j}, x_{2j+1})$, by the angle $\phi$ gives
 # $(a\cos\phi - b\sin\phi,\ a\sin\phi + b\cos\phi)$: two multiplies by the cached tables and a
 # re-interleave, no $d_{\text{head}} \times d_{\text{head}}$ matrix.
+#
+# Unlike the two modules that add a table, `rotate` checks its input on every call, inside a
+# `validated()` block too. It runs inside attention, on each head's queries and keys, where an
+# outer check of the model's input knows nothing of this table's `max_len`, and without the check
+# `offset + T > max_len` fails as it does for `PositionalEncoding` above. The checks read shapes,
+# dtypes and Python ints only, so they cost no wait for the device.
 
 # %%
 #| export
@@ -933,7 +982,7 @@ decay = (rope.rotate(ones) @ rope.rotate(ones[:1]).T).squeeze(1).cpu()  # <R_m 1
 theta = 10000 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)  # (32,)
 expected_decay = 2 * torch.cos(torch.arange(1024, dtype=torch.float64)[:, None] * theta).sum(-1)
 assert_close(decay.double(), expected_decay, atol=1e-3, rtol=1e-5)
-assert decay[0] == 64 and decay[200:].abs().max() < 0.5 * decay[0]  # far offsets score less
+assert decay[200:].abs().max() < 0.5 * 64  # far offsets score less than half of offset 0's 64
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(1, 3, figsize=(15, 4.3), layout="constrained",
@@ -953,9 +1002,10 @@ axes[2].set_xscale("symlog", linthresh=10)
 axes[2].set_xlabel("offset $m - n$ (positions, log scale beyond 10)")
 axes[2].set_ylabel("$\\langle R_m \\mathbf{1}, R_n \\mathbf{1}\\rangle$")
 axes[2].set_title("RoPE score against distance")
-fig.suptitle("Left and middle: scores over all (query, key) positions, one random content vector "
-             "at every position (each map its own draw)\nRight: RoPE score of the all-ones vector "
-             "against the offset between its two positions")
+fig.suptitle("Left and middle: scores over all (query, key) positions. Left: one random content vector "
+             "at every position, plus its code;\nmiddle: $q_1$ at every query position, $k_1$ at every "
+             "key position. Right: RoPE score of the all-ones vector against the offset between its "
+             "two positions")
 save_figure(fig, "positional_rope_scores")
 plt.show()
 
@@ -1120,12 +1170,19 @@ assert 0 < last_head_turn < 0.02  # 11 * 10000^(-48/64) = 0.011 rad
 # scratch: the layer's own $W_q$, $W_k$ and `split_heads`, then the complex-number
 # `rope_complex` of Check 1 on each head's $Q$ and $K$ (it takes its width,
 # $d_k = 16$, from the tensor, so it rotates each head with that head's own 8 frequencies),
-# the scores divided by $\sqrt{d_k}$, and a softmax. At positions $0..11$ and at
-# $100..111$, the layer's weights must be these, and the two shift-invariant impostors of
-# Check 4 must not be: they use the same projections, so whatever differs is the rotation.
-# A reference catches what an invariance cannot: rotations with the wrong pairing (rotate-half
-# instead of interleaved), the wrong direction or the wrong frequencies would all pass Check 4,
-# but only RoPE's own rotation reproduces `rope_complex`.
+# the scores divided by $\sqrt{d_k}$, and a softmax. At positions $0..11$ the layer's weights
+# must be these, and the two shift-invariant impostors of Check 4 must not be: they use the
+# same projections, so whatever differs is the rotation. A reference catches what an invariance
+# cannot: rotations with the wrong pairing (rotate-half instead of interleaved), the wrong
+# direction or the wrong frequencies would all pass Check 4, but only RoPE's own rotation
+# reproduces `rope_complex`.
+#
+# The weights cannot show whether the layer uses its `offset`: RoPE's weights at $100..111$ are
+# those at $0..11$ (Check 4), and so are those of a layer that ignores the offset. So, at
+# $100..111$, the check reads the rotated $Q$ and $K$ that the layer makes inside its own
+# `forward` (a forward hook on its `rope` submodule records them) and compares them with
+# `rope_complex` at offset 100; they must also differ from the rotation at offset 0, which is what
+# a layer that drops the offset would make.
 
 # %%
 def reference_weights(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -1136,19 +1193,42 @@ def reference_weights(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.softmax(Q @ K.transpose(-2, -1) / math.sqrt(rope_mha.d_k), dim=-1)
 
 
+def rotated_inside(layer: RotaryMultiHeadAttention, x: torch.Tensor, offset: int):
+    """The rotated (Q, K), each (B, h, T, d_k), that layer(x, offset=offset) makes inside."""
+    recorded = []
+    hook = layer.rope.register_forward_hook(lambda module, args, output: recorded.append(output))
+    try:
+        with torch.no_grad():
+            layer(x, offset=offset)
+    finally:
+        hook.remove()  # a re-run of this cell starts without it
+    return recorded[0]
+
+
 reference_gaps = {}  # placement -> largest difference from the reference weights
 with torch.no_grad():
     for name in ["RoPE on q, k of each head", "no position at all", "d_model-wide RoPE, then split"]:
-        reference_gaps[name] = max(
-            (placements[name](seq, s)[1].cpu().double() - reference_weights(seq, s)).abs().max().item()
-            for s in (0, 100)
-        )
-print("largest difference from the reference weights, positions 0..11 and 100..111:")
+        reference_gaps[name] = (
+            placements[name](seq, 0)[1].cpu().double() - reference_weights(seq, 0)
+        ).abs().max().item()
+print("largest difference from the reference weights, positions 0..11:")
 for name, gap in reference_gaps.items():
     print(f"  {name:<30}{gap:>9.3f}")
 assert reference_gaps["RoPE on q, k of each head"] < 1e-5  # RoPE, per head: the same weights
 assert reference_gaps["no position at all"] > 0.05  # RoPE is active: the weights differ ...
 assert reference_gaps["d_model-wide RoPE, then split"] > 0.05  # ... and per head matters
+
+# At positions 100..111: the layer's own rotated Q and K against rope_complex.
+with torch.no_grad():
+    Q_unrotated, K_unrotated = (rope_mha.split_heads(W(seq)) for W in (rope_mha.W_q, rope_mha.W_k))
+Q_100, K_100 = (t.cpu().double() for t in rotated_inside(rope_mha, seq, offset=100))
+gap_at_100 = max((Q_100 - rope_complex(Q_unrotated, 100)).abs().max().item(),
+                 (K_100 - rope_complex(K_unrotated, 100)).abs().max().item())
+gap_to_0 = (Q_100 - rope_complex(Q_unrotated, 0)).abs().max().item()
+print(f"the layer's own rotated Q and K at positions 100..111, largest difference from "
+      f"rope_complex at offset 100: {gap_at_100:.3f}; at offset 0: {gap_to_0:.2f}")
+assert gap_at_100 < 1e-5  # the layer rotates by the positions its offset says ...
+assert gap_to_0 > 0.5  # ... not by 0..11, which a layer that dropped the offset would use
 
 
 # %% [markdown]
@@ -1243,6 +1323,15 @@ assert_close(forgot, no_rope, atol=1e-5, rtol=1e-5)  # by construction: R_0 = I,
 # on longer inputs at all) and with RoPE. Then we test each on sequences of length 48, three
 # times longer than anything seen in training.
 #
+# The model is as small as the task allows: token embedding, position (added to the input, or
+# RoPE on $q$ and $k$), one head of attention, and a linear readout of the attention's output.
+# It has **no residual connection and no feed-forward network**, so its prediction at position
+# $t$ is read from the attention output at $t$ alone, a weighted mix of the values in $t$'s
+# window; the argument about the order-blind model below rests on that. (Mind the argument
+# order of the two table modules: `PositionalEncoding(d_model, max_len)`, but
+# `LearnedPositionalEmbedding(max_len, d_model)`, rows first like `nn.Embedding`. The model
+# passes both by keyword.)
+#
 # One design choice keeps the comparison clean. Each query may only attend to keys at most 7
 # positions away, a *local window* given to attention as a boolean mask (notebook 02). The window
 # fits inside the training length, so every offset a query meets at length 48, from $-7$ to $+7$,
@@ -1265,7 +1354,8 @@ def local_window(T: int) -> torch.Tensor:
 
 
 class PreviousTokenModel(nn.Module):
-    """Embedding, one head of windowed attention with a chosen position scheme, linear readout."""
+    """Embedding, one head of windowed attention with a chosen position scheme, linear readout
+    of the attention output (no residual, no feed-forward network)."""
 
     def __init__(self, scheme: str, vocab_size: int = 16, d_model: int = 32, max_len: int = 64):
         super().__init__()
@@ -1274,11 +1364,11 @@ class PreviousTokenModel(nn.Module):
         self.W_q, self.W_k, self.W_v = (nn.Linear(d_model, d_model, bias=False) for _ in range(3))
         self.readout = nn.Linear(d_model, vocab_size)
         if scheme == "sinusoidal":
-            self.position = PositionalEncoding(d_model, max_len)
+            self.position = PositionalEncoding(d_model=d_model, max_len=max_len)
         elif scheme == "learned":
-            self.position = LearnedPositionalEmbedding(max_len, d_model)
+            self.position = LearnedPositionalEmbedding(max_len=max_len, d_model=d_model)
         elif scheme == "rotary":
-            self.rope = RotaryEmbedding(d_model, max_len)
+            self.rope = RotaryEmbedding(d_head=d_model, max_len=max_len)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (B, T) -> logits (B, T, vocab_size)."""
@@ -1307,13 +1397,16 @@ def per_position_accuracy(model: nn.Module, tokens: torch.Tensor) -> torch.Tenso
 # %% tags=["nbval-ignore-output"]
 schemes = ["none", "sinusoidal", "learned", "rotary"]
 T_train, T_test = 16, 48
-models, initial_tables = {}, {}
-for scheme in schemes:
-    set_seed(0)
-    generator = torch.Generator().manual_seed(0)  # the same batches for every scheme
+
+
+def train_previous_token(scheme: str, seed: int = 0) -> tuple[PreviousTokenModel, torch.Tensor | None]:
+    """150 Adam steps on batches of 64 sequences of length 16, seeded with `seed`.
+
+    Returns the model in eval mode and, for the learned table, its rows as initialised."""
+    set_seed(seed)
+    generator = torch.Generator().manual_seed(seed)  # the same batches for every scheme
     model = PreviousTokenModel(scheme).to(device)
-    if scheme == "learned":
-        initial_tables[scheme] = model.position.embedding.weight.detach().clone()
+    start = model.position.embedding.weight.detach().clone() if scheme == "learned" else None
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(150):
         tokens = previous_token_batch(64, T_train, generator)
@@ -1322,7 +1415,12 @@ for scheme in schemes:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    models[scheme] = model.eval()
+    return model.eval(), start
+
+
+models, initial_tables = {}, {}
+for scheme in schemes:
+    models[scheme], initial_tables[scheme] = train_previous_token(scheme)
 
 test_generator = torch.Generator().manual_seed(1)
 short = previous_token_batch(256, T_train, test_generator)
@@ -1371,24 +1469,35 @@ print(f"{'the order-blind model':<40}{short_accuracy['none']:>8.3f}"
       f"{accuracy['none'][T_train - 1:].mean().item():>14.3f}")
 
 # %% [markdown]
-# **Check.** At the training length every scheme with positions solves the task, and the
-# order-blind model does as well as the best order-blind bet, and no better: an accuracy
-# measured on 3,840 test predictions scatters by about $\pm 0.01$, so we allow $0.03$. Beyond
-# position 15 the learned table is no better than the order-blind bet (we allow $0.02$ above
-# it), and in our run below it on average, far below just past the training length and close
-# to it further on (printed below, and in the figure). Its rows 16 to 63 never received a
-# gradient and are exactly as initialised, random vectors that the model reads as if they were
-# positions it knows. An untrained row does not merely say nothing; here it misleads. The
-# sinusoidal model, although its code is defined everywhere, loses accuracy on the positions it
-# never saw (how much varies from run to run: its mean accuracy beyond position 15 ranged from
-# 0.49 to 0.85 when we reran this section with every seed shifted, 22 times). RoPE is perfect
-# everywhere: what it learned ("attend to offset $-1$") is stated in offsets, and every offset in
-# the window was seen in training.
+# **Check.** One set of bounds, for this run and for any other. Another seed, another CPU's
+# kernels or a GPU each round differently, and over 150 steps the training takes another path;
+# so the bounds are set by how much the numbers vary between runs (the study at the end of this
+# section trains the four models five more times), never by this run's values alone. The test
+# sequences are fixed, and finite: an accuracy measured on the 3,840 predictions at length 16 is
+# off its expected value by about $\pm 0.01$ for reasons of sampling alone (less on the 8,192
+# predictions beyond position 15, a little more on the 1,536 at positions 16..21).
 #
-# These are the findings of the run stored here, on a CPU; the bounds asserted on them held in
-# all 22 reruns. On a GPU the same 150 steps round differently and take another path, so there
-# the check keeps only what does not depend on the path: the untouched rows, and looser bounds
-# on the rest.
+# - At the training length every scheme with positions solves the task: accuracy above 0.9.
+#   150 steps are few, and the bound leaves room for a run that stops a few points short of 1.
+# - The order-blind model does as well as the best order-blind bet, and no better: within
+#   $0.03$ of it, at length 16 and beyond position 15. That is three times the scatter, room for
+#   a training that stops a little short of the bet.
+# - Beyond position 15 the learned table is no better than the order-blind bet (at most $0.02$
+#   above it, twice the scatter), and at positions 16..21, just past the training length, it is
+#   below it by at least $0.03$, three times the scatter there. In the run stored here it is
+#   below the bet on average, at half of it at 16..21 and close to it further on (printed below,
+#   and in the figure). Its rows 16 to 63 never received a gradient and are exactly as
+#   initialised (asserted exactly: no run can change them), random vectors that the model reads
+#   as if they were positions it knows. An untrained row does not merely say nothing; here it
+#   misleads.
+# - RoPE loses nothing on the long sequences: beyond position 15 its accuracy is at most $0.02$
+#   below its accuracy at length 16, and it is above 0.85 at every position (one position's
+#   accuracy rests on 256 predictions, which scatter by about $\pm 0.015$ around 0.95). What it
+#   learned ("attend to offset $-1$") is stated in offsets, and every offset in the window was
+#   seen in training. In the run stored here it is 1.00 everywhere.
+# - The sinusoidal model, although its code is defined everywhere, loses accuracy on the
+#   positions it never saw: beyond position 15 it stays at least $0.05$ below RoPE. How much it
+#   loses varies more from run to run than anything else here (the study shows how much).
 
 # %% tags=["nbval-ignore-output"]
 beyond = {s: accuracy[s][T_train - 1:].mean().item() for s in schemes}
@@ -1401,17 +1510,43 @@ print(f"learned table against the best order-blind bet: positions 16..47 {beyond
       f"against {best_long:.2f}; 16..21 {accuracy['learned'][near].mean():.2f} against "
       f"{bet_by_position[near].mean():.2f}; 22..47 {accuracy['learned'][far].mean():.2f} against "
       f"{bet_by_position[far].mean():.2f}")
-if device.type == "cpu":  # this run's numbers, printed above
-    assert abs(short_accuracy["none"] - best_short) < 0.03 and abs(beyond["none"] - best_long) < 0.03
-    assert all(short_accuracy[s] > 0.95 for s in ["sinusoidal", "learned", "rotary"])
-    assert beyond["learned"] < best_long + 0.02
-    assert accuracy["learned"][near].mean() < bet_by_position[near].mean() - 0.05  # far below
-    assert accuracy["rotary"].min() > 0.95  # at every position of the long sequences
-    assert beyond["sinusoidal"] < beyond["rotary"] - 0.1
-else:  # another device's run: facts that do not depend on the details of training
-    assert all(short_accuracy[s] > 0.8 for s in ["sinusoidal", "learned", "rotary"])
-    assert short_accuracy["none"] < best_short + 0.1 and beyond["learned"] < best_long + 0.1
-    assert beyond["rotary"] > 0.8
+
+
+def extrapolation_numbers(accuracy: dict, short_accuracy: dict) -> dict[str, float]:
+    """What the check bounds, from one run's accuracies (per position at length 48; at 16)."""
+    beyond = {s: accuracy[s][T_train - 1:].mean().item() for s in schemes}
+    return {
+        "with positions: lowest at T=16": min(short_accuracy[s] for s in ["sinusoidal", "learned", "rotary"]),
+        "order-blind - bet, T=16": short_accuracy["none"] - best_short,
+        "order-blind - bet, t>=16": beyond["none"] - best_long,
+        "learned - bet, t>=16": beyond["learned"] - best_long,
+        "learned - bet, t=16..21": (accuracy["learned"][near].mean() - bet_by_position[near].mean()).item(),
+        "rotary: lowest of any position": accuracy["rotary"].min().item(),
+        "rotary: t>=16 - T=16": beyond["rotary"] - short_accuracy["rotary"],
+        "rotary - sinusoidal, t>=16": beyond["rotary"] - beyond["sinusoidal"],
+        "sinusoidal, t>=16": beyond["sinusoidal"],  # not bounded: how much it varies is the point
+    }
+
+
+EXTRAPOLATION_BOUNDS = {  # name -> (low, high): the same for every run, on any machine
+    "with positions: lowest at T=16": (0.9, 1.0),
+    "order-blind - bet, T=16": (-0.03, 0.03),
+    "order-blind - bet, t>=16": (-0.03, 0.03),
+    "learned - bet, t>=16": (-1.0, 0.02),
+    "learned - bet, t=16..21": (-1.0, -0.03),  # below, just past the training length
+    "rotary: lowest of any position": (0.85, 1.0),
+    "rotary: t>=16 - T=16": (-0.02, 1.0),
+    "rotary - sinusoidal, t>=16": (0.05, 1.0),
+}
+
+
+def out_of_bounds(numbers: dict[str, float], bounds: dict[str, tuple[float, float]]) -> list[str]:
+    """The names whose number lies outside its bounds (ends included)."""
+    return [name for name, (low, high) in bounds.items() if not low <= numbers[name] <= high]
+
+
+extrapolation = extrapolation_numbers(accuracy, short_accuracy)
+assert out_of_bounds(extrapolation, EXTRAPOLATION_BOUNDS) == []
 
 # %% [markdown]
 # Left, accuracy at each position of the long test sequences (up to position 15 the sinusoidal,
@@ -1458,7 +1593,7 @@ plt.show()
 # token's content with the other's code, $x_t W_q W_k^\top PE(s)^\top$ and
 # $PE(t)\, W_q W_k^\top x_s^\top$, depend on position too, and the values $W_v(x + PE)$ carry the
 # code as well. But across the keys of a query's window the code-only part varies more than any
-# of the others (printed next; the check asks for 1.5 times the largest of them). By section 3
+# of the others (printed next, and checked). By section 3
 # it is a sum of sines and cosines of the positions, and training shaped it on positions
 # $0..15$ only, to be largest at $s = t - 1$. Further on, a sum of periodic terms keeps
 # oscillating: at some positions it happens to favour $t - 1$ again, at others a different key in
@@ -1466,22 +1601,15 @@ plt.show()
 #
 # **Check** how much of the swings this explains: the margin by which the key at $t - 1$ beats
 # the other keys of the window in these position-only scores should rise and fall with the
-# accuracy. The check asks for a correlation above 0.2 over positions 16..47.
-#
-# How robust this is, in the run stored here and in 22 reruns with other seeds:
-#
-# | | stored run | 22 reruns |
-# |---|---|---|
-# | code-only spread / largest other part | 5.6 | 2.2 to 6.4 |
-# | correlation of margin and accuracy | 0.76 | 0.31 to 0.88 |
-# | accuracy where margin > 0 minus where margin < 0 | 0.91 − 0.59 = 0.32 | 0.02 to 0.57 |
-#
-# The position-only scores explain most of the swings in most runs, not all of them in every run.
+# accuracy, and change sign somewhere in positions 16..47. The check asks only for a positive
+# correlation over those positions, above 0.1: its square is the share of the swings' variance
+# that the margin accounts for, and that share differs a lot from run to run (the study below
+# repeats these numbers for five more runs). The position-only scores are a large part of the
+# story, not all of it.
 
 # %% tags=["nbval-ignore-output"]
 # With x = content + code, the score of query t and key s is a sum of four parts (W_q, W_k have
 # no bias). The spread of each across the keys of a query's window, on the long test sequences:
-sinusoidal_model = models["sinusoidal"]
 window = local_window(T_test)  # (T, T)
 keys_per_query = window.sum(-1)  # (T,)
 
@@ -1493,40 +1621,115 @@ def spread_over_window(part: torch.Tensor) -> float:
     return var.sqrt().mean().item()
 
 
-with torch.no_grad():
-    content = sinusoidal_model.embed(long)  # (B, T_test, d_model): the test tokens
-    code = sinusoidal_model.position.pe[:, :T_test].expand_as(content)  # (B, T_test, d_model)
-    part_spread = {
-        f"{a_name} . {b_name}": spread_over_window(
-            sinusoidal_model.W_q(a) @ sinusoidal_model.W_k(b).transpose(-2, -1) / math.sqrt(32))
-        for a_name, a in (("code", code), ("content", content))
-        for b_name, b in (("code", code), ("content", content))
-    }  # "query part . key part" -> spread
+def part_spreads(model: PreviousTokenModel) -> dict[str, float]:
+    """"query part . key part" -> its spread over a query's window, for a sinusoidal model."""
+    with torch.no_grad():
+        content = model.embed(long)  # (B, T_test, d_model): the test tokens
+        code = model.position.pe[:, :T_test].expand_as(content)  # (B, T_test, d_model)
+        return {
+            f"{a_name} . {b_name}": spread_over_window(
+                model.W_q(a) @ model.W_k(b).transpose(-2, -1) / math.sqrt(32))
+            for a_name, a in (("code", code), ("content", content))
+            for b_name, b in (("code", code), ("content", content))
+        }
+
+
+def code_share(spreads: dict[str, float]) -> float:
+    """The code-only part's spread over the largest spread of the three other parts."""
+    return spreads["code . code"] / max(v for name, v in spreads.items() if name != "code . code")
+
+
+sinusoidal_model = models["sinusoidal"]
+part_spread = part_spreads(sinusoidal_model)
 print("spread of each part of the score over a query's window (query part . key part):")
 print("  " + ", ".join(f"{name} {value:.2f}" for name, value in part_spread.items()))
-largest_other = max(v for name, v in part_spread.items() if name != "code . code")
-print(f"code . code is {part_spread['code . code'] / largest_other:.1f} times the largest of the others")
-assert part_spread["code . code"] > 1.5 * largest_other  # 2.2 to 6.4 over 22 other seeds
+print(f"code . code is {code_share(part_spread):.1f} times the largest of the others")
+assert code_share(part_spread) > 1  # it varies the most
+
 
 # %% tags=["nbval-ignore-output"]
-with torch.no_grad():
-    codes = sinusoidal_model.position.pe[0, :T_test]  # (T_test, d_model): PE(0) .. PE(47)
-    position_scores = sinusoidal_model.W_q(codes) @ sinusoidal_model.W_k(codes).T / math.sqrt(32)
-position_scores = position_scores.masked_fill(~local_window(T_test), float("-inf")).cpu()  # (T, T)
-t = torch.arange(1, T_test)  # queries 1 .. 47
-target = position_scores[t, t - 1]  # score of the previous position
-others = position_scores[t].index_put((torch.arange(T_test - 1), t - 1), torch.tensor(float("-inf")))
-margin = (target - others.amax(-1))[T_train - 1:]  # (32,): positions 16 .. 47
+def position_margin(model: PreviousTokenModel) -> torch.Tensor:
+    """(32,): at each position 16..47, the position-only score of key t-1 minus the best other."""
+    with torch.no_grad():
+        codes = model.position.pe[0, :T_test]  # (T_test, d_model): PE(0) .. PE(47)
+        scores = model.W_q(codes) @ model.W_k(codes).T / math.sqrt(32)  # (T, T)
+    scores = scores.masked_fill(~local_window(T_test), float("-inf")).cpu()
+    queries = torch.arange(1, T_test)  # 1 .. 47
+    target = scores[queries, queries - 1]  # score of the previous position
+    others = scores[queries].index_put((torch.arange(T_test - 1), queries - 1), torch.tensor(float("-inf")))
+    return (target - others.amax(-1))[T_train - 1:]  # positions 16 .. 47
+
+
+def margin_numbers(margin: torch.Tensor, acc_beyond: torch.Tensor) -> dict[str, float]:
+    """How the margin goes with the accuracy at positions 16..47."""
+    return {
+        "correlation of margin and accuracy": torch.corrcoef(torch.stack([margin, acc_beyond]))[0, 1].item(),
+        "accuracy, margin > 0 minus margin < 0": (acc_beyond[margin > 0].mean()
+                                                  - acc_beyond[margin < 0].mean()).item(),
+        "positions with margin > 0": int((margin > 0).sum()),  # of 32
+    }
+
+
+margin = position_margin(sinusoidal_model)
 acc_beyond = accuracy["sinusoidal"][T_train - 1:]
-correlation = torch.corrcoef(torch.stack([margin, acc_beyond]))[0, 1].item()
+correlation = margin_numbers(margin, acc_beyond)["correlation of margin and accuracy"]
 print(f"positions 16..47: correlation of the position-only margin with the accuracy {correlation:.2f}")
 print(f"mean accuracy where the margin is positive {acc_beyond[margin > 0].mean():.2f}, "
       f"where it is negative {acc_beyond[margin < 0].mean():.2f}")
-assert (margin > 0).any() and (margin < 0).any()  # it swings (it did in all 22 reruns)
-assert correlation > 0.2  # 0.31 to 0.88 over 22 other seeds
+assert (margin > 0).any() and (margin < 0).any()  # it swings
+assert correlation > 0.1
+
+# %% [markdown]
+# ### How much of this is luck?
+#
+# The numbers above belong to one run. Train the four models five more times, with seeds 1 to 5
+# (the test sequences stay the same), and put every run through the same bounds. The table
+# gives, for each number, its bounds, the run above, and the lowest and highest over the five
+# other runs (the order-blind and learned rows are differences from the best order-blind bet).
+# Their numbers depend on the machine, as the main run's do, so the next cell asserts the
+# bounds, not the numbers.
+
+# %% tags=["nbval-ignore-output"]
+STUDY_SEEDS = [1, 2, 3, 4, 5]
+ANALYSIS_BOUNDS = {  # the bounds of the two checks above, in the same form
+    "code . code / largest other part": (1.0, math.inf),
+    "correlation of margin and accuracy": (0.1, 1.0),
+    "positions with margin > 0": (1, 31),  # the margin changes sign
+}
+
+
+def run_numbers(trained: dict[str, PreviousTokenModel]) -> dict[str, float]:
+    """Every number checked in this section, for one run of the four models."""
+    acc = {s: per_position_accuracy(m, long) for s, m in trained.items()}
+    short_acc = {s: per_position_accuracy(m, short).mean().item() for s, m in trained.items()}
+    margin = position_margin(trained["sinusoidal"])
+    return {**extrapolation_numbers(acc, short_acc),
+            "code . code / largest other part": code_share(part_spreads(trained["sinusoidal"])),
+            **margin_numbers(margin, acc["sinusoidal"][T_train - 1:])}
+
+
+stored_run = run_numbers(models)
+study = [run_numbers({s: train_previous_token(s, seed)[0] for s in schemes}) for seed in STUDY_SEEDS]
+bounds = {**EXTRAPOLATION_BOUNDS, **ANALYSIS_BOUNDS}
+print(f"{'':<40}{'bounds':>14}{'run above':>11}{'seeds 1-5':>14}")
+for name, value in stored_run.items():
+    low, high = bounds.get(name, (-math.inf, math.inf))
+    shown = "" if name not in bounds else f"{low:g} .. {high:g}"
+    low_seen, high_seen = min(n[name] for n in study), max(n[name] for n in study)
+    digits = 0 if name.startswith("positions") else 2  # a count, or an accuracy or ratio
+    print(f"{name:<40}{shown:>14}{value:>11.{digits}f}{low_seen:>8.{digits}f} .. {high_seen:.{digits}f}")
+
+# %%
+for numbers in [stored_run, *study]:
+    assert out_of_bounds(numbers, bounds) == []
 
 
 # %% [markdown]
+# In the run stored here, the five other runs agree with the first on every finding. What changes
+# from run to run is how much the sinusoidal model loses beyond position 15 (the widest range of
+# all the accuracies) and the three numbers of its analysis: how far the code-only part
+# dominates the score, and how closely the position-only margin follows the accuracy.
+#
 # A caution about reading too much into a toy: thanks to the window, every offset the models met
 # at length 48 had been seen in training, so RoPE had nothing new to handle. In large language
 # models RoPE does meet unseen *offsets* (and rotation angles) on long inputs, and degrades;
@@ -1596,7 +1799,8 @@ assert_close(scores_half, scores_interleaved, atol=1e-4, rtol=1e-5)
 assert not torch.allclose(rotate_half_rope(q), rope.rotate(q), atol=1e-3)
 
 # %% [markdown]
-# **2.** It fits the 200 positions to float precision, yet fails far away. Over 200
+# **2.** It fits the 200 positions to float precision, yet fails far away (the errors are
+# printed below: the entries of the table lie in $[-1, 1]$). Over 200
 # positions the slow pairs barely turn (the slowest by $200/8660 \approx 0.02$ radian), so their
 # columns are nearly collinear: the data cannot tell $M_5$ from many other matrices that agree
 # on $t < 200$, and least squares picks one of those. Knowing the *structure*, one rotation per
@@ -1604,14 +1808,19 @@ assert not torch.allclose(rotate_half_rope(q), rope.rotate(q), atol=1e-3)
 # $s'_t, c'_t$ for the same at $t + 5$; if pair $i$ turns by $\phi_i$, then every
 # $c_t s'_t - s_t c'_t$ equals $\sin\phi_i$ and every $s_t s'_t + c_t c'_t$ equals
 # $\cos\phi_i$. Summing both over $t$ and taking the `atan2` gives $\phi_i = 5\,\omega_i$
-# (modulo $2\pi$), which is $M_5$. The same lesson as section 6: short training sequences
-# leave the slow directions undetermined.
+# (modulo $2\pi$), which is $M_5$. Section 6 met a relative of this in a trained model: what
+# training on short sequences shapes, it shapes on those positions only, and the same weights
+# can do something else further on.
 
-# %%
+# %% tags=["nbval-ignore-output"]
 X_t, X_t5 = pe[:200].double(), pe[5:205].double()  # rows PE(t) and PE(t+5), t < 200
 A_T = torch.linalg.lstsq(X_t, X_t5).solution  # (128, 128), with X_t @ A_T ~ X_t5
-near_error = (X_t @ A_T - X_t5).abs().max()
-far_error = (pe[4000:4100].double() @ A_T - pe[4005:4105].double()).abs().max()
+near_error = (X_t @ A_T - X_t5).abs().max().item()
+far_error = (pe[4000:4100].double() @ A_T - pe[4005:4105].double()).abs().max().item()
+# Both errors come from float rounding in an ill-conditioned fit (LAPACK builds differ): not compared.
+print(f"largest error of A PE(t) against PE(t+5): t < 200 {near_error:.0e}, t = 4000..4099 {far_error:.1f}")
+
+# %%
 assert near_error < 1e-5 and far_error > 0.1  # perfect in sample, wrong far away
 
 s_t, c_t, s_t5, c_t5 = X_t[:, 0::2], X_t[:, 1::2], X_t5[:, 0::2], X_t5[:, 1::2]  # (200, 64) each
