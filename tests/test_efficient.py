@@ -468,7 +468,8 @@ def test_use_fast_path_bad_inputs():
         use_fast_path(nn.Linear(2, 2), enabled="yes")
 
 
-def test_fast_model_equals_scratch_model_outputs_and_gradients():
+def scratch_and_fast_batch():
+    """A small model in eval mode, its fast-path copy, and a batch with a fully padded source."""
     scratch = small_model().eval()
     fast = use_fast_path(copy.deepcopy(scratch)).eval()
     gen = torch.Generator().manual_seed(0)
@@ -476,7 +477,11 @@ def test_fast_model_equals_scratch_model_outputs_and_gradients():
         torch.randint(3, 12, (4, 7), generator=gen),
         torch.randint(3, 12, (4, 6), generator=gen),
     )
-    src_mask, tgt_mask = padding_mask([7, 5, 0, 2], 7), causal_mask(6)
+    return scratch, fast, (src, tgt, padding_mask([7, 5, 0, 2], 7), causal_mask(6))
+
+
+def test_fast_model_equals_scratch_model_outputs_and_gradients():
+    scratch, fast, (src, tgt, src_mask, tgt_mask) = scratch_and_fast_batch()
     out_s, out_f = scratch(src, tgt, src_mask, tgt_mask), fast(src, tgt, src_mask, tgt_mask)
     assert_close(out_f, out_s, atol=1e-5, rtol=1e-5)
     out_s.square().mean().backward()
@@ -502,15 +507,8 @@ def compiled_with_recording_backend(model):
 def test_compiled_fast_model_equals_scratch_and_eager_models():
     # Under compilation the fast path takes its traced branches (no causal-mask detection, every
     # mask's empty rows opened and zeroed, the CPU dropout branch without its data-dependent test)
-    scratch = small_model().eval()
-    fast = use_fast_path(copy.deepcopy(scratch)).eval()
+    scratch, fast, (src, tgt, src_mask, tgt_mask) = scratch_and_fast_batch()
     compiled, graphs = compiled_with_recording_backend(fast)
-    gen = torch.Generator().manual_seed(0)
-    src, tgt = (
-        torch.randint(3, 12, (4, 7), generator=gen),
-        torch.randint(3, 12, (4, 6), generator=gen),
-    )
-    src_mask, tgt_mask = padding_mask([7, 5, 0, 2], 7), causal_mask(6)
     out_s, out_c = scratch(src, tgt, src_mask, tgt_mask), compiled(src, tgt, src_mask, tgt_mask)
     assert graphs  # it was traced
     assert_close(out_c, out_s, atol=1e-5, rtol=1e-5)
