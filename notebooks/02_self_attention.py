@@ -311,7 +311,10 @@ flow_arrow(ax_flow, (4.45, 1.1), (5.51, 1.38), COLORS["key"])
 flow_arrow(ax_flow, (6.87, 1.5), (7.65, 1.5))
 flow_arrow(ax_flow, (9.13, 1.3), (10.18, 0.9))
 flow_arrow(ax_flow, (4.45, 0.05), (10.18, 0.62), COLORS["value"])
-ax_flow.text(7.26, 2.0, "mask, dropout:\nsection 3", ha="center", fontsize=9, color="0.35")
+# Where section 3's two additions act: the mask on the scores, before the softmax; dropout on
+# the weights, after it.
+ax_flow.text(7.26, 1.85, "mask\n(section 3)", ha="center", fontsize=9, color="0.35")
+ax_flow.text(9.55, 1.45, "dropout\n(section 3)", ha="left", fontsize=9, color="0.35")
 ax_flow.set_xlim(-0.9, 11.5)
 ax_flow.set_ylim(-0.6, 2.6)
 ax_flow.set_axis_off()
@@ -433,8 +436,9 @@ print(torch.softmax(torch.full((3,), float("-inf")), dim=-1))
 #
 # This example runs on the CPU, after `set_seed`. The mask it draws still depends on the machine
 # (the appendix says why), so CI does not compare the printed mask (`nbval-ignore-output`). The
-# asserts check what holds for any mask; they test PyTorch's `F.dropout`, which our function
-# calls, and check 5 below tests the function itself.
+# asserts check what holds for any mask: the survivors are doubled, and some weights are dropped
+# and some kept. They test PyTorch's `F.dropout`, which our function calls; check 5 below tests
+# the function itself.
 
 # %% tags=["nbval-ignore-output"]
 set_seed(0)
@@ -443,8 +447,7 @@ dropped = F.dropout(attn_cpu, p=0.5, training=True)  # (T, T); survivors scaled 
 print(dropped.round(decimals=3))
 kept = dropped != 0
 torch.testing.assert_close(dropped[kept], 2 * attn_cpu[kept])  # survivors doubled
-assert torch.all(dropped[attn_cpu == 0] == 0)  # a masked (future) key stays at weight 0
-assert 0 < kept.sum() < (attn_cpu != 0).sum()  # some of the 15 weights dropped, some kept
+assert 0 < kept.sum() < (attn_cpu != 0).sum()  # some of the 15 allowed weights dropped, some kept
 
 # %% [markdown]
 # **Step 5, weighted sum** of the values: $\mathrm{context} = AV$, one row per query.
@@ -485,7 +488,8 @@ from transformer_from_scratch.checks import (
 # it has checked the inputs itself. Notebook 03's multi-head attention does that: it checks its
 # own inputs once per call, and the shapes it then passes to this function are right by
 # construction, so checking them again for every call would repeat the same work. The checker
-# is the next cell.
+# is the next cell; check 6 below shows what it catches, and what happens to the same mistake
+# inside a `validated()` block.
 
 # %%
 #| export
@@ -732,6 +736,19 @@ for name, call in bad_calls.items():
         print(f"{name:<14} {type(err).__name__}: {err}")
     else:
         raise AssertionError(f"{name}: no error raised")
+
+# Inside validated(), the promise of a caller that has checked already, the function skips the
+# check: the same wrong d_k reaches the first matrix product, and PyTorch stops it there with a
+# RuntimeError that knows nothing of Q, K and V.
+from transformer_from_scratch.checks import validated
+
+with validated():
+    try:
+        bad_calls["d_k differs"]()
+    except RuntimeError as err:
+        print(f"{'inside validated()':<14} {type(err).__name__} from the product Q @ K^T")
+    else:
+        raise AssertionError("inside validated(): no error raised")
 
 # %% [markdown]
 # ### Picture: the steps on one example
@@ -980,13 +997,18 @@ def count_flops(fn: Callable[[], object]) -> int:
 # On the `meta` device tensors have shapes but no data, so counting costs nothing, even for a $T$
 # whose weights would not fit in memory.
 #
-# **Check:** the counted FLOPs are exactly $2 \cdot B h \cdot T^2 (d_k + d_v)$, for ours and for
-# PyTorch's, so they quadruple when $T$ doubles. For ours the counter adds up the two matrix
-# products our code runs; for PyTorch's fused function it applies the FLOP formula registered
-# for that operation, so that count is a formula, not a measurement of what its kernel does.
-# `FlopCounterMode` counts the **matrix products only**. The scaling and the softmax add a handful of operations per entry of the $T \times T$
-# matrix, also proportional to $T^2$ but small next to the $2(d_k + d_v) = 256$ per entry that
-# the two products cost at $d_k = d_v = 64$.
+# **Check:** the counted FLOPs of our function are exactly $2 \cdot B h \cdot T^2 (d_k + d_v)$,
+# so they quadruple when $T$ doubles. `FlopCounterMode` counts only the operations it has a
+# formula for, in practice the **matrix products**: it adds up the two products our code runs.
+# The scaling and the softmax add a handful of operations per entry of the $T \times T$ matrix,
+# also proportional to $T^2$ but small next to the $2(d_k + d_v) = 256$ per entry that the two
+# products cost at $d_k = d_v = 64$.
+#
+# PyTorch's `F.scaled_dot_product_attention` gets the same count on the `meta` device, but
+# not because the counter knows its fused kernels: on `meta` the function runs its plain "math"
+# version, and the counter sees two batched products (`aten.bmm`), exactly ours; the cell prints
+# them. So that half of the check says only that PyTorch's math version does the products ours
+# does, and nothing about what its fused kernels do.
 
 # %%
 def attention_flops(T: int, fn=scaled_dot_product_attention, batch: int = 1, heads: int = 1) -> int:
@@ -1003,6 +1025,41 @@ print(f"one head, d_k = d_v = 64: T = 512 -> {flops_512 / 1e6:.0f} MFLOP, "
       f"T = 1024 -> {flops_1024 / 1e6:.0f} MFLOP")
 print(f"T = 32768: {attention_flops(32768) / 1e12:.2f} TFLOP per head")
 
+# What the counter saw, operation by operation, at T = 512 on the meta device:
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+both_functions = {"ours": scaled_dot_product_attention, "PyTorch's": F.scaled_dot_product_attention}
+Q_meta = torch.empty(1, 1, 512, 64, device="meta")  # (B, h, T, d_k)
+counted_ops = {}
+for name, fn in both_functions.items():
+    with FlopCounterMode(display=False) as counter:
+        fn(Q_meta, Q_meta, Q_meta)
+    counted_ops[name] = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    print(f"{name:<9} on meta, counted: {counted_ops[name]}")
+assert counted_ops["PyTorch's"] == counted_ops["ours"] == {"aten.bmm": flops_512}
+
+# %% [markdown]
+# On real tensors PyTorch picks a fused kernel, and the counter counts it only if it has a
+# formula for that kernel. The cell below lists the formulas it has for attention, and counts
+# the same call on CPU tensors. In the stored run (torch 2.13) the list holds the CUDA kernels
+# (flash, memory-efficient and cuDNN, forward and backward; each formula computed from the
+# shapes, not measured from the kernel's work) but not the CPU's fused kernel
+# (`_scaled_dot_product_flash_attention_for_cpu`), and PyTorch's function on CPU tensors
+# counts **0** FLOPs. So a fused function is counted on `meta`,
+# and a count of 0 means "no formula", not "no work". Which kernels have a formula depends on
+# the version of PyTorch, so CI does not compare this cell's output; the asserts hold either way.
+
+# %% tags=["nbval-ignore-output"]
+print("formulas for attention kernels:",
+      sorted(str(op) for op in flop_registry if "scaled_dot_product" in str(op)))
+Q_real = torch.randn(1, 1, 512, 64, generator=torch.Generator().manual_seed(0))  # CPU tensors
+real_counts = {name: count_flops(lambda fn=fn: fn(Q_real, Q_real, Q_real))
+               for name, fn in both_functions.items()}
+print("T = 512 on CPU tensors, counted:",
+      ", ".join(f"{name} {n / 1e6:.0f} MFLOP" for name, n in real_counts.items()))
+assert real_counts["ours"] == flops_512  # our two products, on any device
+assert real_counts["PyTorch's"] in (0, flops_512)  # no formula, or one that agrees
+
 
 # %% [markdown]
 # ### Memory: the peak of one call
@@ -1010,7 +1067,9 @@ print(f"T = 32768: {attention_flops(32768) / 1e12:.2f} TFLOP per head")
 # The formula above counts the weights alone. While it runs, a call holds more: which tensors
 # exist at the same moment depends on how the function is written. So we measure the peak, the
 # most memory in use at any moment of the call, beyond what was in use before it:
-# `peak_memory(fn)`.
+# `peak_memory(fn)`. The peak is the number that matters: a call fails with "out of memory"
+# (on a GPU, the first resource long sequences exhaust) as soon as its peak does not fit, however
+# little it holds on average.
 
 # %% jupyter={"source_hidden": true}
 #| export measure
@@ -1081,9 +1140,10 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
 # the local variable `scores` lives until the function returns. So the peak should be two
 # $T \times T$ matrices plus the context, $B h\,(2T^2 + T d_v) \cdot 4$ bytes in float32: three
 # times the weights at $T = d_v$, and closer and closer to twice the weights as $T$ grows.
-# Nothing in the measurement knows this formula. We measure on the CPU, whose allocator
-# is the same on every machine (on a GPU, `peak_memory(fn, "cuda")` reads the CUDA allocator's
-# peak instead), and allow 1% for small bookkeeping tensors that some versions of PyTorch keep.
+# Nothing in the measurement knows this formula. We measure on the CPU, where the profiler
+# counts the bytes PyTorch's allocator hands out, whatever the machine (on a GPU,
+# `peak_memory(fn, "cuda")` reads the CUDA allocator's peak instead), and allow 1% for small
+# bookkeeping tensors that some versions of PyTorch keep.
 # Because of that 1%, CI does not compare the printed peaks (here and below) with the stored
 # ones; the asserts hold them to the accounting.
 
@@ -1204,7 +1264,6 @@ ax_mem.legend(fontsize=8)
 save_figure(fig_mem, "02_attention_memory")
 plt.show()
 
-
 # %% [markdown]
 # Our measured peak sits on the accounting at every length. It grows $3.33$ times over the first
 # doubling (64 to 128) and $3.94$ times over the last (1024 to 2048), both from the accounting:
@@ -1212,91 +1271,18 @@ plt.show()
 # PyTorch's fused function is another story, and what it does depends on its version and on the
 # device. In the stored run (the table's last column) its peak is about twice one $T \times T$
 # matrix at $T = 64$, below one such matrix from $T = 128$ on, and a small fraction of one at
-# $T = 2048$, where it grew only 1.31 times over the last doubling. A peak below one
-# $T \times T$ matrix means that, at those lengths, its kernel never holds the whole matrix at
-# once ([notebook 14](14_efficient_attention.ipynb) writes such a kernel).
+# $T = 2048$, having grown far less than fourfold over the last doubling (the table's last line).
+# A peak below one $T \times T$ matrix means that, at those lengths, its kernel never holds the
+# whole matrix at once ([notebook 14](14_efficient_attention.ipynb) writes such a kernel).
 #
-# ### Against the alternatives: Table 1 of Vaswani et al. (2017)
-#
-# The paper weighs self-attention against the layers it replaced, for a sequence of length $n$
-# and representations of width $d$ ($k$: a convolution's kernel width; $r$: the neighbourhood a
-# *restricted* self-attention looks at):
-#
-# | layer type | complexity per layer | sequential operations | maximum path length |
-# |---|---|---|---|
-# | self-attention | $O(n^2 \cdot d)$ | $O(1)$ | $O(1)$ |
-# | recurrent | $O(n \cdot d^2)$ | $O(n)$ | $O(n)$ |
-# | convolutional | $O(k \cdot n \cdot d^2)$ | $O(1)$ | $O(\log_k n)$ |
-# | self-attention (restricted) | $O(r \cdot n \cdot d)$ | $O(1)$ | $O(n/r)$ |
-#
-# How the columns meet what this notebook measured:
-#
-# - **Complexity per layer** is the $T \times T$ work counted above, $2T^2(d_k + d_v)$ per head,
-#   so $4 n^2 d$ over $h$ heads of width $d_k = d_v = d/h$. It leaves out the four projections
-#   (queries, keys, values, output), $8 n d^2$. A recurrent layer
-#   $h_t = \tanh(x_t W + h_{t-1} U)$ has a counterpart of those, the input product $x_t W$, and
-#   one product that only it has, $h_{t-1} U$: $2 d^2$ at each of the $n$ steps, $2 n d^2$. The
-#   table's $O(\cdot)$ compares what each layer adds, $n^2 d$ against $n d^2$, and drops the
-#   constants: self-attention does less work when $n$ is small compared with $d$, which the paper
-#   notes is the usual case for sentences (its $d$ is 512). Where exactly the two meet depends
-#   on what one counts, as the count below shows.
-# - **Sequential operations:** our function is two matrix products and a softmax whatever $T$ is;
-#   every query is computed at once. A recurrent layer needs $n$ steps, each waiting for the one
-#   before.
-# - **Maximum path length:** one attention step connects every output to every input (the
-#   weights above have no zero outside a mask), where a recurrent layer passes information
-#   along $n$ steps. Restricted self-attention trades this back for less work: each query sees
-#   only the $r$ keys of a window centred on its own position, the symmetric window that
-#   notebook 05's exercise 1 mentions beside the causal one it builds.
-#
-# **Count** the first column with the FLOP counter, a recurrent layer of width $d = 512$ (on the
-# `meta` device) against 8 heads of width 64. This is a demonstration, not a test: the counter
-# charges $2mnk$ for each product, so the numbers follow from the shapes. Counting what each
-# layer adds (the $T \times T$ products against $h_{t-1} U$), attention does
-# $4n^2d / 2nd^2 = 2n/d$ times the work: equal at $n = d/2 = 256$, not at $n = d$. Counting both
-# layers whole (attention with its four projections, $4n^2 d + 8 n d^2$, against $4 n d^2$), the
-# ratio is $n/d + 2$, and this plain recurrent layer does less work at every $n$.
-
-# %%
-def recurrent_flops(n: int, d: int, whole: bool = True) -> int:
-    """FLOPs of the products of a plain recurrent layer over n steps, width d; without the
-    input product x_t W (whole=False), only the recurrence h_{t-1} U."""
-    x, W, U = (torch.empty(*shape, device="meta") for shape in ((n, 1, d), (d, d), (d, d)))
-
-    def run():
-        state = torch.empty(1, d, device="meta")
-        for t in range(n):  # n sequential steps: step t needs the state of step t - 1
-            mixed = state @ U  # the product only a recurrent layer has
-            state = torch.tanh(x[t] @ W + mixed if whole else mixed)
-
-    return count_flops(run)
-
-
-def projection_flops(n: int, d: int) -> int:
-    """FLOPs of the four d x d projections of an attention layer (queries, keys, values, output)."""
-    X, W = torch.empty(n, d, device="meta"), torch.empty(d, d, device="meta")
-    return count_flops(lambda: [X @ W for _ in range(4)])
-
-
-d_layer = 512
-lines = [f"{'n':>5} | {'T x T products':>14} {'h U':>5} {'ratio':>5} |"
-         f" {'attention layer':>15} {'recurrent layer':>15} {'ratio':>5}   (MFLOP)"]
-for n in (128, 256, 512, 1024):
-    attention_work = attention_flops(n, heads=d_layer // 64)  # 8 heads of width 64: 4 n^2 d
-    recurrence_work = recurrent_flops(n, d_layer, whole=False)  # 2 n d^2
-    attention_layer = attention_work + projection_flops(n, d_layer)  # 4 n^2 d + 8 n d^2
-    recurrent_layer = recurrent_flops(n, d_layer)  # 4 n d^2
-    assert attention_work * d_layer == 2 * n * recurrence_work  # ratio 2n / d
-    assert attention_layer * d_layer == (n + 2 * d_layer) * recurrent_layer  # ratio n / d + 2
-    lines.append(f"{n:>5} | {attention_work / 1e6:>14.0f} {recurrence_work / 1e6:>5.0f}"
-                 f" {attention_work / recurrence_work:>5.2f} | {attention_layer / 1e6:>15.0f}"
-                 f" {recurrent_layer / 1e6:>15.0f} {attention_layer / recurrent_layer:>5.2f}")
-print("\n".join(lines))
+# How these counts compare with the layers attention replaced, the recurrent and convolutional
+# ones of Table 1 of Vaswani et al. (2017), is in the appendix.
 
 # %% [markdown]
 # **Takeaway: double the sequence and the FLOPs of attention's matrix products grow fourfold,
-# exactly $2T^2(d_k + d_v)$ per head, for our function as counted and for PyTorch's by the formula
-# registered for it. The memory grows about fourfold only where the $T \times T$ weights are
+# exactly $2T^2(d_k + d_v)$ per head: counted for our function, and for PyTorch's on the `meta`
+# device, where it runs the same two products (on CPU tensors the counter has no formula for its
+# fused kernel and counts 0). The memory grows about fourfold only where the $T \times T$ weights are
 # stored: our function's measured peak is two such matrices per head (scores and weights) plus
 # the context, while PyTorch's fused function, in the stored run, peaked below one such matrix
 # from $T = 128$ on ([notebook 14](14_efficient_attention.ipynb)). The clock, timed in the
@@ -1375,7 +1361,9 @@ print(f"causal mask: largest difference from P @ output: {gap_causal:.3f}")
 #    $T = 2^{13} = 8192$ tokens, for the weights of one layer alone. The call needs more. Measured
 #    at $T = 256$, its peak is just over twice the weights: section 6 found the scores and the
 #    weights alive together, plus the context, $B h\,(2T^2 + T d_v) \cdot 4$ bytes. Solving
-#    $2T^2 + 16\,T \le 2^{26}$ instead gives about 5,800 tokens.
+#    $2T^2 + 16\,T \le 2^{26}$ instead gives about 5,800 tokens. (The peak counts what the call
+#    allocates. Its inputs $Q$, $K$, $V$ exist before it, $3\,T d_k$ numbers per head, which at
+#    this length add less than 1% and do not change the answer's first digits.)
 
 # %% tags=["nbval-ignore-output"]
 T_small = 256
@@ -1393,9 +1381,10 @@ print(f"longest T in 16 GiB: weights alone {T_weights}, the whole call {T_call}"
 # %% [markdown]
 # ## Appendix · Under the hood
 #
-# Optional reading, about measuring rather than attention: how the helpers of `measure` work; the
-# time of section 6's two functions, a noisy measurement; why the dropout masks of section 3
-# differ between machines; and how readable `plot_attention`'s numbers are.
+# Optional reading, mostly about measuring rather than attention: how the helpers of `measure`
+# work; the time of section 6's two functions, a noisy measurement; section 6's counts beside
+# Table 1 of Vaswani et al. (2017), attention against a recurrent layer; why the dropout masks of
+# section 3 differ between machines; and how readable `plot_attention`'s numbers are.
 #
 # ### How `measure` measures
 #
@@ -1460,25 +1449,31 @@ def fit_slope(xs, ys) -> float:
 
 
 # %% [markdown]
-# A sweep over the lengths of section 6, ours and PyTorch's `F.scaled_dot_product_attention` side by side at each
-# length (so that both see the same machine load), on **one** CPU thread: with several, each
-# operation is finished only when its slowest thread is, and on a busy machine that adds noise
-# at every size. The sweep runs seven times over all the lengths, three timed calls per point
-# each time (`time_call`'s median), and each point keeps the median of its seven rounds: a slow
-# moment on a shared machine spoils a round, not a length. It takes a few seconds. The *local
-# slope* between two neighbouring lengths is $\log_2$ of the ratio of their times, since each
-# length doubles the last: 2 means exactly fourfold. The table also divides the exact FLOP count by the time: the **throughput** in
-# GFLOP/s. The FLOPs grow exactly like $T^2$, so a time that grows like $T^k$ is a throughput
-# that grows like $T^{2-k}$: a constant throughput would be exactly quadratic time, a rising one
-# means a slope below 2, a falling one a slope above 2. The numbers depend on the machine, so CI
-# does not compare this cell's output.
+# A sweep over the lengths of section 6, ours and PyTorch's `F.scaled_dot_product_attention`
+# side by side at each length (so that both see the same machine load), on **one** CPU thread:
+# with several, each operation is finished only when its slowest thread is, and on a busy
+# machine that adds noise at every size. The sweep runs seven times over all the lengths, three
+# timed calls per point each time (`time_call`'s median), and each point keeps its **fastest**
+# round. Another program on the machine can only slow a round down, never speed it up, so the
+# fastest round is the one least disturbed (the advice of Python's `timeit` too); the table's
+# last lines say how far the rounds disagreed and how long the sweep took.
+#
+# The *local slope* between two neighbouring lengths is $\log_2$ of the ratio of their times,
+# since each length doubles the last: 2 means exactly fourfold. The table also divides the exact
+# FLOP count by the time: the **throughput** in GFLOP/s. The FLOPs grow exactly like $T^2$, so a
+# time that grows like $T^k$ is a throughput that grows like $T^{2-k}$: a constant throughput
+# would be exactly quadratic time, a rising one means a slope below 2, a falling one a slope
+# above 2. Read a slope above 2 as "this doubling cost more than four times as much on this
+# machine", not as a new law: the work is exactly $T^2$ (section 6), and the text after the
+# picture says what can make the clock disagree. The numbers depend on the machine, so CI does
+# not compare this cell's output.
 
 # %% tags=["nbval-ignore-output"]
 import statistics
 from functools import partial
 
 Ts = [64, 128, 256, 512, 1024, 2048]  # as in section 6
-ROUNDS = 7  # sweeps over all lengths; a point's time is the median of its rounds
+ROUNDS = 7  # sweeps over all lengths; a point's time is its fastest round
 functions = {"ours": scaled_dot_product_attention, "torch": F.scaled_dot_product_attention}
 inputs = {}  # T -> (Q, K, V), each (1, 1, T, 64)
 for T_time in Ts:
@@ -1487,6 +1482,7 @@ for T_time in Ts:
 rounds = {name: {T_time: [] for T_time in Ts} for name in functions}  # seconds, one per round
 threads = torch.get_num_threads()
 torch.set_num_threads(1)
+sweep_start = time.perf_counter()
 try:
     with torch.no_grad():
         for _ in range(ROUNDS):
@@ -1496,7 +1492,8 @@ try:
                     rounds[name][T_time].append(time_call(call, warmup=1, repeats=3))
 finally:
     torch.set_num_threads(threads)
-times = {name: [statistics.median(rounds[name][T_time]) for T_time in Ts] for name in functions}
+sweep_seconds = time.perf_counter() - sweep_start
+times = {name: [min(rounds[name][T_time]) for T_time in Ts] for name in functions}
 
 flops_T = [attention_flops(T_flop) for T_flop in Ts]  # exact, the same for both functions
 gflops = {name: [f / t / 1e9 for f, t in zip(flops_T, times[name], strict=True)] for name in times}
@@ -1519,26 +1516,50 @@ for name in times:
                  f"that at T = {Ts[0]}; at T = {Ts[-1]} {gflops[name][-1] / gflops[name][best]:.2f}x the highest")
 noise = {name: max(max(r) / min(r) for r in rounds[name].values()) for name in functions}
 lines.append(f"rounds of one point differ by at most {noise['ours']:.1f}x (ours), "
-             f"{noise['torch']:.1f}x (torch)")
+             f"{noise['torch']:.1f}x (torch); the sweep took {sweep_seconds:.0f} s")
 print("\n".join(lines))
 
 # %% [markdown]
-# **Check** what does not depend on the clock: `fit_slope` recovers the exponent of exact power
-# laws, and the sweep recorded one positive, finite time per round at every length, for both
-# functions. The times themselves are not asserted: any bound on a wall-clock time can fail on a
-# loaded machine, and the course's tests never assert on one. The table above and the picture
-# below show them, for this machine at this moment.
+# **Check** what does not depend on the clock. `fit_slope` recovers the exponent of exact power
+# laws. `time_call` is run on a fake clock that moves only when asked: each call of the timed
+# function queues some seconds of work, as a GPU's asynchronous kernels do, and the clock
+# advances by them only when `_synchronize` waits for the queue. `time_call` must return the
+# median of the timed calls, 2 s; the mean (2.33 s), the longest call (4 s), the warm-up alone
+# (5 s), a version that forgets to wait after the warm-up (a median of 4 s) or after each call
+# (0 s) all give another number. The times of the sweep themselves are not asserted: any bound
+# on a wall-clock time can fail on a loaded machine, and the course's tests never assert on one.
+# The table above and the picture below show them, for this machine at this moment.
 
 # %%
 assert math.isclose(fit_slope(Ts, [T**2 for T in Ts]), 2.0)
 assert math.isclose(fit_slope(Ts, [3e-9 * T**1.5 for T in Ts]), 1.5)
-assert all(len(per_round) == ROUNDS and all(0 < t < math.inf for t in per_round)
-           for per_length in rounds.values() for per_round in per_length.values())
+
+work = iter([5.0, 1.0, 4.0, 2.0])  # seconds of queued work: the warm-up call, then 3 timed calls
+fake = {"now": 0.0, "queued": 0.0}  # the fake clock, and the work not yet waited for
+
+
+def queue_work():
+    fake["queued"] += next(work)
+
+
+def fake_synchronize():
+    fake["now"] += fake["queued"]  # waiting for the queue takes as long as its work
+    fake["queued"] = 0.0
+
+
+real_clock, real_synchronize = time.perf_counter, _synchronize
+time.perf_counter, _synchronize = (lambda: fake["now"]), fake_synchronize
+try:
+    fake_median = time_call(queue_work, warmup=1, repeats=3)
+finally:
+    time.perf_counter, _synchronize = real_clock, real_synchronize
+assert fake_median == 2.0, fake_median
+print(f"time_call on the fake clock: {fake_median} s")
 
 # %% [markdown]
 # **Picture:** time and throughput against $T$, the time on log-log axes, where a power law $T^k$
 # is a straight line of slope $k$. The dashed line is a guide of slope 2, drawn through our
-# function's time at the longest $T$: it is not fitted to the points. In the throughput panel
+# function's time at $T = 512$: it is not fitted to the points. In the throughput panel
 # exactly quadratic time would be a horizontal line.
 
 # %% jupyter={"source_hidden": true}
@@ -1547,13 +1568,14 @@ labels = {"ours": "ours", "torch": "F.scaled_dot_product_attention"}
 ax_time.plot(Ts, [1e3 * t for t in times["ours"]], "o-", color=COLORS["ours"], label=labels["ours"])
 ax_time.plot(Ts, [1e3 * t for t in times["torch"]], "s-", color=COLORS["torch"],
              label=labels["torch"])
-last_ms = 1e3 * times["ours"][-1]
-ax_time.plot(Ts, [last_ms * (T / Ts[-1]) ** 2 for T in Ts], "--", color="0.4",
-             label=f"guide of slope 2 ($\\propto T^2$) through ours at T = {Ts[-1]}, not a fit")
+T_guide = 512
+guide_ms = 1e3 * times["ours"][Ts.index(T_guide)]
+ax_time.plot(Ts, [guide_ms * (T / T_guide) ** 2 for T in Ts], "--", color="0.4",
+             label=f"guide of slope 2 ($\\propto T^2$) through ours at T = {T_guide}, not a fit")
 # One CPU thread is what the sweep sets; on a GPU that setting only affects the host side.
 where = "CPU, one thread" if device.type == "cpu" else device.type.upper()
 ax_time.set_title(f"Time of one forward pass ({where}, one head)")
-ax_time.set_ylabel(f"time per call (ms, median of {ROUNDS} rounds, log scale)")
+ax_time.set_ylabel(f"time per call (ms, fastest of {ROUNDS} rounds, log scale)")
 ax_time.set_yscale("log")
 
 ax_rate.plot(Ts, gflops["ours"], "o-", color=COLORS["ours"], label=labels["ours"])
@@ -1570,6 +1592,7 @@ for ax in (ax_time, ax_rate):
 save_figure(fig_time, "02_attention_time")
 plt.show()
 
+
 # %% [markdown]
 # The time panel is wall-clock evidence from one machine at one moment. It changes from run to
 # run, more on a loaded machine than on a quiet one; the table's line "rounds of one point
@@ -1577,16 +1600,100 @@ plt.show()
 # time is from $T^2$. Where fixed costs (starting each operation, whatever its size) dominate,
 # at small $T$, the throughput rises with $T$ and the local slope is below 2. Where the
 # throughput falls at larger $T$, a single doubling costs more than four times as much; the
-# table says at which lengths that happened in the stored run. Why it falls is a hypothesis this
-# notebook does not test: once the $T \times T$ matrices no longer fit in the processor's caches
-# (one of them is 1 MiB at $T = 512$, 4 MiB at $T = 1024$), each entry costs more to stream
-# through memory, and tensors this large may also cost the allocator more to obtain at every
-# call. So the fitted slope over the longer half is a rough exponent, not a law, and the dashed
-# guide need not follow the other points. The quadratic law itself is in the FLOP count and, for
-# our function, in the memory, which section 6 pins down; the clock agrees with it only roughly.
+# table says at which lengths that happened in the stored run.
+#
+# Why it falls is a hypothesis this notebook does not test, and it is about our function only.
+# Ours writes two $T \times T$ matrices per call (section 6), each 1 MiB at $T = 512$, 4 MiB at
+# $T = 1024$ and 16 MiB at $T = 2048$; once they no longer fit in the processor's caches, each
+# entry costs more to stream through memory, and tensors this large may also cost the allocator
+# more to obtain at every call. PyTorch's fused kernel holds less than one such matrix at these
+# lengths (section 6's table of peaks), so the same story cannot explain a fall of its
+# throughput. Where its throughput falls too, the cause lies elsewhere, and this notebook does
+# not pin it down; on a shared machine, other programs competing for the caches and the memory
+# bus are one candidate, and they vary from run to run. So the fitted slope over the longer half
+# is a rough exponent, not a law, and the dashed guide need not follow the other points. The quadratic law itself is in the FLOP count and, for our function, in the memory,
+# which section 6 pins down; the clock agrees with it only roughly.
 #
 # `benchmarks/attention.py`, outside the package at the root of the repository, repeats these
 # measurements for more lengths and writes them to a JSON file (`make bench`).
+
+# %% [markdown]
+# ### Against the alternatives: Table 1 of Vaswani et al. (2017)
+#
+# The paper weighs self-attention against the layers it replaced, for a sequence of length $n$
+# and representations of width $d$ ($k$: a convolution's kernel width; $r$: the neighbourhood a
+# *restricted* self-attention looks at):
+#
+# | layer type | complexity per layer | sequential operations | maximum path length |
+# |---|---|---|---|
+# | self-attention | $O(n^2 \cdot d)$ | $O(1)$ | $O(1)$ |
+# | recurrent | $O(n \cdot d^2)$ | $O(n)$ | $O(n)$ |
+# | convolutional | $O(k \cdot n \cdot d^2)$ | $O(1)$ | $O(\log_k n)$ |
+# | self-attention (restricted) | $O(r \cdot n \cdot d)$ | $O(1)$ | $O(n/r)$ |
+#
+# How the columns meet what this notebook measured:
+#
+# - **Complexity per layer** is the $T \times T$ work counted in section 6, $2T^2(d_k + d_v)$ per head,
+#   so $4 n^2 d$ over $h$ heads of width $d_k = d_v = d/h$. It leaves out the four projections
+#   (queries, keys, values, output), $8 n d^2$. A recurrent layer
+#   $h_t = \tanh(x_t W + h_{t-1} U)$ has a counterpart of those, the input product $x_t W$, and
+#   one product that only it has, $h_{t-1} U$: $2 d^2$ at each of the $n$ steps, $2 n d^2$. The
+#   table's $O(\cdot)$ compares what each layer adds, $n^2 d$ against $n d^2$, and drops the
+#   constants: self-attention does less work when $n$ is small compared with $d$, which the paper
+#   notes is the usual case for sentences (its $d$ is 512). Where exactly the two meet depends
+#   on what one counts, as the count below shows.
+# - **Sequential operations:** our function is two matrix products and a softmax whatever $T$ is;
+#   every query is computed at once. A recurrent layer needs $n$ steps, each waiting for the one
+#   before.
+# - **Maximum path length:** one attention step connects every output to every input (the
+#   weights of section 4 have no zero outside a mask), where a recurrent layer passes information
+#   along $n$ steps. Restricted self-attention trades this back for less work: each query sees
+#   only the $r$ keys of a window centred on its own position, the symmetric window that
+#   notebook 05's exercise 1 mentions beside the causal one it builds.
+#
+# **Count** the first column with the FLOP counter, a recurrent layer of width $d = 512$ (on the
+# `meta` device) against 8 heads of width 64. This is a demonstration, not a test: the counter
+# charges $2mnk$ for each product, so the numbers follow from the shapes. Counting what each
+# layer adds (the $T \times T$ products against $h_{t-1} U$), attention does
+# $4n^2d / 2nd^2 = 2n/d$ times the work: equal at $n = d/2 = 256$, not at $n = d$. Counting both
+# layers whole (attention with its four projections, $4n^2 d + 8 n d^2$, against $4 n d^2$), the
+# ratio is $n/d + 2$, and this plain recurrent layer does less work at every $n$.
+
+# %%
+def recurrent_flops(n: int, d: int, whole: bool = True) -> int:
+    """FLOPs of the products of a plain recurrent layer over n steps, width d; without the
+    input product x_t W (whole=False), only the recurrence h_{t-1} U."""
+    x, W, U = (torch.empty(*shape, device="meta") for shape in ((n, 1, d), (d, d), (d, d)))
+
+    def run():
+        state = torch.empty(1, d, device="meta")
+        for t in range(n):  # n sequential steps: step t needs the state of step t - 1
+            mixed = state @ U  # the product only a recurrent layer has
+            state = torch.tanh(x[t] @ W + mixed if whole else mixed)
+
+    return count_flops(run)
+
+
+def projection_flops(n: int, d: int) -> int:
+    """FLOPs of the four d x d projections of an attention layer (queries, keys, values, output)."""
+    X, W = torch.empty(n, d, device="meta"), torch.empty(d, d, device="meta")
+    return count_flops(lambda: [X @ W for _ in range(4)])
+
+
+d_layer = 512
+lines = [f"{'n':>5} | {'T x T products':>14} {'h U':>5} {'ratio':>5} |"
+         f" {'attention layer':>15} {'recurrent layer':>15} {'ratio':>5}   (MFLOP)"]
+for n in (128, 256, 512, 1024):
+    attention_work = attention_flops(n, heads=d_layer // 64)  # 8 heads of width 64: 4 n^2 d
+    recurrence_work = recurrent_flops(n, d_layer, whole=False)  # 2 n d^2
+    attention_layer = attention_work + projection_flops(n, d_layer)  # 4 n^2 d + 8 n d^2
+    recurrent_layer = recurrent_flops(n, d_layer)  # 4 n d^2
+    assert attention_work * d_layer == 2 * n * recurrence_work  # ratio 2n / d
+    assert attention_layer * d_layer == (n + 2 * d_layer) * recurrent_layer  # ratio n / d + 2
+    lines.append(f"{n:>5} | {attention_work / 1e6:>14.0f} {recurrence_work / 1e6:>5.0f}"
+                 f" {attention_work / recurrence_work:>5.2f} | {attention_layer / 1e6:>15.0f}"
+                 f" {recurrent_layer / 1e6:>15.0f} {attention_layer / recurrent_layer:>5.2f}")
+print("\n".join(lines))
 
 # %% [markdown]
 # ### Why the dropout masks differ between machines

@@ -1,9 +1,11 @@
 # %% [markdown]
 # # 04 · Positional encoding
 #
-# **What you will build:** the three ways a Transformer learns where a token sits: the fixed
+# **What you will build:** three common ways to tell a Transformer where a token sits: the fixed
 # sinusoidal table of the original paper (`PositionalEncoding`), a trained table
-# (`LearnedPositionalEmbedding`) and rotary embeddings (`RotaryEmbedding`, RoPE). On the way
+# (`LearnedPositionalEmbedding`) and rotary embeddings (`RotaryEmbedding`, RoPE). (There are
+# others, such as biases added to the attention scores by distance, e.g. ALiBi; they are not built
+# here.) On the way
 # you will check that attention on its own cannot tell "dog bites man" from "man bites dog",
 # that shifting a sinusoidal code by $k$ positions is one fixed rotation, and that RoPE makes
 # attention scores depend on the *offset* between two tokens only; then you will train a
@@ -77,6 +79,7 @@ W_q, W_k, W_v = (nn.Linear(d_model, d_model, bias=False).to(device) for _ in ran
 def self_attention(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One head of self-attention over (B, T, d_model); returns the context and the weights."""
     q, k, v = W_q(x), W_k(x), W_v(x)  # (B, T, d_model) each
+    # F.scaled_dot_product_attention returns the context only, so the weights are computed here.
     weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d_model), dim=-1)  # (B, T, T)
     return F.scaled_dot_product_attention(q, k, v), weights
 
@@ -260,9 +263,10 @@ from transformer_from_scratch.checks import (
 
 # %% [markdown]
 # The table is computed in float64 and stored in the default dtype (float32). The angles
-# $\omega_i t$ reach 5000 radians for the default `max_len`, and in float32 an angle that large
-# carries an error of a few times $10^{-4}$ (floats near 5000 are $2^{-11} \approx 5 \cdot 10^{-4}$
-# apart), enough to break the exact identities checked below.
+# $\omega_i t$ reach 4999 radians for the default `max_len` of 5000 ($t \le 4999$,
+# $\omega_0 = 1$), and in float32 an angle that large carries an error of a few times $10^{-4}$
+# (floats near 5000 are $2^{-11} \approx 5 \cdot 10^{-4}$ apart), enough to break the exact
+# identities checked below.
 # The helpers at the top reject bad arguments and bad inputs with a message that names them.
 
 # %%
@@ -349,7 +353,7 @@ def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
 
 
 # %% [markdown]
-# What the length check prevents. A model that has checked its inputs once runs its parts inside
+# *Optional:* what the length check prevents. A model that has checked its inputs once runs its parts inside
 # `checks.validated()` (notebook 00), where this check is off. Switch it off here too, for a
 # table of 64 rows: the slice `pe[:, offset : offset + T]` then holds fewer than $T$ rows, and
 # what happens depends on how many are left: several, and the addition fails with a broadcasting error that
@@ -482,7 +486,7 @@ for row, (i, color) in enumerate(zip([0, 4, 16, 32], colors, strict=True)):
     ax1.plot(range(61), lift + pe[:61, 2 * i], "o", ms=3, color=color)
     lifts.append(lift)
     names.append(f"dim {2 * i}\n$\\lambda$ = {wavelength[i]:.1f}")
-ax1.set_yticks(lifts, names, fontsize=8)  # each tick marks its curve's 0
+ax1.set_yticks(lifts, names, fontsize=9)  # each tick marks its curve's 0
 # Scale bar: every curve spans -1 to 1 around its tick.
 ax1.plot([63.5, 63.5], [lifts[0] - 1, lifts[0] + 1], color="black", lw=2, clip_on=False)
 ax1.text(64.5, lifts[0], "$-1$\nto\n$1$", va="center", fontsize=8)
@@ -544,8 +548,8 @@ print(M_3[:4, :4].round(decimals=4))
 # **Check.** For several offsets $k$, every row of the 5000-row table, moved by $M_k$, must land
 # on the row $k$ further down. As rows, $PE[t+k] = PE[t]\,M_k^\top$. A wrong offset must not fit,
 # and neither must the table computed in float32 all the way (section 2).
-# Every pair of every row must lie on the unit circle, which is what lets one rotation carry any
-# row to another. And two shifts compose: $M_j M_k = M_{j+k}$.
+# Last, an illustration on the helper rather than a test of the table: two shifts compose,
+# $M_j M_k = M_{j+k}$ (it fails only if `shift_matrix` is not a rotation by an angle linear in $k$).
 
 # %%
 for shift in [1, 3, 17, 250, 4000]:
@@ -554,8 +558,6 @@ for shift in [1, 3, 17, 250, 4000]:
 assert not torch.allclose(pe[3:], pe[:-3] @ shift_matrix(4, 128).T, atol=1e-2)  # off by one
 naive32 = naive.float()  # (5000, 128): float32 all the way, from section 2
 assert not torch.allclose(naive32[3:], naive32[:-3] @ shift_matrix(3, 128).T, rtol=1.3e-6, atol=1e-5)
-radius_sq = pe[:, 0::2].double() ** 2 + pe[:, 1::2].double() ** 2  # (5000, 64): sin^2 + cos^2
-assert_close(radius_sq, torch.ones_like(radius_sq), atol=1e-6, rtol=0)
 assert_close(shift_matrix(5, 128) @ shift_matrix(12, 128), shift_matrix(17, 128), atol=1e-6, rtol=0)
 
 # %% [markdown]
@@ -611,6 +613,9 @@ plt.show()
 # Table 3, row E) found it works about as well as the sinusoids. We start the table at small
 # values, $\mathcal{N}(0, 0.02^2)$ as BERT does, rather than `nn.Embedding`'s $\mathcal{N}(0, 1)$;
 # the cell after the class checks that start, and that `nn.Embedding`'s own would fail the check.
+# The module takes its sizes in the order of `PositionalEncoding`, `(d_model, max_len)`, so the
+# two can replace each other in a model; its weight is stored rows first, $(\text{max\_len},
+# d_{\text{model}})$, as `nn.Embedding`'s is.
 #
 # The trade-off: a learned table has $\text{max\_len}\times d_{\text{model}}$ parameters, knows
 # nothing about neighbourhood until data teaches it, and has no row at all for position
@@ -622,11 +627,11 @@ class LearnedPositionalEmbedding(nn.Module):
     """Add a trained (max_len, d_model) table to (B, T, d_model) inputs, then apply dropout."""
 
     def __init__(
-        self, max_len: int, d_model: int, dropout_p: float = 0.0, init_std: float = 0.02
+        self, d_model: int, max_len: int, dropout_p: float = 0.0, init_std: float = 0.02
     ) -> None:
         super().__init__()
-        _check_size("max_len", max_len)
         _check_size("d_model", d_model)
+        _check_size("max_len", max_len)
         check_probability("dropout_p", dropout_p)
         self.d_model, self.max_len = d_model, max_len
         self.embedding = nn.Embedding(max_len, d_model)
@@ -642,7 +647,7 @@ class LearnedPositionalEmbedding(nn.Module):
 
 
 # %%
-learned = LearnedPositionalEmbedding(max_len=64, d_model=128).to(device)
+learned = LearnedPositionalEmbedding(128, 64).to(device)  # (d_model, max_len), as PositionalEncoding
 print(learned)
 print("parameters:", sum(p.numel() for p in learned.parameters()))
 
@@ -659,7 +664,8 @@ with torch.random.fork_rng(devices=[]):  # the counter-example does not shift la
 
 # %% [markdown]
 # **Check.** The forward pass adds rows $0..T-1$ of the weight, or, with an `offset`, rows
-# $\text{offset}..\text{offset}+T-1$; a loss on sequences of length 10 sends gradient to those
+# $\text{offset}..\text{offset}+T-1$; the same two sizes give the same table shape as
+# `PositionalEncoding`; a loss on sequences of length 10 sends gradient to those
 # 10 rows and to no other; and positions past `max_len` are refused. `PositionalEncoding` refuses
 # them too; the difference is what a larger `max_len` costs. A sinusoidal module built with a
 # larger one has the same first rows as before, while a learned table of another size is a new,
@@ -670,7 +676,7 @@ x = torch.randn(2, 10, 128).to(device)
 assert_close(learned(x), x + learned.embedding.weight[:10])
 assert_close(learned(x, offset=30), x + learned.embedding.weight[30:40])  # positions 30..39
 assert not torch.allclose(learned(x, offset=30), learned(x))  # the offset is not ignored
-assert sum(p.numel() for p in learned.parameters()) == 64 * 128
+assert learned.embedding.weight.shape == PositionalEncoding(128, 64).pe.shape[1:]  # same arguments
 
 learned.zero_grad()  # a re-run starts from no gradient
 learned(x).pow(2).sum().backward()
@@ -688,7 +694,8 @@ for too_far in [lambda: learned(torch.randn(1, 65, 128).to(device)),  # T > max_
         print("ValueError:", err)
     else:
         raise AssertionError("positions past max_len were accepted")
-assert torch.equal(PositionalEncoding(128, max_len=100).pe, PositionalEncoding(128).pe[:, :100])
+# The first 100 rows do not depend on max_len (to float32 rounding, whatever sin kernel ran).
+assert_close(PositionalEncoding(128, max_len=100).pe, PositionalEncoding(128).pe[:, :100], atol=1e-7, rtol=0)
 
 
 # %% [markdown]
@@ -826,11 +833,9 @@ class RotaryEmbedding(nn.Module):
 # $(a\cos\phi - b\sin\phi,\ a\sin\phi + b\cos\phi)$: two multiplies by the cached tables and a
 # re-interleave, no $d_{\text{head}} \times d_{\text{head}}$ matrix.
 #
-# Unlike the two modules that add a table, `rotate` checks its input on every call, inside a
-# `validated()` block too. It runs inside attention, on each head's queries and keys, where an
-# outer check of the model's input knows nothing of this table's `max_len`, and without the check
-# `offset + T > max_len` fails as it does for `PositionalEncoding` above. The checks read shapes,
-# dtypes and Python ints only, so they cost no wait for the device.
+# Unlike the two modules that add a table, `rotate` checks its input on every call, even where a
+# model has switched its checks off: it runs inside attention, where a check of the model's input
+# knows nothing of this table's `max_len`.
 
 # %%
 #| export
@@ -1002,10 +1007,7 @@ axes[2].set_xscale("symlog", linthresh=10)
 axes[2].set_xlabel("offset $m - n$ (positions, log scale beyond 10)")
 axes[2].set_ylabel("$\\langle R_m \\mathbf{1}, R_n \\mathbf{1}\\rangle$")
 axes[2].set_title("RoPE score against distance")
-fig.suptitle("Left and middle: scores over all (query, key) positions. Left: one random content vector "
-             "at every position, plus its code;\nmiddle: $q_1$ at every query position, $k_1$ at every "
-             "key position. Right: RoPE score of the all-ones vector against the offset between its "
-             "two positions")
+fig.suptitle("Left and middle: scores over all (query, key) positions; right: RoPE score against offset")
 save_figure(fig, "positional_rope_scores")
 plt.show()
 
@@ -1327,13 +1329,11 @@ assert_close(forgot, no_rope, atol=1e-5, rtol=1e-5)  # by construction: R_0 = I,
 # RoPE on $q$ and $k$), one head of attention, and a linear readout of the attention's output.
 # It has **no residual connection and no feed-forward network**, so its prediction at position
 # $t$ is read from the attention output at $t$ alone, a weighted mix of the values in $t$'s
-# window; the argument about the order-blind model below rests on that. (Mind the argument
-# order of the two table modules: `PositionalEncoding(d_model, max_len)`, but
-# `LearnedPositionalEmbedding(max_len, d_model)`, rows first like `nn.Embedding`. The model
-# passes both by keyword.)
+# window; the argument about the order-blind model below rests on that.
 #
 # One design choice keeps the comparison clean. Each query may only attend to keys at most 7
-# positions away, a *local window* given to attention as a boolean mask (notebook 02). The window
+# positions away, a *local window* given to attention as a boolean mask (introduced in notebook
+# 02, treated in full in notebook 05). The window
 # fits inside the training length, so every offset a query meets at length 48, from $-7$ to $+7$,
 # was met in training; what is new at length 48 is the absolute positions $16, \dots, 47$ and
 # nothing else. (Without the window, a query at length 48 would also meet offsets up to $\pm 47$,
@@ -1341,7 +1341,7 @@ assert_close(forgot, no_rope, atol=1e-5, rtol=1e-5)  # by construction: R_0 = I,
 # The window is symmetric. A causal window, $t - 7 \le s \le t$, would not tell a one-layer model
 # without positions which key is $t - 1$ either: as section 1 checked, a causal layer sees what
 # it reads as a set. It would only leak some position through the shorter windows at the start
-# of a sequence. Masks are notebook 05's topic.)
+# of a sequence.)
 
 # %%
 WINDOW = 7  # a query sees the keys at offsets -7 .. +7
@@ -1469,13 +1469,10 @@ print(f"{'the order-blind model':<40}{short_accuracy['none']:>8.3f}"
       f"{accuracy['none'][T_train - 1:].mean().item():>14.3f}")
 
 # %% [markdown]
-# **Check.** One set of bounds, for this run and for any other. Another seed, another CPU's
-# kernels or a GPU each round differently, and over 150 steps the training takes another path;
-# so the bounds are set by how much the numbers vary between runs (the study at the end of this
-# section trains the four models five more times), never by this run's values alone. The test
-# sequences are fixed, and finite: an accuracy measured on the 3,840 predictions at length 16 is
-# off its expected value by about $\pm 0.01$ for reasons of sampling alone (less on the 8,192
-# predictions beyond position 15, a little more on the 1,536 at positions 16..21).
+# **Check.** The findings, as bounds that every training run must meet, not just this one (the
+# appendix trains the four models five more times and says how the margins were chosen). For
+# scale: an accuracy measured on the 3,840 test predictions at length 16 scatters by about
+# $\pm 0.01$ from sampling alone.
 #
 # - At the training length every scheme with positions solves the task: accuracy above 0.9.
 #   150 steps are few, and the bound leaves room for a run that stops a few points short of 1.
@@ -1497,7 +1494,7 @@ print(f"{'the order-blind model':<40}{short_accuracy['none']:>8.3f}"
 #   seen in training. In the run stored here it is 1.00 everywhere.
 # - The sinusoidal model, although its code is defined everywhere, loses accuracy on the
 #   positions it never saw: beyond position 15 it stays at least $0.05$ below RoPE. How much it
-#   loses varies more from run to run than anything else here (the study shows how much).
+#   loses varies more from run to run than anything else here (the appendix shows how much).
 
 # %% tags=["nbval-ignore-output"]
 beyond = {s: accuracy[s][T_train - 1:].mean().item() for s in schemes}
@@ -1559,14 +1556,16 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6), layout="constrained",
                                gridspec_kw={"width_ratios": [1.3, 1]})
 # Schemes are not roles: colours from outside the course's role palette (tab10 from 4 on).
 palette = plt.get_cmap("tab10").colors
-styles = {"none": ("0.45", ":"), "sinusoidal": (palette[4], "-"),
-          "learned": (palette[5], "-"), "rotary": (palette[6], "--")}
+styles = {  # colour, line style, line width, marker: "none" thin with dots, apart from "learned"
+    "none": ("0.45", "-", 0.8, "o"), "sinusoidal": (palette[4], "-", 2, ""),
+    "learned": (palette[5], "-", 2, ""), "rotary": (palette[6], "--", 2, ""),
+}
 positions = torch.arange(1, T_test)
 for s in schemes:
-    color, ls = styles[s]
-    ax1.plot(positions, accuracy[s], ls, color=color, lw=2, label=s)
+    color, ls, lw, marker = styles[s]
+    ax1.plot(positions, accuracy[s], ls=ls, marker=marker, ms=3, color=color, lw=lw, label=s)
 ax1.axvspan(T_train - 0.5, T_test, color="gray", alpha=0.12, label="longer than training")
-ax1.hlines(best_long, T_train - 0.5, T_test - 0.5, color="black", lw=0.8, ls="-.",
+ax1.hlines(best_long, T_train - 0.5, T_test - 0.5, color="black", lw=1.5, ls=(0, (6, 3)),
            label="best order-blind bet, $t \\geq 16$")  # the mean over those positions
 ax1.set_xlabel("position $t$ in a length-48 sequence")
 ax1.set_ylabel("accuracy of predicting token $t-1$")
@@ -1593,7 +1592,10 @@ plt.show()
 # token's content with the other's code, $x_t W_q W_k^\top PE(s)^\top$ and
 # $PE(t)\, W_q W_k^\top x_s^\top$, depend on position too, and the values $W_v(x + PE)$ carry the
 # code as well. But across the keys of a query's window the code-only part varies more than any
-# of the others (printed next, and checked). By section 3
+# of the others (printed next, and checked). Variation across the keys is the measure that
+# matters: a softmax over one query's keys ignores what they share (adding the same number to
+# all of its scores changes no weight), so a part of the score can move the weights only by how
+# much it differs from key to key. By section 3
 # it is a sum of sines and cosines of the positions, and training shaped it on positions
 # $0..15$ only, to be largest at $s = t - 1$. Further on, a sum of periodic terms keeps
 # oscillating: at some positions it happens to favour $t - 1$ again, at others a different key in
@@ -1603,7 +1605,7 @@ plt.show()
 # the other keys of the window in these position-only scores should rise and fall with the
 # accuracy, and change sign somewhere in positions 16..47. The check asks only for a positive
 # correlation over those positions, above 0.1: its square is the share of the swings' variance
-# that the margin accounts for, and that share differs a lot from run to run (the study below
+# that the margin accounts for, and that share differs a lot from run to run (the appendix
 # repeats these numbers for five more runs). The position-only scores are a large part of the
 # story, not all of it.
 
@@ -1679,63 +1681,19 @@ print(f"mean accuracy where the margin is positive {acc_beyond[margin > 0].mean(
 assert (margin > 0).any() and (margin < 0).any()  # it swings
 assert correlation > 0.1
 
-# %% [markdown]
-# ### How much of this is luck?
-#
-# The numbers above belong to one run. Train the four models five more times, with seeds 1 to 5
-# (the test sequences stay the same), and put every run through the same bounds. The table
-# gives, for each number, its bounds, the run above, and the lowest and highest over the five
-# other runs (the order-blind and learned rows are differences from the best order-blind bet).
-# Their numbers depend on the machine, as the main run's do, so the next cell asserts the
-# bounds, not the numbers.
-
-# %% tags=["nbval-ignore-output"]
-STUDY_SEEDS = [1, 2, 3, 4, 5]
-ANALYSIS_BOUNDS = {  # the bounds of the two checks above, in the same form
-    "code . code / largest other part": (1.0, math.inf),
-    "correlation of margin and accuracy": (0.1, 1.0),
-    "positions with margin > 0": (1, 31),  # the margin changes sign
-}
-
-
-def run_numbers(trained: dict[str, PreviousTokenModel]) -> dict[str, float]:
-    """Every number checked in this section, for one run of the four models."""
-    acc = {s: per_position_accuracy(m, long) for s, m in trained.items()}
-    short_acc = {s: per_position_accuracy(m, short).mean().item() for s, m in trained.items()}
-    margin = position_margin(trained["sinusoidal"])
-    return {**extrapolation_numbers(acc, short_acc),
-            "code . code / largest other part": code_share(part_spreads(trained["sinusoidal"])),
-            **margin_numbers(margin, acc["sinusoidal"][T_train - 1:])}
-
-
-stored_run = run_numbers(models)
-study = [run_numbers({s: train_previous_token(s, seed)[0] for s in schemes}) for seed in STUDY_SEEDS]
-bounds = {**EXTRAPOLATION_BOUNDS, **ANALYSIS_BOUNDS}
-print(f"{'':<40}{'bounds':>14}{'run above':>11}{'seeds 1-5':>14}")
-for name, value in stored_run.items():
-    low, high = bounds.get(name, (-math.inf, math.inf))
-    shown = "" if name not in bounds else f"{low:g} .. {high:g}"
-    low_seen, high_seen = min(n[name] for n in study), max(n[name] for n in study)
-    digits = 0 if name.startswith("positions") else 2  # a count, or an accuracy or ratio
-    print(f"{name:<40}{shown:>14}{value:>11.{digits}f}{low_seen:>8.{digits}f} .. {high_seen:.{digits}f}")
-
-# %%
-for numbers in [stored_run, *study]:
-    assert out_of_bounds(numbers, bounds) == []
-
 
 # %% [markdown]
-# In the run stored here, the five other runs agree with the first on every finding. What changes
-# from run to run is how much the sinusoidal model loses beyond position 15 (the widest range of
-# all the accuracies) and the three numbers of its analysis: how far the code-only part
-# dominates the score, and how closely the position-only margin follows the accuracy.
+# *How much of this is luck?* The appendix at the end of the notebook trains the four models five
+# more times, with other seeds, and puts every run through the same bounds.
 #
 # A caution about reading too much into a toy: thanks to the window, every offset the models met
 # at length 48 had been seen in training, so RoPE had nothing new to handle. In large language
 # models RoPE does meet unseen *offsets* (and rotation angles) on long inputs, and degrades;
 # extending its context is an active topic (position interpolation, Chen et al., 2023; a larger
 # base, see exercise 3). And Press et al. (2022) measured the sinusoidal code failing to
-# extrapolate in real language models too.
+# extrapolate in real language models too; their remedy, ALiBi, is a fourth scheme, not built
+# here: no code at all, but a penalty on each attention score that grows with the distance
+# between query and key.
 #
 # **Being defined for every position is not the same as generalising to it; an encoding that
 # expresses relative offsets carries over to longer sequences, as long as the offsets it meets
@@ -1749,10 +1707,11 @@ for numbers in [stored_run, *study]:
 # | sinusoidal table | `sinusoidal_table(max_len, d_model)` | $(\text{max\_len}, d_{\text{model}})$ |
 # | add a fixed encoding | `PositionalEncoding(d_model, max_len, dropout_p)(x)`, buffer `pe` | $(B, T, d_{\text{model}}) \to$ same; `pe`: $(1, \text{max\_len}, d_{\text{model}})$ |
 # | shift by $k$ positions | $PE(t+k) = M_k\,PE(t)$, `shift_matrix(k, d_model)` (this notebook) | $(d_{\text{model}}, d_{\text{model}})$ |
-# | add a learned table | `LearnedPositionalEmbedding(max_len, d_model)(x)` | $(B, T, d_{\text{model}}) \to$ same; weight $(\text{max\_len}, d_{\text{model}})$ |
+# | add a learned table | `LearnedPositionalEmbedding(d_model, max_len, dropout_p)(x)` | $(B, T, d_{\text{model}}) \to$ same; weight $(\text{max\_len}, d_{\text{model}})$ |
 # | rotate queries and keys | `RotaryEmbedding(d_head)(q, k, offset)`, `.rotate(x, offset)` | $(\dots, T, d_{\text{head}}) \to$ same |
 # | RoPE's relative property | $\langle R_m q, R_n k\rangle = q^\top R_{n-m} k$ | a scalar per $(m, n)$ |
 # | RoPE in multi-head attention | after `split_heads`: `Q, K = RotaryEmbedding(d_k)(Q, K, offset)`; V untouched; cached decoding: `offset=cache.length` | $(B, h, T, d_k) \to$ same |
+# | this notebook's `RotaryMultiHeadAttention` | self-attention only: `mha(x, mask=..., offset=..., cache=...)`, all but `x` by keyword; no `x_k`, `x_v` as in notebook 03's class | $(B, T, d_{\text{model}}) \to$ same |
 #
 # ## Exercises
 #
@@ -1862,6 +1821,63 @@ plain = PlainAttributeEncoding(16, 100).to("meta")
 registered = PositionalEncoding(16, 100).to("meta")
 assert plain.pe.device.type == "cpu" and registered.pe.device.type == "meta"
 assert "pe" not in plain.state_dict() and "pe" in PositionalEncoding(16, 100).state_dict()
+
+# %% [markdown]
+# ## Appendix · How much of section 6 is luck? (optional)
+#
+# The numbers of section 6 belong to one run. Another seed, another CPU's kernels or a GPU each
+# round differently, and over 150 steps the training takes another path; so section 6's bounds
+# are set by how much the numbers vary between runs, never by one run's values alone. The test
+# sequences are fixed, and finite: an accuracy measured on the 3,840 predictions at length 16 is
+# off its expected value by about $\pm 0.01$ for reasons of sampling alone (less on the 8,192
+# predictions beyond position 15, a little more on the 1,536 at positions 16..21); the bounds
+# leave two to three times that.
+#
+# Train the four models five more times, with seeds 1 to 5 (the test sequences stay the same),
+# and put every run through the same bounds. The table gives, for each number, its bounds, the
+# main run of section 6, and the lowest and highest over the five other runs (the order-blind
+# and learned rows are differences from the best order-blind bet). These numbers, like the main
+# run's, depend on the machine, so the next cell asserts the bounds, not the numbers.
+
+# %% tags=["nbval-ignore-output"]
+STUDY_SEEDS = [1, 2, 3, 4, 5]
+ANALYSIS_BOUNDS = {  # the bounds of the two analysis checks of section 6, in the same form
+    "code . code / largest other part": (1.0, math.inf),
+    "correlation of margin and accuracy": (0.1, 1.0),
+    "positions with margin > 0": (1, 31),  # the margin changes sign
+}
+
+
+def run_numbers(trained: dict[str, PreviousTokenModel]) -> dict[str, float]:
+    """Every number checked in section 6, for one run of the four models."""
+    acc = {s: per_position_accuracy(m, long) for s, m in trained.items()}
+    short_acc = {s: per_position_accuracy(m, short).mean().item() for s, m in trained.items()}
+    margin = position_margin(trained["sinusoidal"])
+    return {**extrapolation_numbers(acc, short_acc),
+            "code . code / largest other part": code_share(part_spreads(trained["sinusoidal"])),
+            **margin_numbers(margin, acc["sinusoidal"][T_train - 1:])}
+
+
+stored_run = run_numbers(models)
+study = [run_numbers({s: train_previous_token(s, seed)[0] for s in schemes}) for seed in STUDY_SEEDS]
+bounds = {**EXTRAPOLATION_BOUNDS, **ANALYSIS_BOUNDS}
+print(f"{'':<40}{'bounds':>14}{'main run':>11}{'seeds 1-5':>14}")
+for name, value in stored_run.items():
+    low, high = bounds.get(name, (-math.inf, math.inf))
+    shown = "" if name not in bounds else f"{low:g} .. {high:g}"
+    low_seen, high_seen = min(n[name] for n in study), max(n[name] for n in study)
+    digits = 0 if name.startswith("positions") else 2  # a count, or an accuracy or ratio
+    print(f"{name:<40}{shown:>14}{value:>11.{digits}f}{low_seen:>8.{digits}f} .. {high_seen:.{digits}f}")
+
+# %%
+for numbers in [stored_run, *study]:
+    assert out_of_bounds(numbers, bounds) == []
+
+# %% [markdown]
+# In the run stored here, the five other runs agree with the first on every finding. What changes
+# from run to run is how much the sinusoidal model loses beyond position 15 (the widest range of
+# all the accuracies) and the three numbers of its analysis: how far the code-only part
+# dominates the score, and how closely the position-only margin follows the accuracy.
 
 # %% [markdown]
 # Next: [05 · Masking](05_masking.ipynb), where attention learns what it may *not* look at:

@@ -244,7 +244,8 @@ assert torch.equal(tgt_out[:-1], tgt_in[1:])
 T_tgt, vocab = len(tgt_in), 10
 positions = torch.eye(T_tgt)  # (T, T): row t is the one-hot code of position t
 # (T, T): query t looks for the key of position t + 1; the last query, with no t + 1, for none.
-# 8.0 is just large enough to dominate: that key scores 8 / sqrt(6) = 3.3, every other key 0.
+# That key scores 8 / sqrt(6) = 3.3 and every other key 0. Any positive factor would make it the
+# key with the largest weight; 8.0 gives it most of the weight (0.84 with all six keys visible).
 Q_peek = 8.0 * torch.diag(torch.ones(T_tgt - 1), diagonal=1)
 K_peek = positions  # (T, T): each key says where it is
 V_peek = F.one_hot(tgt_in, vocab).float()  # (T, vocab): each value says which token it is
@@ -263,6 +264,11 @@ no_mask = teacher_forced_accuracy(None)
 with_mask = teacher_forced_accuracy(causal_mask(T_tgt, device=device)[0, 0])
 print(f"teacher-forced accuracy of the peeking head: no mask {no_mask:.0%}, causal {with_mask:.0%}")
 assert no_mask == 1.0 and with_mask == 0.0
+# Without a mask, the weight query 0 puts on key 1, the one it looks for (on the CPU):
+_, peek_weights_free = scaled_dot_product_attention(Q_peek, K_peek, V_peek)  # (T, T)
+print(f"no mask: weight of query 0 on key 1 {peek_weights_free[0, 1].item():.2f}")
+assert 0.8 < peek_weights_free[0, 1] < 0.9
+assert torch.equal(peek_weights_free.argmax(-1)[:-1], torch.arange(1, T_tgt))  # each t: key t + 1
 # Under the mask, query t spreads its weight evenly over the keys 0..t it may see.
 peek_mask = causal_mask(T_tgt, device=device)[0, 0]  # (T, T)
 _, peek_weights = scaled_dot_product_attention(
@@ -307,10 +313,17 @@ x, x_changed = embedding[tokens].to(device), embedding[changed].to(device)  # (T
 causal = causal_mask(T_causal, device=device)[0, 0]
 moved_causal = (self_attention(x_changed, causal) - self_attention(x, causal)).abs().amax(-1)
 moved_full = (self_attention(x_changed, None) - self_attention(x, None)).abs().amax(-1)
-print("largest change per position, causal:", moved_causal.cpu().round(decimals=3))
-print("largest change per position, no mask:", moved_full.cpu().round(decimals=3))
 assert (moved_causal[:5] < 1e-6).all() and (moved_causal[5:] > 1e-3).all()
 assert (moved_full > 1e-3).all()
+# Printed from a CPU run of the same inputs, so that the rounded digits do not depend on `device`.
+x_cpu, x_changed_cpu = x.cpu(), x_changed.cpu()
+moved_causal_cpu = (self_attention(x_changed_cpu, causal.cpu())
+                    - self_attention(x_cpu, causal.cpu())).abs().amax(-1)
+moved_full_cpu = (self_attention(x_changed_cpu, None) - self_attention(x_cpu, None)).abs().amax(-1)
+torch.testing.assert_close(moved_causal.cpu(), moved_causal_cpu, atol=1e-5, rtol=1e-4)
+torch.testing.assert_close(moved_full.cpu(), moved_full_cpu, atol=1e-5, rtol=1e-4)
+print("largest change per position, causal:", moved_causal_cpu.round(decimals=3))
+print("largest change per position, no mask:", moved_full_cpu.round(decimals=3))
 
 # %% [markdown]
 # The same fact, for every pair at once: the Jacobian block
@@ -437,10 +450,15 @@ masked = self_attention(batch, batch_mask[:, 0])  # (2, 7, d_model)
 unmasked = self_attention(batch, None)
 torch.testing.assert_close(masked[0, :4], expected)
 assert not torch.allclose(unmasked[0, :4], expected, atol=1e-3)
+# Printed from a CPU run of the same inputs, so that the rounded digits do not depend on `device`.
+expected_cpu = self_attention(alone[0].cpu(), None)
+masked_cpu = self_attention(batch.cpu(), batch_mask[:, 0].cpu())
+unmasked_cpu = self_attention(batch.cpu(), None)
+torch.testing.assert_close(unmasked_cpu, unmasked.cpu(), atol=1e-5, rtol=1e-4)
 print("largest difference from running alone, masked:  ",
-      round((masked[0, :4] - expected).abs().max().item(), 4))
+      round((masked_cpu[0, :4] - expected_cpu).abs().max().item(), 4))
 print("largest difference from running alone, unmasked:",
-      round((unmasked[0, :4] - expected).abs().max().item(), 2))
+      round((unmasked_cpu[0, :4] - expected_cpu).abs().max().item(), 2))
 
 # %% jupyter={"source_hidden": true}
 lengths_fig = torch.tensor([6, 3])
@@ -525,6 +543,17 @@ plt.show()
 #
 # ## 5 · The fully masked row
 #
+# The map of this section:
+#
+# - **the problem:** some masks leave a query with no key at all; a plain masked softmax then
+#   returns NaN, which reaches the gradients and, after one step, the weights;
+# - **the built-ins:** what PyTorch returns there depends on its version and kernel, so it is
+#   shown, not relied on;
+# - **the course's policy:** our attention returns zero weights and a zero context, which
+#   nothing downstream reads;
+# - *optional:* the alternatives, $-10^9$ and `torch.finfo(dtype).min`, which give uniform
+#   rows instead in float32 and float64, and what changes in float16.
+#
 # ### Where it comes from
 #
 # Section 4's mask never leaves a query without keys, as long as no sequence is empty. Three
@@ -533,8 +562,9 @@ plt.show()
 # 1. **Masking padded queries too**, with a "square" padding mask `pad_q & pad_k` that looks
 #    tidier than the key-only one. A padded query then has nothing left to read.
 # 2. **Left padding with a causal mask.** Batched generation pads prompts on the left, so that
-#    they all end in the last column; a short prompt's first queries can then only look back at
-#    padding.
+#    they all end in the last column. The padding positions in front of a short prompt are
+#    queries too, and their causal past holds only padding, which the padding mask blocks: they
+#    have no key at all. (The prompt's own first token still sees itself.)
 # 3. **An empty sequence**, say an empty source sentence in cross-attention: length 0 blocks
 #    every key for every query.
 #
@@ -683,10 +713,10 @@ assert torch.equal(nan_positions_2, torch.tensor([[False] * T, [True] * T]))  # 
 assert torch.tensor(loss_naive_2).isnan()
 
 # One SGD step (learning rate 0.1) on copies of the weights: the NaN gradients become NaN weights.
+# A demonstration, not a further test: w - 0.1 * NaN is NaN, so it follows from the assert above.
 stepped = {name: w.detach() - 0.1 * grads_naive[name] for name, w in weights.items()}
 nan_weights = [name for name, w in stepped.items() if w.isnan().any()]
 print(f"after one SGD step: NaN in the weights {nan_weights}")
-assert nan_weights == ["embed", "W_v", "W_out"]
 
 
 # %% [markdown]
@@ -709,18 +739,19 @@ assert nan_weights == ["embed", "W_v", "W_out"]
 # ones below, torch 2.13 (the version that stored this notebook) runs the CPU's fused flash
 # kernel, not the math one.
 #
-# `nn.MultiheadAttention`, when it returns the attention weights (its default,
-# `need_weights=True`), computes them with a plain softmax, as the naive code above does. With
+# `nn.MultiheadAttention`, in the torch that stored this notebook, computes the attention weights
+# with a plain softmax, as the naive code above does, when it returns them (its default,
+# `need_weights=True`). A safe softmax there too has been proposed (pytorch/pytorch#185338, for
+# issue #160064), so a later version may return zeros instead. With
 # `need_weights=False` it calls `F.scaled_dot_product_attention` and passes whatever that returns
 # through its output projection; a zero context comes out as `out_proj(0)`, which is
 # `out_proj.bias` (zero only while the bias keeps its initial value, so we give it random values
 # to tell the two apart).
 #
-# ### What the next two cells test
+# #### What the next two cells do
 #
 # So the next cell only *shows* what the torch you are running does, on the CPU, with its version
-# number; its output is not compared when the notebook is tested, because it may differ on your
-# machine. It asks `F.scaled_dot_product_attention` twice: once leaving the choice of kernel to
+# number: what you see may differ from what is stored here. It asks `F.scaled_dot_product_attention` twice: once leaving the choice of kernel to
 # PyTorch, and once with the math kernel forced by `torch.nn.attention.sdpa_kernel`.
 # `F.scaled_dot_product_attention` does not return its weights, but with $V = I$ the
 # context *is* the weight matrix, so we can draw them. Its boolean `attn_mask` means "may attend",
@@ -873,6 +904,8 @@ torch.testing.assert_close(context_ours.detach().cpu()[context_rows], builtin_co
 # Gradients: the same upstream gradient through ours and through the built-in.
 upstream = torch.randn(context_ours.shape, generator=torch.Generator().manual_seed(6))
 (context_ours * upstream.to(device)).sum().backward()
+# Open the empty rows to every key: the built-in then computes ordinary numbers there, whatever
+# this torch does with an empty row, and the zero upstream gradient below keeps them out.
 opened = square | empty_rows  # (B, 1, T, T): an empty row may now attend to every key
 Qb, Kb, Vb = (t.clone().requires_grad_() for t in (Q, K, V))
 builtin_opened = F.scaled_dot_product_attention(Qb, Kb, Vb, attn_mask=opened)
@@ -992,6 +1025,10 @@ assert shift_effect["padded queries only (keys not masked)"] > 1e-2  # the check
 # %% [markdown]
 # ### The alternative: a large negative number instead of $-\infty$
 #
+# *Optional, down to the figure that ends this section: these are other codebases' conventions
+# ($-10^9$, `torch.finfo(dtype).min`, and what float16 does to them); the course's masks do not
+# use them.*
+#
 # Many codebases fill with $-10^9$ instead (The Annotated Transformer does). On a row with some
 # allowed key nothing changes, since $e^{-10^9 - s}$ underflows to exactly 0 in float32. On an
 # empty row every score equals $-10^9$, the softmax is uniform, and the query gets the plain
@@ -1048,11 +1085,23 @@ for dtype in (torch.float32, torch.float64):
 
 # %% [markdown]
 # **float16 is different.** Its `finfo.min` is only $-65504$, and floats there are $2^5 = 32$
-# apart, so a score of $-16$ or below added to it rounds to $-\infty$. In a fully masked row,
-# the keys whose scores were above $-16$ then share all the weight and the others get none;
-# if every score was $-16$ or below, the row is all $-\infty$ and its softmax is NaN. Uniform it
-# is not. (Our attention treats an all-$-\infty$ row as a query with no key: zeros.) **Check**,
-# on two fully masked rows of scores computed in float16:
+# apart, so a score added to it is rounded to a multiple of 32: a score strictly between $-16$
+# and $16$ disappears (the sum is $-65504$), a score of $16$ or more lands one step or more
+# higher, and a score of $-16$ or below rounds to $-\infty$. Two entries one step apart differ in
+# weight by a factor $e^{32} \approx 8 \cdot 10^{13}$, and float16 stores the smaller weight as 0.
+# So in a fully masked row the weight goes, shared equally, to the keys whose sums are the row's
+# highest:
+#
+# - every score strictly between $-16$ and $16$ (the common case, scores of order 1): all sums
+#   are $-65504$, and the row is **uniform**, as in float32;
+# - scores on both sides of $\pm 16$: only the highest sums share the weight, so one score of
+#   16 or more among ordinary ones, or one ordinary score among scores of $-16$ or below, takes
+#   all of it (**one-hot**);
+# - every score $-16$ or below: the row is all $-\infty$ and its softmax is **NaN**. (Our
+#   attention treats an all-$-\infty$ row as a query with no key: zeros.)
+#
+# **Check**, on four fully masked rows of scores computed in float16, one for each case (two for
+# one-hot):
 
 # %%
 half_min = torch.finfo(torch.float16).min  # -65504
@@ -1061,18 +1110,24 @@ near_min = torch.tensor(half_min, dtype=torch.float16) + torch.tensor([-15.0, -1
 print("float16: finfo.min + (-15, -16, -17) =", near_min.tolist())
 assert near_min[0] == half_min and near_min[1:].isneginf().all()
 
-half_rows = torch.tensor([[1.0, -20.0, -30.0], [-17.0, -20.0, -30.0]], dtype=torch.float16)
+half_rows = torch.tensor([[0.5, -1.25, 2.25],  # ordinary scores, all within (-16, 16)
+                          [20.0, 0.5, -1.0],  # one score of 16 or more
+                          [1.0, -20.0, -30.0],  # the others at -16 or below
+                          [-17.0, -20.0, -30.0]], dtype=torch.float16)  # all at -16 or below
 half_mask = torch.full_like(half_rows, half_min)  # every key blocked, finfo.min convention
-half_softmax = (half_rows + half_mask).softmax(dim=-1)  # (2, 3)
+half_softmax = (half_rows + half_mask).softmax(dim=-1)  # (4, 3)
 # Ours on the same scores: Q = 1 and keys of width 1 make each score the key itself.
 _, half_ours = scaled_dot_product_attention(
-    torch.ones(2, 1, 1, dtype=torch.float16), half_rows.unsqueeze(-1),
-    torch.eye(3, dtype=torch.float16).expand(2, 3, 3), mask=half_mask.unsqueeze(1))
-for row in range(2):
+    torch.ones(4, 1, 1, dtype=torch.float16), half_rows.unsqueeze(-1),
+    torch.eye(3, dtype=torch.float16).expand(4, 3, 3), mask=half_mask.unsqueeze(1))
+for row in range(4):
     print(f"scores {half_rows[row].tolist()} + finfo.min -> {(half_rows + half_mask)[row].tolist()}: "
-          f"softmax {half_softmax[row].tolist()}, ours {half_ours[row, 0].tolist()}")
-assert half_softmax[0].tolist() == [1.0, 0.0, 0.0]  # one-hot, not uniform
-assert half_softmax[1].isnan().all() and (half_ours[1] == 0).all()  # NaN; ours: zeros
+          f"softmax {[round(w, 4) for w in half_softmax[row].tolist()]}, "
+          f"ours {[round(w, 4) for w in half_ours[row, 0].tolist()]}")
+assert (half_softmax[0] == half_softmax[0, 0]).all() and abs(half_softmax[0, 0].item() - 1 / 3) < 1e-3
+assert half_softmax[1].tolist() == [1.0, 0.0, 0.0] and half_softmax[2].tolist() == [1.0, 0.0, 0.0]
+assert torch.equal(half_ours[:3, 0], half_softmax[:3])  # no -inf row: ours is the plain softmax
+assert half_softmax[3].isnan().all() and (half_ours[3] == 0).all()  # NaN; ours: zeros
 
 # %% jupyter={"source_hidden": true}
 panels = [("$-\\infty$ + plain softmax: NaN", attn_naive[1, 0]),
@@ -1279,7 +1334,7 @@ plt.show()
 # | query with no key | `scaled_dot_product_attention` returns zero weights and context | row of $(\dots, T_q, T_k)$ |
 # | `nn.MultiheadAttention` | `attn_mask=~mask.expand(B, h, T_q, T_k).reshape(B * h, T_q, T_k)` (exercise 3) or `~causal[0, 0]`; `key_padding_mask=~pad[:, 0, 0]` | $(B \cdot h, T_q, T_k)$ or $(T_q, T_k)$; $(B, T_k)$ |
 # | float mask, any API | `zeros.masked_fill(~mask, -inf)` | as the bool mask |
-# | float mask with `torch.finfo(dtype).min` | a query with no key gets *uniform* weights in float32/64 (not in float16) | as the bool mask |
+# | float mask with `torch.finfo(dtype).min` | a query with no key gets *uniform* weights in float32/64; in float16 the keys whose score plus `finfo.min` rounds highest share them: uniform when all scores lie strictly within $\pm 16$, NaN when all are $\le -16$ | as the bool mask |
 # | causal with a KV cache ($T_q < T_k$) | `causal_mask(T_k)[..., -T_q:, :]` (bottom-right); not `is_causal=True` (top-left) | $(1, 1, T_q, T_k)$ |
 #
 # ## Exercises

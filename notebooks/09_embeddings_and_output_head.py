@@ -44,6 +44,7 @@ from matplotlib.patches import Patch
 from torch import nn
 from torch.testing import assert_close
 
+from transformer_from_scratch.checks import validated
 from transformer_from_scratch.layers import LayerNorm
 from transformer_from_scratch.positional import PositionalEncoding, sinusoidal_table
 from transformer_from_scratch.utils import COLORS, get_device, save_figure, set_seed
@@ -64,8 +65,9 @@ device = get_device()
 # | 1 | `BOS` | *beginning of sequence*: the first input of the decoder, which has nothing else to condition on at step one |
 # | 2 | `EOS` | *end of sequence*: the last target; generation stops when the model emits it |
 #
-# Putting `PAD` at 0 is a convention, not a necessity, but a convenient one: `torch.zeros` and
-# `torch.full(..., PAD)` then build a padded batch. The three go into a small module of their
+# Putting `PAD` at 0 is a convention, not a necessity, but a convenient one: tools that pad with
+# zeros by default, `torch.zeros` and `pad_sequence` (whose `padding_value` is 0), then pad with
+# `PAD` without being told. The three go into a small module of their
 # own, `transformer_from_scratch.tokens`: the model needs them, and so do the data that notebook
 # 11 makes and the tokenizer of notebook 13, which should not have to import a model to know
 # which id means padding. Every reserved id of the course lives there, so the module also holds
@@ -89,9 +91,11 @@ UNK = 3  # an unknown symbol: notebook 13's tokenizer writes it for a character 
 
 # %% [markdown]
 # The embeddings and the output head go into the package's `model` module, which this notebook
-# starts and notebook 10 completes. Its imports name two things this notebook meets only later,
-# in the section *A clear error for a bad id*: `check_token_ids`, which that section writes into
-# `tokens`, and `checking`, notebook 00's switch that says whether inputs are still to be checked.
+# starts and notebook 10 completes. Its imports name `checking`, notebook 00's switch that says
+# whether inputs are still to be checked (the section *A clear error for a bad id* uses it). The
+# module also needs `check_token_ids`, which that section writes into `tokens`; it is not
+# imported here, so that the function the notebook defines is the one its cells call (`make
+# export` writes that import into `src/` by itself).
 
 # %%
 #| export
@@ -103,7 +107,7 @@ import torch
 from torch import nn
 
 from transformer_from_scratch.checks import checking
-from transformer_from_scratch.tokens import PAD, check_token_ids
+from transformer_from_scratch.tokens import PAD
 
 # %% [markdown]
 # With them, a batch of the task that notebook 11 trains on, reversing a sequence of symbols
@@ -292,6 +296,21 @@ assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every
 # (2017, §3.4) write only that "in the embedding layers, we multiply those weights by
 # $\sqrt{d_\text{model}}$".
 #
+# The section compares three set-ups; this table is where it ends up ($\eta$ is the learning
+# rate, $d = d_\text{model} = 128$, and $\|\mathrm{PE}_t\| = 8$):
+#
+# | set-up | table drawn from | multiply | token vector's norm | tied logits' std | one Adam step moves each entry of $x_t$ by |
+# |---|---|---|---|---|---|
+# | the course (tensor2tensor's) | $\mathcal{N}(0, 1/d)$ | $\sqrt d$ | $\approx \sqrt d \approx 11.3$, $\sqrt 2 \times$ PE | $\approx 1$ | $\sqrt d\,\eta$ |
+# | no multiply | $\mathcal{N}(0, 1)$ | none | $\approx \sqrt d \approx 11.3$, $\sqrt 2 \times$ PE | $\approx \sqrt d \approx 11$ | $\eta$ |
+# | PyTorch's default with the multiply | $\mathcal{N}(0, 1)$ | $\sqrt d$ | $\approx d = 128$, $\sqrt{2d} = 16 \times$ PE | $\approx \sqrt d \approx 11$ | $\sqrt d\,\eta$ |
+#
+# The first two rows give the same input at initialisation and are compared by the Adam check
+# below; the norms of the first and third rows are measured after `init_token_embedding`; the
+# tied logits' std in the section on tying. The last column of the third row is not measured: it
+# is the first row's, because Adam's first step, $\eta$ per entry, does not depend on the
+# table's scale.
+#
 # First, plainly: **for a table that is not shared with anything, the multiply changes nothing
 # at initialisation, provided the table's scale matches it.** A table drawn from
 # $\mathcal{N}(0, 1/d_\text{model})$ and multiplied by $\sqrt{d_\text{model}}$, and a table drawn
@@ -315,8 +334,9 @@ assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every
 # %% [markdown]
 # **Check (the second point; the first is checked in the section on tying):** two tables that
 # give the same inputs, one optimiser step on each with the same loss and learning rate. By the
-# chain rule the multiplied table's gradient is $\sqrt{d_\text{model}}$ times the other's. What
-# the check tests is Adam's side of the argument: every entry with a non-zero gradient moves by
+# chain rule the multiplied table's gradient is $\sqrt{d_\text{model}}$ times the other's (the
+# printed gradient norms show it; it follows from the set-up, so no assert tests it). What the
+# check tests is Adam's side of the argument: every entry with a non-zero gradient moves by
 # the learning rate in *both* tables (to a relative $10^{-3}$), and the input behind the multiply
 # moves $\sqrt{d_\text{model}}$ times further. That ratio is Adam's doing, not the multiply's
 # alone: plain SGD, whose step is proportional to the gradient, makes the ratio $d_\text{model}$
@@ -363,7 +383,6 @@ print(f"input moved, with the multiply / without: Adam {ratio_adam:.2f} (sqrt(d)
       f"SGD {ratio_sgd:.1f} (d = {d_model})")
 
 # %%
-assert abs(grad_norm[("Adam", "times sqrt(d)")] / grad_norm[("Adam", "no multiply")] / math.sqrt(d_model) - 1) < 1e-3
 for name in ("times sqrt(d)", "no multiply"):  # Adam: every used entry moves by the learning rate
     assert_close(entry_step[("Adam", name)], torch.full_like(entry_step[("Adam", name)], 1e-3), rtol=1e-3, atol=0)
     assert unused_still[("Adam", name)]  # and an entry without a gradient does not move
@@ -419,15 +438,24 @@ def init_token_embedding(embedding: nn.Embedding) -> nn.Embedding:
 
 
 # %% [markdown]
-# **Check:** the row statistics of an initialised table (large, so that the sample statistics
-# are tight), and the zero `PAD` row, which still gets no gradient.
+# **Check:** the statistics of an initialised table (large, so that the sample statistics are
+# tight), and the zero `PAD` row, which still gets no gradient. The standard deviation alone would
+# not tell a normal draw from another one of the same spread, so the check also measures the
+# *kurtosis*, $\mathbb{E}[(w - \mu)^4] / \sigma^4$: 3 for a normal distribution, 1.8 for a
+# uniform one with the same standard deviation (what `nn.Linear`'s initialisation would give).
+# Over $2.5 \cdot 10^6$ entries its sampling error is about $\sqrt{24/n} \approx 0.003$.
 
 # %%
 big = init_token_embedding(nn.Embedding(20_000, d_model, padding_idx=PAD)).to(device)
 non_pad_rows = big.weight[1:]  # (20_000 - 1, d): every row but PAD's
+centred = non_pad_rows.detach() - non_pad_rows.mean()
+kurtosis = (centred.pow(4).mean() / centred.pow(2).mean().pow(2)).item()  # 3 for a normal draw
 print(f"std {non_pad_rows.std().item():.4f} (target {d_model}^-0.5 = {d_model**-0.5:.4f}), "
-      f"mean row norm {non_pad_rows.norm(dim=1).mean().item():.3f} (target 1)")
+      f"mean row norm {non_pad_rows.norm(dim=1).mean().item():.3f} (target 1), "
+      f"kurtosis {kurtosis:.2f} (normal: 3, uniform: 1.8)")
 assert abs(non_pad_rows.std().item() - d_model**-0.5) < 0.002
+assert abs(non_pad_rows.mean().item()) < 1e-3  # centred on 0 (the sample mean's error: about 6e-5)
+assert abs(kurtosis - 3) < 0.05  # normal, not uniform
 assert torch.count_nonzero(big.weight[PAD]) == 0
 big(torch.tensor([[PAD, 5, PAD]], device=device)).sum().backward()
 assert torch.count_nonzero(big.weight.grad[PAD]) == 0 and torch.count_nonzero(big.weight.grad[5]) == d_model
@@ -475,8 +503,9 @@ print(f"token/PE ratio, N(0,1/d): {', '.join(f'{r:.2f}' for r in t2t_n / pe_n)}"
 
 # %% [markdown]
 # The picture: the norms against $d_\text{model}$ (left), and the twelve rows of the course's
-# table at $d_\text{model} = 128$ token by token (right, on a linear scale), next to the
-# positional encoding. Colours: orange for PyTorch's default, blue for the course's
+# table at $d_\text{model} = 128$ token by token (right), next to the positional encoding. Both
+# panels have a logarithmic norm axis, on which equal ratios are equal gaps: the factor 16 and
+# the factor $\sqrt 2$ can be read off the same axis. Colours: orange for PyTorch's default, blue for the course's
 # `init_token_embedding`, black for the positional encoding.
 
 # %% jupyter={"source_hidden": true}
@@ -498,12 +527,13 @@ ax1.minorticks_off()
 ax1.grid(alpha=0.3, which="both")
 ax1.legend(fontsize=8.5)
 token_ids = np.arange(V)
+pe_128 = math.sqrt(d_model / 2)
 for offset, (name, n), color in zip((-0.2, 0.2), per_token.items(), (COLORS["torch"], COLORS["ours"]), strict=True):
-    ax2.bar(token_ids + offset, n, width=0.4, color=color, label=name)
-ax2.axhline(math.sqrt(d_model / 2), color="black", ls="--", label=r"$\|\mathrm{PE}_t\| = 8$ (any $t$)")
-ax2.set(xlabel="token id (0 = PAD: zero vector in both tables)", ylabel=r"$\|\sqrt{d}\,E_v\|$",
-        title=r"Each token at $d_\mathrm{model}$ = 128", xticks=token_ids)
-ax2.set_ylim(0, 1.45 * max(n.max() for n in per_token.values()))  # room for the legend above the bars
+    ratio = n[1:].mean() / pe_128  # the mean over the 11 tokens, PAD's zero row left out
+    ax2.bar(token_ids + offset, n, width=0.4, color=color, label=f"{name} (mean {ratio:.2f} × PE)")
+ax2.axhline(pe_128, color="black", ls="--", label=r"$\|\mathrm{PE}_t\| = 8$ (any $t$)")
+ax2.set(xlabel="token id (0 = PAD: zero vector in both tables, no bar)", ylabel=r"$\|\sqrt{d}\,E_v\|$ (log scale)",
+        title=r"Each token at $d_\mathrm{model}$ = 128", xticks=token_ids, yscale="log", ylim=(2, 3000))
 ax2.legend(fontsize=9, loc="upper left")
 save_figure(fig, "embeddings_norms")
 plt.show()
@@ -582,7 +612,10 @@ def embed_tokens(embedding: nn.Embedding, tokens: torch.Tensor, name: str = "tok
 
 # %% [markdown]
 # **Check:** `embed_tokens` is the lookup times $\sqrt{d_\text{model}}$, and each kind of bad input
-# gets a message that names it.
+# gets a message that names it. Inside `validated()` the check is skipped: the same out-of-range
+# id then reaches `nn.Embedding` and fails with its `IndexError` instead of the course's
+# `ValueError` (shown with a CPU copy of the table, since on a GPU it would break the CUDA
+# context).
 
 # %%
 table = init_token_embedding(nn.Embedding(V, d_model, padding_idx=PAD)).to(device)
@@ -600,6 +633,15 @@ for bad in bad_inputs:
         print(f"{type(err).__name__}: {err}")
     else:
         raise AssertionError("bad token ids were accepted")
+
+cpu_table = nn.Embedding.from_pretrained(table.weight.detach().cpu(), padding_idx=PAD)  # the same weights
+with validated():  # as if an outer entry point had checked the ids
+    try:
+        embed_tokens(cpu_table, torch.tensor([[3, 12]]), name="src")
+    except IndexError:
+        print("inside validated(): no check, so id 12 fails in nn.Embedding with an IndexError")
+    else:
+        raise AssertionError("an out-of-range id was looked up without an error")
 
 # %% [markdown]
 # **Ids are checked before the lookup, so a bad one is reported by value and position, on any
@@ -635,9 +677,11 @@ print("logits", tuple(logits.shape), " first row:", [round(v, 2) for v in logits
 print(f"standard deviation of the initial logits: {logits.std().item():.2f}")
 
 # %% [markdown]
-# **Check:** `F.cross_entropy` on logits (inside PyTorch, `nll_loss` on `log_softmax`) is the
-# mean over the real target positions of $-\log p_{t, y_t}$ computed by hand, and matches it in
-# its gradient too; the argmax does not change under the softmax.
+# **Check** of PyTorch's function against the formula (no course code is under test here):
+# `F.cross_entropy` on logits (inside PyTorch, `nll_loss` on `log_softmax`) is the mean over the
+# real target positions of $-\log p_{t, y_t}$ computed by hand, and matches it in its gradient
+# too. That the argmax does not change under the softmax follows from $\exp$ being increasing,
+# as argued above; an assert would test only that.
 
 # %%
 flat_logits, flat_targets = logits.reshape(-1, V), targets.reshape(-1)  # (B*T, V), (B*T,)
@@ -648,7 +692,6 @@ assert_close(ce, by_hand)
 (grad_ce,) = torch.autograd.grad(ce, logits)
 (grad_hand,) = torch.autograd.grad(by_hand, logits)
 assert_close(grad_ce, grad_hand)
-assert torch.equal(logits.argmax(dim=-1), torch.softmax(logits, dim=-1).argmax(dim=-1))
 print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
       f" (a uniform guess gives log V = {math.log(V):.4f})")
 
@@ -690,13 +733,17 @@ for dtype, (subnormal_from, zero_from) in limits.items():
 
 # %% [markdown]
 # Now both routes over a grid of margins, in each format: softmax then log, and the fused
-# `F.log_softmax` (what `F.cross_entropy` uses), both computed in the format itself.
+# `F.log_softmax` (what `F.cross_entropy` uses), both computed in the format itself. The grid is
+# computed on the CPU, whatever the device, because the limits above assume that subnormal
+# numbers are kept; a GPU may flush them to zero for speed (Apple's Metal compiles its kernels
+# with fast math by default), and then softmax-then-log would fail from the first limit instead
+# of the second.
 
 # %%
 margins = torch.arange(0.0, 130.5, 0.5)  # (M,)
 stability = {}
 for dtype in (torch.float32, torch.float16):
-    z_margin = torch.stack([torch.zeros_like(margins), -margins], dim=1).to(device, dtype)  # (M, 2)
+    z_margin = torch.stack([torch.zeros_like(margins), -margins], dim=1).to(dtype)  # (M, 2), on the CPU
     naive = -torch.log(torch.softmax(z_margin, dim=-1))[:, 1]  # (M,): softmax, then log
     fused = -F.log_softmax(z_margin, dim=-1)[:, 1]  # (M,): one fused, shifted step
     stability[dtype] = {"naive": naive.float().cpu(), "fused": fused.float().cpu()}
@@ -746,8 +793,8 @@ print(f"m = 120: naive loss {naive_loss.item()}, gradient {naive_grad.tolist()};
 # The lists differ by device: the CPU's has `cross_entropy` but not `softmax` (the cell below
 # prints both dtypes). `F.cross_entropy` on the logits is the one route that is safe in every
 # case. **Check:** under
-# autocast on the CPU with bfloat16, the logits come out in bfloat16 and `F.cross_entropy`
-# computes in float32.
+# autocast on the CPU with bfloat16, the logits come out in bfloat16, so does their softmax, and
+# `F.cross_entropy` computes in float32.
 
 # %%
 amp_layer = nn.Linear(d_model, V)  # on the CPU, so that the CPU's autocast rules apply on any machine
@@ -758,7 +805,8 @@ with torch.autocast("cpu", dtype=torch.bfloat16):
     amp_softmax = torch.softmax(amp_logits, dim=-1)
 print(f"under torch.autocast('cpu', bfloat16): logits {amp_logits.dtype}, softmax {amp_softmax.dtype},"
       f" cross_entropy {amp_loss.dtype}")
-assert amp_logits.dtype == torch.bfloat16 and amp_loss.dtype == torch.float32
+assert amp_logits.dtype == amp_softmax.dtype == torch.bfloat16  # softmax is not on the CPU's float32 list
+assert amp_loss.dtype == torch.float32  # cross_entropy is
 assert_close(amp_loss, F.cross_entropy(amp_logits.float(), amp_targets))  # float32 on the bf16 logits
 
 # %% [markdown]
@@ -838,8 +886,10 @@ print(f"tied: {sum(p.numel() for p in tied_pair().parameters()):,} parameters, u
 # gradients from its two uses (computed with two separate copies); and one optimiser step through
 # the tied pair moves both roles at once, so that afterwards the head computes its logits with
 # the updated table. None of the three would hold for a copy of the matrix,
-# `nn.Parameter(tied_embed.weight.clone())`. The cell builds its own pair, because it trains it:
-# run again, it starts from the same fresh pair.
+# `nn.Parameter(tied_embed.weight.clone())`. The cell builds its own pair, because it trains it,
+# and draws its stand-in gradient from the stream that `tied_pair` seeds: run again, it starts
+# from the same fresh pair with the same stand-in. (`final_norm` is the logits section's
+# `LayerNorm`, which no optimiser here updates: weight one, bias zero.)
 
 # %%
 tied = tied_pair()
@@ -847,7 +897,7 @@ tied_embed, tied_head = tied["embed"], tied["head"]
 assert sum(p.numel() for p in tied.parameters()) == untied_count - V * d_model
 
 tokens_in = tgt_in.to(device)  # (B, T_tgt)
-upstream_logits = torch.randn(B, T_max + 1, V, generator=generator).to(device)  # a stand-in dL/d(logits)
+upstream_logits = torch.randn(B, T_max + 1, V).to(device)  # a stand-in dL/d(logits), after tied_pair's seed
 x_norm = final_norm(embed_tokens(tied_embed, tokens_in))  # a stand-in for the decoder: just a norm
 (tied_head(x_norm) * upstream_logits).sum().backward()
 
@@ -965,7 +1015,7 @@ for name, color in (("N(0, 1) (nn.Embedding default)", COLORS["torch"]),
     ax.hist(initial_logits[name].flatten().cpu().numpy(), bins=bins, density=True, histtype="step", lw=2,
             color=color, label=f"rows from {name}: std {stds[name]:.2f}")
 ax.set(xlabel=r"initial logit $z_{t,v} = h_t \cdot E_v$ (tied head, $\|h_t\| \approx \sqrt{128}$)",
-       ylabel="density (log scale)", yscale="log", title="Initial logits of a tied output head, $d_{model}$ = 128")
+       ylabel="density (log scale)", yscale="log", title=r"Initial logits of a tied output head, $d_\mathrm{model}$ = 128")
 ax.set_ylim(1e-5, 5)  # headroom above the narrow peak for the legend
 ax.legend(fontsize=9, loc="upper left")
 save_figure(fig, "embeddings_weight_tying")
@@ -986,7 +1036,7 @@ plt.show()
 # | teacher forcing | `tgt_in = [BOS, y...]`, `tgt_out = [y..., EOS]`, both PAD-padded | $(B, T+1)$ each |
 # | embedding table | `nn.Embedding(V, d_model, padding_idx=PAD)`; PAD row zero, no gradient | weight $(V, d)$ |
 # | its initialisation | `init_token_embedding(emb)`: $\mathcal{N}(0, 1/d)$, PAD row zeroed again | row norm $\approx 1$ |
-# | why $\sqrt d$ | same input as $\mathcal{N}(0, 1)$ unscaled; unit logits when tied, $\sqrt d$ larger Adam steps of $x_t$ | entries of variance 1 |
+# | why $\sqrt d$ | with $\mathcal{N}(0, 1/d)$: the same input as $\mathcal{N}(0, 1)$ without the multiply, unit-scale logits when tied, Adam moves $x_t$ $\sqrt d$ times further; with $\mathcal{N}(0, 1)$: tokens $\sqrt{2d}$ times the positional encoding | entries of variance 1 |
 # | lookup and scale | `embed_tokens(emb, tokens)` $= \sqrt{d}\, E_{w_t}$, ids checked first | $(B, T) \to (B, T, d)$ |
 # | positional encoding | notebook 04, $\|\mathrm{PE}_t\| = \sqrt{d/2}$ | $(1, T, d)$ added |
 # | output head | `nn.Linear(d_model, V)` returns logits | $(B, T, d) \to (B, T, V)$ |
@@ -1023,25 +1073,30 @@ assert abs(mean_sq / (d / 2) - 1) < 0.01
 assert_close(pe_sq, torch.full_like(pe_sq, d / 2))
 
 # %% [markdown]
-# 2. `nn.Linear(d, V)` draws its weights from $\mathcal{U}(-1/\sqrt d, 1/\sqrt d)$, variance
-#    $1/(3d)$, and its bias likewise. With $\|h_t\|^2 \approx d$ the logits have variance
-#    $\approx 1/3 + 1/(3d)$: small, so the softmax is close to uniform and the loss close to
-#    $\log V$. How far above: at one position, with logits $z_1, \dots, z_V$ of mean $\bar z$ and
-#    variance $s^2 = \frac1V \sum_v (z_v - \bar z)^2$ across the vocabulary, a second-order
-#    expansion gives $\log \sum_v e^{z_v} \approx \log V + \bar z + s^2/2$. The cell draws each
-#    target uniformly from the nine symbols $3, \dots, 11$, so $-z_y$ takes off the mean of their
-#    logits on average, which is $\bar z$ only up to the head's random draw (every class's
-#    weights and bias are drawn alike, so over initialisations the two agree on average; for one
-#    head they differ a little, part of the spread measured below): an expected loss of about
-#    $\log V + s^2/2$, with $s^2$ near $\frac{V-1}{V}\bigl(\frac13 + \frac1{3d}\bigr) \approx 0.31$.
-#    Take $s^2$ per position, as the cell does: the variance of *all* the logits also counts the
-#    spread of the positions' means, about $1/(3V) \approx 0.03$ more, which would bias the estimate by 0.015. The check
-#    compares the measured excess with $s^2/2$, allowing 0.07. The 1,280 random targets make the
-#    measured loss itself noisy: each position's loss varies with its target about as much as a
-#    logit does, by about $s \approx 0.6$, so the mean has a standard error of about
-#    $0.6/\sqrt{1280} \approx 0.017$. Over seeds 0 to 999 of this cell, excess $- s^2/2$ has
-#    mean $-0.002$ and standard deviation $0.018$, and its largest size is 0.060, below the 0.07
-#    allowed.
+# 2. In three steps.
+#
+#    *Why near $\log V$.* `nn.Linear(d, V)` draws its weights from
+#    $\mathcal{U}(-1/\sqrt d, 1/\sqrt d)$, variance $1/(3d)$, and its bias likewise. With
+#    $\|h_t\|^2 \approx d$ the logits have variance $\approx 1/3 + 1/(3d)$: small, so the softmax
+#    is close to uniform and the loss close to $\log V$.
+#
+#    *How far above.* At one position, let the logits $z_1, \dots, z_V$ have mean $\bar z$ and
+#    variance $s^2 = \frac1V \sum_v (z_v - \bar z)^2$ across the vocabulary. A second-order
+#    expansion gives $\log \sum_v e^{z_v} \approx \log V + \bar z + s^2/2$. The loss is that minus
+#    $z_y$, and the cell draws each target $y$ uniformly from the nine symbols $3, \dots, 11$, so
+#    on average $z_y$ is close to $\bar z$ (every class's weights and bias are drawn alike). The
+#    expected loss is then about $\log V + s^2/2$, with $s^2$ near
+#    $\frac{V-1}{V}\bigl(\frac13 + \frac1{3d}\bigr) \approx 0.31$. Take $s^2$ per position, as the
+#    cell does: the variance of *all* the logits also counts the spread of the positions' means,
+#    about $1/(3V) \approx 0.03$ more, which would bias the estimate by 0.015.
+#
+#    *How close.* The cell compares the measured excess with $s^2/2$ and allows 0.07. The 1,280
+#    random targets make the measured loss noisy: each position's loss varies with its target by
+#    about $s \approx 0.6$, so the mean has a standard error of about $0.6/\sqrt{1280} \approx
+#    0.017$; and for one head the nine symbols' mean logit differs a little from $\bar z$.
+#
+#    *(A note on the margin: over seeds 0 to 999 of this cell, excess $- s^2/2$ has mean $-0.002$
+#    and standard deviation $0.018$, and its largest size is 0.060, below the 0.07 allowed.)*
 
 # %%
 set_seed(0)  # the seed that "seeds 0 to 999" varies; weights, then inputs, from one stream
@@ -1062,9 +1117,12 @@ assert logit_var < 0.5 and abs(excess - logit_var / 2) < 0.07  # small logits; t
 #    than passed through $\exp$ and $\log$. The margin-120 example $(0, -120)$ cannot tell
 #    whether the shift is there, since its maximum is already 0; nor can the float32 random logits
 #    (ten times a standard normal, so a few tens at most), whose exponentials stay far below
-#    float32's largest number, about $e^{88}$. The shifted example $(1000, 880)$ can: without the
-#    shift, $e^{1000}$ overflows to $\infty$ in both formats and the result is $-\infty$. The cell
-#    shows that formula failing there.
+#    float32's largest number, about $e^{88}$. The float16 random logits can: float16's largest
+#    number is 65,504, about $e^{11.1}$, and among 192 draws of ten times a standard normal some
+#    exceed 11.1, so without the shift their rows overflow. So can the shifted example
+#    $(1000, 880)$: without the shift, $e^{1000}$ overflows to $\infty$ in both formats and the
+#    result is $-\infty$. The cell shows the unshifted formula passing on the float32 random
+#    logits and failing on the other two.
 
 # %%
 def my_log_softmax(z: torch.Tensor) -> torch.Tensor:
@@ -1081,13 +1139,18 @@ for dtype in (torch.float32, torch.float16):
     z_rand = (10 * torch.randn(16, V, generator=generator)).to(device, dtype)  # (16, V)
     tol = dict(rtol=1e-3, atol=1e-2) if dtype == torch.float16 else {}
     assert_close(my_log_softmax(z_rand), F.log_softmax(z_rand, dim=-1), **tol)
+    if dtype == torch.float32:  # too small to overflow: the unshifted formula passes too
+        assert_close(unshifted_log_softmax(z_rand), F.log_softmax(z_rand, dim=-1), rtol=1e-5, atol=1e-4)
+    else:  # some logit above 11.1: e^z overflows float16, and the unshifted formula with it
+        assert z_rand.max().item() > math.log(torch.finfo(torch.float16).max)
+        assert not torch.isfinite(unshifted_log_softmax(z_rand)).all()
     extreme = torch.tensor([[0.0, -120.0]], device=device, dtype=dtype)
     assert my_log_softmax(extreme)[0, 1].item() == -120.0
     shifted = torch.tensor([[1000.0, 880.0]], device=device, dtype=dtype)  # the same margin, shifted up
     assert my_log_softmax(shifted).tolist() == [[0.0, -120.0]]
     assert unshifted_log_softmax(shifted).tolist() == [[-math.inf, -math.inf]]  # the mistake, caught
 print("my_log_softmax matches F.log_softmax, and gives (0, -120) at (0, -120) and at (1000, 880);"
-      " without the shift, (1000, 880) gives (-inf, -inf)")
+      " without the shift, float16's random logits overflow and (1000, 880) gives (-inf, -inf)")
 
 # %% [markdown]
 # ## Appendix: how many digits softmax-then-log loses
@@ -1098,9 +1161,10 @@ print("my_log_softmax matches F.log_softmax, and gives (0, -120) at (0, -120) an
 # $2^{\lfloor \log_2 x \rfloor}$ times $2^{-23}$ in float32 and $2^{-10}$ in float16 (which keep
 # 24 and 11 significant bits). A correctly rounded result is within half an ULP; `log_softmax`
 # rounds a few intermediate results on the way, so the check allows it two ULPs, and it stays
-# within them at every margin. The naive route rounds an exponential, a division and a log,
-# and a GPU's `exp` alone may be two ULPs off (CUDA documents `expf` to 2 ULP), so the check
-# allows it four while $e^{-m}$ is a normal number; on this machine it stays within one. Some
+# within them at every margin. The naive route rounds an exponential, a division and a log, and
+# PyTorch does not promise a correctly rounded `exp` (its vectorised CPU kernels approximate
+# it), so the check allows it four while $e^{-m}$ is a normal number; on the machine that built
+# this page it stays within one. Some
 # way into the subnormal range, as the bits run out, it leaves that band. And once the term
 # $\log(1 + e^{-m})$ is below half an ULP of $m$, the exact loss rounds to $m$ itself, and the
 # fused route returns exactly $m$: its error is then the term, a vanishing fraction of an ULP.
@@ -1137,7 +1201,8 @@ for dtype, (subnormal_from, zero_from) in limits.items():
     assert torch.equal(stability[dtype]["fused"][beyond].double(), margins[beyond].double())
 
 # %% [markdown]
-# The picture: the two losses (top), and the error of each in ULPs of the exact loss (bottom),
+# The picture: the two losses (top, the smaller row, since the two curves coincide wherever both
+# are finite), and the error of each in ULPs of the exact loss (bottom),
 # with the check's two-ULP band for the fused route in grey. The error axis is linear from 0 to
 # 1 ULP and logarithmic above, so a correctly rounded result sits near the bottom and the
 # naive route's lost digits, tens of thousands of ULPs in float32, fit on the same axis. While
@@ -1147,7 +1212,7 @@ for dtype, (subnormal_from, zero_from) in limits.items():
 # and its curve stops where its loss is infinite.
 
 # %% jupyter={"source_hidden": true}
-fig, axes = plt.subplots(2, 2, figsize=(12, 7.8), sharex="col", layout="constrained")
+fig, axes = plt.subplots(2, 2, figsize=(12, 7.2), sharex="col", layout="constrained", height_ratios=[1, 1.6])
 for col, (dtype, curves) in enumerate(stability.items()):
     subnormal_from, zero_from = limits[dtype]
     end = 130 if dtype == torch.float32 else 25

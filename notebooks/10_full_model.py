@@ -7,8 +7,8 @@
 # positional encoding (notebooks 04 and 09), the two stacks and the output head together, with
 # `encode`, `decode` and `forward`. You will count its 930,828 parameters piece by piece, check
 # which inputs each output can see, match PyTorch's `nn.Transformer` in outputs and gradients,
-# draw the architecture from code, and check the shapes of the recap table on a real forward
-# pass.
+# draw the architecture with code, its labels checked against the model, and check the shapes
+# of the recap table on a real forward pass.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/10_full_model.ipynb) · Assumes: [04 · Positional encoding](04_positional_encoding.ipynb), [05 · Masking](05_masking.ipynb), [08 · Encoder and decoder blocks](08_blocks.ipynb), [09 · Embeddings and the output head](09_embeddings_and_output_head.ipynb).
 
@@ -47,6 +47,7 @@ from torch import nn
 from torch.testing import assert_close
 
 # What this notebook builds on: the blocks, masks, positional encoding and embeddings of notebooks 04-09.
+from transformer_from_scratch.attention import MultiHeadAttention
 from transformer_from_scratch.layers import BlockCache, DecoderBlock, EncoderBlock, LayerNorm
 from transformer_from_scratch.masks import causal_mask, padding_mask
 from transformer_from_scratch.model import embed_tokens, init_token_embedding
@@ -255,7 +256,7 @@ for i, r in enumerate(rms):
     ax.text(i, r + 0.02, f"{r:.2f}", ha="center", va="bottom", fontsize=9)
 ax.set(ylabel="RMS of the residual stream", xlabel="where it is measured: the input, after each block, the stack's output",
        ylim=(0, max(rms) * 1.15),
-       title="A 6-block pre-norm encoder at initialisation ($d_{model}$ = 128): the stream grows, the final norm resets it")
+       title=r"A 6-block pre-norm encoder at initialisation ($d_\mathrm{model}$ = 128): the stream grows, the final norm resets it")
 save_figure(fig, "model_stack_rms")
 plt.show()
 
@@ -355,6 +356,11 @@ else:
 # reads its settings from the same object and a new field is declared once (notebook 11 saves it
 # with every checkpoint, to rebuild the model). Building the config checks every value with
 # notebook 00's `checks`, so a bad one fails before a single layer is made.
+#
+# The two calls build the same model: `Transformer(12, 12, d_model=64)` is the short form for a
+# model written out in a cell, and makes the config itself; `Transformer(config)` is for a config
+# that already exists (one read back from a checkpoint). `Transformer.from_config(config)` is the
+# second call under a name that says what it does, and refuses anything but a `TransformerConfig`.
 
 # %%
 #| export
@@ -778,10 +784,13 @@ assert enc_out.shape == (B, T_src, d_model) and dec_out.shape == (B, T_tgt, d_mo
 # The loss of the 14 real targets is one sample, which moves by a few tenths with the seed.
 # Averaged over all 12 possible targets instead, the loss is $-\tfrac{1}{V}\sum_v \log p_v$,
 # never below $\log V$ and equal to it for a uniform guess; notebook 09's exercise 2 estimated
-# the excess for small logits of variance $s^2$ (across the vocabulary) as $s^2/2$. **Check:**
-# the untrained model's guess is close to uniform (less than 0.3 above $\log 12$), and the excess
-# is notebook 09's estimate. Both are set by the decoder's final norm, which hands `out_proj`
-# vectors of unit scale, and by `out_proj`'s initial weights, not by the layers below.
+# the excess for small logits of variance $s^2$ (across the vocabulary) as $s^2/2$, and the
+# print shows the two side by side (an expansion that holds for any small logits, so it tests
+# nothing of the model and is not asserted). **Check:** the untrained model's guess is close to
+# uniform (less than 0.3 above $\log 12$), and what keeps it there is the decoder's final norm,
+# which hands `out_proj` vectors of unit scale: a copy of the model with that norm replaced by
+# the identity starts more than 1.5 times as far above $\log 12$ (the ratio ranged from 2.5 to
+# 5.2 over models built after `set_seed(0)` to `set_seed(39)`).
 
 # %%
 real = tgt_out != PAD  # (B, T_tgt)
@@ -791,7 +800,14 @@ half_var = z_real.var(dim=-1, unbiased=False).mean().item() / 2
 print(f"averaged over the targets: {averaged:.3f} = log 12 + {averaged - math.log(VOCAB):.3f};"
       f" s^2/2 = {half_var:.3f}; this batch's 14 targets: {loss.item():.3f}")
 assert averaged - math.log(VOCAB) < 0.3  # close to a uniform guess
-assert abs(averaged - math.log(VOCAB) - half_var) < 0.03  # the second-order estimate
+
+no_final_norm = copy.deepcopy(model)
+no_final_norm.decoder.norm = nn.Identity()  # the stream of the last block goes to out_proj as it is
+with torch.no_grad():
+    z_no_norm = no_final_norm(src, tgt_in, src_mask=src_mask, tgt_mask=tgt_mask)[real]  # (n_real, V)
+averaged_no_norm = -torch.log_softmax(z_no_norm, dim=-1).mean().item()
+print(f"without the decoder's final norm: log 12 + {averaged_no_norm - math.log(VOCAB):.3f}")
+assert averaged_no_norm - math.log(VOCAB) > 1.5 * (averaged - math.log(VOCAB))  # the norm keeps it small
 
 
 # %% [markdown]
@@ -803,8 +819,11 @@ assert abs(averaged - math.log(VOCAB) - half_var) < 0.03  # the second-order est
 # $\text{logits}_t$, the block is exactly zero for every input, and that is what the masks should
 # guarantee.
 #
-# The inputs $x_s$ are made inside `forward`. A forward hook on the positional encoding keeps its
-# two outputs (source, then target), so that autograd can differentiate with respect to them:
+# The inputs $x_s$ are made inside `forward` and not returned, so the caller has no handle on
+# them. `torch.autograd.grad` can differentiate with respect to any tensor of the graph, leaf or
+# not, but it must be given that tensor. A forward hook, a function that a module calls with its
+# inputs and output every time it runs, hands it over: the hook on the positional encoding keeps
+# its two outputs (source, then target, because `forward` encodes first):
 
 # %%
 def embedded_inputs_and_logits(model: Transformer, src, tgt, src_mask, tgt_mask):
@@ -880,7 +899,9 @@ panels = [(maps["source"], "to the source, with src_mask", "source position $s$ 
           (maps_no_causal["target"], "to the target, causal part forgotten\n(target padding only)",
            "target input position $s$ (tgt_in)")]
 # a log scale: the bright diagonal (near 2) would otherwise flatten the rest (0.1 to 0.5)
-shared_norm = LogNorm(vmin=min(m[m > 0].min().item() for m, *_ in panels), vmax=max(m.max().item() for m, *_ in panels))
+largest = max(m.max().item() for m, *_ in panels)
+# the top of the colour scale rounded up to a multiple of 0.5, so that a tick labels it (the brightest cells lie below)
+shared_norm = LogNorm(vmin=min(m[m > 0].min().item() for m, *_ in panels), vmax=math.ceil(2 * largest) / 2)
 for ax, (m, title, xlabel) in zip(axes, panels, strict=True):
     shown = np.ma.masked_where(m.numpy() == 0, m.numpy())  # exact zeros drawn white (log 0 has no colour)
     image = ax.imshow(shown, cmap="viridis", norm=shared_norm)
@@ -889,7 +910,8 @@ for ax, (m, title, xlabel) in zip(axes, panels, strict=True):
            xticks=range(m.shape[1]), yticks=range(m.shape[0]))
 colorbar = fig.colorbar(image, ax=axes, fraction=0.02,
                         label=r"$\|\partial\,\mathrm{logits}_t / \partial x_s\|$, log scale (white: exactly 0)")
-colorbar.set_ticks([0.2, 0.3, 0.5, 0.7, 1.0, 1.5], labels=["0.2", "0.3", "0.5", "0.7", "1", "1.5"])
+ticks = [t for t in (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0) if shared_norm.vmin <= t <= shared_norm.vmax]
+colorbar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])  # up to the top of the scale
 colorbar.ax.yaxis.set_minor_formatter(plt.NullFormatter())
 fig.suptitle("What each output of the full model can see (sequence 0: source length 5, target length 6)")
 save_figure(fig, "model_dependencies")
@@ -920,12 +942,14 @@ plt.show()
 # layer: it maps embedded sequences to the decoder's output. So we feed it the same embedded and
 # position-encoded inputs as our model, and put our output layer on top. Its configuration must
 # match ours: `batch_first=True`, `norm_first=True` (pre-norm), ReLU (its default and our stacks'),
-# the same dropout probability. One dropout site still differs: `nn.Transformer` also drops out
-# inside its feed-forward network, between the two linear layers, and the course's `ffn` does
-# not (notebooks 06 and 08). In training mode the two models therefore differ, and parity is
-# checked with $p = 0$ and in evaluation mode. Its stacks end in a `LayerNorm` too
-# (`encoder.norm`, `decoder.norm`), so the weights map one to one: notebook 08's
-# `copy_block_to_torch` for each block, and the two final norms.
+# the same dropout probability. In training mode no two implementations give the same outputs
+# call for call: each draws its own random dropout masks, in its own order and shapes. So parity
+# is checked with $p = 0$, and in evaluation mode, where dropout is off. One dropout site
+# differs besides, in the architecture itself: `nn.Transformer` also drops out inside its
+# feed-forward network, between the two linear layers, and the course's `ffn` does not
+# (notebooks 06 and 08), so even with shared random masks the two would not agree in training.
+# Its stacks end in a `LayerNorm` too (`encoder.norm`, `decoder.norm`), so the weights map one to
+# one: notebook 08's `copy_block_to_torch` for each block, and the two final norms.
 #
 # The masks change convention (notebook 05): PyTorch's boolean masks are `True` where attention
 # is **blocked**, so each of ours is negated and reshaped:
@@ -1073,7 +1097,8 @@ assert max(gaps.values()) < 1e-4  # float32 roundings, whatever the machine
 # depend on the machine, so CI does not compare the printed values, only the bound after them. **Check:** with the model's default dropout
 # $p = 0.1$, evaluation mode switches it off (in the model and in `nn.Transformer`), and the two
 # still agree. The dropout inside `nn.Transformer`'s feed-forward network, which ours lacks, is
-# printed too: it is why the two differ in training mode.
+# printed too: a difference of architecture, on top of the separate random masks that already
+# keep the two apart in training mode.
 
 # %%
 set_seed(0)
@@ -1162,16 +1187,47 @@ print("our embedded inputs = sqrt(d) E[w] + PE, the formula written out")
 # same logits and the same gradients for every parameter; its embedding path matches the
 # paper's formula, written out independently.**
 #
-# ## The architecture, drawn from the code
+# ## The architecture, drawn with code
 #
 # The paper's Figure 1, redrawn for this model: the pre-norm blocks (norm before each sub-layer,
 # the residual stream untouched), the dropouts (pink labels), the final norms, and the
-# output layer without a softmax. The labels are the attribute names, so every box can be found
-# in `print(model)`; the shapes are those of a batch of $B$ sources of length $S$ and targets of
-# length $T$. The colours are notebook 06's part colours (`PART_COLORS`), as in notebooks 07 and
+# output layer without a softmax. The boxes are placed by hand, but their labels are the
+# attribute names, so every box can be found in `print(model)`; the shapes are those of a batch
+# of $B$ sources of length $S$ and targets of length $T$. The positional encoding has a dashed
+# edge: it is a buffer, with no parameters. The colours are notebook 06's part colours (`PART_COLORS`), as in notebooks 07 and
 # 08: attention cyan (cross-attention darker, and so is `enc_out`, which it reads), feed-forward
 # olive, `LayerNorm` purple, dropout pink, embeddings light grey, the output head dark grey; the
 # residual connections are the red accent.
+#
+# **Check:** every module the figure names exists in `model` under that name, with the type the
+# box says; the feed-forward boxes' text is read from `ffn` itself; and the dropout the figure
+# shows on the attention weights is each attention layer's `dropout_p`, the model's $p$. A
+# renamed attribute fails here, before the figure is drawn.
+
+# %%
+figure_modules = {  # the name in a box of the figure -> the type it must have in the model
+    "src_embed": nn.Embedding, "tgt_embed": nn.Embedding, "pos": PositionalEncoding, "pos.dropout": nn.Dropout,
+    "encoder.layers": nn.ModuleList, "encoder.norm": LayerNorm, "decoder.layers": nn.ModuleList,
+    "decoder.norm": LayerNorm, "out_proj": nn.Linear,
+}
+block_parts = {  # the boxes inside each block of the figure
+    "encoder": {"norm1": LayerNorm, "self_attn": MultiHeadAttention, "dropout1": nn.Dropout,
+                "norm2": LayerNorm, "ffn": nn.Sequential, "dropout2": nn.Dropout},
+    "decoder": {"norm1": LayerNorm, "self_attn": MultiHeadAttention, "dropout1": nn.Dropout,
+                "norm2": LayerNorm, "cross_attn": MultiHeadAttention, "dropout2": nn.Dropout,
+                "norm3": LayerNorm, "ffn": nn.Sequential, "dropout3": nn.Dropout},
+}
+for i in range(model.config.num_layers):  # every block, so the "N ×" of the figure holds too
+    figure_modules |= {f"encoder.layers.{i}": EncoderBlock, f"decoder.layers.{i}": DecoderBlock}
+    figure_modules |= {f"{stack}.layers.{i}.{part}": kind
+                       for stack, parts in block_parts.items() for part, kind in parts.items()}
+for name, kind in figure_modules.items():
+    assert isinstance(model.get_submodule(name), kind), name  # get_submodule raises for a missing name
+ffn_text = " → ".join(type(m).__name__ for m in model.encoder.layers[0].ffn)  # written into the ffn boxes
+attention_layers = [m for n, m in model.named_modules() if n.endswith(("self_attn", "cross_attn"))]
+assert len(attention_layers) == 3 * model.config.num_layers  # self_attn in each block, cross_attn in the decoder's
+assert {m.dropout_p for m in attention_layers} == {model.config.dropout_p} == {0.1}
+print(f"{len(figure_modules)} module names of the figure found in the model; ffn: {ffn_text}")
 
 # %% jupyter={"source_hidden": true}
 PALETTE = {"embed": PART_COLORS["embedding"], "pos": PART_COLORS["positional"], "attn": PART_COLORS["attention"],
@@ -1179,10 +1235,10 @@ PALETTE = {"embed": PART_COLORS["embedding"], "pos": PART_COLORS["positional"], 
            "head": PART_COLORS["head"], "frame": "#f7f7f7"}
 
 
-def box(ax, x, y, text, kind, w=3.0, h=0.6, fontsize=9):
+def box(ax, x, y, text, kind, w=3.0, h=0.6, fontsize=9, ls="-"):
     """A rounded box centred at (x, y); white text on dark colours."""
     ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02,rounding_size=0.12",
-                                facecolor=PALETTE[kind], edgecolor="black", lw=1, zorder=3))
+                                facecolor=PALETTE[kind], edgecolor="black", lw=1, ls=ls, zorder=3))
     dark = kind in ("cross", "norm", "head")
     ax.text(x, y, text, ha="center", va="center", fontsize=fontsize, color="white" if dark else "black", zorder=4)
 
@@ -1213,6 +1269,15 @@ def dropout_tag(ax, x, y, side):
             style="italic", zorder=4, **DROPOUT_TAG)
 
 
+def attention_weights_note(ax, x_box_edge, x_text, y, text, side):
+    """'weights (B, h, ., .)' and a dropout tag beside an attention box, joined to it by a thin line.
+    side=+1: the note is to the left of the box, -1: to its right."""
+    ax.plot([x_box_edge, x_text + side * 0.05], [y, y], color="#888888", lw=0.8, ls=":", zorder=2)
+    ax.text(x_text, y + 0.2, text, ha="right" if side > 0 else "left", va="center", fontsize=8.5,
+            color="#444444", style="italic", zorder=4)
+    dropout_tag(ax, x_text + side * 0.12, y - 0.2, side)  # on the attention weights, inside the layer
+
+
 def sublayers(ax, x, y0, specs, side):
     """Pre-norm sub-layers from y0 upwards: norm -> sub-layer -> dropout -> add, the residual on `side`."""
     y = y0
@@ -1239,7 +1304,7 @@ arrow(ax, [(ex, 0.45), (ex, 0.95)])
 box(ax, ex, 1.25, "src_embed × √d_model", "embed")
 arrow(ax, [(ex, 1.55), (ex, 2.0)])
 add(ax, ex, 2.2)
-box(ax, ex - 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45)
+box(ax, ex - 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45, ls="--")  # a buffer: no parameters
 arrow(ax, [(ex - 1.65, 2.2), (ex - 0.2, 2.2)])
 shape(ax, ex + 0.3, 2.62, "(B, S, d)")
 arrow(ax, [(ex, 2.4), (ex, 3.1)])
@@ -1247,10 +1312,9 @@ dropout_tag(ax, ex, 2.75, +1)  # pos.dropout, on embedding + PE
 ax.add_patch(FancyBboxPatch((ex - 2.3, 3.0), 4.4, 4.9, boxstyle="round,pad=0.05,rounding_size=0.2",
                             facecolor=PALETTE["frame"], edgecolor="#888888", lw=1.2, zorder=1))
 ax.text(ex - 2.5, 6.85, "N × EncoderBlock\nencoder.layers", ha="right", va="center", fontsize=10, weight="bold")
-shape(ax, ex - 2.5, 4.4, "weights\n(B, h, S, S)", ha="right")
-dropout_tag(ax, ex - 2.5 + 0.12, 3.95, +1)  # on the attention weights, inside self_attn
+attention_weights_note(ax, ex - 1.5, ex - 2.5, 4.4, "weights (B, h, S, S)", +1)  # self_attn's box: 4.4
 top = sublayers(ax, ex, 3.1, [("norm1", "self_attn\nmulti-head self-attention\nmask: src_mask", "attn"),
-                             ("norm2", "ffn\nLinear → ReLU → Linear", "ffn")], side=+1)
+                             ("norm2", f"ffn\n{ffn_text}", "ffn")], side=+1)
 arrow(ax, [(ex, top - 0.0), (ex, 8.35)])
 shape(ax, ex + 0.3, 8.1, "(B, S, d)")
 box(ax, ex, 8.6, "encoder.norm (LayerNorm)", "norm", w=2.8, h=0.5)
@@ -1264,7 +1328,7 @@ arrow(ax, [(dx, 0.45), (dx, 0.95)])
 box(ax, dx, 1.25, "tgt_embed × √d_model", "embed")
 arrow(ax, [(dx, 1.55), (dx, 2.0)])
 add(ax, dx, 2.2)
-box(ax, dx + 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45)
+box(ax, dx + 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45, ls="--")
 arrow(ax, [(dx + 1.65, 2.2), (dx + 0.2, 2.2)])
 shape(ax, dx - 0.3, 2.62, "(B, T, d)", ha="right")
 arrow(ax, [(dx, 2.4), (dx, 3.1)])
@@ -1274,13 +1338,11 @@ ax.add_patch(FancyBboxPatch((dx - 2.1, 3.0), 4.4, 7.25, boxstyle="round,pad=0.05
 ax.text(dx + 2.5, 9.2, "N × DecoderBlock\ndecoder.layers", ha="left", va="center", fontsize=10, weight="bold")
 ax.text(dx + 2.5, 8.5, "every block's\ncross_attn reads\nthe same enc_out", ha="left", va="center", fontsize=8.5,
         color=PALETTE["cross"])
-shape(ax, dx + 2.5, 4.4, "weights\n(B, h, T, T)")
-shape(ax, dx + 2.5, 6.75, "weights\n(B, h, T, S)")
-for y in (3.95, 6.3):
-    dropout_tag(ax, dx + 2.5 - 0.12, y, -1)  # on the attention weights, inside self_attn and cross_attn
+attention_weights_note(ax, dx + 1.5, dx + 2.5, 4.4, "weights (B, h, T, T)", -1)  # self_attn's box
+attention_weights_note(ax, dx + 1.5, dx + 2.5, 6.75, "weights (B, h, T, S)", -1)  # cross_attn's box
 top = sublayers(ax, dx, 3.1, [("norm1", "self_attn\nmasked self-attention\nmask: tgt_mask (causal)", "attn"),
                              ("norm2", "cross_attn\nQ: decoder, K, V: enc_out\nmask: src_mask", "cross"),
-                             ("norm3", "ffn\nLinear → ReLU → Linear", "ffn")], side=-1)
+                             ("norm3", f"ffn\n{ffn_text}", "ffn")], side=-1)
 arrow(ax, [(dx, top), (dx, 10.75)])
 shape(ax, dx - 0.3, 10.55, "(B, T, d)", ha="right")
 box(ax, dx, 11.0, "decoder.norm (LayerNorm)", "norm", w=2.8, h=0.5)
@@ -1295,7 +1357,7 @@ ax.text(6.4, 14.3, "Transformer(src_vocab_size, tgt_vocab_size, d_model=128, num
         ha="center", fontsize=11, weight="bold")
 ax.text(0.2, 13.5, "red: the residual connections;\nthe stream itself is never normalised\ninside a block (pre-norm)",
         fontsize=9, color=COLORS["accent"], va="center")
-ax.text(0.2, 12.35, "dropout (p = 0.1, training only): on embedding + PE,\n"
+ax.text(0.2, 12.35, f"dropout (p = {model.config.dropout_p}, training only): on embedding + PE,\n"
         "on each sub-layer's output before ⊕, and on the\nattention weights inside every attention layer",
         fontsize=9, style="italic", va="center",
         bbox=dict(boxstyle="round", facecolor="#fbe6f3", edgecolor=PART_COLORS["dropout"]))
@@ -1339,7 +1401,10 @@ plt.show()
 # **Check:** the rows, on the forward pass of the padded batch above ($B = 2$, $S = 7$,
 # $T = 8$, $d = 128$, $h = 4$, $V = 12$). Forward hooks record the inputs and the output of each
 # module as the model runs (`with_kwargs=True` also keeps the keyword arguments, such as the
-# masks); for the add & norm row they watch the first block's `norm1` and `dropout1`. An
+# masks). How to read a record: `recorded[name]` is a list with one entry per call of that
+# module, and each entry is a triple `(args, kwargs, out)`, the positional arguments as a tuple,
+# the keyword arguments as a dict, and the output; `(args, kwargs, out), = recorded[name]` takes
+# the one entry of a module called once. For the add & norm row they watch the first block's `norm1` and `dropout1`. An
 # `nn.ModuleList` has no `forward` of its own, so for the $N\times$ rows they watch the last
 # block (`layers.1`, since $N = 2$): the stack's output before its final norm is that block's
 # output. Each watched module must run exactly once in the forward pass (`pos` twice: once for
@@ -1550,12 +1615,14 @@ assert position0_change["tgt_mask=None"] > 1e-2  # the future leaks in, silently
 assert position0_change["causal_mask(T_tgt)"] < 1e-6 and position0_change["make_masks"] < 1e-6
 
 # %% [markdown]
-# Why a float `tgt_mask` must hold $-\infty$ above the diagonal. A later key whose score is $g$
-# above an allowed key's, and whose mask entry is a finite $v$, gets $e^{v + g}$ times the allowed
-# key's weight: exactly 0 only where that exponential underflows, which depends on the dtype and
-# on scores the door has not seen. Only $-\infty$ blocks in every dtype and at any score, and it
-# is also the value notebook 02's rule for a query with no allowed key looks for (the $-10^9$ of
-# some tutorials spreads such a row's weight evenly over all keys instead, notebook 05).
+# Why a float `tgt_mask` must hold $-\infty$ above the diagonal. The rule: a later key whose
+# score is $g$ above an allowed key's, and whose mask entry is a finite $v$, gets $e^{v + g}$
+# times the allowed key's weight. That is exactly 0 only where the exponential underflows, which
+# depends on the dtype and on scores the door has not seen.
+#
+# Why $-\infty$ in particular: it is the one value that blocks in every dtype and at any score.
+# It is also the value notebook 02's rule for a query with no allowed key looks for (the $-10^9$
+# of some tutorials spreads such a row's weight evenly over all keys instead, notebook 05).
 #
 # **Check** (what the rule guards against, and what it does not claim): the door refused the
 # $-10^9$ mask above, but not because it leaks here. With the checks off, fill the later keys
@@ -1649,11 +1716,13 @@ assert round(vocab_share, 2) == 0.56 and abs(tied_count / 65e6 - 1) < 0.03  # as
 # 2. Assign the `Parameter`s; `parameters()` lists a shared one once, so two matrices of
 #    $12 \times 128$ go: $930{,}828 - 2 \cdot 1{,}536 = 927{,}756$. Every use adds its gradient to
 #    the shared `.grad`, which an untied copy with the same values shows term by term. One
-#    consequence is easy to miss: the embeddings send no gradient into the `PAD` row (on this
-#    batch the masks and `ignore_index` already cut every path from a padded position to the
-#    loss; `padding_idx` would block it even without them), but the output layer computes a logit
-#    for `PAD` at every position and writes a gradient into that row, so in a tied model the `PAD`
-#    vector is trained like any other.
+#    consequence is easy to miss: the embeddings send no gradient into the `PAD` row, twice over.
+#    On this batch the masks and `ignore_index` cut every path from a padded position to the
+#    loss (the cell checks it on the embedded inputs that `pos` returns: their gradient is exactly
+#    zero at every padded position, and non-zero at every real one); and the tables are built
+#    with `padding_idx=PAD`, which would block that row's gradient even without the masks. But
+#    the output layer computes a logit for `PAD` at every position and writes a gradient into
+#    that row, so in a tied model the `PAD` vector is trained like any other.
 
 # %%
 set_seed(0)
@@ -1673,12 +1742,26 @@ def reversal_loss(m: Transformer) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), tgt_out.reshape(-1), ignore_index=PAD)
 
 
+def keep_with_grad(module, args, out):  # a forward hook: keep pos's output and its gradient
+    out.retain_grad()  # a non-leaf tensor keeps its .grad only when asked
+    embedded.append(out)
+
+
 reversal_loss(tied_model).backward()
-reversal_loss(untied_model).backward()
+embedded = []
+hook = untied_model.pos.register_forward_hook(keep_with_grad)
+try:
+    reversal_loss(untied_model).backward()
+finally:
+    hook.remove()
+x_src_grad, x_tgt_grad = (x.grad for x in embedded)  # (B, S, d), (B, T, d): dL/d(embedded input)
 uses = {"src_embed": untied_model.src_embed.weight.grad, "tgt_embed": untied_model.tgt_embed.weight.grad,
         "out_proj": untied_model.out_proj.weight.grad}
 assert_close(shared.grad, sum(uses.values()))  # the shared gradient is the sum of the three uses
-assert torch.count_nonzero(uses["src_embed"][PAD]) == torch.count_nonzero(uses["tgt_embed"][PAD]) == 0  # no path from a PAD input to the loss
+for x_grad, ids in ((x_src_grad, src), (x_tgt_grad, tgt_in)):  # no path from a padded position to the loss
+    assert torch.count_nonzero(x_grad[ids == PAD]) == 0 and (x_grad[ids != PAD].abs().sum(dim=-1) > 0).all()
+assert untied_model.src_embed.padding_idx == untied_model.tgt_embed.padding_idx == PAD
+assert torch.count_nonzero(uses["src_embed"][PAD]) == torch.count_nonzero(uses["tgt_embed"][PAD]) == 0
 assert torch.count_nonzero(uses["out_proj"][PAD]) == d_model  # the head trains the PAD row
 print(f"tied: {num_params(tied_model):,} parameters; largest gradient in the PAD row from each use:",
       {k: f"{g[PAD].abs().max().item():.1e}" for k, g in uses.items()})

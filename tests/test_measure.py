@@ -69,11 +69,32 @@ def test_count_flops_of_a_matmul_and_attention():
 
 
 def test_time_call_returns_the_median_of_the_timed_calls(monkeypatch):
-    clock = iter([0.0, 1.0, 10.0, 13.0, 20.0, 22.0])  # three calls: 1, 3 and 2 seconds
+    clock = iter([0.0, 1.0, 10.0, 14.0, 20.0, 22.0])  # three calls: 1, 4 and 2 seconds
     monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
     calls = []
+    # The median, 2: not the mean (7/3) nor the longest call (4).
     assert time_call(lambda: calls.append(1), warmup=2, repeats=3) == 2.0
     assert len(calls) == 2 + 3  # warm-up calls are made, not timed
+
+
+def test_time_call_waits_for_queued_work_after_the_warmup_and_each_call(monkeypatch):
+    # Each call queues work, as a GPU's asynchronous kernels do; the fake clock moves only when
+    # _synchronize waits for the queue.
+    work = iter([5.0, 1.0, 4.0, 2.0])  # the warm-up call, then three timed calls
+    fake = {"now": 0.0, "queued": 0.0}
+
+    def queue_work():
+        fake["queued"] += next(work)
+
+    def synchronize():
+        fake["now"] += fake["queued"]
+        fake["queued"] = 0.0
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: fake["now"])
+    monkeypatch.setattr(measure, "_synchronize", synchronize)
+    # Without the wait after the warm-up the first call would take 6 s (median 4); without the
+    # wait after each call every call would take 0 s.
+    assert time_call(queue_work, warmup=1, repeats=3) == 2.0
 
 
 def test_time_call_measures_real_time():

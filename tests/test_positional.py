@@ -208,6 +208,14 @@ def test_learned_shapes_and_parameters():
     assert_close(out, x + module.embedding.weight[:6])
 
 
+def test_learned_takes_its_sizes_in_the_order_of_positional_encoding():
+    """(d_model, max_len), as PositionalEncoding: one can replace the other, positionally too."""
+    learned, fixed = LearnedPositionalEmbedding(8, 20), PositionalEncoding(8, 20)
+    assert learned.embedding.weight.shape == fixed.pe.shape[1:] == (20, 8)
+    x = torch.randn(2, 20, 8)
+    assert learned(x).shape == fixed(x).shape == (2, 20, 8)
+
+
 def test_learned_gradients_reach_only_the_used_rows():
     module = LearnedPositionalEmbedding(max_len=20, d_model=8)
     x = torch.randn(3, 6, 8, requires_grad=True)

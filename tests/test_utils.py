@@ -22,6 +22,39 @@ def test_get_device_prefers_what_is_available(monkeypatch):
     assert utils.get_device("cpu") == torch.device("cpu")
 
 
+def test_get_device_returns_a_named_device_that_exists(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert utils.get_device("cuda:1") == torch.device("cuda:1")
+    assert utils.get_device(torch.device("cuda")) == torch.device("cuda")
+    assert utils.get_device("meta") == torch.device("meta")
+
+
+@pytest.mark.parametrize(
+    "prefer, error, match",
+    [
+        ("cuda", ValueError, r"prefer='cuda', but this machine has no cuda device"),
+        ("mps", ValueError, r"prefer='mps', but this machine has no mps device"),
+        ("gpu", ValueError, r"prefer must name a device such as 'cpu', 'cuda' or 'mps', got 'gpu'"),
+        (0, TypeError, r"prefer must be a device name or a torch.device, got int 0"),
+        (["cpu"], TypeError, r"prefer must be a device name or a torch.device, got list"),
+    ],
+)
+def test_get_device_refuses_what_this_machine_lacks(prefer, error, match, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(error, match=match):
+        utils.get_device(prefer)
+
+
+def test_get_device_refuses_a_cuda_index_beyond_the_devices(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    message = r"prefer='cuda:1', but this machine's cuda devices are numbered 0 to 0"
+    with pytest.raises(ValueError, match=message):
+        utils.get_device("cuda:1")
+
+
 def test_set_seed_repeats_every_stream():
     import random
 
@@ -110,6 +143,15 @@ def test_find_figures_dir(tmp_path):
     assert utils.find_figures_dir(tmp_path / "notebooks") == tmp_path / "figures"
     (tmp_path / "other").mkdir()
     assert utils.find_figures_dir(tmp_path / "other") == tmp_path / "figures"
+
+
+def test_find_figures_dir_needs_a_pyproject_beside_figures(tmp_path):
+    (tmp_path / "loose" / "figures").mkdir(parents=True)  # figures/, but no pyproject.toml
+    assert utils.find_figures_dir(tmp_path / "loose") is None
+    (tmp_path / "pyproject.toml").write_text("")  # a repository above, without figures/
+    assert utils.find_figures_dir(tmp_path / "loose") is None
+    (tmp_path / "figures").mkdir()
+    assert utils.find_figures_dir(tmp_path / "loose") == tmp_path / "figures"
 
 
 def test_colors_are_hex():

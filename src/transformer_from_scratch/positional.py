@@ -87,11 +87,11 @@ class LearnedPositionalEmbedding(nn.Module):
     """Add a trained (max_len, d_model) table to (B, T, d_model) inputs, then apply dropout."""
 
     def __init__(
-        self, max_len: int, d_model: int, dropout_p: float = 0.0, init_std: float = 0.02
+        self, d_model: int, max_len: int, dropout_p: float = 0.0, init_std: float = 0.02
     ) -> None:
         super().__init__()
-        _check_size("max_len", max_len)
         _check_size("d_model", d_model)
+        _check_size("max_len", max_len)
         check_probability("dropout_p", dropout_p)
         self.d_model, self.max_len = d_model, max_len
         self.embedding = nn.Embedding(max_len, d_model)

@@ -20,15 +20,32 @@ from transformer_from_scratch.checks import check_int
 
 
 # Taught in notebook 00 · Setup and conventions
-def get_device(prefer: str | None = None) -> torch.device:
-    """The best available device: cuda, then mps, then cpu (or `prefer` if given)."""
-    if prefer is not None:
-        return torch.device(prefer)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+def get_device(prefer: str | torch.device | None = None) -> torch.device:
+    """The best available device: cuda, then mps, then cpu. `prefer` names one instead ("cpu",
+    "cuda:1", a torch.device); a cuda or mps device it names must exist on this machine."""
+    has_cuda = torch.cuda.is_available()
+    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if prefer is None:
+        return torch.device("cuda" if has_cuda else "mps" if has_mps else "cpu")
+    if not isinstance(prefer, (str, torch.device)):
+        raise TypeError(
+            "prefer must be a device name or a torch.device, "
+            f"got {type(prefer).__name__} {prefer!r}"
+        )
+    try:
+        device = torch.device(prefer)
+    except RuntimeError:  # torch's own message lists every device type it knows
+        raise ValueError(
+            f"prefer must name a device such as 'cpu', 'cuda' or 'mps', got {prefer!r}"
+        ) from None
+    if (device.type == "cuda" and not has_cuda) or (device.type == "mps" and not has_mps):
+        raise ValueError(f"prefer={prefer!r}, but this machine has no {device.type} device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(
+            f"prefer={prefer!r}, but this machine's cuda devices are numbered 0 to "
+            f"{torch.cuda.device_count() - 1}"
+        )
+    return device
 
 
 # Taught in notebook 00 · Setup and conventions
