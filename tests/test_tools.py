@@ -542,7 +542,8 @@ def test_the_seed_hook_shifts_every_seed_the_kernel_sets(tmp_path):
 def test_the_dropout_hook_draws_other_masks_with_the_same_law(tmp_path):
     """dropout=mkl's start-up file: F.dropout, nn.Dropout and a scalar bernoulli_ draw masks from
     another stream than PyTorch's own (which is torch.rand's on a non-Intel CPU), keep a share
-    1 - p and scale the survivors by 1 / (1 - p); a tensor of probabilities is left alone."""
+    1 - p and scale the survivors by 1 / (1 - p); a tensor of probabilities is left alone; and a
+    profile sees the operator an Intel CPU's run shows (bernoulli_), with no other draws."""
     import robust
 
     probe = (
@@ -554,16 +555,30 @@ def test_the_dropout_hook_draws_other_masks_with_the_same_law(tmp_path):
         "torch.manual_seed(0); t = torch.empty(8).bernoulli_(torch.full((8,), 0.5))\n"
         "torch.manual_seed(0); t0 = torch.empty(8).bernoulli_(torch.full((8,), 0.5))\n"
         "off = F.dropout(torch.ones(3), 0.5, False).sum().item()\n"
+        "from torch.profiler import profile\n"
+        "with profile() as prof: F.dropout(torch.ones(100), 0.1, True)\n"
+        "ops = {e.key for e in prof.key_averages()}\n"
         "print(torch.equal(y != 0, own), round((y != 0).float().mean().item(), 2),"
         " torch.allclose(y[y != 0], torch.tensor(1 / 0.9)), torch.equal(y, z),"
-        " round(b.mean().item(), 1), torch.equal(t, t0), off)\n"
+        " round(b.mean().item(), 1), torch.equal(t, t0), off,"
+        " 'aten::bernoulli_' in ops, bool(ops & {'aten::uniform_', 'aten::random_'}))\n"
     )
     hook = tmp_path / "sitecustomize.py"
     hook.write_text(robust.DROPOUT_HOOK)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "0.9", "True", "True", "0.5", "True", "3.0"]
+    assert done.stdout.split() == [
+        "False",
+        "0.9",
+        "True",
+        "True",
+        "0.5",
+        "True",
+        "3.0",
+        "True",
+        "False",
+    ]
     assert robust.environment("dropout=mkl", tmp_path / "env")["PYTHONPATH"].startswith(
         str(tmp_path / "env" / "site")
     )

@@ -115,6 +115,8 @@ _np.random.default_rng = lambda seed=None: _np_default_rng(
 # from the generator and its mask from another stream, as ATen's MKL path does on Intel CPUs.
 DROPOUT_HOOK = '''\
 """Draw CPU dropout masks from another stream, as an Intel CPU would (tools/robust.py)."""
+import zlib as _zlib
+
 import torch as _torch
 import torch.nn.functional as _F
 
@@ -122,13 +124,23 @@ _bernoulli_ = _torch.Tensor.bernoulli_
 
 
 def _other_stream_bernoulli_(self, p=0.5, *, generator=None):
-    if not isinstance(p, (int, float)) or self.device.type != "cpu":
+    # torch.compile traces the code it runs: under it (whose inductor draws its own numbers
+    # anyway) ATen's bernoulli_ is left as it is, so that the hook puts no break in a graph.
+    if (
+        not isinstance(p, (int, float))
+        or self.device.type != "cpu"
+        or _torch.compiler.is_compiling()
+    ):
         return _bernoulli_(self, p, generator=generator)
+    # As the MKL path, take one seed from the generator and draw the mask from a stream of its
+    # own; the seed comes from the generator's state (which then moves on), not from a tensor
+    # operator, and the mask from ATen's own bernoulli_, so a profile sees the operators that an
+    # Intel CPU's run shows, and only the numbers differ.
     source = _torch.default_generator if generator is None else generator
-    seed = int(_torch.randint(0, 2**31 - 1, (1,), generator=source))
-    other = _torch.Generator().manual_seed(seed ^ 0x5DEECE66D)
-    keep = _torch.rand(self.shape, generator=other, dtype=_torch.float64) < p
-    return self.copy_(keep)
+    seed = _zlib.crc32(source.get_state().numpy().tobytes()) ^ 0x5DEECE66D
+    source.manual_seed(seed)
+    other = _torch.Generator().manual_seed(seed ^ 0x2545F491)
+    return _bernoulli_(self, p, generator=other)
 
 
 _torch.Tensor.bernoulli_ = _other_stream_bernoulli_
@@ -136,7 +148,8 @@ _dropout = _F.dropout
 
 
 def _other_stream_dropout(input, p=0.5, training=True, inplace=False):
-    if not (training and 0 < p < 1 and input.device.type == "cpu"):
+    on_cpu = input.device.type == "cpu" and not _torch.compiler.is_compiling()
+    if not (training and 0 < p < 1 and on_cpu):
         return _dropout(input, p, training, inplace)
     out = input * _torch.empty_like(input).bernoulli_(1 - p) / (1 - p)
     return input.copy_(out) if inplace else out
