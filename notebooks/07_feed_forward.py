@@ -31,6 +31,7 @@ if "google.colab" in sys.modules:
 
 # %%
 import math
+import warnings
 from contextlib import contextmanager
 
 import matplotlib.pyplot as plt
@@ -44,8 +45,7 @@ from transformer_from_scratch.utils import PART_COLORS, add_to_class, get_device
 
 set_seed(0)
 device = get_device()
-# The sub-layers keep the part colours of notebook 06 (PART_COLORS), as in every notebook. The
-# activations are variants (notebook 00), drawn in this notebook only, in colours no part uses.
+# colours of the sub-layers (notebook 06's PART_COLORS) and of the three activations
 RELU_COLOR, GELU_COLOR, SILU_COLOR = "#7f7f7f", "#8c564b", "#e7ba52"  # grey, brown, gold
 ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = PART_COLORS["attention"], PART_COLORS["ffn"], PART_COLORS["layer_norm"]
 
@@ -157,8 +157,8 @@ assert -0.18 < gelu_exact(xs).min() < -0.16
 #
 # The derivatives tell the real difference. ReLU's gradient is a step: exactly zero for every
 # negative input, so a unit whose pre-activation is negative for all inputs gets a zero gradient
-# on every input, and gradient descent never changes its incoming weights again (a "dead"
-# unit). GELU's derivative, $\Phi(x) + x\,\varphi(x)$ with $\varphi$ the normal density, is
+# on every input, and the loss's gradient never changes its incoming weights again (a "dead"
+# unit; weight decay, which notebook 13's AdamW applies, still shrinks them towards zero). GELU's derivative, $\Phi(x) + x\,\varphi(x)$ with $\varphi$ the normal density, is
 # smooth and slightly negative below $x \approx -0.75$. At $x = 0$ ReLU has no derivative, and
 # PyTorch's autograd takes it to be 0; the grid holds $x = 0$ exactly, so the check covers that
 # point too, and a ReLU written with `t >= 0`, whose autograd derivative at 0 is 1, fails it.
@@ -297,6 +297,39 @@ for bad in [dict(d_model=0, d_ff=8), dict(d_model=8, d_ff=-1), dict(d_model=8, d
         raise AssertionError(f"{bad} was accepted")
 
 # %% [markdown]
+# ### What the FFN computes: a key–value memory
+#
+# Regroup the formula by hidden unit. Write $k_i$ for column $i$ of $W_1$ and $v_i$ for row $i$
+# of $W_2$; then
+#
+# $$\mathrm{FFN}(x) = \sum_{i=1}^{d_{ff}} \underbrace{\max(0,\; x \cdot k_i + b_{1,i})}_{\text{how well } x \text{ matches key } i}\; v_i \;+\; b_2 .$$
+#
+# Each of the $d_{ff}$ hidden units holds a *key* $k_i$, a pattern it compares the input with,
+# and a *value* $v_i$, a vector it adds to the output in proportion to the match; the ReLU keeps
+# only positive matches. Geva et al. (2021), "Transformer Feed-Forward Layers Are Key-Value
+# Memories", read a trained language model this way: its keys correlate with human-readable
+# patterns in the text (shallow ones, such as a shared last word, in the lower layers; more
+# semantic ones, such as a topic, in the upper layers), and its values, particularly in the upper
+# layers, raise the probability of the tokens likely to follow the pattern. In that reading $d_{ff}$ is the number of memories a block holds: 2048 in the
+# paper's base model, four times the width of the vector that reads them. The nonlinearity is
+# what makes them separate memories: without it the sum collapses into one $d \times d$ linear
+# map, whatever $d_{ff}$ is (exercise 2 shows it).
+#
+# The regrouping is the formula of the check above, summed unit by unit; the cell below computes
+# it with the module's own weights (`ffn[0].weight` holds the keys as rows, `ffn[2].weight` the
+# values as columns) to make the reading concrete, not to test new code.
+
+# %%
+memory_draws = torch.Generator().manual_seed(7)  # its own stream: later cells do not depend on it
+x_memory = torch.randn(5, d_model, generator=memory_draws).to(device)  # 5 positions, (N, d_model)
+keys, values = ffn[0].weight, ffn[2].weight.T  # (d_ff, d_model) each: key i, value i in row i
+match = torch.relu(x_memory @ keys.T + ffn[0].bias)  # (N, d_ff): how strongly each key fires
+memory_read = sum(match[:, i, None] * values[i] for i in range(d_ff)) + ffn[2].bias  # (N, d_model)
+assert_close(memory_read, ffn(x_memory), rtol=1e-5, atol=1e-5)
+print(f"{d_ff} keys and {d_ff} values, each of length {d_model}; the sum of the {d_ff} weighted "
+      f"values is the FFN's output")
+
+# %% [markdown]
 # **The FFN is two `nn.Linear`s around an activation, widening `d_model` to `d_ff` and back, the
 # same for every position.**
 #
@@ -341,8 +374,9 @@ assert not torch.allclose(y_other[:, others], y[:, others])
 y_loop = torch.stack([ffn(x[:, s]) for s in range(T)], dim=1)  # T x (B, d_model) -> (B, T, d_model)
 assert_close(y_loop, y)
 
-# 3. Permutation equivariance.
-perm = torch.randperm(T)
+# 3. Permutation equivariance, for a fixed permutation that moves every position (a random one
+# could be the identity, which would test nothing).
+perm = torch.arange(T).flip(0)  # (T,): 5, 4, 3, 2, 1, 0
 assert_close(ffn(x[:, perm]), y[:, perm])
 print("perturbation, per-position loop and permutation: as position-wise predicts")
 
@@ -425,8 +459,7 @@ plt.show()
 # the FFN's weights copied in, the convolutional version gives the same outputs and the same
 # gradients. They are computed with `torch.autograd.grad`, which returns them instead of adding
 # them to `.grad`, so running the cell again gives the same numbers. (The comparison runs inside
-# `with full_float32():`, which matters only on recent NVIDIA GPUs; the note after the check
-# says why.)
+# `with full_float32():`, which matters only on recent NVIDIA GPUs; Appendix B says why.)
 
 # %%
 conv_ffn = nn.Sequential(
@@ -443,12 +476,14 @@ with torch.no_grad():
 @contextmanager
 def full_float32():
     """Switch TF32 off for matrix products and cuDNN convolutions; restore the flags after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    with warnings.catch_warnings():  # torch 2.9, for one, announces these flags' deprecation (Appendix B)
+        warnings.filterwarnings("ignore", message="Please use the new API settings", category=UserWarning)
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 x_grad = x.clone().requires_grad_(True)
@@ -465,14 +500,6 @@ print("1x1 convolution == position-wise FFN (outputs and gradients)")
 
 
 # %% [markdown]
-# *A note for GPU readers: `full_float32()`.* On NVIDIA GPUs since Ampere (A100, RTX 30xx and
-# newer), PyTorch lets cuDNN run float32 convolutions in TF32 by default, a format with a 10-bit
-# mantissa whose results differ from float32 by about $10^{-3}$; float32 matrix products do not
-# use it unless asked to. So the comparison switches TF32 off for both and switches it back as
-# it was afterwards. On a CPU, and on older GPUs, the two flags change nothing. (Some CUDA builds of
-# PyTorch, 2.9 for one, warn once that these `allow_tf32` flags will be deprecated in favour of
-# newer `fp32_precision` settings; the flags still take effect there.)
-#
 # **A position-wise FFN is a pair of kernel-size-1 convolutions: same weights, same numbers.**
 #
 # ## Where the parameters live
@@ -537,84 +564,10 @@ print(f"paper base: FFN {counts['paper base']['ffn']:,} = 2·512·2048 + 2048 + 
       f"attention {counts['paper base']['attention']:,} = 4·512² + 4·512")
 
 # %% [markdown]
-# Across a whole model the picture is the same. The base model has 6 encoder and 6 decoder
-# layers, so 12 FFNs. The course's model (2 + 2 layers, $d = 128$, $d_{ff} = 512$, a vocabulary of
-# 12 tokens for the reversal task) has 930,828 parameters: the count that the course's main
-# source, the blog tutorial "Deep Learning: Transformers" (README, "Where it comes from"),
-# reports for its model, and that notebook 10 reproduces. We rebuild that total from the parts.
-# Besides the 2 encoder and 2 decoder blocks it holds:
-#
-# - **two final `LayerNorm`s**, one after the last block of each stack: the course's blocks are
-#   pre-norm, whose residual stream is never normalised inside the stack (notebook 08 shows why
-#   it needs this last norm, notebook 10 adds it);
-# - **two embedding tables**, $12 \times 128$ each: the source and the target have separate
-#   vocabularies in general, so each side has its own (notebooks 09 and 10);
-# - **the output head**, an `nn.Linear(128, 12)` with its own weight and bias, *not* tied to the
-#   target embedding (notebook 09 shows weight tying, which would save the $12 \times 128$).
-#
-# In numbers (the next cell computes each row from real modules):
-#
-# | part | count |
-# |---|---|
-# | 2 encoder blocks | $2 \times 198{,}272$ |
-# | 2 decoder blocks | $2 \times 264{,}576$ |
-# | 2 final `LayerNorm`s | $2 \times 256$ |
-# | 2 embedding tables | $2 \times 1{,}536$ |
-# | output head | $1{,}548$ |
-# | **total** | **930,828** |
-
-# %%
-c = counts["paper base"]
-base_ffn_total = 12 * c["ffn"]
-base_attention_total = (6 * 1 + 6 * 2) * c["attention"]  # encoder: self; decoder: self + cross
-print(f"paper base, 12 layers: FFNs {base_ffn_total / 1e6:.1f}M, attention {base_attention_total / 1e6:.1f}M")
-
-c = counts["course"]
-vocab, d = 12, 128
-encoder_layer = c["attention"] + c["ffn"] + 2 * c["layernorm"]
-decoder_layer = 2 * c["attention"] + c["ffn"] + 3 * c["layernorm"]
-embeddings_and_head = 2 * vocab * d + (d * vocab + vocab)  # src + tgt tables, untied output Linear
-final_norms = 2 * c["layernorm"]  # one after each pre-norm stack
-course_total = 2 * encoder_layer + 2 * decoder_layer + final_norms + embeddings_and_head
-course_ffn_total = 4 * c["ffn"]
-assert course_total == 930_828
-print(f"course model: {course_total:,} parameters, of which its 4 FFNs hold "
-      f"{course_ffn_total:,} ({course_ffn_total / course_total:.1%})")
-
-# %% [markdown]
-# "Most of the weights" needs a qualifier once the vocabulary is counted. The base model shares one
-# embedding matrix between the source and target embeddings and the output layer (Vaswani et al.,
-# 2017, §3.4) over a shared vocabulary of about 37,000 byte-pair tokens (§5.1): $37{,}000 \times
-# 512 \approx 19$ million parameters, as many as all its attention layers. We count a real
-# module: PyTorch's `nn.Transformer` with the base sizes (its 6 + 6 layers and two final norms,
-# built on the `meta` device, which records shapes without allocating memory) plus one
-# `nn.Embedding(37000, 512)` for the tied table, and take the FFNs' share twice, with and without
-# the embedding.
-
-# %%
-with torch.device("meta"):  # shapes only: nothing is allocated or initialised
-    base_body = nn.Transformer(d_model=512, nhead=8, num_encoder_layers=6, num_decoder_layers=6,
-                               dim_feedforward=2048, batch_first=True)
-    base_tied_embedding = nn.Embedding(37_000, 512)  # source, target and output layer share it
-base_ffn = sum(num_params(m) for name, m in base_body.named_modules() if name.endswith(("linear1", "linear2")))
-base_non_embedding = num_params(base_body)
-base_total = base_non_embedding + num_params(base_tied_embedding)
-ffn_share_body, ffn_share_total = base_ffn / base_non_embedding, base_ffn / base_total
-print(f"paper base: FFNs {base_ffn / 1e6:.1f}M of {base_non_embedding / 1e6:.1f}M non-embedding "
-      f"parameters ({ffn_share_body:.1%}), of {base_total / 1e6:.1f}M with the tied embedding ({ffn_share_total:.1%})")
-
-# %%
-assert base_ffn == 12 * counts["paper base"]["ffn"]  # the same FFNs as counted above
-assert 0.5 < ffn_share_body < 0.6  # a majority of the non-embedding weights
-assert 0.35 < ffn_share_total < 0.45  # but well under half of the whole model
-
-# %% [markdown]
-# The FFNs hold 57 % of the base model's non-embedding parameters but only 40 % of all
-# 63 million. Table 3 of the paper lists 65 million for the base model; the paper gives the
-# vocabulary only as "about 37000" tokens and does not list the parts of its count, so the 3 %
-# gap cannot be traced (notebook 10, exercise 1, counts the course's own model at this size:
-# 63.1 million too). The course's small model has a 12-token vocabulary, so there the FFNs are
-# 57 % (56.6 %) of everything.
+# Across a whole model the picture is much the same. The paper's base model has 6 encoder and
+# 6 decoder blocks, so 12 FFNs; they hold 57 % of its parameters outside the embedding, and
+# about 40 % of all of them once its 37,000-token embedding table is counted (Appendix A counts
+# both from real modules, and rebuilds the course model's 930,828 parameters from its parts).
 #
 # The FFN's share depends only on the ratio $r = d_{ff}/d$: ignoring biases and norms it is
 # $2rd^2 / (2rd^2 + 4d^2) = r / (r + 2)$, which is $2/3$ at $r = 4$. The left panel shows the two
@@ -771,7 +724,8 @@ for name, d, dff in [("Shazeer's T5 base", 768, 3072), ("paper base", 512, 2048)
     gated = num_params(GatedFeedForward(d, matched_d_ff(dff)))
     unmatched = num_params(GatedFeedForward(d, dff))
     assert standard == 2 * d * dff and gated == 3 * d * matched_d_ff(dff) and unmatched == 3 * d * dff
-    assert abs(gated - standard) / standard < 1e-3
+    # arithmetic on round(): |round(2 d_ff / 3) - 2 d_ff / 3| <= 1/2, a gap of at most 1 / (2 d_ff)
+    assert abs(gated - standard) / standard < 1e-3  # under 0.1 % for every d_ff >= 500
     print(f"{name:>17}: FFN d_ff={dff} {standard:>9,} | gated d_ff'={matched_d_ff(dff)} {gated:>9,} "
           f"({gated / standard - 1:+.4%}) | gated at d_ff={dff} {unmatched:>9,}")
 assert matched_d_ff(3072) == 2048  # Shazeer's T5 choice (arithmetic, a reminder rather than a test)
@@ -892,6 +846,110 @@ with torch.no_grad():
 assert_close(fused(x_gated), gated(x_gated))
 assert num_params(fused) == num_params(gated) == 3 * d_model * d_hidden
 print("fused SwiGLU == GatedFeedForward, parameters:", num_params(fused))
+
+# %% [markdown]
+# ## Appendix A · The FFN's share of a whole model
+#
+# The main text counted one block. Here the count goes to whole models; nothing else in the
+# notebook depends on it. The base model has 6 encoder and 6 decoder layers, so 12 FFNs. The
+# course's model (2 + 2 layers, $d = 128$, $d_{ff} = 512$, a vocabulary of
+# 12 tokens for the reversal task) has 930,828 parameters: the count that the course's main
+# source, the blog tutorial "Deep Learning: Transformers" (README, "Where it comes from"),
+# reports for its model, and that notebook 10 reproduces. We rebuild that total from the parts.
+# Besides the 2 encoder and 2 decoder blocks it holds:
+#
+# - **two final `LayerNorm`s**, one after the last block of each stack: the course's blocks are
+#   pre-norm, whose residual stream is never normalised inside the stack (notebook 08 shows why
+#   it needs this last norm, notebook 10 adds it);
+# - **two embedding tables**, $12 \times 128$ each: the source and the target have separate
+#   vocabularies in general, so each side has its own (notebooks 09 and 10);
+# - **the output head**, an `nn.Linear(128, 12)` with its own weight and bias, *not* tied to the
+#   target embedding (notebook 09 shows weight tying, which would save the $12 \times 128$).
+#
+# In numbers (the next cell computes each row from real modules):
+#
+# | part | count |
+# |---|---|
+# | 2 encoder blocks | $2 \times 198{,}272$ |
+# | 2 decoder blocks | $2 \times 264{,}576$ |
+# | 2 final `LayerNorm`s | $2 \times 256$ |
+# | 2 embedding tables | $2 \times 1{,}536$ |
+# | output head | $1{,}548$ |
+# | **total** | **930,828** |
+
+# %%
+c = counts["paper base"]
+base_ffn_total = 12 * c["ffn"]
+base_attention_total = (6 * 1 + 6 * 2) * c["attention"]  # encoder: self; decoder: self + cross
+print(f"paper base, 12 layers: FFNs {base_ffn_total / 1e6:.1f}M, attention {base_attention_total / 1e6:.1f}M")
+
+c = counts["course"]
+vocab, d = 12, 128
+encoder_layer = c["attention"] + c["ffn"] + 2 * c["layernorm"]
+decoder_layer = 2 * c["attention"] + c["ffn"] + 3 * c["layernorm"]
+embeddings_and_head = 2 * vocab * d + (d * vocab + vocab)  # src + tgt tables, untied output Linear
+final_norms = 2 * c["layernorm"]  # one after each pre-norm stack
+course_total = 2 * encoder_layer + 2 * decoder_layer + final_norms + embeddings_and_head
+course_ffn_total = 4 * c["ffn"]
+assert course_total == 930_828
+print(f"course model: {course_total:,} parameters, of which its 4 FFNs hold "
+      f"{course_ffn_total:,} ({course_ffn_total / course_total:.1%})")
+
+# %% [markdown]
+# "Most of the weights" needs a qualifier once the vocabulary is counted. The base model shares one
+# embedding matrix between the source and target embeddings and the output layer (Vaswani et al.,
+# 2017, §3.4) over a shared vocabulary of about 37,000 byte-pair tokens (§5.1): $37{,}000 \times
+# 512 \approx 19$ million parameters, as many as all its attention layers. We count a real
+# module: PyTorch's `nn.Transformer` with the base sizes (its 6 + 6 layers and two final norms,
+# built on the `meta` device, which records shapes without allocating memory) plus one
+# `nn.Embedding(37000, 512)` for the tied table, and take the FFNs' share twice, with and without
+# the embedding.
+
+# %%
+with torch.device("meta"):  # shapes only: nothing is allocated or initialised
+    base_body = nn.Transformer(d_model=512, nhead=8, num_encoder_layers=6, num_decoder_layers=6,
+                               dim_feedforward=2048, batch_first=True)
+    base_tied_embedding = nn.Embedding(37_000, 512)  # source, target and output layer share it
+base_ffn = sum(num_params(m) for name, m in base_body.named_modules() if name.endswith(("linear1", "linear2")))
+base_non_embedding = num_params(base_body)
+base_total = base_non_embedding + num_params(base_tied_embedding)
+ffn_share_body, ffn_share_total = base_ffn / base_non_embedding, base_ffn / base_total
+print(f"paper base: FFNs {base_ffn / 1e6:.1f}M of {base_non_embedding / 1e6:.1f}M non-embedding "
+      f"parameters ({ffn_share_body:.1%}), of {base_total / 1e6:.1f}M with the tied embedding ({ffn_share_total:.1%})")
+
+# %%
+assert base_ffn == 12 * counts["paper base"]["ffn"]  # the same FFNs as counted above
+assert 0.5 < ffn_share_body < 0.6  # a majority of the non-embedding weights
+assert 0.35 < ffn_share_total < 0.45  # but well under half of the whole model
+
+# %% [markdown]
+# The FFNs hold 57 % of the base model's non-embedding parameters but only 40 % of all
+# 63 million. Table 3 of the paper lists 65 million for the base model; the paper gives the
+# vocabulary only as "about 37000" tokens and does not list the parts of its count, so the 3 %
+# gap cannot be traced (notebook 10, exercise 1, counts the course's own model at this size:
+# 63.1 million too). The course's small model has a 12-token vocabulary, so there the FFNs are
+# 57 % (56.6 %) of everything.
+
+# %% [markdown]
+# ## Appendix B · `full_float32()`, for GPU readers
+#
+# On NVIDIA GPUs since Ampere (A100, RTX 30xx and newer), PyTorch lets cuDNN run float32
+# convolutions in TF32 by default, a format with a 10-bit mantissa whose results differ from
+# float32 by about $10^{-3}$; float32 matrix products do not use it unless asked to. So the
+# comparison of the 1×1 convolution with the FFN switches TF32 off for both and switches it back
+# as it was afterwards. On a CPU, and on older GPUs, the two flags change nothing.
+#
+# PyTorch 2.9 added a second way to say the same thing, `torch.backends.cuda.matmul.fp32_precision`
+# and `torch.backends.cudnn.conv.fp32_precision`, and some versions, 2.9 for one, warn once that
+# the `allow_tf32` flags will be deprecated. The check that warns sits in PyTorch's core (ATen's
+# `Context.cpp`), not in CUDA-only code, so CPU-only builds of those versions may warn too; the
+# course's pinned 2.13 no longer does. `full_float32()` keeps the `allow_tf32` flags, which every
+# supported version (2.5 and later) has, and which set the old and the new settings together in
+# the versions that have both; and it silences that one warning while it runs, so that no
+# version adds a stderr stream to the cell.
+# Setting only the new settings instead could leave the two disagreeing, if the old ones had been
+# set elsewhere, and the versions that have both refuse that with an error ("you have used mix
+# of the legacy and new APIs").
 
 # %% [markdown]
 # Next: [08 · Encoder and decoder blocks](08_blocks.ipynb), where attention, this FFN, layer norm

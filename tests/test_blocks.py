@@ -308,6 +308,28 @@ def test_copy_rejects_approximate_gelu_against_exact():
     copy_block_to_torch(ours, theirs)  # same module type and variant: accepted
 
 
+def test_copy_accepts_silu_as_the_function_and_matches():
+    torch.manual_seed(0)
+    ours = EncoderBlock(D, H, D_FF, activation="silu").double()
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.dim() == 1:
+                p.normal_(std=0.3)
+    theirs = torch_layer(ours, activation=torch.nn.functional.silu)  # PyTorch keeps the function
+    x = data(B, T, D)
+    assert_close(ours(x), theirs(x))
+    with pytest.raises(ValueError, match="activations differ"):  # SiLU is not ReLU
+        torch_layer(ours, activation=torch.nn.functional.relu)
+
+
+def test_copy_names_a_function_activation_without_its_address():
+    ours = EncoderBlock(D, H, D_FF, activation="gelu")
+    theirs = nn.TransformerEncoderLayer(D, H, D_FF, activation="relu", norm_first=True)
+    with pytest.raises(ValueError, match="theirs the function relu") as caught:
+        copy_block_to_torch(ours, theirs)
+    assert "0x" not in str(caught.value)
+
+
 def test_copy_rejects_nonzero_norm_bias_into_biasless_norm():
     ours = EncoderBlock(D, H, D_FF, bias=False)
     theirs = nn.TransformerEncoderLayer(D, H, D_FF, norm_first=True, bias=False)

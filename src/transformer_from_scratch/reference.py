@@ -93,15 +93,18 @@ def _check_block_pair(
         )
     if (ours.ffn[0].bias is None) != (theirs.linear1.bias is None):
         raise ValueError("one block has biases and the other not: build both with the same bias")
-    act, their_act = ours.ffn[1], theirs.activation  # theirs: F.relu, F.gelu or a module
+    act, their_act = ours.ffn[1], theirs.activation  # theirs: a function or a module
     approximate = getattr(act, "approximate", "none")  # F.gelu is the exact GELU
-    as_function = (
-        {nn.ReLU: F.relu, nn.GELU: F.gelu}.get(type(act)) if approximate == "none" else None
-    )
+    functions = {nn.ReLU: F.relu, nn.GELU: F.gelu, nn.SiLU: F.silu}  # the same function, unbound
+    as_function = functions.get(type(act)) if approximate == "none" else None
     same_type = type(their_act) is type(act)
     same_module = same_type and getattr(their_act, "approximate", "none") == approximate
     if not (their_act is as_function or same_module):
-        raise ValueError(f"activations differ: ours {act!r}, theirs {their_act!r}")
+        if isinstance(their_act, nn.Module):
+            their_name = repr(their_act)
+        else:  # a function, by its name (its repr would show a memory address)
+            their_name = f"the function {getattr(their_act, '__name__', type(their_act).__name__)}"
+        raise ValueError(f"activations differ: ours {act!r}, theirs {their_name}")
     norms = ["norm1", "norm2", "norm3"] if isinstance(ours, DecoderBlock) else ["norm1", "norm2"]
     for name in norms:
         _check_norm_pair(getattr(ours, name), getattr(theirs, name), name)
