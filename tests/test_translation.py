@@ -1,5 +1,7 @@
 """Unit tests of transformer_from_scratch.translation (notebook 13)."""
 
+from importlib.metadata import version
+
 import pytest
 import torch
 
@@ -69,10 +71,34 @@ def test_number_to_words_spells_out_german_and_french():
         number_to_words(-1, "de")
 
 
+def test_number_to_words_corrects_num2words_einstausend():
+    # num2words 0.5.14 writes 101,000 as "einhunderteinstausend"; German drops the "s" of "eins"
+    # before "tausend", as in "eintausend" (1,000) and "einundzwanzigtausend" (21,000).
+    assert number_to_words(101_000, "de") == "einhunderteintausend"
+    assert number_to_words(901_001, "de") == "neunhunderteintausendeins"
+    assert number_to_words(1_000, "de") == "eintausend"
+    assert number_to_words(21_000, "de") == "einundzwanzigtausend"
+    assert number_to_words(101, "de") == "einhunderteins"  # a final "eins" keeps its "s"
+    assert number_to_words(101_000, "en") == "one hundred and one thousand"
+
+
+def test_german_numbers_are_their_blocks_around_tausend():
+    blocks = {n: number_to_words(n, "de") for n in range(1000)}
+
+    def rule(n):
+        head = blocks[n // 1000]
+        head = head[:-1] if head.endswith("eins") else head
+        return head + "tausend" + (blocks[n % 1000] if n % 1000 else "")
+
+    numbers = [*range(1000, 1_000_000, 997), *(k * 1000 + 1 for k in range(101, 1000, 100))]
+    assert [number_to_words(n, "de") for n in numbers] == [rule(n) for n in numbers]
+
+
 def test_load_corpus_caches_and_reads_back(tmp_path):
     corpus = load_corpus(tmp_path, num_numbers=1500, seed=0, tgt_lang="de")
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and files[0].suffix == ".json"
+    assert f"num2words{version('num2words')}" in files[0].name  # another version: another file
     again = load_corpus(tmp_path, num_numbers=1500, seed=0, tgt_lang="de")
     assert again == corpus
     n, en, de = corpus["test"][0]

@@ -9,6 +9,7 @@ import os
 import random
 from collections.abc import Iterator
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
 
 import sacrebleu
@@ -70,12 +71,20 @@ def split_numbers(
 
 # Taught in notebook 13 · A real translation task
 def number_to_words(n: int, lang: str) -> str:
-    """A number written out in words: number_to_words(42, "de") == "zweiundvierzig"."""
+    """A number written out in words: number_to_words(42, "de") == "zweiundvierzig".
+
+    num2words (0.5.14) writes 101,000 as "einhunderteinstausend" (so for every number whose
+    thousands block is 101, 201, ..., 901); German drops the "s" of "eins" before "tausend", as
+    num2words itself does in "eintausend". The German is corrected here.
+    """
     n = check_int("n", n, minimum=0)
     lang = check_choice("lang", lang, LANGUAGES)
     if n > MAX_NUMBER:
         raise ValueError(f"n={n} is beyond the task's range 0..{MAX_NUMBER}")
-    return num2words(n, lang=lang)
+    words = num2words(n, lang=lang)
+    if lang == "de":  # no German number word holds "einstausend"
+        words = words.replace("einstausend", "eintausend")
+    return words
 
 
 # Taught in notebook 13 · A real translation task
@@ -84,8 +93,10 @@ def load_corpus(
 ) -> dict[str, list[tuple[int, str, str]]]:
     """(number, English, target) triples per split, made once and cached as JSON in directory."""
     tgt_lang = check_choice("tgt_lang", tgt_lang, LANGUAGES[1:])
-    # v2: 0..999 all in train (v1 files mixed them into every split); the name keeps them apart
-    path = Path(directory) / f"numbers_v2_en_{tgt_lang}_{num_numbers}_seed{seed}.json"
+    # v3: German "...einstausend" corrected (v2 kept num2words' form; v1 mixed 0..999 into every
+    # split). The num2words version is in the name: another version's sentences are not reused.
+    name = f"numbers_v3_num2words{version('num2words')}_en_{tgt_lang}_{num_numbers}_seed{seed}"
+    path = Path(directory) / f"{name}.json"
     if path.exists():
         cached = json.loads(path.read_text(encoding="utf-8"))
         return {split: [tuple(row) for row in rows] for split, rows in cached.items()}
