@@ -97,24 +97,23 @@ device = get_device()
 # progress bar: a few minutes on a CPU, about a minute and a half on a GPU.
 #
 # The numbers quoted in the text are those of the run stored here. Yours may be another run (the
-# note below says when), so the cell after next prints `STORED_RUN`: where it says `False`, your
-# numbers differ from the text's, and the checks assert only bounds that held for every seed of
-# notebook 11's seed study.
+# note below says when), so the third cell below prints `STORED_RUN`: where it says `False`,
+# your numbers differ from the text's, and the checks assert only bounds that held for every
+# seed of notebook 11's seed study.
 #
-# > **Reproducibility notes.** On a CPU, retraining gives notebook 11's weights bit for bit with
-# > this PyTorch on this kind of CPU. On a GPU, with another PyTorch, or even on another CPU model
-# > that rounds one operation differently, it is another run of the same recipe. So instead of
-# > guessing from the device, the notebook asks the weights: `STORED_RUN` is true only when a
-# > hash of every weight's bits equals the stored run's, and the few findings of that one run
-# > (not bounds) are asserted only then. Retraining takes about three and a half minutes on a
-# > free CPU thread and several times that on a busy one (notebook 11 measured both); notebook
-# > 11's run, its evaluations included, took 84 s on an H200 with torch 2.11 (at this size each
-# > step waits on kernel launches, not on arithmetic). With both checkpoints in place (this one
-# > and the early model's, below), this notebook runs in about two minutes on a quiet CPU thread
-# > (107 s in one such run, 38 s of it check 4's timing of the cache), several times that on a
-# > busy machine (the run stored here took 722 s on two cores shared with other jobs, a load
-# > average above 10, 301 s of it the timing); without them, add the training, and for the early model about 8 seconds on
-# > a quiet machine.
+# > **Reproducibility.** Retraining on a CPU gives notebook 11's weights bit for bit with this
+# > PyTorch, one thread and PyTorch's AVX2 CPU kernel, which `make execute` selects
+# > (`ATEN_CPU_CAPABILITY=avx2`; notebook 11's appendix "Reproducing the stored run: CPU
+# > kernels" says how to set it for `make lab`). The kernel decides, not the machine: on a CPU
+# > with AVX-512, PyTorch's own choice of kernel trains another run of the same recipe, and so
+# > does a GPU or another PyTorch. So instead of guessing from the device, the notebook asks the
+# > weights: `STORED_RUN` is true only when a hash of every weight's bits equals the stored
+# > run's, and the few findings of that one run (not bounds) are asserted only then. Retraining
+# > takes a few minutes on a free CPU thread and several times that on a busy one (notebook 11
+# > prints its times); with both checkpoints in place (this one and the early model's, below)
+# > this notebook runs in about two minutes on a quiet CPU thread (107 s in one such run), and
+# > longer on a busy machine (the run stored here: 174 s on two cores shared with other jobs;
+# > `make execute` prints the time).
 
 # %% tags=["nbval-ignore-output"]
 model = get_reversal_model(device=device, progress=True)
@@ -237,11 +236,15 @@ for i in range(4):
     print(f"reversal {show(tgt_out[i])}")
     print(f"decoded  {show(decoded[i, 1:])}\n")
 print(f"exact match: {int(correct.sum())}/{len(correct)}")
+for i in (~correct).nonzero()[:, 0].tolist():  # the outputs it gets wrong
+    print(f"wrong, row {i:3d}: source {show(src[i])}  decoded {show(decoded[i, 1:])}  "
+          f"(reversal {show(tgt_out[i])})")
 
 # %% [markdown]
-# (The stored run decodes 254 of the 256 exactly. The two it gets wrong, 8 6 6 4 and 11 6 6 3,
-# both hold a doubled 6, and in both the model emits a third 6. The output is not compared,
-# because a model trained on another machine or PyTorch is another run.)
+# (The stored run decodes 254 of the 256 exactly. The two it gets wrong, printed last, 8 6 6 4
+# and 11 6 6 3, both hold a doubled 6, and in both the model emits a third 6: in the first in
+# place of the 8, in the second as one 6 too many. The output is not compared, because a model
+# trained under another CPU kernel, on a GPU or with another PyTorch is another run.)
 #
 # **Check.** Nearly every output is exact: 250 or more of 256 (the four seeds of notebook 11's
 # study decoded 255 or 256 of these sources, the stored run one fewer; the bound leaves room for
@@ -341,6 +344,12 @@ for step in range(len(chosen)):
     print(f"step {step + 1}: {show(chosen[step : step + 1]):>4s} p = {top2.values[step, 0]:.5f}, "
           f"runner-up {show(runner_up[step : step + 1]):>4s} p = {top2.values[step, 1]:.1e}: "
           f"{margin[step]:9.0f} times less")
+with torch.no_grad():
+    all_top2 = F.softmax(logits.float(), dim=-1).topk(2, dim=-1).values  # (B, T, 2)
+all_margin = (all_top2[..., 0] / all_top2[..., 1]).masked_fill(~rows_alive, math.inf)  # (B, T)
+closest_row = int(all_margin.min(dim=1).values.argmin())
+print(f"closest call over the steps of all 256 outputs: {all_margin.min():.2f} times, on row "
+      f"{closest_row}, an output it gets {'right' if correct[closest_row] else 'wrong'}")
 
 # %% [markdown]
 # **Check.** Greedy's choice wins every step by a margin: the runner-up is at least 5 times less
@@ -348,7 +357,7 @@ for step in range(len(chosen)):
 # is 1,002 times; the study's four seeds had 12, 4,123, 1,669 and 6,259). That bound is asserted
 # for the stored run only (`STORED_RUN`); for any other run, only a margin of 1.5, on this
 # source's steps (the bound is per this source: the study's closest call on it was 12, while over
-# *all* sources it was 1.3, and the stored run's 1.2, on an output it gets wrong).
+# *all* sources it was 1.3; the stored run's is 1.2, on an output it gets wrong, printed above).
 
 # %%
 assert margin.min() >= (5 if STORED_RUN else 1.5)  # another run: a bound of the seed study
@@ -372,9 +381,9 @@ plt.show()
 # In the stored run every one of the nine steps puts at least 99.7 % on its token, with the
 # runner-up at least a thousand times less likely (1,002 times at step 7, the closest call).
 # Another run prints other numbers, and the check asserts only the bound that held for every
-# seed: in the study's seed 0 (the same recipe and seed, trained on another CPU, which rounds
-# some operations differently and so trains another run), step 8 was a close call, the 6 it
-# must emit at $p = 0.92$ against $0.08$ for 4, the symbol the decoder had just read, only 12
+# seed: in the study's seed 0 (the same recipe and seed, trained under PyTorch's AVX-512
+# kernel, which rounds some operations differently and so trains another run), step 8 was a
+# close call, the 6 it must emit at $p = 0.92$ against $0.08$ for 4, the symbol the decoder had just read, only 12
 # times less. The colour scale shows the stored run's confidence: one bright cell per row,
 # every other cell dark, the lightest of them (around $10^{-3}$) at steps 6 to 8.
 # Near-certainty at every step is what exact match needs, since one wrong token spoils an output
@@ -480,7 +489,6 @@ for layer in range(num_layers):
 from_third = (t >= 2) & (t < L)  # (B, T_tgt): L-1-t, L-t and L+1-t all in the source
 shares = torch.tensor([[[aligned_fraction(a[:, head], shift, from_third) for shift in (0, 1, 2)]
                         for head in range(h)] for a in attn])  # (layers, h, 3)
-assert (shares.sum(-1) <= 1 + 1e-6).all()  # a guard: over one set of steps, disjoint events
 head_00_by_step = [aligned_fraction(attn[0][:, 0], 0, (t == k) & (t < L)) for k in (0, 1, 2)]
 
 # %% tags=["nbval-ignore-output"]
@@ -507,14 +515,14 @@ print("layer 0 head 0, share of steps t = 0, 1, 2 that peak at L-1-t: "
 # run's odd head is asserted for that run only.
 #
 # > **Other runs.** Another seed, the same seed on a GPU (another random generator), with
-# > another PyTorch (the CPU's dropout stream changed in 2.7), or even on another kind of CPU,
+# > another PyTorch (the CPU's dropout stream changed in 2.7), or under another CPU kernel,
 # > lands on another division of labour. In notebook 11's seed study (which counted each shift
 # > over the steps where its position exists, $1 \le t \le L$ for $L-t$), seeds 0 and 3 grew a
 # > shifted head (head 0 of layer 0 in both, peaking at $L-t$ at 99.9 % and 99.1 % of the
 # > steps), seed 1 none (no head above 22 % at $L-t$), and seed 2 a head that splits its steps
 # > between the two (42 % aligned, 46 % shifted). The study's seed 0 is this notebook's recipe
-# > and seed, trained on another CPU, whose rounding makes it another run: there head 0 of layer
-# > 0 looks at $L-t$, here at $L+1-t$. (The study did not measure the shift of two.) Every seed
+# > and seed, trained under the AVX-512 kernel, whose rounding makes it another run: there head
+# > 0 of layer 0 looks at $L-t$, here at $L+1-t$. (The study did not measure the shift of two.) Every seed
 # > aligned its last layer, though: the head-averaged weights of layer 1 peak at $L-1-t$ at
 # > 99.9 % of the steps or more (the stored run: 99.6 %), and at least one head at 95 % or more.
 
@@ -526,16 +534,18 @@ if STORED_RUN:  # the stored run's division of labour, as described (not a gener
     assert head_00_by_step == [1.0, 0.0, 0.0]  # its 18 %: exactly the first steps
 
 # %% [markdown]
-# **Picture.** Every head of both decoder layers for one full-length source: source symbols
-# across, the decoder's input tokens down (the row of `<s>` is the step that emits the first
-# symbol). The last row is the step that emits `EOS`: there $L-1-t = -1$, no source position is
-# the target, and the heads put their weight on different source positions from one head to
-# the next, which no alignment explains and none has to. Each panel's title gives that head's
+# **Picture.** Every head of both decoder layers for one full-length source: source positions
+# and their symbols across (`2:10` is the symbol 10 at position 2), the decoder's positions $t$
+# and input tokens down (the row `0:<s>` is the step that emits the first symbol). The
+# anti-diagonal runs from position $L-1 = 7$ in row 0 to position 0 in row 7. The last row is
+# the step that emits `EOS`: there $L-1-t = -1$, no source position is the target, and the
+# heads put their weight on different source positions from one head to the next, which no
+# alignment explains and none has to. Each panel's title gives that head's
 # share of aligned steps over all 256 sources, the table above.
 
 # %% jupyter={"source_hidden": true}
-x_labels = [show(s) for s in src[b].split(1)]
-y_labels = [show(s) for s in decoded[b, :-1].split(1)]
+x_labels = [f"{i}:{show(s)}" for i, s in enumerate(src[b].split(1))]  # position:symbol
+y_labels = [f"{i}:{show(s)}" for i, s in enumerate(decoded[b, :-1].split(1))]
 fig, axes = plt.subplots(num_layers, h, figsize=(3.3 * h, 3.1 * num_layers), squeeze=False,
                          layout="constrained")
 for layer in range(num_layers):
@@ -543,8 +553,8 @@ for layer in range(num_layers):
         plot_attention(attn[layer][b, head, : lengths[b] + 1], x_labels, y_labels[: lengths[b] + 1],
                        ax=axes[layer, head], vmin=0, vmax=1, colorbar=False,
                        title=f"layer {layer}, head {head}\n{fractions[layer, head]:.1%} aligned")
-        axes[layer, head].set_xlabel("source symbol (key)")
-        axes[layer, head].set_ylabel("decoder input (query)")
+        axes[layer, head].set_xlabel("source position:symbol (key)")
+        axes[layer, head].set_ylabel("decoder position t:input (query)")
 fig.colorbar(axes[0, 0].images[0], ax=axes, label="attention weight", shrink=0.8)
 fig.suptitle("Cross-attention of the trained reversal model on one source: the anti-diagonal is "
              "the alignment\n(% aligned: the head's share of the symbol steps of all 256 test "
@@ -552,105 +562,12 @@ fig.suptitle("Cross-attention of the trained reversal model on one source: the a
 save_figure(fig, "generation_cross_attention")
 plt.show()
 
+
 # %% [markdown]
-# ### Where the model hesitates
+# (Where the model is least sure of a token it gets right, and what its cross-attention does
+# there, is the subject of the appendix "Where the model hesitates": a negative result in the
+# stored run.)
 #
-# The heatmap above showed a model near-certain at every step of one source. Over all 256
-# sources, where is it *least* sure of a token it gets right, and what is the runner-up there?
-# The margin is the ratio of the top probability to the runner-up's, at every step of every
-# correct output, teacher-forced on it as above:
-
-# %%
-with torch.no_grad():
-    step_probs = F.softmax(logits.float(), dim=-1)  # (B, T, V): every step of every source
-step_top2 = step_probs.topk(2, dim=-1)
-step_margin = step_top2.values[..., 0] / step_top2.values[..., 1]  # (B, T)
-emits_symbol = (t < L) & correct[:, None]  # symbol steps of correct outputs
-least = int(step_margin.masked_fill(~emits_symbol, math.inf).flatten().argmin())
-hb, ht = divmod(least, T_tgt)  # the source and the step
-hL = int(lengths[hb])
-runner = int(step_top2.indices[hb, ht, 1])
-right_pos = hL - 1 - ht  # the source position this step must read
-runner_pos = [i for i in range(hL) if int(src[hb, i]) == runner]  # where the runner-up sits
-
-# %% tags=["nbval-ignore-output"]
-print(f"source {show(src[hb, :hL])}, step {ht + 1} of {hL + 1}: emits {show(src[hb, right_pos : right_pos + 1])} "
-      f"(source position {right_pos}) with p = {step_top2.values[hb, ht, 0]:.3f}; runner-up "
-      f"{show(step_top2.indices[hb, ht, 1:2])} with p = {step_top2.values[hb, ht, 1]:.3f} "
-      f"({step_margin[hb, ht]:.1f} times less), found at source position(s) {runner_pos}")
-print("cross-attention weight on the right position / on the runner-up's position(s):")
-for layer in range(num_layers):
-    cells = [f"{attn[layer][hb, head, ht, right_pos]:.2f} / "
-             f"{attn[layer][hb, head, ht, runner_pos].sum():.2f}" for head in range(h)]
-    print(f"  layer {layer}: " + "   ".join(f"head {head}: {c}" for head, c in enumerate(cells)))
-print("layer 0, head 0, weight by source position: "
-      + " ".join(f"{x:.2f}" for x in attn[0][hb, 0, ht, :hL].tolist()))
-
-# %% [markdown]
-# In the stored run the least sure step is the fourth output symbol for the source 7 9 5 8 5 10
-# (step 4 of 7), which must emit the 5 at source position 2: it does, with $p = 0.82$, against
-# $0.18$ for 8, 4.6 times less likely. The 8 sits at position 3, one to the right, and is the symbol the
-# decoder has just emitted and read back. The cross-attention shows the same hesitation, in the
-# last layer. In layer 0, heads 1, 2 and 3 put all their weight on the 5 at position 2, and head 0
-# looks further right: its usual target, $L+1-t$, is position 4 here, but it puts only 0.24 there
-# and 0.76 on position 5. Layer 1 strays: head 0 puts
-# 0.90 on the 5, but heads 1 and 2 put 0.99 and 0.96 on the 8, and head 3 0.67. The output's
-# runner-up is the symbol where the attention strays, one position off.
-#
-# That is one step of one run, and one step proves no rule. Take every symbol step whose two
-# neighbouring source positions hold two symbols different from each other and from the right
-# one, and count how often the runner-up is one of those two neighbours' symbols, over all 256
-# sources. Against what? A runner-up drawn uniformly from the 11 tokens other than the chosen one
-# would be a neighbour's symbol $2/11 \approx 18\,\%$ of the time, but runner-ups are not
-# uniform (some symbols are runner-up far more often than others), so that yardstick is only
-# rough. A measured one: the same count for the two symbols *two* positions away, $L+1-t$ and
-# $L-3-t$, on the steps where all four positions lie in the source ($2 \le t \le L-3$) and the
-# five symbols all differ. If the runner-up tends towards the neighbours, they should beat that
-# control on the same steps.
-
-# %%
-src_at = lambda i: src.gather(1, i.clamp(0, MAX_LEN - 1))  # noqa: E731  (B, T_tgt) symbols
-right_sym, just_read, next_up = src_at(L - 1 - t), src_at(L - t), src_at(L - 2 - t)
-distinct = (just_read != right_sym) & (next_up != right_sym) & (just_read != next_up)
-inner = (t >= 1) & (t <= L - 2) & distinct  # both neighbours exist and differ
-runner_up_all = step_top2.indices[..., 1]  # (B, T_tgt)
-is_neighbour = (runner_up_all == just_read) | (runner_up_all == next_up)  # (B, T_tgt)
-neighbour_share = is_neighbour[inner].float().mean()
-two_back, two_ahead = src_at(L + 1 - t), src_at(L - 3 - t)  # the control: two positions away
-five = torch.stack([right_sym, just_read, next_up, two_back, two_ahead], dim=-1)  # (B, T_tgt, 5)
-all_differ = (five[..., :, None] != five[..., None, :]).sum((-1, -2)) == 20  # 5 distinct symbols
-paired = (t >= 2) & (t <= L - 3) & all_differ  # steps with both pairs in the source, all distinct
-is_two_away = (runner_up_all == two_back) | (runner_up_all == two_ahead)
-paired_shares = is_neighbour[paired].float().mean(), is_two_away[paired].float().mean()
-
-# %% tags=["nbval-ignore-output"]
-print(f"runner-up is a neighbour's symbol at {neighbour_share:.1%} of {int(inner.sum())} steps "
-      f"(a uniform runner-up: 2/11 = {2 / 11:.1%})")
-print(f"on the {int(paired.sum())} steps with both pairs: a neighbour's symbol at "
-      f"{paired_shares[0]:.1%}, a symbol two positions away at {paired_shares[1]:.1%}")
-
-# %% [markdown]
-# In the stored run, 17.7 % of 640 steps, about the uniform 2/11; and on the 123 steps of the
-# control the neighbours come out *below* the symbols two positions away (16.3 % against
-# 26.8 %): no tendency towards the neighbours in this run. Its least sure step, above, does
-# hesitate between neighbours, but that one step proves no rule. So nothing about it is asserted
-# in general; the assert below pins only that example and this run's shares, as described.
-#
-# > **Other runs.** Notebook 11's seed study (`tools/seed_study.md`, the first measure only)
-# > found the runner-up to be a neighbour's symbol (the symbol just read, or the next one to
-# > emit) at 20 %, 53 %, 46 % and 36 % of the steps for seeds 0 to 3 (seed 0 trained on another
-# > CPU, so another run than the stored one): well above the uniform 18 % and the stored run's
-# > control (27 %) for seeds 1 and 2, less clearly for seed 3, not at all for seed 0. The study
-# > measured no control of its own, so for those seeds the yardstick is the rough one. The
-# > hesitation between neighbours is at most a tendency of some runs, not a law.
-
-# %%
-if STORED_RUN:  # the stored run's least sure step and share, as described (not a general rule)
-    assert (ht, right_pos, runner_pos) == (3, 2, [3]), (ht, right_pos, runner_pos)
-    assert abs(neighbour_share - 2 / 11) < 0.03 and paired_shares[0] < paired_shares[1]
-
-
-# %% [markdown]
 # ### Which heads matter: switching them off
 #
 # Attention weights show where a head looks, not whether the model needs what it finds there.
@@ -766,7 +683,9 @@ plt.show()
 # writes one output for every source, the reversal of at most as many sources as share one
 # reversal (in this test set, at most 2 sources are the same: printed below, a property of the
 # test set, drawn on the CPU from a fixed seed, not of the run). So that is asserted for any run;
-# which heads the model can spare, for the stored run only.
+# which heads the model can spare, for the stored run only, and with room: the stored minimum is
+# exactly 250, the same under PyTorch's AVX2 and default CPU kernels, while on a GPU the same
+# weights, rounded otherwise, might flip a sequence, so the assert asks for 245.
 
 # %%
 most_shared = int(tgt_out.unique(dim=0, return_counts=True)[1].max())  # sources sharing a reversal
@@ -774,7 +693,7 @@ print(f"test sources that share one reversal: at most {most_shared}")  # the tes
 assert no_cross <= most_shared  # a guard: holds for any weights once the hook works (blind to
 # the source, one output for all); it fails only if the hook does not
 if STORED_RUN:  # the stored run's redundancy, as described (not a general rule)
-    assert min(counts[:, :h].min() for counts in ablation.values()) >= 250
+    assert min(counts[:, :h].min() for counts in ablation.values()) >= 245  # stored: 250
     assert ablation["decoder self-attention"][0, h] < 128
 
 
@@ -855,16 +774,6 @@ class AttentionCache:
         """Positions kept."""
         return 0 if self.keys is None else self.keys.size(2)
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep rows `index` (B_new,) of the batch: in beam search, each new beam's parent."""
-        if self.keys is None:
-            return
-        if self._buffers is not None:
-            self._buffers = tuple(buffer.index_select(0, index) for buffer in self._buffers)
-            self.keys, self.values = (buffer[:, :, : self.length] for buffer in self._buffers)
-        else:
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
-
     @property
     def capacity(self) -> int:
         """Positions there is room for: a growing cache's buffer, else the positions kept."""
@@ -913,7 +822,7 @@ def update(self, K: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
 # %% [markdown]
 # **Check.** Filled in chunks of 3, 1 and 20 positions, the cache holds exactly what one
 # concatenation would (the buffer, made with room for 16 positions, grew once, to 48); a
-# cross-attention cache keeps its first keys and refuses a second fill; `reorder` picks rows.
+# cross-attention cache keeps its first keys and refuses a second fill.
 
 # %%
 chunks = [torch.randn(2, 4, T_new, 8) for T_new in (3, 1, 20)]  # (B, h, T_new, d_k)
@@ -931,8 +840,6 @@ try:
     raise AssertionError("a second fill must fail")
 except RuntimeError as err:
     print(f"RuntimeError: {err}")
-grown.reorder(torch.tensor([1, 1, 0]))
-assert torch.equal(grown.keys, K_all[[1, 1, 0]]) and grown.length == 24
 
 
 # %% [markdown]
@@ -964,7 +871,8 @@ for function in (MultiHeadAttention.forward, DecoderBlock.forward, Decoder.forwa
 # inputs, the attention gives the output of the first ones. A growing cache, fed one position
 # per call, gives each position the output of one causal pass over all of them. And this
 # notebook's `AttentionCache` has what notebook 03's `KeyValueCache` protocol asks of a cache
-# (`frozen`, `keys`, `values`, `update`; the protocol is checked with `isinstance`).
+# (`frozen`, `keys`, `values`, `update`). That last check, `isinstance` with a runtime-checkable
+# protocol, only sees that the names exist; what they do is what the asserts before it test.
 
 # %%
 contract_gen = torch.Generator().manual_seed(3)
@@ -990,7 +898,8 @@ assert isinstance(AttentionCache(), KeyValueCache)
 # **The decoder's cache.** A decoder block has two attentions, so its part of the cache is a
 # pair; the whole cache is a list of pairs, one per block, made as the decoder asks for them.
 # `length` is the number of target positions kept, which `Transformer.decode` reads as the
-# position of the next token; `reorder` and `num_bytes` pass down to every attention. `length`
+# position of the next token; `num_bytes` adds up every attention's (beam search adds a
+# `reorder` that passes down the same way). `length`
 # and `layer(i)` are all that notebook 10's `DecoderCache` protocol (imported above) asks of a
 # decoder's cache, so the decoders' `cache=` argument takes a `KVCache` (checked below) or any
 # other object that has them.
@@ -1021,12 +930,6 @@ class KVCache:
     def length(self) -> int:
         """Target positions kept: where the next token goes."""
         return self.layers[0].self_attn.length if self.layers else 0
-
-    def reorder(self, index: Tensor) -> None:
-        """Keep rows `index` of the batch in every block (beam search: each beam's parent)."""
-        for layer in self.layers:
-            layer.self_attn.reorder(index)
-            layer.cross_attn.reorder(index)
 
     def num_bytes(self) -> int:
         """Bytes of all keys and values kept."""
@@ -1071,13 +974,9 @@ assert cache_gap < tolerance
 # %% [markdown]
 # The decoders take the cache as a switch: `use_cache=True` makes a new `KVCache` for the call;
 # an empty cache of your own, `cache=KVCache()`, does the same and lets you look at it afterwards
-# (exercise 2 does).
-#
-# Why the checks below write `cache=KVCache()` rather than `use_cache=True`: the decoders live
-# in the installed package, so `use_cache=True` makes the package's `KVCache`, the copy that
-# `make export` wrote from the cells above. The code is the same, but if you edit those cells,
-# the package's copy changes only at the next export. Passing `cache=KVCache()` hands the
-# decoders the class this notebook has just defined, so the checks test the code you see.
+# (exercise 2 does). The checks below pass `cache=KVCache()`, the class this notebook has just
+# defined: `use_cache=True` would build the installed package's copy, written from these cells by
+# `make export`, so an edit to them would not be tested until the next export.
 #
 # **Check 2: the same tokens, exactly** (with this notebook's `KVCache`). On the trained model
 # and on random models, batch sizes from 1 to 64, padded sources of mixed lengths, and outputs
@@ -1229,11 +1128,14 @@ threads = torch.get_num_threads()
 torch.set_num_threads(1)
 try:
     per_round = {(n, c): [] for n in timing_lengths for c in (False, True)}  # seconds, per round
+    cpu_round = {(n, c): [] for n in timing_lengths for c in (False, True)}  # CPU seconds, likewise
     for _ in tqdm(range(rounds), desc="timing rounds"):
         for n in timing_lengths:
             for c in (False, True):
+                cpu_start = time.process_time()  # the whole time_call: warm-up and 3 runs
                 per_round[n, c].append(time_call(lambda n=n, c=c: greedy_decode(
                     timing_model, one_src, max_new_tokens=n, use_cache=c), repeats=3))
+                cpu_round[n, c].append(time.process_time() - cpu_start)
 finally:
     torch.set_num_threads(threads)
 timings = {n: {c: statistics.median(per_round[n, c]) for c in (False, True)}
@@ -1250,24 +1152,28 @@ for n, speedup, ratio in zip(timing_lengths, speedups, flop_ratio, strict=True):
           f"{1e3 * timings[n][True] / n:9.2f} ({min(per_token):.2f}-{max(per_token):.2f}) "
           f"{speedup:6.1f}x ({min(round_speedups[n]):.1f}-{max(round_speedups[n]):.1f}) "
           f"{ratio:10.1f}x")
+n_last = timing_lengths[-1]
+cpu_speedups = [plain / cached for plain, cached in zip(
+    cpu_round[n_last, False], cpu_round[n_last, True], strict=True)]
+cpu_speedup = statistics.median(cpu_speedups)
+print(f"speed-up at {n_last} tokens in CPU time: {cpu_speedup:.1f}x (rounds "
+      f"{min(cpu_speedups):.1f}-{max(cpu_speedups):.1f})")
 print(f"(timed in {time.perf_counter() - timing_start:.0f} s)")
 
 # %% [markdown]
-# **Check.** The times are this machine's and are not compared. What is asserted on a CPU has a
-# wide margin: the cache wins at the longest output by more than 1.5×, in the median of the
-# rounds (the range in the table above shows how far this machine's rounds are from it). A
-# comparison between lengths is not asserted: on a busy machine the short timings are the
-# noisiest. The timed work is guarded too: each call decoded exactly
-# $n$ tokens. That holds by construction (the timing model's `EOS` bias is $-\infty$, so no row
-# can stop early); the assert only catches a change to that setup. On a GPU nothing is asserted: there
-# both loops are bound by kernel launches rather than arithmetic, and the speed-up can be small.
+# **Check.** The times are this machine's and are not compared. What is asserted, on a CPU, has
+# a wide margin and no wall clock in it: the cache wins at the longest output by more than 1.5×
+# in CPU time (`time.process_time`, the time this process ran on a core, which waiting for a core
+# on a busy machine does not inflate as it inflates the wall-clock times of the table; the median
+# of the rounds, the last line printed above). A comparison between lengths is not asserted: the
+# short timings are the noisiest. Both loops decode exactly $n$ tokens: the timing model's `EOS`
+# bias is $-\infty$, so no row can stop early. On a GPU nothing is asserted: there both loops are
+# bound by kernel launches rather than arithmetic, and the process's CPU time does not measure
+# the device's work.
 
 # %%
-for n in timing_lengths:  # a guard of the setup (EOS is impossible): n new tokens, both ways
-    for c in (False, True):
-        assert greedy_decode(timing_model, one_src, max_new_tokens=n, use_cache=c).tokens.shape == (1, n + 1)
 if device.type == "cpu":
-    assert speedups[-1] > 1.5
+    assert cpu_speedup > 1.5, cpu_speedups
 
 # %% jupyter={"source_hidden": true}
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 3.8), layout="constrained")
@@ -1295,43 +1201,74 @@ ax2.errorbar(timing_lengths, speedups, yerr=speedup_spread, marker="o", capsize=
 ax2.set_xticks(timing_lengths, [str(n) for n in timing_lengths])
 ax2.xaxis.set_minor_locator(NullLocator())
 ax2.set_xlabel("new tokens n")
-ax2.set_ylabel("uncached / cached")
+ax2.set_ylabel("ratio, uncached / cached")
 ax2.set_title("The cache saves far more arithmetic than time")
 ax2.legend(fontsize=8)
 save_figure(fig, "generation_cache_time")
 plt.show()
 
+# %% [markdown]
+# How many operations a step runs: PyTorch's dispatcher sees every ATen operation (a matrix
+# product, an addition, a softmax, a copy, ...), and a `TorchDispatchMode` can count them. The
+# difference between decoding 32 and 16 tokens, divided by 16, is the count per step, the
+# encoder's one pass taken out (the operations differ in version and build, so the counts are
+# not compared):
+
+# %% tags=["nbval-ignore-output"]
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class CountOps(TorchDispatchMode):
+    """Count the ATen operations that run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(n: int, use_cache: bool) -> int:
+    with CountOps() as counter:
+        greedy_decode(timing_model, one_src, max_new_tokens=n, use_cache=use_cache)
+    return counter.count
+
+
+ops_per_step = {c: (ops_of(32, c) - ops_of(16, c)) / 16 for c in (False, True)}
+print(f"ATen operations per decoding step: {ops_per_step[True]:.0f} with the cache, "
+      f"{ops_per_step[False]:.0f} without")
+
+# %%
+assert 100 < ops_per_step[True] < 1000  # a few hundred small operations a step
+assert ops_per_step[True] <= ops_per_step[False]  # the cache adds no operations to a step
+
 
 # %% [markdown]
 # The two panels tell different stories. The arithmetic saved grows like $n/2$ (131× at 256
-# tokens), but the time saved is far smaller: in the stored run 1.2× to 2.4× up to 128 tokens
-# and 4.0× at 256 (medians of the rounds). Step-by-step decoding of this small model is not
-# limited by arithmetic at all: each step launches the same small operations, about 250 of them
-# (ATen operations per cached step of this model, counted outside this notebook with a
-# `TorchDispatchMode`), whether they cover one position or sixteen, so the fixed cost per call
-# dominates, and the cache cannot remove it. The stored table's cached column shows it: 8.5 to
-# 11.1 ms per token at every length (medians), falling a little from 32 tokens on rather than
-# growing, a spread of about 1.3× while $n$ grows 16-fold and no wider than that between the
-# rounds at 256 tokens alone (7.7 to 10.8 ms), while the FLOPs per token are tiny. Only as the
-# prefix grows does the uncached loop's quadratic work show. On a larger model the per-call
-# overhead matters less, but a cached step is still not bound by FLOPs: it does little
-# arithmetic on a lot of memory (every weight, and the whole cache, read to produce one token per
-# sequence), so it is bound by memory bandwidth. Either way the FLOP ratio is what the cache
-# saves in arithmetic, not a speed-up to expect.
+# tokens), but the time saved is far smaller: in the stored run 1.4× to 2.7× up to 128 tokens
+# and 4.9× at 256 (medians of the rounds). Step-by-step decoding of this small model is not
+# limited by arithmetic at all: each step runs the same small operations, about 250 of them with
+# the cache and 280 without (the count printed above), whether they cover one position or
+# sixteen, so the fixed cost per operation dominates, and the cache cannot remove it. The stored
+# table's cached column shows it: 1.5 to 1.7 ms per token at every length (medians), falling a
+# little as $n$ grows rather than growing, while the FLOPs per token are tiny. Only as the prefix
+# grows does the uncached loop's quadratic work show. On a larger model the per-call overhead
+# matters less, but a cached step is still not bound by FLOPs: it does little arithmetic on a
+# lot of memory (every weight, and the whole cache, read to produce one token per sequence), so
+# it is bound by memory bandwidth. Either way the FLOP ratio is what the cache saves in
+# arithmetic, not a speed-up to expect.
 #
 # How far to trust such a table? The times are wall-clock times, and on a machine shared with
-# other jobs a slow spell inflates whatever is being timed. The stored table was timed on a very
-# busy machine (two cores shared with other jobs, a load average above 10), and it shows: every
-# time is several times that of a quiet machine, and between the rounds the cached time per
-# token at 128 tokens went from 7.3 to 10.0 ms, the speed-up at 128 tokens from 2.1× to 3.1×.
-# Other runs (not stored) show how far this goes. On a less busy machine one round had the cache
-# *lose* at 32 and 64 tokens (0.9×), and the medians did not grow smoothly with $n$ (1.8× at 16
-# tokens, 1.4× at 32); on a more heavily loaded one the cache lost at 16 tokens even in the
-# median (0.6×). In a quiet spell the same code gave 0.95 to 1.04 ms per token and speed-ups
-# growing steadily from 1.3× at 16 tokens to 4.4× at 256. The short timings are the most
-# exposed, since a few milliseconds spent waiting for a core are a large share of them. That is
-# why the check asserts only the speed-up at the longest output, with a wide margin, and leaves
-# the claim about the work to the FLOP count of check 3.
+# other jobs a slow spell inflates whatever is being timed. The stored table was timed on two
+# cores shared with other jobs, and its rounds agree to within about 15 % (the ranges in the
+# table: the cached time per token at 16 tokens went from 1.53 to 1.77 ms, the speed-up at 256
+# tokens from 4.3× to 4.9×); a busier spell can slow one round, or one length, by far more. The
+# short timings are the most exposed, since a few milliseconds spent waiting for a core are a
+# large share of them. That is why the check asserts only the speed-up at the longest output,
+# in CPU time and with a wide margin (the stored run: 4.8×), and leaves the claim about the
+# work to the FLOP count of check 3.
 #
 # **The KV cache turns each step from a pass over the whole prefix into a pass over one
 # position: the same tokens, about $n/2$ times less arithmetic.**
@@ -1366,8 +1303,46 @@ plt.show()
 # live beams are finished as they are.
 #
 # The bookkeeping runs all beams of all sources as one batch of $B k$ rows through the cached
-# decoder (`model.decode` with a `KVCache`, as above). When beam $j$ of the next step continues beam $i$ of this one, its cached keys
-# and values must be beam $i$'s: that is `KVCache.reorder`.
+# decoder (`model.decode` with a `KVCache`, as above). When beam $j$ of the next step continues
+# beam $i$ of this one, its cached keys and values must be beam $i$'s. So the cache gets one more
+# method at each level, `reorder(index)`: an attention's cache keeps rows `index` of its keys and
+# values (of its whole buffer, spare room included), and the decoder's cache hands the index to
+# every attention.
+
+# %%
+#| export
+@add_to_class(AttentionCache)
+def reorder(self, index: Tensor) -> None:
+    """Keep rows `index` (B_new,) of the batch: in beam search, each new beam's parent."""
+    if self.keys is None:
+        return
+    if self._buffers is not None:
+        self._buffers = tuple(buffer.index_select(0, index) for buffer in self._buffers)
+        self.keys, self.values = (buffer[:, :, : self.length] for buffer in self._buffers)
+    else:
+        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+
+
+@add_to_class(KVCache)
+def reorder(self, index: Tensor) -> None:
+    """Keep rows `index` of the batch in every block (beam search: each beam's parent)."""
+    for layer in self.layers:
+        layer.self_attn.reorder(index)
+        layer.cross_attn.reorder(index)
+
+
+# %% [markdown]
+# **Check.** On the cache of 24 positions grown in chunks above, `reorder` picks rows (one of
+# them twice), keeps every position, and keeps the spare room; a frozen cross-attention cache is
+# reordered too.
+
+# %%
+grown.reorder(torch.tensor([1, 1, 0]))
+assert torch.equal(grown.keys, K_all[[1, 1, 0]]) and torch.equal(grown.values, V_all[[1, 1, 0]])
+assert grown.length == 24 and grown.capacity == 48
+fixed.reorder(torch.tensor([1, 0]))
+assert torch.equal(fixed.keys, chunks[0][[1, 0]])
+
 
 # %%
 #| export
@@ -1565,8 +1540,8 @@ print(f"trained model: beam of 4 equals greedy on {int(same.sum())}/{len(same)} 
 # Where the model is unsure, the beam earns its keep. A model early in training is a good
 # example: it has the rough shape of the task but spreads its probability. We take notebook
 # 11's recipe and stop after only 100 steps (checkpointed like the full model, so only the
-# first run trains it: about 8 seconds at the 83 ms a step that notebook 11 measured on a quiet
-# machine, several times that on a busy one).
+# first run trains it: about 8 seconds at the roughly 80 ms a step that notebook 11 quotes for a
+# quiet machine, several times that on a busy one).
 
 # %% tags=["nbval-ignore-output"]
 early_model = get_reversal_model(checkpoint="checkpoints/reversal_100_steps.pt", device=device,
@@ -1598,7 +1573,9 @@ for k in beam_sizes:
 # this model too (facts). With $\alpha = 0$ (pure log-probability), every
 # wider beam finds a more likely output than greedy on 20 or more sources and a less likely one
 # on at most 5, and is better on average (the study's four seeds: 38 to 54 sources better, none
-# worse).
+# worse). And without the cache (`use_cache=False`) the beam of 4 finds the same outputs with
+# the same scores, up to rounding (on a CPU every output; on a GPU, whose kernels round the two
+# paths differently, a near-tie may flip one).
 # Worse is possible: beam search is not exhaustive, and the greedy path can fall out of a beam
 # when $k$ other prefixes look better at some step. (With $\alpha = 0$, as here, the early-stopping
 # rule above at least never gives up while a live beam could still win; for $\alpha > 0$ it is a
@@ -1613,6 +1590,14 @@ assert_close(beam_log_p[1], log_p_greedy, atol=1e-4, rtol=1e-4)
 for k in beam_sizes[1:]:
     assert better[k] >= 20 and worse[k] <= 5, k
     assert beam_log_p[k].mean() > log_p_greedy.mean()
+uncached_4 = beam_search(early_model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask,
+                         beam_size=4, length_penalty=0.0, use_cache=False)  # the whole prefix
+beam_differ = outputs_differ(uncached_4.tokens, beam_out[4])  # (B,)
+if device.type == "cpu":
+    assert not beam_differ.any()
+else:  # other kernels for the two paths: a near-tie may flip a row on a GPU
+    assert int(beam_differ.sum()) <= 25  # a tenth of the sources at most
+assert_close(uncached_4.log_probs[~beam_differ], beam_log_p[4][~beam_differ], atol=1e-4, rtol=1e-4)
 
 
 # %% [markdown]
@@ -1885,6 +1870,11 @@ assert early_errors["beam 4"] <= early_errors["greedy"]
 #
 # ### The length penalty, and the search errors it cannot fix
 #
+# **In short:** on nearly flat (untrained) models, many outputs run to the cap because of the
+# search, not the penalty: an ending is set aside only while it ranks among the $k$ best
+# candidates by raw log-probability, whatever $\alpha$. The penalty only chooses among the
+# endings set aside, where a large $\alpha$ can make a long one win.
+#
 # The bias towards short outputs that length normalisation corrects shows on an *untrained*
 # model, whose next-token distributions are nearly flat: every token, `EOS` included, has a
 # probability not far from $1/V$ ($\log V \approx 2.5$ nats). We take eight of them (seeds 1 to
@@ -1977,6 +1967,10 @@ for seed, study in length_studies.items():
           + "".join(f"{' / '.join(f'{c:2d}' for c in length_spread[seed][alpha]):>15s}"
                     for alpha in length_alphas)
           + f"  {margin:>13s}")
+cut_margins = torch.cat([(study["eos_first"] - study[0.0][0])[~study[0.0][2]]
+                         for study in length_studies.values()])  # the alpha = 0 cut-offs
+print(f"alpha = 0, seeds 1-8: {len(cut_margins)} outputs cut off at 20, each less likely than "
+      f"stopping at once by {cut_margins.min():.1f} nats or more")
 
 # %% [markdown]
 # For seed 1, at $\alpha = 0$, 60 outputs stop at once, one stops after 2 tokens, and 3 are cut
@@ -2011,7 +2005,7 @@ for seed, study in length_studies.items():
 # the 4 most likely first tokens: all 64 for seed 4, none for seeds 3 and 5, where every output
 # runs to the cap. Every other output at $\alpha = 0$, cut off or not, is less likely than
 # stopping at once, by at least 1.18 nats (seed 2; the last column), and the 253 cut-offs among
-# them by at least 18 nats (measured outside the notebook): search errors, every one. The
+# them by at least 18 nats (the last line printed): search errors, every one. The
 # penalty then only chooses among the hypotheses the search sets aside (and may let it run
 # longer before it stops): $\alpha = 0$, $0.6$ and $1$ gave the same counts but for one output
 # (seed 2), and a larger $\alpha$ never sent fewer outputs to the cap, which is what one
@@ -2302,9 +2296,11 @@ def sample(
 # `next_token_probs` of that step: each token's frequency must lie within four of its standard
 # deviations, $\sqrt{p(1-p)/20000}$, of its probability $p$ (a chance failure of one of the three
 # has odds of about $2 \times 10^{-4}$). For the stored early model that allows 0.006 to 0.009:
-# tight enough that a sampler at a temperature 5 % off fails (measured outside the notebook: at
-# $\tau = 1.9$ and $2.1$ the top token's frequency is 5.7 and 6.3 standard deviations off, while
-# at $\tau = 2$ no token is more than 1.5 off).
+# tight enough that a sampler at a temperature 5 % off fails, which the cell after the check
+# shows. Last, `.log_probs` of a sample is what its docstring promises: the model's own total
+# log-probability of the drawn tokens at $\tau = 1$ over the whole vocabulary, equal to
+# `sequence_log_prob` of them, not the log-probability under the reshaped distribution the
+# tokens were drawn from (at $\tau = 2$ and top-3, far from it).
 
 # %%
 def seeded(seed: int) -> torch.Generator:
@@ -2335,6 +2331,33 @@ sigma = (expected * (1 - expected) / copies).sqrt()  # (V,) each frequency's sta
 assert ((frequencies - expected).abs() <= 4 * sigma).all(), (frequencies, expected)
 assert (frequencies[expected == 0] == 0).all()  # outside the top 3: never drawn
 
+hot = sample(early_model, src, max_new_tokens=MAX_LEN + 1, src_mask=src_mask, temperature=2.0,
+             top_k=3, generator=seeded(0))
+assert_close(hot.log_probs, sequence_log_prob(early_model, src, hot.tokens, src_mask),
+             atol=1e-4, rtol=1e-4)  # the model's log p at tau = 1, whatever drew the tokens
+
+# %% [markdown]
+# The control: the same test, the frequencies drawn at $\tau = 1.9$, $2$ and $2.1$, each against
+# `next_token_probs` at $\tau = 2$, in standard deviations (the check allows 4). The test must
+# reject the two wrong temperatures (asserted for the stored run, whose early model the 5 %
+# claim is about; another run's early model is another distribution):
+
+# %% tags=["nbval-ignore-output"]
+off_by = {}  # temperature -> the largest |frequency - p| / sigma over the top 3
+for tau in (1.9, 2.0, 2.1):
+    drawn = sample(early_model, src[:1].expand(copies, -1), max_new_tokens=1,
+                   src_mask=src_mask[:1].expand(copies, -1, -1, -1), temperature=tau, top_k=3,
+                   generator=seeded(0)).tokens[:, 1]
+    tau_frequencies = drawn.cpu().bincount(minlength=VOCAB) / copies
+    off_by[tau] = ((tau_frequencies - expected).abs()[expected > 0] / sigma[expected > 0]).max().item()
+    print(f"drawn at tau = {tau}: largest deviation from the tau = 2 probabilities "
+          f"{off_by[tau]:.2f} standard deviations")
+
+# %%
+assert off_by[2.0] <= 4  # the check above, again
+if STORED_RUN:  # the stored run's early model: a temperature 5 % off is caught
+    assert off_by[1.9] > 4 and off_by[2.1] > 4
+
 # %% tags=["nbval-ignore-output"]
 for i in range(3):
     print(f"early model, sample {i}: {show(draws[0][i, 1:])}    (reversal: {show(tgt_out[i])})")
@@ -2361,6 +2384,11 @@ model_colors = {"trained": "#404040", "100 steps": "#e377c2"}
 for (name, top_k), rates in sampled_rates.items():
     ax.plot(sweep, rates, "-" if top_k is None else ":", marker="o", color=model_colors[name],
             label=f"{name}, {'all tokens' if top_k is None else 'top-3'}")
+greedy_rates = {"trained": correct.float().mean().item(),
+                "100 steps": reversed_correctly(greedy_early).float().mean().item()}
+for name, rate in greedy_rates.items():
+    ax.axhline(rate, color=model_colors[name], ls="--", lw=1, alpha=0.7,
+               label=f"{name}, greedy ({rate:.1%})")
 ax.set_xlabel("temperature τ")
 ax.set_ylabel("exact match (fraction of 256)")
 ax.set_ylim(0, 1.02)
@@ -2378,7 +2406,7 @@ for (name, top_k), rates in sampled_rates.items():
 
 # %% [markdown]
 # On the trained model, sampling at $\tau \le 1$ gives as many exact reversals as greedy
-# decoding (in the stored run 99.2 %, its 254 of 256): the top token is so far ahead that even
+# decoding (the dashed lines; in the stored run 99.2 %, its 254 of 256): the top token is so far ahead that even
 # $\tau = 1$ hardly ever draws another. From $\tau = 1.5$ on, the hotter the distribution, the
 # more often a wrong symbol is drawn somewhere in the output, and one is enough to spoil it:
 # 95.3 %, 82.8 % and 36.7 % at $\tau = 1.5$, 2 and 3. Top-3 keeps the tail out of reach, so it
@@ -2503,6 +2531,104 @@ print(f"with the mask: identical to the unpadded batch: {torch.equal(with_mask, 
 print(f"without it: {int(changed.sum())}/256 outputs change, "
       f"{int(reversed_correctly(without_mask).sum())}/256 still correct")
 assert torch.equal(with_mask, decoded) and changed.sum() > 128
+
+# %% [markdown]
+# ## Appendix · Where the model hesitates
+#
+# The next-token heatmap of the section "Greedy decoding" showed a model near-certain at every
+# step of one source. Over all 256 sources, where is it *least* sure of a token it gets right,
+# and what is the runner-up there? The margin is the ratio of the top probability to the
+# runner-up's, at every step of every correct output, teacher-forced on it as in that section's
+# check:
+
+# %%
+with torch.no_grad():
+    step_probs = F.softmax(logits.float(), dim=-1)  # (B, T, V): every step of every source
+step_top2 = step_probs.topk(2, dim=-1)
+step_margin = step_top2.values[..., 0] / step_top2.values[..., 1]  # (B, T)
+emits_symbol = (t < L) & correct[:, None]  # symbol steps of correct outputs
+least = int(step_margin.masked_fill(~emits_symbol, math.inf).flatten().argmin())
+hb, ht = divmod(least, T_tgt)  # the source and the step
+hL = int(lengths[hb])
+runner = int(step_top2.indices[hb, ht, 1])
+right_pos = hL - 1 - ht  # the source position this step must read
+runner_pos = [i for i in range(hL) if int(src[hb, i]) == runner]  # where the runner-up sits
+
+# %% tags=["nbval-ignore-output"]
+print(f"source {show(src[hb, :hL])}, step {ht + 1} of {hL + 1}: emits {show(src[hb, right_pos : right_pos + 1])} "
+      f"(source position {right_pos}) with p = {step_top2.values[hb, ht, 0]:.3f}; runner-up "
+      f"{show(step_top2.indices[hb, ht, 1:2])} with p = {step_top2.values[hb, ht, 1]:.3f} "
+      f"({step_margin[hb, ht]:.1f} times less), found at source position(s) {runner_pos}")
+print("cross-attention weight on the right position / on the runner-up's position(s):")
+for layer in range(num_layers):
+    cells = [f"{attn[layer][hb, head, ht, right_pos]:.2f} / "
+             f"{attn[layer][hb, head, ht, runner_pos].sum():.2f}" for head in range(h)]
+    print(f"  layer {layer}: " + "   ".join(f"head {head}: {c}" for head, c in enumerate(cells)))
+print("layer 0, head 0, weight by source position: "
+      + " ".join(f"{x:.2f}" for x in attn[0][hb, 0, ht, :hL].tolist()))
+
+# %% [markdown]
+# In the stored run the least sure step is the fourth output symbol for the source 7 9 5 8 5 10
+# (step 4 of 7), which must emit the 5 at source position 2: it does, with $p = 0.82$, against
+# $0.18$ for 8, 4.6 times less likely. The 8 sits at position 3, one to the right, and is the symbol the
+# decoder has just emitted and read back. The cross-attention shows the same hesitation, in the
+# last layer. In layer 0, heads 1, 2 and 3 put all their weight on the 5 at position 2, and head 0
+# looks further right: its usual target, $L+1-t$, is position 4 here, but it puts only 0.24 there
+# and 0.76 on position 5. Layer 1 strays: head 0 puts
+# 0.90 on the 5, but heads 1 and 2 put 0.99 and 0.96 on the 8, and head 3 0.67. The output's
+# runner-up is the symbol where the attention strays, one position off.
+#
+# That is one step of one run, and one step proves no rule. Take every symbol step whose two
+# neighbouring source positions hold two symbols different from each other and from the right
+# one, and count how often the runner-up is one of those two neighbours' symbols, over all 256
+# sources. Against what? A runner-up drawn uniformly from the 11 tokens other than the chosen one
+# would be a neighbour's symbol $2/11 \approx 18\,\%$ of the time, but runner-ups are not
+# uniform (some symbols are runner-up far more often than others), so that yardstick is only
+# rough. A measured one: the same count for the two symbols *two* positions away, $L+1-t$ and
+# $L-3-t$, on the steps where all four positions lie in the source ($2 \le t \le L-3$) and the
+# five symbols all differ. If the runner-up tends towards the neighbours, they should beat that
+# control on the same steps.
+
+# %%
+src_at = lambda i: src.gather(1, i.clamp(0, MAX_LEN - 1))  # noqa: E731  (B, T_tgt) symbols
+right_sym, just_read, next_up = src_at(L - 1 - t), src_at(L - t), src_at(L - 2 - t)
+distinct = (just_read != right_sym) & (next_up != right_sym) & (just_read != next_up)
+inner = (t >= 1) & (t <= L - 2) & distinct  # both neighbours exist and differ
+runner_up_all = step_top2.indices[..., 1]  # (B, T_tgt)
+is_neighbour = (runner_up_all == just_read) | (runner_up_all == next_up)  # (B, T_tgt)
+neighbour_share = is_neighbour[inner].float().mean()
+two_back, two_ahead = src_at(L + 1 - t), src_at(L - 3 - t)  # the control: two positions away
+five = torch.stack([right_sym, just_read, next_up, two_back, two_ahead], dim=-1)  # (B, T_tgt, 5)
+all_differ = (five[..., :, None] != five[..., None, :]).sum((-1, -2)) == 20  # 5 distinct symbols
+paired = (t >= 2) & (t <= L - 3) & all_differ  # steps with both pairs in the source, all distinct
+is_two_away = (runner_up_all == two_back) | (runner_up_all == two_ahead)
+paired_shares = is_neighbour[paired].float().mean(), is_two_away[paired].float().mean()
+
+# %% tags=["nbval-ignore-output"]
+print(f"runner-up is a neighbour's symbol at {neighbour_share:.1%} of {int(inner.sum())} steps "
+      f"(a uniform runner-up: 2/11 = {2 / 11:.1%})")
+print(f"on the {int(paired.sum())} steps with both pairs: a neighbour's symbol at "
+      f"{paired_shares[0]:.1%}, a symbol two positions away at {paired_shares[1]:.1%}")
+
+# %% [markdown]
+# In the stored run, 17.7 % of 640 steps, about the uniform 2/11; and on the 123 steps of the
+# control the neighbours come out *below* the symbols two positions away (16.3 % against
+# 26.8 %): no tendency towards the neighbours in this run. Its least sure step, above, does
+# hesitate between neighbours, but that one step proves no rule. So nothing about it is asserted
+# in general; the assert below pins only that example and this run's shares, as described.
+#
+# > **Other runs.** Notebook 11's seed study (`tools/seed_study.md`, the first measure only)
+# > found the runner-up to be a neighbour's symbol (the symbol just read, or the next one to
+# > emit) at 20 %, 53 %, 46 % and 36 % of the steps for seeds 0 to 3 (seed 0 trained under
+# > another CPU kernel, so another run than the stored one): well above the uniform 18 % and the stored run's
+# > control (27 %) for seeds 1 and 2, less clearly for seed 3, not at all for seed 0. The study
+# > measured no control of its own, so for those seeds the yardstick is the rough one. The
+# > hesitation between neighbours is at most a tendency of some runs, not a law.
+
+# %%
+if STORED_RUN:  # the stored run's least sure step and share, as described (not a general rule)
+    assert (ht, right_pos, runner_pos) == (3, 2, [3]), (ht, right_pos, runner_pos)
+    assert abs(neighbour_share - 2 / 11) < 0.03 and paired_shares[0] < paired_shares[1]
 
 # %% [markdown]
 # Next: later notebooks take the same decoders to a real translation task, where the alignment

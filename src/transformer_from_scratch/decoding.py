@@ -259,19 +259,6 @@ class AttentionCache:
         """Positions kept."""
         return 0 if self.keys is None else self.keys.size(2)
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep rows `index` (B_new,) of the batch: in beam search, each new beam's parent."""
-        if self.keys is None:
-            return
-        if self._buffers is not None:
-            self._buffers = tuple(buffer.index_select(0, index) for buffer in self._buffers)
-            self.keys, self.values = (buffer[:, :, : self.length] for buffer in self._buffers)
-        else:
-            self.keys, self.values = (
-                self.keys.index_select(0, index),
-                self.values.index_select(0, index),
-            )
-
     @property
     def capacity(self) -> int:
         """Positions there is room for: a growing cache's buffer, else the positions kept."""
@@ -308,6 +295,19 @@ class AttentionCache:
         self.keys, self.values = (buffer[:, :, :end] for buffer in self._buffers)
         return self.keys, self.values
 
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows `index` (B_new,) of the batch: in beam search, each new beam's parent."""
+        if self.keys is None:
+            return
+        if self._buffers is not None:
+            self._buffers = tuple(buffer.index_select(0, index) for buffer in self._buffers)
+            self.keys, self.values = (buffer[:, :, : self.length] for buffer in self._buffers)
+        else:
+            self.keys, self.values = (
+                self.keys.index_select(0, index),
+                self.values.index_select(0, index),
+            )
+
 
 # Taught in notebook 12 · Generation
 class LayerCache:
@@ -336,17 +336,17 @@ class KVCache:
         """Target positions kept: where the next token goes."""
         return self.layers[0].self_attn.length if self.layers else 0
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep rows `index` of the batch in every block (beam search: each beam's parent)."""
-        for layer in self.layers:
-            layer.self_attn.reorder(index)
-            layer.cross_attn.reorder(index)
-
     def num_bytes(self) -> int:
         """Bytes of all keys and values kept."""
         return sum(
             a.num_bytes() for layer in self.layers for a in (layer.self_attn, layer.cross_attn)
         )
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows `index` of the batch in every block (beam search: each beam's parent)."""
+        for layer in self.layers:
+            layer.self_attn.reorder(index)
+            layer.cross_attn.reorder(index)
 
 
 # Taught in notebook 12 · Generation
