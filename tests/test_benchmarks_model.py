@@ -28,6 +28,7 @@ CONTRACT = [
     "tiled_memory_ratio_1024",
     "mfu",
     "mfu_measured_peak",
+    "gpt_train_step_ratio_hf",
 ]
 
 
@@ -47,6 +48,7 @@ def test_run_all_has_the_contract_keys():
         device="cpu",
         model_kwargs=TINY,
         peak_size=64,
+        gpt_shape=(2, 8),
     )
     for key in CONTRACT:
         assert positive_finite(result[key]), key
@@ -66,6 +68,10 @@ def test_run_all_has_the_contract_keys():
         sites = r["dropout_sites"]
         assert sites["fast"] == sites["scratch"] == sites["torch"] == sites["torch_shipped"] - 2
     assert result["tiled_memory"]["tiled_bytes"] < result["tiled_memory"]["naive_bytes"]
+    (gpt,) = result["gpt_train_step"]
+    assert (gpt["batch"], gpt["context"], gpt["dropout_sites"]) == (2, 8, 13)
+    assert result["gpt_train_step_ratio_hf"] == gpt["gpt_over_hf"] == gpt["gpt_s"] / gpt["hf_s"]
+    assert result["targets"]["gpt_train_step_ratio_hf"]["goal"] == 0.80
     u = result["mfu_detail"]
     assert u["flops_per_step"] > 0 and positive_finite(u["mfu_plain_adam"])
     measured = u["flops_per_step"] / u["step_s"] / u["peak_flops_measured"]
@@ -333,3 +339,10 @@ def test_mfu_theoretical_peak_uses_the_threads():
     none = bench.model_flops_utilisation(2, 3, repeats=1, device="cpu", model_kwargs=TINY,
                                          peak_size=32)  # fmt: skip
     assert none["peak_flops_theoretical"] is None and none["mfu_theoretical_peak"] is None
+
+
+def test_gpt_step_refuses_unequal_work(monkeypatch):
+    """The GPT benchmark checks its reference's dropout sites before timing anything."""
+    monkeypatch.setattr(bench, "hf_dropout_sites", lambda model: 12)
+    with pytest.raises(AssertionError, match="dropout sites differ: ours 13, theirs 12"):
+        bench.compare_gpt_train_step(2, 8, repeats=1, device="cpu")

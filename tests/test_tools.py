@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -706,3 +707,23 @@ def test_nbval_patience_starts_a_dying_kernel_again(monkeypatch):
     with pytest.raises(RuntimeError, match="kernel_info"):
         nbval_patience.start_new_kernel()
     assert len(calls) == nbval_patience.KERNEL_STARTS  # it gives up, with nbval's error
+
+
+def test_gpt_reference_schedule_is_nanogpts_and_its_recipe_is_notebook_16s():
+    """tools/gpt_reference.py: nanoGPT's get_lr (linear warm-up from lr/(warmup+1), cosine to
+    min_lr at decay_iters, flat after), and the course run it records is notebook 16's CPU run."""
+    import gpt_reference
+
+    lr = gpt_reference.nanogpt_lr
+    assert lr(0, 1e-3, 100, 2000, 1e-4) == pytest.approx(1e-3 / 101)
+    assert lr(99, 1e-3, 100, 2000, 1e-4) == pytest.approx(1e-3 * 100 / 101)
+    assert lr(100, 1e-3, 100, 2000, 1e-4) == pytest.approx(1e-3)
+    assert lr(1050, 1e-3, 100, 2000, 1e-4) == pytest.approx(5.5e-4)
+    assert lr(2000, 1e-3, 100, 2000, 1e-4) == pytest.approx(1e-4)
+    assert lr(2500, 1e-3, 100, 2000, 1e-4) == 1e-4
+    source = (ROOT / "notebooks" / "16_gpt.py").read_text()
+    recipe = re.search(r'"cpu": LMRecipe\(([^)]*)\)', source).group(1)
+    size = re.search(r'"cpu": dict\(([^)]*)\)', source).group(1)
+    assert eval(f"dict({recipe})") == gpt_reference.COURSE_RECIPE
+    assert eval(f"dict({size}, fast=True)") == gpt_reference.COURSE_SIZE
+    assert "fast=True, **SIZES[SCALE]" in source

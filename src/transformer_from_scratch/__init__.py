@@ -14,6 +14,7 @@
 #   notebooks/13_translation.py
 #   notebooks/14_efficient_attention.py
 #   notebooks/15_tuning.py
+#   notebooks/16_gpt.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """The Transformer from scratch: the library that the course's notebooks build."""
@@ -26,6 +27,7 @@ from . import bpe
 from . import data
 from . import decoding
 from . import efficient
+from . import gpt
 from . import layers
 from . import masks
 from . import model
@@ -73,6 +75,34 @@ from .efficient import tiled_attention
 from .efficient import tiled_attention_backward
 from .efficient import tiled_attention_forward
 from .efficient import use_fast_path
+from .gpt import GPT
+from .gpt import GPT2_SMALL
+from .gpt import GPT_CHECKPOINT_FORMAT
+from .gpt import HELD_OUT_PLAYS
+from .gpt import PLAYS_PACKAGE
+from .gpt import CharTokenizer
+from .gpt import GPTBlock
+from .gpt import GPTConfig
+from .gpt import LMRecipe
+from .gpt import LMTrainer
+from .gpt import bits_per_char
+from .gpt import causal_prefix_mask
+from .gpt import clean_play
+from .gpt import count_gpt_parameters
+from .gpt import evaluate_lm
+from .gpt import generate_lm
+from .gpt import gpt2_state_dict
+from .gpt import lm_loss
+from .gpt import load_gpt
+from .gpt import load_plays
+from .gpt import next_token_distribution
+from .gpt import play_files
+from .gpt import random_windows
+from .gpt import save_gpt
+from .gpt import split_plays
+from .gpt import to_hf_gpt2
+from .gpt import top_p_filter
+from .gpt import train_lm
 from .layers import ACTIVATIONS
 from .layers import BlockCache
 from .layers import Decoder
@@ -231,5 +261,6 @@ __all__ = [
     *efficient.__all__,
     *tuning.__all__,
     *regularization.__all__,
+    *gpt.__all__,
     *_LAZY_NAMES,
 ]
