@@ -43,6 +43,7 @@ PARTS = [
     ("III", "The Transformer", range(8, 11)),
     ("IV", "Training and generation", range(11, 13)),
     ("V", "Into practice", range(13, 16)),
+    ("VI", "From the Transformer to today's language models", range(16, 18)),
 ]
 # Hosts a page must never load from; the browser test also blocks every non-local request.
 CDN_HOSTS = ("cdnjs.cloudflare.com", "unpkg.com", "cdn.jsdelivr.net", "googleapis.com")
