@@ -201,6 +201,25 @@ def test_fit_history_callback_and_stop():
         fit(model, TINY, eval_every=-1)
 
 
+def test_fit_scores_the_training_loss_on_a_sample_when_asked():
+    data = make_batch(16, 8, 12, torch.Generator().manual_seed(0))
+    first = tuple(t[:4] for t in data)
+    sampled = fit(
+        build_model(TINY), TINY, train_data=data, val_data=first, eval_every=3, train_eval_size=4
+    )
+    whole = fit(build_model(TINY), TINY, train_data=data, val_data=data, eval_every=3)
+    assert sampled["loss"] == whole["loss"]  # the sample changes the scoring, not the training
+    assert sampled["train_loss"] == sampled["val_loss"]  # scored on the first 4 sequences
+    assert whole["train_loss"] == whole["val_loss"]  # scored on all 16
+    assert sampled["train_loss"] != whole["train_loss"]
+    big = fit(
+        build_model(TINY), TINY, train_data=data, val_data=data, eval_every=3, train_eval_size=100
+    )  # more than there are: all of them
+    assert big["train_loss"] == whole["train_loss"]
+    with pytest.raises(ValueError):
+        fit(build_model(TINY), TINY, train_data=data, eval_every=3, train_eval_size=0)
+
+
 def test_fit_learns_and_is_reproducible():
     recipe = TINY.replace(steps=40, d_model=32, d_ff=64, lr=3e-3)
     val = make_batch(64, 8, 12, torch.Generator().manual_seed(5))

@@ -94,15 +94,6 @@ TUTORIAL_RECIPE = Recipe(**dataclasses.asdict(REVERSAL_RECIPE)).replace(
 
 
 # Taught in notebook 15 · Tuning and generalisation
-def build_model(recipe: Recipe) -> Transformer:
-    """Notebook 11's build_reversal_model, with DropPath when the recipe asks for it."""
-    model = build_reversal_model(recipe)
-    if recipe.drop_path_p > 0:
-        add_drop_path(model, recipe.drop_path_p)
-    return model
-
-
-# Taught in notebook 15 · Tuning and generalisation
 def lr_factor(step: int, recipe: Recipe) -> float:
     """The multiplier on recipe.lr for update `step` (0-based): warm-up, then the schedule."""
     step = check_int("step", step, minimum=0)
@@ -188,14 +179,20 @@ def fit(
     eval_every: int = 0,
     callback: Callable[[int, Transformer, dict], bool | None] | None = None,
     progress: bool = False,
+    train_eval_size: int | None = None,
 ) -> dict:
     """Train `model` as `recipe` says; return its history.
 
     Without `train_data` every step draws fresh sequences; with it, the run makes passes over
     that fixed set. Every `eval_every` steps (and at the end) the history records the loss on
-    `val_data` and on `train_data`, both in eval mode, then `callback(step, model, history)` runs;
-    a true result stops the run. Seconds count the training only, not the evaluations."""
+    `val_data` and on `train_data` (on its first `train_eval_size` sequences, if given: a sample
+    of a large set costs less to score), both in eval mode, then `callback(step, model, history)`
+    runs; a true result stops the run. Seconds count the training only, not the evaluations."""
     check_int("eval_every", eval_every, minimum=0)
+    train_eval = train_data
+    if train_eval_size is not None and train_data is not None:
+        check_int("train_eval_size", train_eval_size, minimum=1)
+        train_eval = tuple(t[:train_eval_size] for t in train_data)
     trainer = recipe_trainer(model, recipe)
     history = trainer.history  # "loss" and "lr" per update; the evaluations are added here
     history.update(eval_step=[], train_loss=[], val_loss=[])
@@ -204,8 +201,8 @@ def fit(
         if not eval_every or (t.step % eval_every != 0 and t.step != recipe.steps):
             return False
         history["eval_step"].append(t.step)
-        if train_data is not None:
-            history["train_loss"].append(dataset_loss(model, train_data))
+        if train_eval is not None:
+            history["train_loss"].append(dataset_loss(model, train_eval))
         if val_data is not None:
             history["val_loss"].append(dataset_loss(model, val_data))
         history["seconds"], history["cpu_seconds"] = t.seconds, t.cpu_seconds
@@ -293,6 +290,15 @@ class EarlyStoppingCallback:
             raise RuntimeError("no evaluation has run yet: there are no best weights to restore")
         model.load_state_dict(self._best_state)
         return model
+
+
+# Taught in notebook 15 · Tuning and generalisation
+def build_model(recipe: Recipe) -> Transformer:
+    """Notebook 11's build_reversal_model, with DropPath when the recipe asks for it."""
+    model = build_reversal_model(recipe)
+    if recipe.drop_path_p > 0:
+        add_drop_path(model, recipe.drop_path_p)
+    return model
 
 
 # Taught in notebook 15 · Tuning and generalisation
@@ -494,7 +500,6 @@ def train_until_solved(
 __all__ = [
     "Recipe",
     "TUTORIAL_RECIPE",
-    "build_model",
     "lr_factor",
     "make_optimizer",
     "split_batch",
@@ -504,6 +509,7 @@ __all__ = [
     "fit",
     "make_splits",
     "EarlyStoppingCallback",
+    "build_model",
     "count_parameters",
     "width_for_budget",
     "lr_range_test",
