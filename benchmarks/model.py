@@ -283,9 +283,9 @@ def compare_compiled_step(
 
 
 def hf_dropout_sites(model: nn.Module) -> int:
-    """Places where transformers' GPT-2 drops in training: every nn.Dropout with p > 0, and each
-    attention's weights (its attn_dropout module, or the p its fused kernel is given)."""
-    return sum(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    """Places where transformers' GPT-2 drops in training: its dropouts are all nn.Dropout
+    modules (attention weights included), which measure.dropout_sites counts already."""
+    return dropout_sites(model)
 
 
 def compare_gpt_train_step(
