@@ -63,13 +63,11 @@ if "google.colab" in sys.modules:
 # timings), the tag `nbval-ignore-output`, which tells nbval not to compare that cell, followed
 # by a cell whose `assert` checks what matters.
 #
-# The pairing is done by **jupytext**; the export by a script, `tools/export.py`. This notebook
-# writes the package's first module, `utils`: the line `#| default_exp utils` below names the
-# module that the notebook's `#| export` cells go to. A cell that belongs in another module
-# names it after the marker: the input checks below start with `#| export checks` and go to
-# `transformer_from_scratch/checks.py`. Where an exported cell uses a name that another module
-# defines, the exporter writes the import: `set_seed` calls `check_int`, so the exporter adds
-# `from transformer_from_scratch.checks import check_int` to the imports of `utils.py`.
+# The pairing is done by **jupytext**; the export by a script, `tools/export.py`.
+
+# %% [markdown]
+# This notebook writes the package's first module, `utils`: the line `#| default_exp utils`
+# below names the module that the notebook's `#| export` cells go to.
 
 # %%
 #| default_exp utils
@@ -213,7 +211,9 @@ print(device)
 #   shape that does not fit) raises `ValueError`.
 #
 # The helpers live in their own small module, `transformer_from_scratch.checks`, so that every
-# module applies the policy in the same words. Its cells start with `#| export checks`. This
+# module applies the policy in the same words. Their cells start with `#| export checks`: a
+# name after the marker sends the cell to that module, `transformer_from_scratch/checks.py`,
+# instead of the notebook's default, `utils`. This
 # notebook needs one of them now, `check_int`, for whole numbers such as a seed or a number of
 # layers. A number may arrive as a Python int, a NumPy integer (`np.int64(4)`, read from an
 # array) or a 0-d tensor (`lengths.max()`); all three are accepted and returned as a plain Python
@@ -302,7 +302,7 @@ assert all(check_int("T", n, minimum=1) == 7 and type(check_int("T", n)) is int 
 # An entry point that has checked its inputs opens the context manager `validated()`, and the
 # entry points it calls skip their checks while it is open (each asks `checking()` first), so
 # a mask is checked once per call, not once per layer. Appendix B defines the two; notebook 02
-# is the first to use them. Under `torch.compile` the checks do not run at all (Appendix B says
+# is the first to use them, so you can skip the rest of this paragraph until then. Under `torch.compile` the checks do not run at all (Appendix B says
 # why): a compiled model answers a bad input with whatever error PyTorch raises deep inside, if
 # any, so call the model once uncompiled when you want the course's message.
 
@@ -313,6 +313,10 @@ assert all(check_int("T", n, minimum=1) == 7 and type(check_int("T", n)) is int 
 # numbers twice we seed every generator we use: Python's `random`, NumPy's and PyTorch's (on
 # every device). `set_seed` checks the seed first, with `check_int`, and against NumPy's limit
 # of $2^{32} - 1$, so that a bad seed is refused before any generator is seeded.
+#
+# `set_seed` goes to `utils` and `check_int` to `checks`. Where an exported cell uses a name
+# that another module defines, the exporter writes the import: here it adds
+# `from transformer_from_scratch.checks import check_int` to the imports of `utils.py`.
 
 # %%
 #| export
@@ -372,7 +376,8 @@ print(a.round(decimals=4))
 #
 # **Check** the refusals too: a seed of the wrong type or out of range is refused before any
 # generator is seeded (Python's stream is left as it was); a NumPy integer seeds like the same
-# Python int; and the returned generator is a fresh one, seeded with the seed.
+# Python int; and the returned generator is a fresh one, seeded with the seed: drawing from it
+# leaves the global stream where it was.
 
 # %%
 state_before = random.getstate()
@@ -388,7 +393,10 @@ print("\n".join(seed_refusals))
 assert random.getstate() == state_before  # nothing was seeded
 assert torch.equal(torch.rand(3, generator=set_seed(np.int64(3))), torch.rand(3, generator=set_seed(3)))
 own = torch.Generator().manual_seed(5)
-assert torch.equal(torch.rand(3, generator=set_seed(5)), torch.rand(3, generator=own))
+returned = set_seed(5)
+global_state = torch.get_rng_state()
+assert torch.equal(torch.rand(3, generator=returned), torch.rand(3, generator=own))
+assert torch.equal(torch.get_rng_state(), global_state)  # not the global generator
 
 
 # %% [markdown]
@@ -479,8 +487,9 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 # Every other series (heads, layers, dimensions, variants such as "raw" against "scaled",
 # settings) takes the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
 # that order. Reference lines in a plot (a theory curve, "uniform") are grey. So blue, orange
-# and green keep the meanings of the table and are not used for anything else: blue means
-# queries or ours, never both in one figure, and likewise orange keys or PyTorch's. (Diagrams of
+# and green keep the meanings of the table and are not used for anything else. The rule the
+# course's figures follow: a figure uses blue for queries or for ours, not for both, and
+# likewise orange for keys or for PyTorch's. (Diagrams of
 # a whole layer, in notebooks 06-10, colour each part with `PART_COLORS`: some of the other
 # colours, a dark cyan for cross-attention, and greys for the embeddings and the output head.)
 # Heatmaps use colour *maps* instead: a sequential one (`Blues`) for weights in $[0, 1]$, a
@@ -490,7 +499,8 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 #| export
 COLORS = {"query": "#1f77b4", "key": "#ff7f0e", "value": "#2ca02c", "ours": "#1f77b4",
           "torch": "#ff7f0e", "accent": "#d62728"}
-# For series that are none of the above: matplotlib's tab10 from purple on.
+# For series that are none of the above: matplotlib's tab10 from purple on, without its grey
+# (#7f7f7f), which is kept for reference lines.
 OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
 # %% jupyter={"source_hidden": true}

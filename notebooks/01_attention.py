@@ -76,7 +76,9 @@ device = get_device()
 # weights $\alpha_{tj}$ (the dashed frame its arrow points at). Following Bahdanau et al., $s$
 # is a decoder state in this section only; from section 3 on, $s$ is a softmax's output.
 # Panel (b) simplifies Bahdanau et al.'s encoder to one direction: theirs is bidirectional, and
-# each $h_j$ joins the state of a left-to-right pass with that of a right-to-left one.
+# each $h_j$ joins the state of a left-to-right pass with that of a right-to-left one. Both
+# panels also leave out an input of each decoder state: the word written at the step before
+# ($y_{t-1}$ enters $s_t$).
 
 # %% jupyter={"source_hidden": true}
 def draw_node(ax, xy, label, color, fill_alpha=0.25):
@@ -516,10 +518,9 @@ torch.testing.assert_close(softmax_backward(softmax(z_batch), upstream),
 # large factor and the softmax becomes nearly one-hot, and then its Jacobian is nearly zero,
 # unless the two largest logits nearly tie. The rest of this section makes that precise.
 #
-# Take the factor $32 = \sqrt{1024}$. (Why 32? At $d_k = 1024$ the scores without the
-# $1/\sqrt{d_k}$ scale are, by definition of the scale, $\sqrt{1024} = 32$ times those with it.
-# Section 4 measures that the scaled scores have about unit variance, like these $z$, and the
-# raw ones a variance of about 1024, a standard deviation of about 32.) Every gap between two logits grows 32-fold. If the
+# Take the factor $32$; any large factor would do. (This one returns in section 4: at
+# $d_k = 1024$, the largest width measured there, scores without the $1/\sqrt{d_k}$ scale are
+# $\sqrt{1024} = 32$ times those with it.) Every gap between two logits grows 32-fold. If the
 # largest logit leads the runner-up by $\Delta$, each other weight is at most $e^{-32\Delta}$
 # times the largest, so
 #
@@ -552,8 +553,10 @@ print(f"logits {sharpen}z: max s_i = {s_sharp.max().item():.4f}, ||J||_F = {norm
 # theorems, so they can fail only if `softmax` or `softmax_jacobian` is wrong; the appendix
 # checks them on 100,000 random draws, near-ties included.) The last lines pick the entries
 # outside the $2 \times 2$ block of the two largest logits with a boolean mask: indexing with a
-# column of two row numbers and a row of two column numbers, `rest[rows[:, None], cols]`,
-# addresses the four entries where those rows and columns cross.
+# column of two row numbers and a row of two column numbers,
+# `rest[top_two_idx.unsqueeze(-1), top_two_idx]` (shapes $(2, 1)$ and $(2,)$, both holding the
+# positions of the two largest logits), addresses the four entries where those rows and
+# columns cross.
 
 # %%
 assert 1 - s_sharp.max() <= 5 * math.exp(-sharpen * delta)
@@ -999,8 +1002,11 @@ print(tuple(context_v.shape), tuple(weights_v.shape))
 # %% [markdown]
 # ## Appendix · Going deeper: the checks and statistics behind sections 3 and 4
 #
-# Optional reading. The main line states each result and checks it on the example at hand;
-# this appendix checks the same results on many random draws, and explains details behind
+# Optional reading. What it teaches beyond the main line: how to tell whether a measured number
+# that differs from theory is chance or a bug (its standard error), and how to choose an
+# assert's band so that it holds for other random draws, not only for the one stored here. The
+# main line states each result and checks it on the example at hand; this appendix checks the
+# same results on many random draws, and explains details behind
 # section 4's bands: section 3's bounds on 100,000 random logit vectors; how far the scaled
 # variance may stray from 1 by chance; why the measurement runs in float64; the saturation on
 # 1,000 queries rather than the demo's one; and how the per-query spread of the scaled scores
@@ -1032,7 +1038,6 @@ print(f"random draws near one-hot at {sharpen}z: {near_one_hot.double().mean():.
       f"one-hot; largest lead among the draws that are not: {lead[~near_one_hot].max():.3f}")
 
 # %% [markdown]
-#
 # ### The standard error of the scaled variance
 #
 # Section 4 estimates the variance of the scaled scores from 1,000 queries times 16 keys, and the

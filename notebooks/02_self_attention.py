@@ -304,18 +304,18 @@ for role, (y, color) in roles.items():
     flow_arrow(ax_flow, (0.88, 1 + 0.32 * (y - 1)), (1.55, y + 0.15 * (1 - y)))  # X -> W
     flow_arrow(ax_flow, (2.65, y), (3.55, y), color)  # W -> Q, K, V
 flow_box(ax_flow, (6.2, 1.5), "scores\n$S = QK^\\top / \\sqrt{d_k}$\n$(T, T)$", "0.4", 0.1)
-flow_box(ax_flow, (8.4, 1.5), "weights\n$A = \\mathrm{softmax}(S)$\nper row, $(T, T)$", "0.4", 0.1)
-flow_box(ax_flow, (10.6, 0.75), "context\n$A V$\n$(T, d_v)$", COLORS["accent"], 0.35)
+flow_box(ax_flow, (8.7, 1.5), "weights\n$A = \\mathrm{softmax}(S)$\nper row, $(T, T)$", "0.4", 0.1)
+flow_box(ax_flow, (10.9, 0.75), "context\n$A V$\n$(T, d_v)$", COLORS["accent"], 0.35)
 flow_arrow(ax_flow, (4.45, 1.9), (5.51, 1.62), COLORS["query"])
 flow_arrow(ax_flow, (4.45, 1.1), (5.51, 1.38), COLORS["key"])
-flow_arrow(ax_flow, (6.87, 1.5), (7.65, 1.5))
-flow_arrow(ax_flow, (9.13, 1.3), (10.18, 0.9))
-flow_arrow(ax_flow, (4.45, 0.05), (10.18, 0.62), COLORS["value"])
+flow_arrow(ax_flow, (6.87, 1.5), (7.95, 1.5))
+flow_arrow(ax_flow, (9.43, 1.3), (10.48, 0.9))
+flow_arrow(ax_flow, (4.45, 0.05), (10.48, 0.62), COLORS["value"])
 # Where section 3's two additions act: the mask on the scores, before the softmax; dropout on
 # the weights, after it.
-ax_flow.text(7.26, 1.85, "mask\n(section 3)", ha="center", fontsize=9, color="0.35")
-ax_flow.text(9.55, 1.45, "dropout\n(section 3)", ha="left", fontsize=9, color="0.35")
-ax_flow.set_xlim(-0.9, 11.5)
+ax_flow.text(7.41, 1.6, "mask\n(section 3)", ha="center", fontsize=9, color="0.35")
+ax_flow.text(9.85, 1.45, "dropout\n(section 3)", ha="left", fontsize=9, color="0.35")
+ax_flow.set_xlim(-0.9, 11.8)
 ax_flow.set_ylim(-0.6, 2.6)
 ax_flow.set_axis_off()
 ax_flow.set_title("Self-attention, one head: three projections of the same $X$, "
@@ -560,7 +560,7 @@ def check_attention_inputs(
     except RuntimeError:
         raise ValueError(f"the batch dims (all but the last 2) do not broadcast: {shapes}") from None
     scores_shape = (*batch, Q.size(-2), K.size(-2))
-    check_mask("mask", mask, scores_shape, f"(..., T_q, T_k) for {shapes}")
+    check_mask("mask", mask, scores_shape, "(..., T_q, T_k)", hint=f"got {shapes}")
     check_probability("dropout_p", dropout_p)
 
 
@@ -950,11 +950,11 @@ plt.show()
 # contexts are expensive, and why FlashAttention (Dao et al., 2022) computes attention without ever
 # storing $A$ ([notebook 14](14_efficient_attention.ipynb) writes that algorithm).
 #
-# We measure two of the costs exactly, the work and the memory, with helpers that later notebooks
-# use again, in the module `measure`: `count_flops` and `peak_memory`. They are plumbing, not
-# attention: their code is collapsed below, and the appendix at the end of the notebook says how
-# they work. Time is a noisier measurement; the appendix times both functions too, with the
-# module's `time_call` and `fit_slope`.
+# We measure two of the costs, the work exactly and the memory to within 1%, with helpers that
+# later notebooks use again, in the module `measure`: `count_flops` and `peak_memory`. They are
+# plumbing, not attention: their code is collapsed below, and the appendix at the end of the
+# notebook says how they work. Time is a noisier measurement; the appendix times both functions
+# too, with the module's `time_call` and `fit_slope`.
 
 # %% jupyter={"source_hidden": true}
 #| export measure
@@ -1002,13 +1002,9 @@ def count_flops(fn: Callable[[], object]) -> int:
 # formula for, in practice the **matrix products**: it adds up the two products our code runs.
 # The scaling and the softmax add a handful of operations per entry of the $T \times T$ matrix,
 # also proportional to $T^2$ but small next to the $2(d_k + d_v) = 256$ per entry that the two
-# products cost at $d_k = d_v = 64$.
-#
-# PyTorch's `F.scaled_dot_product_attention` gets the same count on the `meta` device, but
-# not because the counter knows its fused kernels: on `meta` the function runs its plain "math"
-# version, and the counter sees two batched products (`aten.bmm`), exactly ours; the cell prints
-# them. So that half of the check says only that PyTorch's math version does the products ours
-# does, and nothing about what its fused kernels do.
+# products cost at $d_k = d_v = 64$. The cell asserts the same count for PyTorch's
+# `F.scaled_dot_product_attention`, and prints, for both functions, what the counter saw
+# operation by operation.
 
 # %%
 def attention_flops(T: int, fn=scaled_dot_product_attention, batch: int = 1, heads: int = 1) -> int:
@@ -1039,6 +1035,11 @@ for name, fn in both_functions.items():
 assert counted_ops["PyTorch's"] == counted_ops["ours"] == {"aten.bmm": flops_512}
 
 # %% [markdown]
+# PyTorch's function gets our count on the `meta` device, but not because the counter knows its
+# fused kernels: on `meta` it runs its plain "math" version, and the counter sees two batched
+# products (`aten.bmm`), exactly ours, as printed above. So that half of the check says only that
+# PyTorch's math version does the products ours does, and nothing about its fused kernels.
+#
 # On real tensors PyTorch picks a fused kernel, and the counter counts it only if it has a
 # formula for that kernel. The cell below lists the formulas it has for attention, and counts
 # the same call on CPU tensors. In the stored run (torch 2.13) the list holds the CUDA kernels
@@ -1589,7 +1590,6 @@ for ax in (ax_time, ax_rate):
     ax.set_xlabel("sequence length T (tokens)")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8)
-save_figure(fig_time, "02_attention_time")
 plt.show()
 
 

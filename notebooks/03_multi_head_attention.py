@@ -107,6 +107,9 @@ Q_packed = W_packed(X)  # (T, d_model) = (T, h * d_k)
 
 for i, head in enumerate(separate_heads):
     torch.testing.assert_close(Q_packed[:, i * d_k : (i + 1) * d_k], head(X))  # head i: (T, d_k)
+    for other in range(num_heads):  # any other block of columns is another head's queries
+        if other != i:
+            assert not torch.allclose(Q_packed[:, other * d_k : (other + 1) * d_k], head(X))
 
 # %% [markdown]
 # The picture: the packed weight, with the rows that belong to each head marked, and the
@@ -132,11 +135,11 @@ for i in range(1, packed_heads):
     axes[1].axvline(i * packed_width - 0.5, color="black", lw=2)
 centres = [i * packed_width + (packed_width - 1) / 2 for i in range(packed_heads)]
 for i, centre in enumerate(centres):  # name each block of d_k = 4 channels after its head
-    axes[0].text(-2.2, centre, f"head {i}", ha="center", va="center", fontsize=9, weight="bold",
+    axes[0].text(-2.7, centre, f"head {i}", ha="center", va="center", fontsize=9, weight="bold",
                  rotation=90)
-    axes[1].text(centre, 5.3, f"head {i}", ha="center", va="top", fontsize=9, weight="bold")
-axes[0].set_ylabel("output channel (rows)", labelpad=22)
-axes[1].set_xlabel("query channel (columns)", labelpad=18)
+    axes[1].text(centre, 5.6, f"head {i}", ha="center", va="top", fontsize=9, weight="bold")
+axes[0].set_ylabel("output channel (rows)", labelpad=28)
+axes[1].set_xlabel("query channel (columns)", labelpad=22)
 fig.tight_layout()
 plt.show()
 
@@ -719,10 +722,13 @@ torch.testing.assert_close(with_dropout(x), without(x), rtol=0, atol=0)
 print("eval mode: identical to the module without dropout")
 
 # %% [markdown]
-# **Check:** each of these bad inputs fails with a `ValueError` that says what is wrong, and
-# names the shapes when a shape is wrong. (Inputs of different dtypes are not on the list: they
-# are legal inside `torch.autocast`, notebook 13's mixed precision, so our checks leave them to
-# PyTorch; the cell after the list shows both cases.)
+# **Check:** each of these bad inputs fails with an error that says what is wrong, and names the
+# shapes when a shape is wrong: a `ValueError` for a wrong value or shape, a `TypeError` for a
+# wrong type. The last one is a 0/1 integer mask, a real trap: added to the scores it would
+# mask nothing, so it must be `bool` (True = may attend) or floating (added to the scores).
+# (Inputs of different dtypes are not on the list: they are legal inside `torch.autocast`,
+# notebook 13's mixed precision, so our checks leave them to PyTorch; the cell after the list
+# shows both cases.)
 
 # %%
 bad_calls = {
@@ -736,12 +742,15 @@ bad_calls = {
     "mask (B, 1, 1, T_q)": lambda: mha(x, memory, mask=keep[..., :6]),
     "mask (B, 2, T_q, T_k)": lambda: mha(x, memory, mask=keep.expand(2, 2, 6, 9)),
     "mask (B, T_k), B != T_q": lambda: mha(x, memory, mask=keep[:, 0, 0]),
+    "mask of 0/1 integers": lambda: mha(x, memory, mask=keep.long()),  # the one TypeError
 }
 for what, call in bad_calls.items():
+    expected = TypeError if what == "mask of 0/1 integers" else ValueError
     try:
         call()
-    except ValueError as err:
-        print(f"{what:<26} ValueError: {err}")
+    except (TypeError, ValueError) as err:
+        assert type(err) is expected, f"{what}: {type(err).__name__}, expected {expected.__name__}"
+        print(f"{what:<26} {type(err).__name__}: {err}")
     else:
         raise AssertionError(f"{what}: no error raised")
 
@@ -764,10 +773,10 @@ print(f"{'the same under autocast':<26} runs, output {out_autocast.dtype}")
 # - **PyTorch's shape.** `nn.MultiheadAttention` takes a padding mask of shape $(B, T_k)$ (the
 #   parity section below uses one). Given to our module as it is, its two axes line up with
 #   $(T_q, T_k)$: query $q$ of *every* sequence gets the padding of sequence $q$. When
-#   $B \ne T_q$ and $B \ne 1$ it does not broadcast, and the check stops it (the last
-#   `ValueError` above); when $B = T_q$ it broadcasts and the module runs. (With $B = 1$ it
-#   broadcasts too, and happens to mean the right thing: the one sequence's padding, for every
-#   query.)
+#   $B \ne T_q$ and $B \ne 1$ it does not broadcast, and the check stops it (the `ValueError`
+#   of `mask (B, T_k), B != T_q` above); when $B = T_q$ it broadcasts and the module runs.
+#   (With $B = 1$ it broadcasts too, and happens to mean the right thing: the one sequence's
+#   padding, for every query.)
 # - **PyTorch's convention.** Its masks say `True` = *ignore*, ours `True` = *may attend*. An
 #   inverted mask has the right shape and dtype, and attends to exactly the keys it should hide.
 #   A sequence without padding has no key to hide, so the inverted mask blocks all of its keys:
@@ -781,10 +790,12 @@ print(f"{'the same under autocast':<26} runs, output {out_autocast.dtype}")
 # notebook 05, `padding_mask(lengths, T_k)`, which builds the $(B, 1, 1, T_k)$ form from the
 # lengths, and `causal_mask(T)`, which builds $(1, 1, T, T)$; turning our masks into PyTorch's
 # shape and convention happens in one function, `to_torch_masks` in the `reference` module
-# (notebook 08); and the check of the forward pass above asserts that padded keys get zero
-# weight, which the $(B, T_k)$ mask here would fail.
+# (notebook 08); and an assert like the one in the check of the forward pass above (padded keys
+# get exactly zero weight) would fail with the $(B, T_k)$ mask here, which puts up to 0.82 and
+# 0.94 of a row on padding.
 
 # %%
+# `mha` is the module of the forward-pass check above (d_model = 32, h = 4).
 gen = torch.Generator().manual_seed(3)
 x_3 = torch.randn(3, 3, 32, generator=gen).to(device)  # (B, T_q, d_model) with B == T_q == 3
 memory_3 = torch.randn(3, 5, 32, generator=gen).to(device)  # (B, T_k, d_model)
@@ -835,6 +846,11 @@ torch.testing.assert_close(out_inv[0], mha.W_o.bias.expand(3, -1))
 # | 1 | its position $t$, in channel $t$ | its position $s$, in channel $s - 1$ | the next token ($s = t + 1$) |
 # | 2 | its word | its word | tokens with the same word (and itself) |
 # | 3 | a constant (the bias) | "I am a noun" | the two nouns, half each, from every token |
+#
+# "Channel $t$" is a channel of the head, one of its $d_k = 8$: channel $t$ of head $i$ is row
+# $i d_k + t$ of `W_q.weight` (or `W_k.weight`), as in the packed projections above. So the
+# code writes head 0's query as `Wq[0 * d_k + j, POS + j] = beta`: row $j$ of head 0 reads
+# input channel `POS + j`, the one-hot of position $j$.
 #
 # A match gives a score of $\beta/\sqrt{d_k}$ and a mismatch $0$; with $\beta = 8\sqrt{d_k}$ a
 # single match takes 99.8% of a row; a query with no match at all (the first token has no previous
@@ -1357,7 +1373,7 @@ print("per-head context and its gradients match F.scaled_dot_product_attention")
 #    strength. The weights are tied too: with row sums $Z_i = \sum_k e^{S_{ik}}$,
 #    $A_{ij} Z_i = e^{S_{ij}} = A_{ji} Z_j$. Relations such as "previous token" or "my head
 #    noun" are directed.
-# 2. **Every token favours itself.** The simplest way to see it: $S_{ii} = \lVert x_i W
+# 2. **Tokens favour themselves.** The simplest way to see it: $S_{ii} = \lVert x_i W
 #    \rVert^2 / \sqrt{d_k}$ is a sum of $d_k$ squares. If the projected components have mean 0
 #    and variance 1 (what the Xavier initialisation above gives), its mean is $d_k / \sqrt{d_k} =
 #    \sqrt{d_k}$, while the score $S_{ij}$ of two unrelated tokens is a sum of products with
@@ -1629,6 +1645,7 @@ with torch.no_grad():
 #    `W_o.weight[:, i * d_k : (i + 1) * d_k].T`, a block of *columns* of the stored weight.
 
 # %%
+# `ours` is the module of the parity section (random biases), `x_ex` the input of solution 1.
 with torch.no_grad():
     Q, K, V = (ours.split_heads(W(x_ex)) for W in (ours.W_q, ours.W_k, ours.W_v))  # (B, h, T, d_k)
     context, _ = scaled_dot_product_attention(Q, K, V)  # (B, h, T, d_k)

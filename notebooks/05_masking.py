@@ -146,8 +146,9 @@ mask_colorbar(fig, image, axes[0])
 blocked_grey = MASK_CMAP.colors[0]
 shown_scores = scores.detach().masked_fill(~allowed, float("nan"))  # blocked -> "bad" colour
 shown_weights = attn.detach().masked_fill(~allowed, float("nan"))
+score_lim = max(2.5, scores.detach()[allowed].abs().max().item())  # never clips an allowed score
 plot_attention(shown_scores, ax=axes[1], cmap=plt.get_cmap("RdBu_r").with_extremes(bad=blocked_grey),
-               vmin=-2.5, vmax=2.5, label="score", title=r"scores $s_{ij}$ (blocked: $-\infty$)")
+               vmin=-score_lim, vmax=score_lim, label="score", title=r"scores $s_{ij}$ (blocked: $-\infty$)")
 plot_attention(shown_weights, ax=axes[2], cmap=plt.get_cmap("Blues").with_extremes(bad=blocked_grey),
                vmax=1, title=r"weights $\alpha_{ij}$ (blocked: exactly 0)")
 for ax in axes:
@@ -288,7 +289,7 @@ torch.testing.assert_close(peek_weights.cpu(), uniform)
 #
 # **Check:** the general property. With a causal mask, changing the token at position 5 leaves
 # the outputs at positions 0–4 as they were (the check allows 10⁻⁶ for other devices' kernels;
-# the stored run prints 0.000); without the mask, every output moves.
+# the stored run prints 0.0000 there); without the mask, every output moves.
 
 # %%
 g = torch.Generator().manual_seed(1)
@@ -412,12 +413,13 @@ print(pad[:, 0, 0].int().cpu())
 
 # %% [markdown]
 # Lengths that cannot be right fail at once, with the offending value in the message, instead of
-# producing a mask that is silently wrong: a fractional length, a batch of lengths that is not
-# 1-D, a length longer than the sequence, a negative one, and $T_k = 0$.
+# producing a mask that is silently wrong: lengths of a floating dtype (a `TypeError` even for
+# whole numbers such as 4.0: lengths are counts), a batch of lengths that is not 1-D, a length
+# longer than the sequence, a negative one, and $T_k = 0$.
 
 # %%
 bad_calls = {
-    "float lengths": lambda: padding_mask(torch.tensor([4.0, 2.5]), T_k=5),
+    "float lengths": lambda: padding_mask(torch.tensor([4.0, 2.0]), T_k=5),  # whole, still refused
     "2-D lengths": lambda: padding_mask(torch.tensor([[4, 2]]), T_k=5),
     "length > T_k": lambda: padding_mask([4, 6, 5], T_k=5),
     "negative length": lambda: padding_mask([4, -1], T_k=5),
@@ -610,7 +612,10 @@ plt.show()
 #
 # The textbook line `scores.masked_fill(~mask, -inf).softmax(-1)` computes, for an empty row,
 # $e^{-\infty} / \sum e^{-\infty} = 0/0$. Floating point says NaN. (The softmax first subtracts
-# the row's maximum, and $-\infty - (-\infty)$ is NaN already.)
+# the row's maximum, and $-\infty - (-\infty)$ is NaN already.) From here on, the mask `square`
+# is the first of the three ways above, **causal & padded queries and keys** (so its rows are a
+# causal triangle, cut short for padded queries), in which sequence 1 (length 4) has no key for
+# its queries 4 and 5.
 
 # %%
 def naive_attention(Q, K, V, mask, fill=float("-inf")):
@@ -620,6 +625,7 @@ def naive_attention(Q, K, V, mask, fill=float("-inf")):
     return attn @ V, attn  # (..., T_q, T_k) @ (..., T_k, d_v) -> (..., T_q, d_v)
 
 
+# `square` for short: causal & padded queries and keys (the first of the three ways above).
 square = ways["causal & padded queries and keys"]  # (B, 1, T, T); rows 4, 5 of sequence 1 empty
 g = torch.Generator().manual_seed(4)
 Q, K, V = torch.randn(3, 2, 1, T, d_k, generator=g)  # each (B, h=1, T, d_k), on the CPU
@@ -633,7 +639,7 @@ assert context_naive.isnan().equal(empty_rows.expand_as(context_naive))
 # ### The NaN does not stay put
 #
 # "The padded positions are ignored by the loss anyway" is true for the forward pass only. Take a
-# one-layer toy model on a padded batch, with the square mask, and a cross-entropy that ignores
+# one-layer toy model on a padded batch, with the mask `square`, and a cross-entropy that ignores
 # `PAD` targets. The loss comes out finite, but the backward pass sends NaN into some of the
 # weights' gradients, and one SGD step (run below) writes that NaN into the weights themselves.
 # Which weights, and why, follows from one rule of floating point: $0 \cdot \text{NaN} = \text{NaN}$.
@@ -725,7 +731,7 @@ print(f"after one SGD step: NaN in the weights {nan_weights}")
 # In short: the next cell *shows* what your torch's built-ins return for a query with no key;
 # the cell after it *asserts* only what every supported version agrees on. The background:
 #
-# #### Why it varies
+# #### Why it varies (optional on a first reading)
 #
 # The built-ins have no single answer here. `F.scaled_dot_product_attention` is one front end to
 # several kernels: a reference ("math") kernel written with ordinary tensor operations, and
@@ -736,8 +742,9 @@ print(f"after one SGD step: NaN in the weights {nan_weights}")
 # pytorch/pytorch#131844). The fused kernels do not go through that softmax: the same stack of
 # changes updated each of them separately, in its own code (#131863, landed as #133882), and a
 # later version may change any of them again. The CPU is no exception: for 4-D inputs such as the
-# ones below, torch 2.13 (the version that stored this notebook) runs the CPU's fused flash
-# kernel, not the math one.
+# ones below, torch 2.13 (the version that stored this notebook) picks the CPU's fused flash
+# kernel, not the math one; the next cell prints the choice, as PyTorch's private
+# `torch._fused_sdp_choice` reports it.
 #
 # `nn.MultiheadAttention`, in the torch that stored this notebook, computes the attention weights
 # with a plain softmax, as the naive code above does, when it returns them (its default,
@@ -751,8 +758,10 @@ print(f"after one SGD step: NaN in the weights {nan_weights}")
 # #### What the next two cells do
 #
 # So the next cell only *shows* what the torch you are running does, on the CPU, with its version
-# number: what you see may differ from what is stored here. It asks `F.scaled_dot_product_attention` twice: once leaving the choice of kernel to
-# PyTorch, and once with the math kernel forced by `torch.nn.attention.sdpa_kernel`.
+# number: what you see may differ from what is stored here. It asks
+# `F.scaled_dot_product_attention` twice: once leaving the choice of kernel to PyTorch (and
+# printing which kernel that is), and once with the math kernel forced by
+# `torch.nn.attention.sdpa_kernel`.
 # `F.scaled_dot_product_attention` does not return its weights, but with $V = I$ the
 # context *is* the weight matrix, so we can draw them. Its boolean `attn_mask` means "may attend",
 # like ours, so our mask goes in unchanged; `nn.MultiheadAttention`'s means the opposite
@@ -788,7 +797,10 @@ bias = mha_empty.out_proj.bias.detach()
 with sdpa_kernel(SDPBackend.MATH):  # the reference kernel only
     math_context = F.scaled_dot_product_attention(Q, K, V, attn_mask=square)  # (B, 1, T, d_k)
 
-print(f"torch {torch.__version__}, CPU; sequence 1, rows 4-5 (the queries with no key):")
+pick = getattr(torch, "_fused_sdp_choice", None)  # private: a later torch may rename it
+kernel = SDPBackend(pick(Q, K, V, square, 0.0, False)).name if pick else "not reported"
+print(f"torch {torch.__version__}, CPU; kernel picked for these inputs: {kernel}")
+print("sequence 1, rows 4-5 (the queries with no key):")
 print("  F.scaled_dot_product_attention, context:           ",
       empty_row_answer(builtin_context[1, 0, 4:]))
 print("  the same, math kernel forced, context:             ",
@@ -876,6 +888,9 @@ print(textwrap.dedent("\n".join(source[start:end + 1])))
 # 3. `attn.masked_fill(no_key, 0.0)`, after the softmax, sets the flagged rows' weights to $0$,
 #    so the context $\alpha V$ of such a query is $0$. `masked_fill` writes constants there, so
 #    no gradient flows back through those rows either.
+#
+# **Step 2 in one line:** with a bool mask the first `masked_fill` already keeps the gradients
+# finite; with a float mask only step 2 does (the 2×2 table at the end of the next cell).
 #
 # **Check:** on the same inputs, on `device`, ours has no NaN, zeros on the empty rows (the
 # course's policy), and on the other rows the weights of the naive version and the context of the
@@ -966,15 +981,16 @@ assert finite_grads["without step 2", "float"] == [False, False, True]  # step 2
 # the two-layer model, add a large vector to the first layer's output at the padded positions;
 # the loss and every gradient must stay exactly as they were. We run that with three masks that
 # block padded keys, section 4's (causal and padded keys, whose padded queries still read real
-# keys), this section's square one and the encoder's kind (padded queries and keys, no causal
-# mask), and with one that does not block them (padded queries only), where the shift must get
-# through. (With the causal mask the padded positions come after every real one,
-# so causality alone already hides them; without it, the padding mask is what does.)
+# keys), this section's `square` (causal, padded queries and keys) and the encoder's kind
+# (padded queries and keys, no causal mask), and with one that does not block them (padded
+# queries only), where the shift must get through. (With the causal mask the padded positions
+# come after every real one, so causality alone already hides them; without it, the padding
+# mask is what does.)
 #
 # | mask of the two-layer model | blocks padded keys? | may the shift change anything? |
 # |---|---|---|
 # | causal, padded keys (section 4) | yes (and causality hides them too) | no |
-# | causal, padded queries and keys (the square one) | yes | no |
+# | causal, padded queries and keys (`square`) | yes | no |
 # | padded queries and keys, no causal | yes (only the padding mask) | no |
 # | padded queries only | no | yes: the check must see it |
 
@@ -1150,7 +1166,7 @@ fig.legend(handles=[Patch(color=COLORS["accent"], label="NaN"),
                     Patch(fill=False, edgecolor="black", linestyle="--",
                           label="padded queries: no key to attend to")],
            loc="outside lower center", ncols=2, fontsize=11)
-fig.suptitle("Sequence 1 (length 4 of 6) under the square padding mask: three answers to 0/0")
+fig.suptitle("Sequence 1 (length 4 of 6), causal mask & padded queries and keys: three answers to 0/0")
 save_figure(fig, "05_fully_masked_row")
 plt.show()
 

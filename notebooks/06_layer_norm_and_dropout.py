@@ -98,11 +98,10 @@ BATCH_NORM_COLOR = "#8c564b"  # brown: not a part of the Transformer, only compa
 # stack, *without* the residual connections a Transformer block has: there each layer adds its
 # output to a stream that carries its input past it, so the signal does not vanish like $0.8^l$;
 # the stream grows instead, which notebook 08 measures. The plain stack shows the drift in its
-# simplest form. He
-# initialisation keeps the root-mean-square (RMS) of a unit-RMS input at 1, so each such layer
-# multiplies the RMS by about its gain. We record the RMS of each layer's *output*. With no
-# normalisation the factors compound, and the RMS changes geometrically with depth, like
-# $0.8^l$ or $1.2^l$. Standardising each token's feature vector before each layer resets the
+# simplest form. He initialisation keeps the root-mean-square (RMS) of a unit-RMS input at 1, so
+# each such layer multiplies the RMS by about its gain. We record the RMS of each layer's
+# *output*. With no normalisation the factors compound, and the RMS changes geometrically with
+# depth, like $0.8^l$ or $1.2^l$. Standardising each token's feature vector before each layer resets the
 # input to RMS 1, so each layer's output should stay near its gain at every depth. For now the
 # standardisation is two lines; the real `LayerNorm` follows.
 
@@ -216,7 +215,8 @@ from transformer_from_scratch.checks import check_bool, check_float, check_int, 
 #
 # *Two switches in this code serve later notebooks; skip them on a first reading.* `fast=True`
 # (notebook 14) computes the same function with PyTorch's one fused kernel, `F.layer_norm`,
-# equal to float32 rounding, not bit for bit (checked below); `checking()` (notebook 00's
+# equal up to float32 rounding (the closeness is checked below; whether the last bits also agree
+# depends on the machine's kernels, so nothing here claims it); `checking()` (notebook 00's
 # `checks` module) lets a caller that has already checked the input, such as notebook 08's
 # blocks, switch the input checks off.
 
@@ -324,15 +324,6 @@ for name, (a, b) in parity.items():
 # `tests/test_layernorm.py` use `assert_close`'s float32 defaults, tighter in relative terms:
 # $1.3 \cdot 10^{-6}$ relative, $10^{-5}$ absolute.) So do those of the same module with its
 # `fast` switch on (notebook 14), which hands the work to `F.layer_norm`.
-#
-# A parity test is only as good as the mistakes it catches, and *where* it compares matters as
-# much as how tightly. The tokens of `x` have a spread near 1, and there $\epsilon = 10^{-5}$
-# hardly moves the output: a layer norm with $\epsilon$ moved outside the square root,
-# $(x - \mu)/(\sigma + \epsilon)$, passes this test on `x`. Scale the same tokens by 0.1 (a
-# spread near 0.1, so $\epsilon$ is 100 times larger relative to $\sigma^2$) and the same test
-# catches that mistake, while ours still passes. So the cell repeats the parity test on the
-# scaled tokens and runs the mistaken formula through the test at both spreads. (Appendix A, at
-# the end, measures how much each tolerance sees, and compares in float64.)
 
 # %%
 for name, (a, b) in parity.items():
@@ -342,6 +333,19 @@ fast_norm.fast = True
 for name, a, b in zip(parity, output_and_grads(fast_norm, x), output_and_grads(ours, x), strict=True):
     assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"fast {name}")
 
+# %% [markdown]
+# #### Does the test catch a real mistake?
+#
+# A parity test is only as good as the mistakes it catches, and *where* it compares matters as
+# much as how tightly. The tokens of `x` have a spread near 1, and there $\epsilon = 10^{-5}$
+# hardly moves the output: a layer norm with $\epsilon$ moved outside the square root,
+# $(x - \mu)/(\sigma + \epsilon)$, passes this test on `x`. Scale the same tokens by 0.1 (a
+# spread near 0.1, so $\epsilon$ is 100 times larger relative to $\sigma^2$) and the same test
+# catches that mistake, while ours still passes. So the next cell repeats the parity test on
+# the scaled tokens and runs the mistaken formula through the test at both spreads. (Appendix A,
+# at the end, measures how much each tolerance sees, and compares in float64.)
+
+# %%
 x_small = 0.1 * x  # the same tokens with a spread near 0.1, where eps matters; (B, T, D)
 for name, a, b in zip(parity, output_and_grads(ours, x_small), output_and_grads(reference, x_small),
                       strict=True):
@@ -813,10 +817,10 @@ assert_close(ours_drop[kept_ours], survivor.expand_as(ours_drop)[kept_ours])
 # %%
 drop_module = nn.Dropout(p)
 drop_module.eval()
-assert torch.equal(drop_module(samples), samples)
+assert torch.equal(drop_module(samples), samples)  # PyTorch's nn.Dropout, shown, not course code
 assert torch.equal(dropout(samples, p, training=False), samples)  # ours: fails if eval drops
 drop_module.train()
-assert not torch.equal(drop_module(samples), samples)
+assert not torch.equal(drop_module(samples), samples)  # PyTorch's again: training mode drops
 
 # %% [markdown]
 # The picture: on the left, which entries of a $(T, D) = (12, 48)$ activation one dropout mask
@@ -836,13 +840,14 @@ running_plain = torch.cumsum(draws.float(), dim=0) / steps
 
 fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), gridspec_kw={"width_ratios": [1.3, 1]})
 drop_cmap = ListedColormap([PART_COLORS["dropout"], "#e6e6e6"])  # two values: dropped, kept
-image = axes[0].imshow(mask_image, cmap=drop_cmap, vmin=0, vmax=1, aspect="auto")
+axes[0].imshow(mask_image, cmap=drop_cmap, vmin=0, vmax=1, aspect="auto")
 axes[0].set_xlabel("feature")
 axes[0].set_ylabel("token position")
 axes[0].set_title(f"One dropout mask, p = {p}: {int((mask_image == 0).sum())} of 576 zeroed",
                   fontsize=10)
-colorbar = fig.colorbar(image, ax=axes[0], ticks=[0.25, 0.75])
-colorbar.ax.set_yticklabels(["dropped\n(0)", "kept\n(x / (1-p))"])
+axes[0].legend(handles=[Patch(color=PART_COLORS["dropout"], label="dropped (0)"),
+                        Patch(facecolor="#e6e6e6", edgecolor="0.6", label="kept (x / (1 - p))")],
+               loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=9, frameon=False)
 axes[1].plot(steps, running_inverted, color="0.2", label="inverted: mask / (1 - p)")
 axes[1].plot(steps, running_plain, color=COLORS["accent"], label="mask only")
 axes[1].axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="$x_i = 1$ (evaluation)")

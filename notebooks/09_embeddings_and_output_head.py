@@ -7,7 +7,8 @@
 # multiply of Vaswani et al. (2017) together with the initialisation it assumes, measured against
 # the size of the positional encoding. At the top, a linear layer that returns **logits**, and
 # why the softmax drawn after it in the paper's figure belongs in the loss, not in the model.
-# On the side: weight tying (Press and Wolf, 2017). Everything goes into the module
+# On the side: weight tying (Press and Wolf, 2017). The reserved ids and the check of a batch of
+# ids go into the module `transformer_from_scratch.tokens`; the embedding and the head into
 # `transformer_from_scratch.model`, which notebook 10 completes.
 #
 # [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/09_embeddings_and_output_head.ipynb) · Assumes: [04 · Positional encoding](04_positional_encoding.ipynb), [05 · Masking](05_masking.ipynb), [06 · Layer norm and dropout](06_layer_norm_and_dropout.ipynb).
@@ -92,10 +93,8 @@ UNK = 3  # an unknown symbol: notebook 13's tokenizer writes it for a character 
 # %% [markdown]
 # The embeddings and the output head go into the package's `model` module, which this notebook
 # starts and notebook 10 completes. Its imports name `checking`, notebook 00's switch that says
-# whether inputs are still to be checked (the section *A clear error for a bad id* uses it). The
-# module also needs `check_token_ids`, which that section writes into `tokens`; it is not
-# imported here, so that the function the notebook defines is the one its cells call (`make
-# export` writes that import into `src/` by itself).
+# whether inputs are still to be checked; the section *A clear error for a bad id* uses it, with
+# the `check_token_ids` it defines (`make export` adds that import to `src/`).
 
 # %%
 #| export
@@ -296,20 +295,10 @@ assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every
 # (2017, §3.4) write only that "in the embedding layers, we multiply those weights by
 # $\sqrt{d_\text{model}}$".
 #
-# The section compares three set-ups; this table is where it ends up ($\eta$ is the learning
-# rate, $d = d_\text{model} = 128$, and $\|\mathrm{PE}_t\| = 8$):
-#
-# | set-up | table drawn from | multiply | token vector's norm | tied logits' std | one Adam step moves each entry of $x_t$ by |
-# |---|---|---|---|---|---|
-# | the course (tensor2tensor's) | $\mathcal{N}(0, 1/d)$ | $\sqrt d$ | $\approx \sqrt d \approx 11.3$, $\sqrt 2 \times$ PE | $\approx 1$ | $\sqrt d\,\eta$ |
-# | no multiply | $\mathcal{N}(0, 1)$ | none | $\approx \sqrt d \approx 11.3$, $\sqrt 2 \times$ PE | $\approx \sqrt d \approx 11$ | $\eta$ |
-# | PyTorch's default with the multiply | $\mathcal{N}(0, 1)$ | $\sqrt d$ | $\approx d = 128$, $\sqrt{2d} = 16 \times$ PE | $\approx \sqrt d \approx 11$ | $\sqrt d\,\eta$ |
-#
-# The first two rows give the same input at initialisation and are compared by the Adam check
-# below; the norms of the first and third rows are measured after `init_token_embedding`; the
-# tied logits' std in the section on tying. The last column of the third row is not measured: it
-# is the first row's, because Adam's first step, $\eta$ per entry, does not depend on the
-# table's scale.
+# The section compares three set-ups: the course's table, drawn from $\mathcal{N}(0, 1/d_\text{model})$
+# and multiplied; a table drawn from $\mathcal{N}(0, 1)$ and not multiplied; and PyTorch's default
+# table, $\mathcal{N}(0, 1)$, with the multiply. A table at the end of the section sums up what
+# it measures.
 #
 # First, plainly: **for a table that is not shared with anything, the multiply changes nothing
 # at initialisation, provided the table's scale matches it.** A table drawn from
@@ -338,10 +327,10 @@ assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every
 # printed gradient norms show it; it follows from the set-up, so no assert tests it). What the
 # check tests is Adam's side of the argument: every entry with a non-zero gradient moves by
 # the learning rate in *both* tables (to a relative $10^{-3}$), and the input behind the multiply
-# moves $\sqrt{d_\text{model}}$ times further. That ratio is Adam's doing, not the multiply's
-# alone: plain SGD, whose step is proportional to the gradient, makes the ratio $d_\text{model}$
-# (the larger gradient *and* the multiply), and the same cell measures it too. The cell draws its
-# target from its own seeded generator, so that it prints the same numbers when run again.
+# moves $\sqrt{d_\text{model}}$ times further. The first cell builds the two tables, a target
+# for their input and `one_step`, which takes one optimiser step on either table from its
+# starting weights. It draws the target from its own seeded generator, so that it prints the same
+# numbers when run again.
 
 # %%
 sqrt_generator = set_seed(0)  # this cell's own stream: run again, it draws the same x_goal
@@ -359,35 +348,51 @@ assert_close(table_plain(tokens), x_start)  # the same input at initialisation
 x_goal = torch.randn(B, T_max, d_model, generator=sqrt_generator).to(device)  # any loss of the input will do
 scaled_start = table_scaled.weight.detach().clone()  # each optimiser starts from these tables
 plain_start = table_plain.weight.detach().clone()
-moved, grad_norm, entry_step, unused_still = {}, {}, {}, {}  # (optimiser, set-up) -> a number
-for opt_name, make_optimizer in (("Adam", torch.optim.Adam), ("SGD", torch.optim.SGD)):
-    for name, table, scale, start in (("times sqrt(d)", table_scaled, math.sqrt(d_model), scaled_start),
-                                      ("no multiply", table_plain, 1.0, plain_start)):
-        with torch.no_grad():
-            table.weight.copy_(start)
-        table.zero_grad()
-        optimizer = make_optimizer(table.parameters(), lr=1e-3)  # the same learning rate for all
-        (table(tokens) * scale - x_goal).pow(2).sum().backward()
-        optimizer.step()
-        key = (opt_name, name)
-        grad_norm[key] = table.weight.grad.norm().item()
-        used_entries = table.weight.grad.abs() > 0  # (V, d): the entries of the rows the batch uses
-        entry_step[key] = (table.weight - start)[used_entries].abs().detach()  # how far each entry moved
-        unused_still[key] = bool(((table.weight - start)[~used_entries] == 0).all())  # BOS, EOS: not in src
-        moved[key] = (table(tokens) * scale - x_start).norm().item()  # how far the input moved
-        print(f"{opt_name:>4}, {name:>13}: gradient norm {grad_norm[key]:8.1f}, median entry step "
-              f"{entry_step[key].median().item():.2e}, the input moved by {moved[key]:.4g}")
-ratio_adam = moved[("Adam", "times sqrt(d)")] / moved[("Adam", "no multiply")]
-ratio_sgd = moved[("SGD", "times sqrt(d)")] / moved[("SGD", "no multiply")]
-print(f"input moved, with the multiply / without: Adam {ratio_adam:.2f} (sqrt(d) = {math.sqrt(d_model):.2f}), "
-      f"SGD {ratio_sgd:.1f} (d = {d_model})")
+setups = {"times sqrt(d)": (table_scaled, math.sqrt(d_model), scaled_start),  # name -> (table, multiply, start)
+          "no multiply": (table_plain, 1.0, plain_start)}
+
+
+def one_step(make_optimizer, name: str) -> dict:
+    """One step of `make_optimizer` (lr 1e-3) on set-up `name`, from its starting table: what moved."""
+    table, scale, start = setups[name]
+    with torch.no_grad():
+        table.weight.copy_(start)
+    table.zero_grad()
+    optimizer = make_optimizer(table.parameters(), lr=1e-3)  # the same learning rate for all
+    (table(tokens) * scale - x_goal).pow(2).sum().backward()
+    optimizer.step()
+    step = (table.weight - start).detach()  # (V, d): how far each entry moved
+    used_entries = table.weight.grad.abs() > 0  # (V, d): the entries of the rows the batch uses
+    result = {"gradient norm": table.weight.grad.norm().item(),
+              "entry step": step[used_entries].abs(),
+              "unused still": bool((step[~used_entries] == 0).all()),  # BOS, EOS: not in src
+              "input moved": (table(tokens) * scale - x_start).norm().item()}
+    print(f"{make_optimizer.__name__:>4}, {name:>13}: gradient norm {result['gradient norm']:8.1f}, median entry "
+          f"step {result['entry step'].median().item():.2e}, the input moved by {result['input moved']:.4g}")
+    return result
+
 
 # %%
-for name in ("times sqrt(d)", "no multiply"):  # Adam: every used entry moves by the learning rate
-    assert_close(entry_step[("Adam", name)], torch.full_like(entry_step[("Adam", name)], 1e-3), rtol=1e-3, atol=0)
-    assert unused_still[("Adam", name)]  # and an entry without a gradient does not move
+adam_steps = {name: one_step(torch.optim.Adam, name) for name in setups}
+ratio_adam = adam_steps["times sqrt(d)"]["input moved"] / adam_steps["no multiply"]["input moved"]
+print(f"Adam: input moved, with the multiply / without: {ratio_adam:.2f} (sqrt(d) = {math.sqrt(d_model):.2f})")
+
+# %%
+for result in adam_steps.values():  # every used entry moves by the learning rate
+    assert_close(result["entry step"], torch.full_like(result["entry step"], 1e-3), rtol=1e-3, atol=0)
+    assert result["unused still"]  # and an entry without a gradient does not move
 assert abs(ratio_adam / math.sqrt(d_model) - 1) < 1e-3  # so the input moves sqrt(d) times further
-assert abs(ratio_sgd / d_model - 1) < 1e-3  # SGD: d times further
+
+# %% [markdown]
+# That ratio is Adam's doing, not the multiply's alone. Plain SGD, whose step is proportional to
+# the gradient, makes the ratio $d_\text{model}$: the larger gradient *and* the multiply.
+# **Check,** with the same tables, target and learning rate:
+
+# %%
+sgd_steps = {name: one_step(torch.optim.SGD, name) for name in setups}
+ratio_sgd = sgd_steps["times sqrt(d)"]["input moved"] / sgd_steps["no multiply"]["input moved"]
+print(f"SGD: input moved, with the multiply / without: {ratio_sgd:.1f} (d = {d_model})")
+assert abs(ratio_sgd / d_model - 1) < 1e-3  # d times further
 
 
 # %% [markdown]
@@ -552,6 +557,24 @@ for name, n in (("N(0, 1)", default_n), ("N(0, 1/d)", t2t_n)):
           f"at d = 1024: {share[-1]:.4f}")
 
 # %% [markdown]
+# The section in one table ($\eta$ is the learning rate, $d = d_\text{model} = 128$, and
+# $\|\mathrm{PE}_t\| = 8$):
+#
+# | set-up | table drawn from | multiply | token vector's norm | tied logits' std | one Adam step moves each entry of $x_t$ by |
+# |---|---|---|---|---|---|
+# | the course (tensor2tensor's) | $\mathcal{N}(0, 1/d)$ | $\sqrt d$ | $\approx \sqrt d \approx 11.3$, $\sqrt 2 \times$ PE | $\approx 1$ | $\sqrt d\,\eta$ |
+# | no multiply | $\mathcal{N}(0, 1)$ | none | $\approx \sqrt d \approx 11.3$, $\sqrt 2 \times$ PE | $\approx \sqrt d \approx 11$ | $\eta$ |
+# | PyTorch's default with the multiply | $\mathcal{N}(0, 1)$ | $\sqrt d$ | $\approx d = 128$, $\sqrt{2d} = 16 \times$ PE | $\approx \sqrt d \approx 11$ | $\sqrt d\,\eta$ |
+#
+# The token vectors' norms of the first and third rows are the measurement above at $d = 128$
+# (11.30 and 127.9, 1.41 and 16.0 times the positional encoding); the second row's input is the
+# first row's, as the check with two tables asserts. Its Adam step showed the last column of the
+# first two rows: each used entry of $E$ moved by $\eta$, the input $\sqrt d$ times further with
+# the multiply. The tied logits' standard deviations are measured in the
+# section on tying, below. The third row's Adam column is not measured separately: Adam's first
+# step is $\eta$ per entry of $E$ whatever the table's scale, so through the multiply it is the
+# first row's.
+#
 # **The $\sqrt{d_\text{model}}$ multiply assumes a table drawn with standard deviation
 # $d_\text{model}^{-1/2}$; with PyTorch's $\mathcal{N}(0, 1)$ it inflates the tokens by
 # $\sqrt{2 d_\text{model}}$ over the positions instead.**
@@ -710,26 +733,34 @@ print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
 #   float32, $2^{-14} \approx 6.1 \cdot 10^{-5}$ in float16) values are **subnormal**: stored
 #   with fewer significant bits the smaller they get, so $p_2$ loses relative precision, and,
 #   once enough bits are gone, its log loses digits (the appendix measures where and how many).
+# * Soon after, the **gradient** breaks while the loss still looks right. The backward pass of
+#   $\log p_2$ multiplies by $1/p_2$, and once $p_2$ is below $1/\text{max}$, the reciprocal of
+#   the format's largest number ($\text{max} \approx 3.4 \cdot 10^{38}$ in float32, 65,504 in
+#   float16), that factor overflows, and the softmax's backward pass turns the infinite gradient
+#   into $+\infty$ for one logit and $\infty - \infty = $ NaN for the other. A training step taken
+#   there writes NaN into the weights, while the logged loss looks normal.
 # * Below half the smallest subnormal, $2^{-150}$ in float32 and $2^{-25}$ in float16, they round
-#   to exactly 0: the loss becomes $-\log 0 = +\infty$ and the gradient NaN.
+#   to exactly 0: the loss becomes $-\log 0 = +\infty$ as well.
 #
-# Both limits, as margins $m$, follow from `torch.finfo`: the loss is infinite from
-# $m \approx 104$ in float32 and from $m \approx 17.3$ in float16; $p_2$ starts losing precision
-# from $m \approx 87.3$ and $m \approx 9.7$. The loss itself is hit later: on the machine that
-# built this page the naive loss first differs from the fused one past those limits at
-# $m = 92$ in float32 and $m = 12.5$ in float16 (printed in the appendix).
+# The three limits, as margins $m$, follow from `torch.finfo`: $p_2$ starts losing precision from
+# $m \approx 87.3$ in float32 and $m \approx 9.7$ in float16, the gradient is infinite and NaN
+# from $m = \ln \text{max} \approx 88.7$ and $\approx 11.1$, and the loss is infinite from
+# $m \approx 104$ and $\approx 17.3$. The loss's digits are hit later than the first limit: on the
+# machine that built this page the naive loss first differs from the fused one at $m = 92$ in
+# float32 and $m = 12.5$ in float16 (printed in the appendix).
 
 # %%
-def underflow_margins(dtype: torch.dtype) -> tuple[float, float]:
-    """Margins m beyond which e^-m is subnormal, and beyond which it rounds to 0, in `dtype`."""
+def underflow_margins(dtype: torch.dtype) -> tuple[float, float, float]:
+    """Margins m beyond which, in `dtype`, e^-m is subnormal; 1/e^-m overflows; e^-m rounds to 0."""
     info = torch.finfo(dtype)
     smallest_subnormal = info.smallest_normal * info.eps  # 2^-149 (float32), 2^-24 (float16)
-    return -math.log(info.smallest_normal), -math.log(smallest_subnormal / 2)
+    return -math.log(info.smallest_normal), math.log(info.max), -math.log(smallest_subnormal / 2)
 
 
 limits = {dtype: underflow_margins(dtype) for dtype in (torch.float32, torch.float16)}
-for dtype, (subnormal_from, zero_from) in limits.items():
-    print(f"{str(dtype):>14}: e^-m subnormal from m = {subnormal_from:.2f}, zero from m = {zero_from:.2f}")
+for dtype, (subnormal_from, overflow_from, zero_from) in limits.items():
+    print(f"{str(dtype):>14}: e^-m subnormal from m = {subnormal_from:.2f}, its reciprocal (the gradient of"
+          f" the log) overflows from m = {overflow_from:.2f}, e^-m is zero from m = {zero_from:.2f}")
 
 # %% [markdown]
 # Now both routes over a grid of margins, in each format: softmax then log, and the fused
@@ -741,29 +772,48 @@ for dtype, (subnormal_from, zero_from) in limits.items():
 
 # %%
 margins = torch.arange(0.0, 130.5, 0.5)  # (M,)
-stability = {}
+stability, grad_finite = {}, {}
 for dtype in (torch.float32, torch.float16):
     z_margin = torch.stack([torch.zeros_like(margins), -margins], dim=1).to(dtype)  # (M, 2), on the CPU
+    z_margin.requires_grad_(True)
     naive = -torch.log(torch.softmax(z_margin, dim=-1))[:, 1]  # (M,): softmax, then log
     fused = -F.log_softmax(z_margin, dim=-1)[:, 1]  # (M,): one fused, shifted step
-    stability[dtype] = {"naive": naive.float().cpu(), "fused": fused.float().cpu()}
+    # The rows are independent, so the gradient of the sum holds each margin's gradient in its own row.
+    (naive_grads,) = torch.autograd.grad(naive.sum(), z_margin)  # (M, 2)
+    (fused_grads,) = torch.autograd.grad(fused.sum(), z_margin)  # (M, 2)
+    stability[dtype] = {"naive": naive.detach().float(), "fused": fused.detach().float()}
+    grad_finite[dtype] = {"naive": torch.isfinite(naive_grads).all(dim=1),  # (M,): both entries finite
+                          "fused": torch.isfinite(fused_grads).all(dim=1)}
     first_inf = margins[torch.isinf(stability[dtype]["naive"])][0].item()
-    print(f"{str(dtype):>14}: softmax-then-log gives inf from m = {first_inf:5.1f};"
-          f" log_softmax at m = 130: {stability[dtype]['fused'][-1].item():.1f}")
+    first_bad_grad = margins[~grad_finite[dtype]["naive"]][0].item()
+    print(f"{str(dtype):>14}: softmax-then-log's gradient is not finite from m = {first_bad_grad:5.1f},"
+          f" its loss is inf from m = {first_inf:5.1f}; log_softmax at m = 130: loss"
+          f" {stability[dtype]['fused'][-1].item():.1f}, gradient {fused_grads[-1].tolist()}")
 
 # %% [markdown]
-# **Check:** softmax-then-log is infinite from the first margin past the limit computed above,
-# and finite before it. The fused route is within a relative $2\epsilon$ of the exact loss, with
-# $\epsilon$ the format's machine epsilon and the exact loss computed in float64, at every margin
-# up to 130 in both formats. At $m = 120$ the fused route's gradient is the textbook
-# $\operatorname{softmax}(z) - \operatorname{onehot}(y) = (1, -1)$; the naive route's is NaN.
+# **Check:** softmax-then-log's gradient is finite up to the overflow limit computed above and
+# not finite past it. Its loss is finite up to the zero limit and infinite past it; between the
+# two limits, where the gradient is already broken, the loss is within 3 % of the exact one (the
+# appendix counts the digits it loses there), nothing that would stand out in a log of training.
+# The fused route is within a relative $2\epsilon$ of the exact loss, with $\epsilon$ the format's
+# machine epsilon and the exact loss computed in float64, and has a finite gradient, at every
+# margin up to 130 in both formats. At $m = 120$ the fused route's
+# gradient is the textbook $\operatorname{softmax}(z) - \operatorname{onehot}(y) = (1, -1)$; the
+# naive route's is NaN.
 
 # %%
 true_loss = margins.double() + torch.log1p(torch.exp(-margins.double()))  # (M,): m + log(1 + e^-m)
-for dtype, (_, zero_from) in limits.items():
+for dtype, (_, overflow_from, zero_from) in limits.items():
     naive, fused = stability[dtype]["naive"], stability[dtype]["fused"]
     assert torch.isinf(naive[margins > zero_from]).all() and torch.isfinite(naive[margins < zero_from]).all()
+    naive_grad_ok = grad_finite[dtype]["naive"]
+    assert naive_grad_ok[margins < overflow_from].all() and not naive_grad_ok[margins > overflow_from].any()
+    between = (margins > overflow_from) & (margins < zero_from)  # broken gradient, finite loss
+    assert_close(naive[between].double(), true_loss[between], rtol=0.03, atol=0.0)
     assert_close(fused.double(), true_loss, rtol=2 * torch.finfo(dtype).eps, atol=0.0)  # every margin
+    assert grad_finite[dtype]["fused"].all()
+    print(f"{str(dtype):>14}: from m = {margins[between][0].item()} to {margins[between][-1].item()}, softmax-then-log's"
+          f" gradient is not finite while its loss is within 3 % of the exact loss")
 
 z120 = torch.tensor([[0.0, -120.0]], device=device, requires_grad=True)
 naive_loss = -torch.log(torch.softmax(z120, dim=-1))[0, 1]
@@ -776,10 +826,11 @@ print(f"m = 120: naive loss {naive_loss.item()}, gradient {naive_grad.tolist()};
       f" cross_entropy {fused_loss.item()}, gradient {fused_grad.tolist()}")
 
 # %% [markdown]
-# So softmax-then-log gives an infinite loss and a NaN gradient from $m \approx 104$ in float32
-# and from $m \approx 17.3$ in float16, while the fused `log_softmax` is right at every margin.
-# The appendix, *How many digits softmax-then-log loses*, measures the errors of both routes
-# before that point, in units in the last place, with a figure.
+# So softmax-then-log's gradient is infinite and NaN from $m \approx 88.7$ in float32 and from
+# $m \approx 11.1$ in float16, while its loss stays finite and within 3 % of the exact one up to
+# $m \approx 104$ and $m \approx 17.3$, where the loss becomes infinite too. The fused `log_softmax` is right, loss and
+# gradient, at every margin. The appendix, *How many digits softmax-then-log loses*, measures the
+# errors of both losses in units in the last place, with a figure that marks the three limits.
 
 # %% [markdown]
 # ### Which format applies: mixed precision
@@ -911,8 +962,8 @@ assert_close(tied_embed.weight.grad, copy_embed.weight.grad + copy_head.weight.g
 
 table_before = tied_embed.weight.detach().clone()
 torch.optim.SGD(tied.parameters(), lr=0.1).step()  # one update of everything the pair owns
-assert not torch.equal(tied_embed.weight, table_before)  # the step changed the table...
-with torch.no_grad():  # ...and the head's logits already use the changed table
+assert not torch.equal(tied_embed.weight, table_before)  # a precondition only: any step with a gradient does this
+with torch.no_grad():  # the test of tying: the head's logits already use the changed table
     assert_close(tied_head(x_norm), x_norm @ tied_embed.weight.T + tied_head.bias)
 print("shared gradient = embedding's + head's; one step updates the table in both roles")
 
@@ -935,8 +986,11 @@ print("shared gradient = embedding's + head's; one step updates the table in bot
 # The course's model does not tie (below), so its `PAD` rows stay zero.
 #
 # **Check,** with the real loss on the batch of this notebook. The stand-in for the decoder is a
-# random linear layer and the final norm (the norm alone, as above, would leave each position's
-# vector pointing along its own input token's row, and the softmax would all but ignore `PAD`).
+# random linear layer and the final norm. The norm alone, as above, would not do: it leaves each
+# position's vector $h_t$ pointing along its own input token's row $E_w$, so the logit of that
+# token, $h_t \cdot E_w \approx \|h_t\|\,\|E_w\| \approx \sqrt{128} \cdot 1 \approx 11$, takes
+# nearly all the probability, and $p_{t,\mathrm{PAD}}$, whose logit is the small bias alone, is
+# tiny (the cell prints both).
 # The tied `PAD` row's gradient is the sum above, computed by hand (the lookup adds nothing to
 # it), so it is not zero; after one SGD step the padded positions' token vectors are no longer
 # zero. And the cause is the denominator: with the `PAD` logit set to $-\infty$ before the loss,
@@ -948,6 +1002,10 @@ tied_pad = tied_pair()  # a fresh pair: its PAD row is zero
 stand_in = nn.Linear(d_model, d_model).to(device)  # with final_norm, a stand-in for the decoder
 pad_targets = tgt_out.to(device)  # (B, T_tgt)
 graded = pad_targets != PAD  # (B, T_tgt): the positions the loss grades
+with torch.no_grad():  # the norm alone, without the stand-in: PAD's probability is tiny
+    logits_norm_only = tied_pad["head"](final_norm(embed_tokens(tied_pad["embed"], tokens_in)))  # (B, T_tgt, V)
+    p_pad_norm_only = torch.softmax(logits_norm_only, dim=-1)[..., PAD][graded].mean().item()
+    own_logit = logits_norm_only.gather(-1, tokens_in.unsqueeze(-1)).squeeze(-1)[graded].mean().item()
 x_tied = final_norm(stand_in(embed_tokens(tied_pad["embed"], tokens_in)))  # (B, T_tgt, d)
 tied_logits = tied_pad["head"](x_tied)  # (B, T_tgt, V)
 F.cross_entropy(tied_logits.reshape(-1, V), pad_targets.reshape(-1), ignore_index=PAD).backward()
@@ -958,6 +1016,9 @@ torch.optim.SGD(tied_pad.parameters(), lr=0.1).step()
 with torch.no_grad():
     pad_vectors = embed_tokens(tied_pad["embed"], tokens_in)[tokens_in == PAD]  # (number of PADs, d)
 assert (pad_vectors != 0).any(dim=1).all()  # every padded position now has a non-zero token vector
+assert p_pad_norm_only < 1e-3 < p_pad[graded].mean().item()  # why the stand-in is needed
+print(f"with the norm alone: each position's own input token has a mean logit of {own_logit:.0f},"
+      f" and PAD's mean probability is {p_pad_norm_only:.0e}")
 print(f"PAD's probability at the {int(graded.sum())} graded positions: mean {p_pad[graded].mean().item():.3f};"
       f" the PAD row's gradient has norm {pad_grad_by_hand.norm().item():.3f};"
       f" after one SGD step (lr 0.1) the row has norm {tied_pad['embed'].weight[PAD].norm().item():.4f}")
@@ -1155,8 +1216,8 @@ print("my_log_softmax matches F.log_softmax, and gives (0, -120) at (0, -120) an
 # %% [markdown]
 # ## Appendix: how many digits softmax-then-log loses
 #
-# The section *Where softmax-then-log breaks* found where the naive route becomes infinite;
-# before that it loses digits. **Check.** Errors are measured in *units in the last place*
+# The section *Where softmax-then-log breaks* found where the naive route's gradient, and later
+# its loss, become infinite; before its loss does, it loses digits. **Check.** Errors are measured in *units in the last place*
 # (ULPs) of the exact loss: the spacing of the format's numbers at that size,
 # $2^{\lfloor \log_2 x \rfloor}$ times $2^{-23}$ in float32 and $2^{-10}$ in float16 (which keep
 # 24 and 11 significant bits). A correctly rounded result is within half an ULP; `log_softmax`
@@ -1181,7 +1242,7 @@ for dtype in limits:
     print(f"{str(dtype):>14}: the exact loss rounds to m from m = {exact_from[dtype]}")
 
 # %% tags=["nbval-ignore-output"]
-for dtype, (subnormal_from, _) in limits.items():
+for dtype, (subnormal_from, _, _) in limits.items():
     fused_err, naive_err = errors_in_ulps[dtype]["fused"], errors_in_ulps[dtype]["naive"]
     leaves = margins[naive_err > 2][0].item()
     worse = margins[(margins > subnormal_from) & (naive_err > fused_err)][0].item()
@@ -1192,7 +1253,7 @@ for dtype, (subnormal_from, _) in limits.items():
           f" beyond 2 ULP from m = {leaves}; fused returns m from m = {equals_m}")
 
 # %%
-for dtype, (subnormal_from, zero_from) in limits.items():
+for dtype, (subnormal_from, _, zero_from) in limits.items():
     fused_err, naive_err = errors_in_ulps[dtype]["fused"], errors_in_ulps[dtype]["naive"]
     assert (fused_err <= 2).all()  # every margin, up to 130
     assert (naive_err[margins < subnormal_from] <= 4).all()  # about as good while e^-m is normal
@@ -1202,37 +1263,48 @@ for dtype, (subnormal_from, zero_from) in limits.items():
 
 # %% [markdown]
 # The picture: the two losses (top, the smaller row, since the two curves coincide wherever both
-# are finite), and the error of each in ULPs of the exact loss (bottom),
-# with the check's two-ULP band for the fused route in grey. The error axis is linear from 0 to
+# are finite), and the error of each in ULPs of the exact loss (bottom), with the check's two-ULP
+# band for the fused route in grey. The light red region is where softmax-then-log's gradient is
+# infinite and NaN while its loss is finite, the darker one where its loss is $+\infty$ too. The error axis is linear from 0 to
 # 1 ULP and logarithmic above, so a correctly rounded result sits near the bottom and the
 # naive route's lost digits, tens of thousands of ULPs in float32, fit on the same axis. While
 # $e^{-m}$ is a normal number the two routes stay within one ULP on the machine that built this
 # page (the check allows the naive route four) and mostly coincide: the fused route's thick line
-# shows under the naive route's dashes. Past that point the naive route climbs out of the band,
-# and its curve stops where its loss is infinite.
+# shows under the naive route's dashes. Past that point the naive route climbs out of the band;
+# its gradient breaks soon after, at the light red region, and its curve stops where its loss
+# is infinite.
 
 # %% jupyter={"source_hidden": true}
-fig, axes = plt.subplots(2, 2, figsize=(12, 7.2), sharex="col", layout="constrained", height_ratios=[1, 1.6])
+fig, axes = plt.subplots(2, 2, figsize=(12, 7.6), sharex="col", layout="constrained", height_ratios=[1.2, 1.6])
 for col, (dtype, curves) in enumerate(stability.items()):
-    subnormal_from, zero_from = limits[dtype]
+    subnormal_from, overflow_from, zero_from = limits[dtype]
     end = 130 if dtype == torch.float32 else 25
     shown = margins <= end
     m_shown = margins[shown]
     naive = curves["naive"][shown].clone()
     naive[torch.isinf(naive)] = float("nan")  # matplotlib cannot draw inf: leave a gap
     m_inf = margins[torch.isinf(curves["naive"])][0].item()
+    m_bad_grad = margins[~grad_finite[dtype]["naive"]][0].item()
+    for ax in axes[:, col]:  # the naive route's two failures, shaded in both rows
+        ax.axvspan(overflow_from, zero_from, color=COLORS["accent"], alpha=0.08, lw=0,
+                   label=f"softmax-then-log: gradient inf/NaN, loss finite (m > {overflow_from:.1f})")
+        ax.axvspan(zero_from, end, color=COLORS["accent"], alpha=0.22, lw=0,
+                   label=rf"softmax-then-log: loss $+\infty$ too (m > {zero_from:.1f})")
 
     ax = axes[0, col]
-    ax.axvspan(zero_from, end, color=COLORS["accent"], alpha=0.12, label=r"$e^{-m}$ rounds to 0: loss $+\infty$")
     ax.plot(m_shown, curves["fused"][shown], color=COLORS["torch"], lw=3, label="F.log_softmax / F.cross_entropy")
     ax.plot(m_shown, naive, color=COLORS["accent"], lw=1.5, ls="--", label="-log(softmax(z))")
+    ax.plot([m_bad_grad], [m_bad_grad], "o", color=COLORS["accent"], ms=7, zorder=5)
     ax.plot([m_inf], [m_inf], "X", color=COLORS["accent"], ms=10, zorder=5)
-    ax.annotate(f"softmax-then-log: $+\\infty$ from $m$ = {m_inf:g},\nNaN gradient",
-                xy=(m_inf, m_inf), xytext=(0.04 * end, 0.85 * end), fontsize=9,
-                color=COLORS["accent"], arrowprops=dict(arrowstyle="->", color=COLORS["accent"]))
+    ax.annotate(f"softmax-then-log: gradient NaN from $m$ = {m_bad_grad:g}", xy=(m_bad_grad, m_bad_grad),
+                xytext=(0.03 * end, 0.62 * end), fontsize=9, color=COLORS["accent"],
+                arrowprops=dict(arrowstyle="->", color=COLORS["accent"]))
+    ax.annotate(f"softmax-then-log: loss $+\\infty$ from $m$ = {m_inf:g}", xy=(m_inf, m_inf),
+                xytext=(0.03 * end, 0.9 * end), fontsize=9, color=COLORS["accent"],
+                arrowprops=dict(arrowstyle="->", color=COLORS["accent"]))
     ax.set(ylabel=r"loss $-\log p_2$ (nats)", title=str(dtype).replace("torch.", ""), xlim=(0, end),
            ylim=(0, end * 1.05))
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7.5, loc="lower right")
 
     ax = axes[1, col]
     ax.axhspan(0, 2, color="#d9d9d9", label="within 2 ULP (the check's band for the fused route)")
@@ -1242,14 +1314,12 @@ for col, (dtype, curves) in enumerate(stability.items()):
     ax.plot(m_shown, fused_err, color=COLORS["torch"], lw=4, label="F.log_softmax")
     ax.plot(m_shown, naive_err, color=COLORS["accent"], lw=1.5, ls="--", label="-log(softmax(z))")
     ax.axvline(subnormal_from, color="#525252", lw=1.2, ls=":")
-    ax.axvline(zero_from, color=COLORS["accent"], lw=1.2)
     ax.text(subnormal_from, 3e4, r"$e^{-m}$ subnormal" + "\n" + f"from {subnormal_from:.1f} ", fontsize=8,
             color="#525252", va="top", ha="right")
-    ax.text(zero_from, 3e4, f" zero from\n {zero_from:.2f}", fontsize=8, color=COLORS["accent"], va="top")
     ax.set_yscale("symlog", linthresh=1, linscale=1.5)  # linear from 0 to 1 ULP, logarithmic above
     ax.set(ylim=(0, 1e5), xlabel="margin $m$ (logits $(0, -m)$, target: the second class)",
            ylabel="error in ULPs of the exact loss\n(linear up to 1, logarithmic above)")
-    ax.legend(fontsize=8, loc="center left")
+    ax.legend(handles=ax.get_legend_handles_labels()[0][2:], fontsize=8, loc="center left")  # the shading: above
 fig.suptitle("Cross-entropy of a confidently wrong prediction: fused log-softmax against softmax-then-log")
 save_figure(fig, "embeddings_logit_stability")
 plt.show()

@@ -42,7 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.colors import LogNorm
-from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch
+from matplotlib.lines import Line2D
+from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Patch
 from torch import nn
 from torch.testing import assert_close
 
@@ -147,7 +148,9 @@ class Encoder(_Stack):
 # every call leaves it at `None`, and you can skip the next cell. Such a cache holds one part per
 # block, `cache.layer(i)`, which the stack hands to block $i$, and knows how many positions it
 # holds, `cache.length` (where the model's `decode` places new tokens, below): the third and last
-# cache `Protocol`, after notebook 03's and 08's.
+# cache `Protocol`, after notebook 03's and 08's. A `Protocol` (from `typing`) only lists what an
+# object must have, here a `length` and a `layer(i)`; the bodies are `...`, and any class with
+# those members fits, without inheriting from it.
 
 # %%
 #| export layers
@@ -187,9 +190,11 @@ class Decoder(_Stack):
 
 # %% [markdown]
 # **Check:** shapes, and each stack equals its blocks applied one after the other by hand, then
-# its final norm, with masks of three different shapes: a padding mask for the encoder, and for
-# the decoder a causal `self_mask` and the source's padding as `cross_mask` (a stack that passed
-# a mask to the wrong attention layer would fail here). The last lines confirm only that the norm is there: at initialisation
+# its final norm, with masks in three places, of two shapes: the source's padding mask `src_pad`,
+# $(B, 1, 1, T_\text{src})$, for the encoder and again as the decoder's `cross_mask`, and a causal
+# `self_mask`, $(1, 1, T_\text{tgt}, T_\text{tgt})$, with $T_\text{src} = 7 \ne T_\text{tgt} = 5$
+# (a stack that passed a mask to the wrong attention layer would fail here: neither shape
+# broadcasts against the other layer's scores). The last lines confirm only that the norm is there: at initialisation
 # ($\gamma = 1$, $\beta = 0$) every output vector has mean 0 and variance 1, as the output of
 # any stack that ends in a fresh `LayerNorm` has.
 
@@ -446,7 +451,7 @@ class Transformer(nn.Module):
 
     def __init__(
         self,
-        src_vocab_size: "int | TransformerConfig",
+        src_vocab_size: "int | TransformerConfig",  # or a whole TransformerConfig, passed alone
         tgt_vocab_size: int | None = None,
         **fields,
     ):
@@ -898,7 +903,7 @@ panels = [(maps["source"], "to the source, with src_mask", "source position $s$ 
           (maps["target"], "to the target, with tgt_mask\n(causal & target padding)", "target input position $s$ (tgt_in)"),
           (maps_no_causal["target"], "to the target, causal part forgotten\n(target padding only)",
            "target input position $s$ (tgt_in)")]
-# a log scale: the bright diagonal (near 2) would otherwise flatten the rest (0.1 to 0.5)
+# a log scale: the bright diagonal (1.1 to 1.9) would otherwise flatten the rest (mostly 0.2 to 0.7)
 largest = max(m.max().item() for m, *_ in panels)
 # the top of the colour scale rounded up to a multiple of 0.5, so that a tick labels it (the brightest cells lie below)
 shared_norm = LogNorm(vmin=min(m[m > 0].min().item() for m, *_ in panels), vmax=math.ceil(2 * largest) / 2)
@@ -1197,12 +1202,15 @@ print("our embedded inputs = sqrt(d) E[w] + PE, the formula written out")
 # edge: it is a buffer, with no parameters. The colours are notebook 06's part colours (`PART_COLORS`), as in notebooks 07 and
 # 08: attention cyan (cross-attention darker, and so is `enc_out`, which it reads), feed-forward
 # olive, `LayerNorm` purple, dropout pink, embeddings light grey, the output head dark grey; the
-# residual connections are the red accent.
+# residual connections are the red accent. A key in the figure repeats them.
 #
 # **Check:** every module the figure names exists in `model` under that name, with the type the
 # box says; the feed-forward boxes' text is read from `ffn` itself; and the dropout the figure
 # shows on the attention weights is each attention layer's `dropout_p`, the model's $p$. A
-# renamed attribute fails here, before the figure is drawn.
+# renamed attribute fails here, before the figure is drawn. The figure writes each module name
+# through `checked`, which refuses a name this check did not find (in every block, for a block's
+# part), so a box relabelled by mistake fails too; the type names in the boxes and the title's
+# sizes are read from the model and its `config`.
 
 # %%
 figure_modules = {  # the name in a box of the figure -> the type it must have in the model
@@ -1228,6 +1236,28 @@ attention_layers = [m for n, m in model.named_modules() if n.endswith(("self_att
 assert len(attention_layers) == 3 * model.config.num_layers  # self_attn in each block, cross_attn in the decoder's
 assert {m.dropout_p for m in attention_layers} == {model.config.dropout_p} == {0.1}
 print(f"{len(figure_modules)} module names of the figure found in the model; ffn: {ffn_text}")
+
+
+def checked(name: str, stack: str | None = None) -> str:
+    """`name` as a box of the figure writes it, once the check above found it: in every block of `stack`."""
+    full_names = [f"{stack}.layers.{i}.{name}" for i in range(model.config.num_layers)] if stack else [name]
+    missing = [n for n in full_names if n not in figure_modules]
+    if missing:
+        raise KeyError(f"the figure names {name!r}, but the check above did not find {missing[0]!r} in the model")
+    return name
+
+
+def type_name(name: str) -> str:
+    """The class of the module `name` of the model, as a box of the figure writes it."""
+    return type(model.get_submodule(checked(name))).__name__
+
+
+try:
+    checked("ln1", stack="encoder")  # a box relabelled by mistake
+except KeyError as err:
+    print(f"KeyError: {err.args[0]}")
+else:
+    raise AssertionError("the figure could name a module that the model does not have")
 
 # %% jupyter={"source_hidden": true}
 PALETTE = {"embed": PART_COLORS["embedding"], "pos": PART_COLORS["positional"], "attn": PART_COLORS["attention"],
@@ -1301,23 +1331,24 @@ ex, dx = 3.2, 9.6  # the encoder's and the decoder's column
 # Encoder column.
 shape(ax, ex, 0.25, "src: token ids (B, S)", ha="center")
 arrow(ax, [(ex, 0.45), (ex, 0.95)])
-box(ax, ex, 1.25, "src_embed × √d_model", "embed")
+box(ax, ex, 1.25, f"{checked('src_embed')} × √d_model", "embed")
 arrow(ax, [(ex, 1.55), (ex, 2.0)])
 add(ax, ex, 2.2)
-box(ax, ex - 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45, ls="--")  # a buffer: no parameters
+box(ax, ex - 2.3, 2.2, f"{checked('pos')}: PE", "pos", w=1.3, h=0.45, ls="--")  # a buffer: no parameters
 arrow(ax, [(ex - 1.65, 2.2), (ex - 0.2, 2.2)])
 shape(ax, ex + 0.3, 2.62, "(B, S, d)")
 arrow(ax, [(ex, 2.4), (ex, 3.1)])
 dropout_tag(ax, ex, 2.75, +1)  # pos.dropout, on embedding + PE
 ax.add_patch(FancyBboxPatch((ex - 2.3, 3.0), 4.4, 4.9, boxstyle="round,pad=0.05,rounding_size=0.2",
                             facecolor=PALETTE["frame"], edgecolor="#888888", lw=1.2, zorder=1))
-ax.text(ex - 2.5, 6.85, "N × EncoderBlock\nencoder.layers", ha="right", va="center", fontsize=10, weight="bold")
+ax.text(ex - 2.5, 6.85, f"N × {type_name('encoder.layers.0')}\n{checked('encoder.layers')}", ha="right", va="center", fontsize=10, weight="bold")
 attention_weights_note(ax, ex - 1.5, ex - 2.5, 4.4, "weights (B, h, S, S)", +1)  # self_attn's box: 4.4
-top = sublayers(ax, ex, 3.1, [("norm1", "self_attn\nmulti-head self-attention\nmask: src_mask", "attn"),
-                             ("norm2", f"ffn\n{ffn_text}", "ffn")], side=+1)
+top = sublayers(ax, ex, 3.1, [(checked("norm1", "encoder"),
+                              f"{checked('self_attn', 'encoder')}\nmulti-head self-attention\nmask: src_mask", "attn"),
+                             (checked("norm2", "encoder"), f"{checked('ffn', 'encoder')}\n{ffn_text}", "ffn")], side=+1)
 arrow(ax, [(ex, top - 0.0), (ex, 8.35)])
 shape(ax, ex + 0.3, 8.1, "(B, S, d)")
-box(ax, ex, 8.6, "encoder.norm (LayerNorm)", "norm", w=2.8, h=0.5)
+box(ax, ex, 8.6, f"{checked('encoder.norm')} ({type_name('encoder.norm')})", "norm", w=2.8, h=0.5)
 arrow(ax, [(ex, 8.85), (ex, 9.6), (6.3, 9.6), (6.3, 6.85), (dx - 1.55, 6.85)], color=PALETTE["cross"], lw=2)
 ax.text(4.8, 9.78, "enc_out (B, S, d): keys and values\nof every decoder block's cross-attention",
         ha="center", va="bottom", fontsize=9, color=PALETTE["cross"])
@@ -1325,42 +1356,56 @@ ax.text(4.8, 9.78, "enc_out (B, S, d): keys and values\nof every decoder block's
 # Decoder column.
 shape(ax, dx, 0.25, "tgt_in: token ids (B, T) = [BOS, y₁, …]", ha="center")
 arrow(ax, [(dx, 0.45), (dx, 0.95)])
-box(ax, dx, 1.25, "tgt_embed × √d_model", "embed")
+box(ax, dx, 1.25, f"{checked('tgt_embed')} × √d_model", "embed")
 arrow(ax, [(dx, 1.55), (dx, 2.0)])
 add(ax, dx, 2.2)
-box(ax, dx + 2.3, 2.2, "pos: PE", "pos", w=1.3, h=0.45, ls="--")
+box(ax, dx + 2.3, 2.2, f"{checked('pos')}: PE", "pos", w=1.3, h=0.45, ls="--")
 arrow(ax, [(dx + 1.65, 2.2), (dx + 0.2, 2.2)])
 shape(ax, dx - 0.3, 2.62, "(B, T, d)", ha="right")
 arrow(ax, [(dx, 2.4), (dx, 3.1)])
 dropout_tag(ax, dx, 2.75, -1)
 ax.add_patch(FancyBboxPatch((dx - 2.1, 3.0), 4.4, 7.25, boxstyle="round,pad=0.05,rounding_size=0.2",
                             facecolor=PALETTE["frame"], edgecolor="#888888", lw=1.2, zorder=1))
-ax.text(dx + 2.5, 9.2, "N × DecoderBlock\ndecoder.layers", ha="left", va="center", fontsize=10, weight="bold")
-ax.text(dx + 2.5, 8.5, "every block's\ncross_attn reads\nthe same enc_out", ha="left", va="center", fontsize=8.5,
+ax.text(dx + 2.5, 9.2, f"N × {type_name('decoder.layers.0')}\n{checked('decoder.layers')}", ha="left", va="center", fontsize=10, weight="bold")
+ax.text(dx + 2.5, 8.5, f"every block's\n{checked('cross_attn', 'decoder')} reads\nthe same enc_out", ha="left", va="center", fontsize=8.5,
         color=PALETTE["cross"])
 attention_weights_note(ax, dx + 1.5, dx + 2.5, 4.4, "weights (B, h, T, T)", -1)  # self_attn's box
 attention_weights_note(ax, dx + 1.5, dx + 2.5, 6.75, "weights (B, h, T, S)", -1)  # cross_attn's box
-top = sublayers(ax, dx, 3.1, [("norm1", "self_attn\nmasked self-attention\nmask: tgt_mask (causal)", "attn"),
-                             ("norm2", "cross_attn\nQ: decoder, K, V: enc_out\nmask: src_mask", "cross"),
-                             ("norm3", f"ffn\n{ffn_text}", "ffn")], side=-1)
+top = sublayers(ax, dx, 3.1, [(checked("norm1", "decoder"),
+                              f"{checked('self_attn', 'decoder')}\nmasked self-attention\nmask: tgt_mask (causal)", "attn"),
+                             (checked("norm2", "decoder"),
+                              f"{checked('cross_attn', 'decoder')}\nQ: decoder, K, V: enc_out\nmask: src_mask", "cross"),
+                             (checked("norm3", "decoder"), f"{checked('ffn', 'decoder')}\n{ffn_text}", "ffn")], side=-1)
 arrow(ax, [(dx, top), (dx, 10.75)])
 shape(ax, dx - 0.3, 10.55, "(B, T, d)", ha="right")
-box(ax, dx, 11.0, "decoder.norm (LayerNorm)", "norm", w=2.8, h=0.5)
+box(ax, dx, 11.0, f"{checked('decoder.norm')} ({type_name('decoder.norm')})", "norm", w=2.8, h=0.5)
 arrow(ax, [(dx, 11.25), (dx, 11.75)])
-box(ax, dx, 12.05, "out_proj: Linear(d, V)", "head", w=2.8, h=0.55)
+box(ax, dx, 12.05, f"{checked('out_proj')}: {type_name('out_proj')}(d, V)", "head", w=2.8, h=0.55)
 arrow(ax, [(dx, 12.33), (dx, 12.85)])
 shape(ax, dx, 13.05, "logits (B, T, V)", ha="center")
 ax.text(dx, 13.55, "softmax: inside F.cross_entropy (training),\nskipped by argmax (decoding)",
         ha="center", va="center", fontsize=8.5, color="#666666")
 
-ax.text(6.4, 14.3, "Transformer(src_vocab_size, tgt_vocab_size, d_model=128, num_heads=4, d_ff=512, num_layers=2)",
-        ha="center", fontsize=11, weight="bold")
-ax.text(0.2, 13.5, "red: the residual connections;\nthe stream itself is never normalised\ninside a block (pre-norm)",
+sizes = ", ".join(f"{field}={getattr(model.config, field)}" for field in
+                  ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "num_layers"))
+ax.text(6.4, 14.3, f"{type(model).__name__}({sizes})", ha="center", fontsize=11, weight="bold")
+ax.text(0.2, 10.75, "red: the residual connections;\nthe stream itself is never normalised\ninside a block (pre-norm)",
         fontsize=9, color=COLORS["accent"], va="center")
-ax.text(0.2, 12.35, f"dropout (p = {model.config.dropout_p}, training only): on embedding + PE,\n"
+ax.text(0.2, 11.65, f"dropout (p = {model.config.dropout_p}, training only): on embedding + PE,\n"
         "on each sub-layer's output before ⊕, and on the\nattention weights inside every attention layer",
         fontsize=9, style="italic", va="center",
         bbox=dict(boxstyle="round", facecolor="#fbe6f3", edgecolor=PART_COLORS["dropout"]))
+key = [Patch(facecolor=PALETTE["embed"], edgecolor="black", label="token embedding"),
+       Patch(facecolor=PALETTE["pos"], edgecolor="black", ls="--", label="positional encoding\n(dashed: a buffer, no parameters)"),
+       Patch(facecolor=PALETTE["attn"], edgecolor="black", label="self-attention"),
+       Patch(facecolor=PALETTE["cross"], edgecolor="black", label="cross-attention, and the enc_out it reads"),
+       Patch(facecolor=PALETTE["ffn"], edgecolor="black", label="feed-forward network"),
+       Patch(facecolor=PALETTE["norm"], edgecolor="black", label="LayerNorm"),
+       Patch(facecolor=PALETTE["head"], edgecolor="black", label="output head"),
+       Patch(facecolor=PART_COLORS["dropout"], edgecolor="none", label="dropout"),
+       Line2D([], [], color=COLORS["accent"], lw=1.3, label="residual connection")]
+ax.legend(handles=key, loc="upper left", bbox_to_anchor=(0.15, 14.0), bbox_transform=ax.transData, fontsize=8.5,
+          ncols=2, title="colours", title_fontsize=9, frameon=True)
 ax.set_xlim(-0.2, 12.8)
 ax.set_ylim(0, 14.6)
 ax.set_aspect("equal")
@@ -1397,6 +1442,12 @@ plt.show()
 # | decoder output | `decoder.norm`, `model.decode(tgt, enc_out, ...)` | $(B, T, d)$ |
 # | linear | `model.out_proj` | $(B, T, V)$ |
 # | softmax | left to `F.cross_entropy` / `argmax` | — |
+#
+# The cells up to *Clear errors* check this table against a running model, with PyTorch's
+# forward hooks; a first reading can skip them.
+
+# %% [markdown]
+# ### Checking the recap on a running model
 #
 # **Check:** the rows, on the forward pass of the padded batch above ($B = 2$, $S = 7$,
 # $T = 8$, $d = 128$, $h = 4$, $V = 12$). Forward hooks record the inputs and the output of each

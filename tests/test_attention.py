@@ -257,3 +257,14 @@ def test_a_mask_in_pytorchs_padding_shape_is_caught_only_when_it_cannot_broadcas
     assert attn[1, 0, 3:].sum() > 0  # query 0 of sequence 1 got sequence 0's row: sees padding
     _, attn = scaled_dot_product_attention(Q[:, :2], K, V, mask=keep[:, None, :])  # (B, 1, T_k)
     assert torch.all(attn[1, :, 3:] == 0)
+
+
+def test_a_wrong_mask_names_the_shape_it_must_broadcast_to_next_to_its_symbols():
+    """The scores' shape follows "(..., T_q, T_k) =", and the inputs' shapes come after it."""
+    Q, K, V = (t.detach() for t in _inputs((2, 5, 8), (2, 7, 8), (2, 7, 4)))
+    expected = (
+        r"^mask of shape \(5, 5\) does not broadcast to \(\.\.\., T_q, T_k\) = \(2, 5, 7\); "
+        r"got Q \(2, 5, 8\), K \(2, 7, 8\), V \(2, 7, 4\)$"
+    )
+    with pytest.raises(ValueError, match=expected):
+        scaled_dot_product_attention(Q, K, V, mask=torch.ones(5, 5, dtype=torch.bool))

@@ -88,7 +88,7 @@ def check_attention_inputs(
             f"the batch dims (all but the last 2) do not broadcast: {shapes}"
         ) from None
     scores_shape = (*batch, Q.size(-2), K.size(-2))
-    check_mask("mask", mask, scores_shape, f"(..., T_q, T_k) for {shapes}")
+    check_mask("mask", mask, scores_shape, "(..., T_q, T_k)", hint=f"got {shapes}")
     check_probability("dropout_p", dropout_p)
 
 

@@ -117,7 +117,7 @@ class Transformer(nn.Module):
 
     def __init__(
         self,
-        src_vocab_size: "int | TransformerConfig",
+        src_vocab_size: "int | TransformerConfig",  # or a whole TransformerConfig, passed alone
         tgt_vocab_size: int | None = None,
         **fields,
     ):

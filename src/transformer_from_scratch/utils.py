@@ -110,7 +110,8 @@ COLORS = {
     "accent": "#d62728",
 }
 # Taught in notebook 00 · Setup and conventions
-# For series that are none of the above: matplotlib's tab10 from purple on.
+# For series that are none of the above: matplotlib's tab10 from purple on, without its grey
+# (#7f7f7f), which is kept for reference lines.
 OTHER_COLORS = ("#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 
 
