@@ -1028,10 +1028,12 @@ print(f"logits and all {len(grads_fast)} gradients equal (to float32 rounding)")
 # values we did not look into). With it in place, the fast path as written must still equal the
 # from-scratch model, and the fast path without its handling (`_open_empty_rows` replaced by one
 # that opens nothing, so that nothing is zeroed either) must not. The test suite runs the fast
-# path against this stand-in and against one that returns NaN (`tests/test_efficient.py`). (Both
-# replacements reach the model: `F.scaled_dot_product_attention` is replaced in the module `F`,
-# through which `fused_attention` calls it; `_open_empty_rows` among the notebook's names, where
-# the notebook's `fused_attention` looks it up. The package's copy would not see the second.)
+# path against this stand-in and against one that returns NaN (`tests/test_efficient.py`). (How
+# a replacement reaches the model, once for this notebook: a function looks a name up, when it
+# runs, in the module where it was defined. `F.scaled_dot_product_attention` is replaced in the
+# module `F`, through which `fused_attention` calls it; `_open_empty_rows` among the notebook's
+# names, where the notebook's own `fused_attention` looks it up. The package's copy would not see
+# the second. Two later checks replace a notebook name in the same way.)
 
 # %%
 def finite_kernel(Q, K, V, attn_mask=None, dropout_p=0.0, is_causal=False):
@@ -1263,10 +1265,8 @@ print("weights on request and cached decoding: handed over to the from-scratch c
 # `fused_attention`. Tokens alone cannot show the causal kernel at work: a `fast_forward` that
 # handed on the mask tensor instead (here: `fused_attention_mask` replaced by one that keeps
 # every mask) computes the same attention and decodes the same tokens; only the recorded
-# arguments tell the two apart. (The replacements reach `fast_forward` because it was defined
-# in this notebook and looks both names up among the notebook's; the package's copy would not
-# see them. The stand-in kernel above is reached differently: `fused_attention` calls it through
-# the module `F`.)
+# arguments tell the two apart. (The replacements reach `fast_forward` as `_open_empty_rows`
+# reached `fused_attention` above: it was defined in this notebook.)
 
 # %%
 fast_self_attn = fast_model.decoder.layers[0].self_attn
@@ -1650,9 +1650,10 @@ for name, ops in profiles.items():
 if device.type == "cpu":
     for name, grouped in by_group.items():  # the matmuls are a large share of the step in both
         assert not X86_CPU or grouped["matmul"] > 0.3 * sum(grouped.values()), (name, grouped)
-    # and the two models do the same matmul work: their matmul times agree within a factor 1.5
+    # and the two models do the same matmul work: their matmul times agree within a factor 2 (on a
+    # machine busy with other work, one robustness run measured 1.6)
     matmul_ms = [grouped["matmul"] for grouped in by_group.values()]
-    assert max(matmul_ms) < 1.5 * min(matmul_ms), matmul_ms
+    assert max(matmul_ms) < 2 * min(matmul_ms), matmul_ms
     assert profiles["fast path"].get("aten::uniform_", 0.0) > 0.0  # attention weights: uniforms
     assert profiles["nn.Transformer"].get("aten::uniform_", 0.0) == 0.0  # F.dropout: bernoulli_
 
@@ -1661,8 +1662,9 @@ if device.type == "cpu":
 # **What the profile shows.** The two models do the same matmul work (the same weights applied to
 # the same tokens: the same FLOPs), and in both the matmuls take a large share of the operators'
 # own time (printed above). Whether the same work takes the same time the profile answers
-# differently from run to run (the ratio "matmuls alone" came out between about 0.76 and 1.02 in
-# our runs), so the check asserts only that the two agree within a factor 1.5, and a share of the
+# differently from run to run (the ratio "matmuls alone" came out between about 0.75 and 1.02 in
+# our runs on a quiet machine, and at 1.6 once on a machine running four other notebooks), so the
+# check asserts only that the two agree within a factor 2, and a share of the
 # step above 0.3. The fast path's matmuls alone are a fraction of `nn.Transformer`'s whole step
 # well below 0.85 ("its matmuls alone would be"), so the goal is reachable in principle if the
 # fast path sheds from the rest of its step what the next line says, once in the profile's units
@@ -1943,13 +1945,13 @@ torch.set_num_threads(1)
 try:
     A = torch.randn(1024, 1024, generator=gen).to(device)
     fused_step = make_train_step(copy.deepcopy(bench_fast), *train_batch, fused=True)
-    matmul_s = time_call(lambda: A @ A, warmup=1, repeats=5)
-    fused_step(), steps["fast path"]()  # warm-up
-    turns = [  # in turns, so that both see the same state of the machine
-        (time_call(steps["fast path"], warmup=0, repeats=1), time_call(fused_step, warmup=0, repeats=1))
+    A @ A, fused_step(), steps["fast path"]()  # warm-up
+    turns = [  # the peak's matmul and both steps in turns: all three see the same machine
+        (time_call(lambda: A @ A, warmup=0, repeats=1), time_call(steps["fast path"], warmup=0, repeats=1),
+         time_call(fused_step, warmup=0, repeats=1))
         for _ in range(7)
     ]
-    fast_step_s, fused_step_s = (sorted(t)[len(t) // 2] for t in zip(*turns, strict=True))  # medians
+    matmul_s, fast_step_s, fused_step_s = (sorted(t)[len(t) // 2] for t in zip(*turns, strict=True))  # medians
 finally:
     torch.set_num_threads(threads)
 peak_flops = 2 * 1024**3 / matmul_s
@@ -1964,22 +1966,27 @@ matmul_rate = (counted / (by_group["fast path"]["matmul"] / 1e3) / peak_flops
 # (plain Adam, as profiled). The MFU is this share times their rate.
 matmul_step_share = (by_group["fast path"]["matmul"] / 1e3 / fast_step_s
                      if device.type == "cpu" else None)
+# The same step, the same closure, was timed in section 5 at another moment: the share against it
+step_share_section5 = (by_group["fast path"]["matmul"] / 1e3 / step_time["fast path"]
+                       if device.type == "cpu" else None)
 
 # %% tags=["nbval-ignore-output"]
 print(f"matmul peak {peak_flops / 1e9:.1f} GFLOP/s")
 for name, seconds in (("Adam", fast_step_s), ("fused Adam", fused_step_s)):
     print(f"fast path with {name:>10}: {1e3 * seconds:5.1f} ms a step = "
           f"{counted / seconds / 1e9:4.1f} GFLOP/s; MFU {mfu[name]:.2f}")
-print(f"fused / plain step time: {fused_step_s / fast_step_s:.2f}")
+print(f"fused / plain step time: {fused_step_s / fast_step_s:.2f}; the plain step in section 5's "
+      f"timing: {1e3 * step_time['fast path']:.1f} ms, here {1e3 * fast_step_s:.1f} ms")
 if matmul_rate is not None:
     print(f"the step's matmuls alone (section 5's profile): {matmul_rate:.2f} of the measured peak")
     print(f"the matmuls' share of the timed step (plain Adam): {matmul_step_share:.2f}; "
           f"times their rate: {matmul_step_share * matmul_rate:.2f} = the MFU with plain Adam")
+    print(f"the same share against section 5's timing of the step: {step_share_section5:.2f}")
 
 # %%
 assert all(0.0 < value < 1.0 for value in mfu.values())  # a sanity check of the two measurements
 assert fused_step_s < 2 * fast_step_s  # not slower beyond the noise (which is large here)
-# FLOPs and profile roughly consistent (different runs on a shared machine: 1.4 has been seen)
+# FLOPs and profile roughly consistent (different runs on a shared machine: 1.6 has been seen)
 assert matmul_rate is None or not X86_CPU or 0.3 < matmul_rate < 2.5
 
 
@@ -1988,15 +1995,23 @@ assert matmul_rate is None or not X86_CPU or 0.3 < matmul_rate < 2.5
 # shared machine: the printed ratio ranged from about 0.65 to 1.3 in our runs on this course's
 # 2-core CPUs, so the notebook asserts only that the fused step is not twice as slow. `make bench`
 # reports the fused step's MFU as `mfu_measured_peak`, with the matmul timed in turns with the step
-# (0.53 and 0.44 in the two runs quoted in section 8, against a goal of 0.55); this cell times the
-# matmul and the steps one after the other, so its MFU moves more from run to run.
+# (0.53 and 0.44 in the two runs quoted in section 8, against a goal of 0.55). This cell also
+# times the peak's matmul in turns with the two steps, so that a burst of other work slows the
+# peak and the steps alike; but the machine's load moves between cells too: the plain step is
+# the same closure that section 5 timed, and the two times printed for it need not agree (in one
+# of our runs, 194 ms there and 292 ms here, half as much again). A step time of a shared machine
+# is the time of that moment.
+#
+# *The next paragraph is measurement detail (where the rest of the step's time goes): on a first
+# reading, skip to the roofline below.*
 #
 # Where does the rest go? The line "the step's matmuls alone" divides the FLOPs that
 # `FlopCounterMode` counted (all of them matmul FLOPs) by the matmuls' own time in section 5's
 # profile: the rate of the step's matmuls as a fraction of the measured peak. In our runs it came
-# out between about two thirds (on a busy machine) and 1.4. The ratio is rough: the profile and this
-# cell are different runs, the profile keeps each operator's least disturbed round of three, and the
-# peak is one matmul timed at whatever moment, so it comes out above 1 when that moment was busier.
+# out between about two thirds and 1.6 (both on a busy machine). The ratio is rough: the profile
+# and this cell are different runs, the profile keeps each operator's least disturbed round of
+# three, and the peak is timed in this cell, so the ratio comes out above 1 when this cell's
+# moment was busier than the profile's.
 # What it does show: small as they are (512 or 576 rows of width 128: the encoder's 64 × 8 tokens,
 # the decoder's 64 × 9), the step's matmuls run at a large fraction of the speed of the
 # 1024 × 1024 one that defines the peak, or faster. So most of the gap between the MFU and 1
@@ -2005,10 +2020,13 @@ assert matmul_rate is None or not X86_CPU or 0.3 < matmul_rate < 2.5
 # optimizer and Python. Their time counts in the step, their arithmetic is not counted in the model
 # FLOPs, so the MFU is the matmuls' share of the *timed* step (their time in the profile over the
 # wall-clock time of a step) times their rate: the last line printed, whose product is the MFU of
-# the plain-Adam step, by definition. That share is not the one section 5's profile prints: the
-# profile's is a share of the operators' own time, without Python and the dispatcher between them,
-# and so larger. On a GPU the same step would have a much lower MFU, since the model is far too
-# small to fill it.
+# the plain-Adam step, by definition. The share depends on which timing of the step it divides:
+# against section 5's timing (the last line) it is larger whenever the machine was quieter there,
+# and the "everything else" smaller by as much; a share well below 1 in both means the gap is not
+# the matmuls, though how large "everything else" is depends on the moment. That share is not the
+# one section 5's profile prints: the profile's is a share of the operators' own time, without
+# Python and the dispatcher between them, and so larger. On a GPU the same step would have a much
+# lower MFU, since the model is far too small to fill it.
 #
 # ### Bytes moved: tiled attention on the roofline
 #
@@ -2118,6 +2136,9 @@ plt.show()
 # raises the arithmetic intensity from $d/4$ to $b_q/2$ (float32): that, not fewer FLOPs, is where
 # a fused attention kernel's speed comes from on a GPU.**
 #
+# *From here to the KV cache is measurement detail (a profile of the naive attention on this
+# CPU): on a first reading, skip it.*
+#
 # A roofline is an upper bound, and it counts bytes, nothing else. Where the naive attention's
 # time goes on this CPU, a profile says: section 4's call ($T = 2048$, four heads), one thread,
 # by operator; and its first matmul $QK^\top$ timed two ways, in turns: into a new tensor, as
@@ -2153,9 +2174,10 @@ if X86_CPU:  # the profile records CPU time (on a GPU, the kernels' launch); mea
 
 # %% [markdown]
 # So on this CPU the roofline's bound is not what limits the naive attention. A large part of its
-# time is in its two matmuls (the share printed above: from a third to about a half in our runs),
-# and they are slow: $QK^\top$ into a new tensor ran far below the matmul peak, and faster into a
-# reused one, by the factor printed above (from 1.9 to about 4 in our runs). The likely cause is the
+# time is in its two matmuls (the share printed above: from about a third to a little over a half
+# in our runs), and they are slow: $QK^\top$ into a new tensor ran far below the matmul peak,
+# and faster into a reused one, by the factor printed above (from 1.9 to about 4 in our runs).
+# The likely cause is the
 # first write into new memory: a 64 MiB tensor is fresh pages from the operating system, each of
 # which costs a page fault when it is first written, a cost that the copy measurement above (on
 # buffers written before it was timed) does not see and that a count of bytes leaves out. The
@@ -2269,6 +2291,8 @@ print(f"{amp_name} autocast against float32: largest error {logit_error.max().it
 # %%
 assert logits_amp.dtype == amp_dtype and logits_fp32.dtype == torch.float32
 assert amp_accuracy > 0.5 and logit_scale > 1.0  # a trained model, not near-zero logits
+# "most sequences": 0.63 to 0.94 under six seeds (0 and 1000 to 5000) in our runs
+assert amp_sequences > 0.5
 rms_error = logit_error.square().mean().sqrt().item()
 assert 0.0 < rms_error < 0.02 * logit_scale  # nonzero: autocast did change the arithmetic
 assert logit_error.max().item() < 0.05 * logits_fp32.abs().max().item()
@@ -2554,9 +2578,8 @@ assert tile_mem[64] < tile_mem[256] < tile_mem[1024]  # the temporaries grow wit
 # %% [markdown]
 # 2. Query tile $i$ (counting from 0) sees key tiles $0, \dots, i$, that is $i + 1$ of them:
 #    $\sum_{i=0}^{n-1} (i + 1) = n(n+1)/2$ of the $n^2$ tiles, $n = T/b$, about half. (The
-#    counter below works because `tiled_attention_forward` was defined in this notebook and looks
-#    `_tile_scores` up among the notebook's names; the package's copy looks it up in the package,
-#    so swapping the notebook's name would count nothing there.)
+#    counter below reaches `tiled_attention_forward` as the replacements of section 5 did: it
+#    was defined in this notebook.)
 
 # %%
 calls = 0
@@ -2683,6 +2706,10 @@ finally:
     torch.set_num_threads(threads)
 print("bernoulli_ alone, one thread, ms per million numbers: "
       + ", ".join(f"{'×'.join(map(str, shape))} {ms:.1f}" for shape, ms in alone.items()))
+for name, drawn in drawn_by.items():
+    print(f"{name:>14}, the shapes drawn: " + "; ".join(
+        f"{op[6:]} " + ", ".join("×".join(map(str, shape)) for shape in sorted(shapes))
+        for op, (_, _, shapes) in sorted(drawn.items())))
 
 # %%
 if device.type == "cpu":  # on a GPU both models drop with F.dropout's fused kernel
@@ -2692,12 +2719,21 @@ if device.type == "cpu":  # on a GPU both models drop with F.dropout's fused ker
     # path draws with bernoulli_ (the sub-layer outputs) and with uniform_ (the attention weights)
     assert numbers_of["nn.Transformer", "aten::bernoulli_"] == (
         numbers_of["fast path", "aten::bernoulli_"] + numbers_of["fast path", "aten::uniform_"])
+    # and by calls and shapes: nn.Transformer's bernoulli_ draws the fast path's bernoulli_
+    # tensors (the sub-layer outputs) and its uniform_ ones (the attention weights), no others
+    (fb_calls, _, fb_shapes), (fu_calls, _, fu_shapes) = (
+        drawn_by["fast path"][op] for op in ("aten::bernoulli_", "aten::uniform_"))
+    tb_calls, _, tb_shapes = drawn_by["nn.Transformer"]["aten::bernoulli_"]
+    assert tb_calls == fb_calls + fu_calls and fb_shapes.isdisjoint(fu_shapes)
+    assert fb_shapes < tb_shapes and tb_shapes == fb_shapes | fu_shapes
 
 # %% [markdown]
 # At nine positions the attention weights are the small part of the model's dropout
 # ($64 \cdot 4 \cdot 9^2$ numbers per attention layer against $64 \cdot 9 \cdot 128$ per sub-layer
 # output). The fast path's `bernoulli_` draws a subset of what `nn.Transformer`'s draws, the same
-# twelve tensors of the same shapes, and the rest with `uniform_` (the counts above, checked). Its
+# twelve tensors of the same shapes, and the rest with `uniform_` (the counts and shapes above,
+# checked: the calls and the numbers drawn add up, and the shapes of `nn.Transformer`'s draws are
+# those of the fast path's `bernoulli_` and `uniform_` together). Its
 # row cannot be larger for any reason but noise, yet it can come out larger: the same operator on
 # the same twelve tensors cost the fast path from about 0.6 to 2.4 times as much per number as
 # `nn.Transformer` in our runs (the ratio printed above). The six smaller attention-weight tensors
@@ -2732,11 +2768,11 @@ if device.type == "cpu":  # on a GPU both models drop with F.dropout's fused ker
 # | fused attention, `F.layer_norm` / the from-scratch piece | section 5, "How much faster?" | about 0.05 to 0.6 | below 1 (x86-64) |
 # | `fast_dropout` / `F.dropout`; packed / three projections | section 5, "How much faster?" | about 0.1 to 1; about 0.1 to 2.4 | nothing |
 # | fast path / `nn.Transformer`, one timed step | section 5, "How much faster?" | `make bench`: 0.79 to 1.02 (section 8) | below 1.5 |
-# | their matmuls' own times, fast path / `nn.Transformer` | section 5's profile ("matmuls alone") | 0.76 to 1.02 | within a factor 1.5 |
+# | their matmuls' own times, fast path / `nn.Transformer` | section 5's profile ("matmuls alone") | 0.75 to 1.02 (1.6 once, on a busy machine) | within a factor 2 |
 # | `bernoulli_`'s time per number, fast path / `nn.Transformer` | B, above | 0.6 to 2.4 | nothing |
 # | fused Adam / plain Adam, one step | section 6, MFU | 0.65 to 1.3 | below 2 |
-# | the step's matmuls' rate / the measured matmul peak | section 6, MFU ("the step's matmuls alone") | about 2/3 to 1.4 | 0.3 to 2.5 (x86-64) |
-# | the naive attention's matmuls / all its operators' time | section 6, after the roofline | about 1/3 to 1/2 | 0.15 to 0.85 (x86-64) |
+# | the step's matmuls' rate / the measured matmul peak | section 6, MFU ("the step's matmuls alone") | about 2/3 to 1.6 | 0.3 to 2.5 (x86-64) |
+# | the naive attention's matmuls / all its operators' time | section 6, after the roofline | about 1/3 to 0.55 | 0.15 to 0.85 (x86-64) |
 # | $QK^\top$ into a reused tensor / into a new one, speed | section 6, after the roofline | 1.9 to about 4 | nothing |
 # | bfloat16 autocast / float32, time of a forward and backward | section 7 | 2/3 to 1.5 with bfloat16 instructions; 11 on one machine without | nothing (its memory: below float32's) |
 # | checkpointed / plain, time of a forward and backward | section 7 | either side of the arithmetic's 4/3 | below 3 |

@@ -442,14 +442,16 @@ def make_splits(recipe: Recipe, n_train: int, n_val: int, seed: int = 0) -> tupl
 
 
 # %% [markdown]
-# Three runs of a small model (two layers, $d_{\text{model}} = 64$, no dropout), 400 updates each at
-# a constant rate after a short warm-up, evaluated every 25 steps. The training loss is scored on
-# at most 512 of the training sequences (the first 512 of a set of 4,096, a random sample of it:
-# scoring all 4,096 at every evaluation would cost about as much time as the training itself):
+# Three runs without dropout, 400 updates each at a constant rate after a short warm-up,
+# evaluated every 25 steps. Two use a small model (two layers, $d_{\text{model}} = 64$), one a
+# tiny one. The training loss is scored on at most 512 of the training sequences (the first 512
+# of a set of 4,096, a random sample of it: scoring all 4,096 at every evaluation would cost
+# about as much time as the training itself):
 #
-# - **memorise**: the model on the 64 training sequences (200 passes over them);
-# - **too small**: a model with $d_{\text{model}} = 8$ and one layer, on 4,096 sequences;
-# - **enough data**: the same small model on 4,096 sequences.
+# - **memorise**: the small model on the 64 training sequences (200 passes over them);
+# - **tiny model**: a model with $d_{\text{model}} = 8$ and one layer, on 4,096 sequences;
+# - **enough data**: the small model of the memorising run (two layers, $d_{\text{model}} = 64$)
+#   on 4,096 sequences.
 
 # %%
 SMALL = Recipe(d_model=64, num_heads=4, d_ff=128, num_layers=2, batch_size=32, steps=400,
@@ -462,7 +464,7 @@ print(f"training sets of {memo_set[0].shape[0]} and {plenty_set[0].shape[0]} seq
 
 # %% tags=["nbval-ignore-output"]
 fit_runs = {}
-for name, recipe, data in (("memorise", SMALL, memo_set), ("too small", TINY, plenty_set),
+for name, recipe, data in (("memorise", SMALL, memo_set), ("tiny model", TINY, plenty_set),
                            ("enough data", SMALL, plenty_set)):
     fit_runs[name] = fit(build_reversal_model(recipe), recipe, train_data=data,
                          val_data=val_set, eval_every=25, train_eval_size=512)
@@ -473,10 +475,10 @@ for name, recipe, data in (("memorise", SMALL, memo_set), ("too small", TINY, pl
 # %% [markdown]
 # **Check** (bands, not exact values: a different torch may round differently): memorising drives
 # the training loss near zero while the validation loss climbs well above its own best;
-# the small model's two losses stay high and together; with enough data both fall together.
+# the tiny model's two losses stay high and together; with enough data both fall together.
 
 # %% tags=["nbval-ignore-output"]
-memo, tiny, plenty = (fit_runs[k] for k in ("memorise", "too small", "enough data"))
+memo, tiny, plenty = (fit_runs[k] for k in ("memorise", "tiny model", "enough data"))
 assert memo["train_loss"][-1] < 0.1 and memo["val_loss"][-1] > 2.0
 assert memo["val_loss"][-1] > min(memo["val_loss"]) + 0.5  # it rose: past its best, then worse
 assert tiny["train_loss"][-1] > 1.0 and abs(tiny["val_loss"][-1] - tiny["train_loss"][-1]) < 0.1
@@ -486,7 +488,7 @@ print("best validation loss of the memorising run: "
 
 # %% jupyter={"source_hidden": true}
 fit_titles = {"memorise": "memorise\n64 training sequences; 2 layers, $d_{\\mathrm{model}} = 64$",
-              "too small": "too small\n4,096 training sequences; 1 layer, $d_{\\mathrm{model}} = 8$",
+              "tiny model": "tiny model, 400 steps\n4,096 training sequences; 1 layer, $d_{\\mathrm{model}} = 8$",
               "enough data": "enough data\n4,096 training sequences; 2 layers, $d_{\\mathrm{model}} = 64$"}
 fig, axes = plt.subplots(1, 3, figsize=(13, 4.3), layout="constrained", sharey=True)
 for ax, (name, run) in zip(axes, fit_runs.items(), strict=True):
@@ -502,7 +504,7 @@ for ax, (name, run) in zip(axes, fit_runs.items(), strict=True):
 axes[0].set_ylabel("cross-entropy (nats per token)")
 axes[0].legend(fontsize=8, loc="center right")  # in the gap, clear of both curves
 fig.suptitle("Training and validation loss of three runs, every 25 steps, on the same validation "
-             "set: overfitting (left), underfitting (middle), neither (right)")
+             "set: overfitting (left), underfitting at step 400 (middle), neither (right)")
 save_figure(fig, "tuning_over_underfitting")
 plt.show()
 
@@ -518,7 +520,7 @@ plt.show()
 # becomes perfect (in our run it ended above $\ln 12 \approx 2.48$, the loss of guessing
 # uniformly among the 12 tokens: worse than knowing nothing). **Underfitting**: both losses stay
 # high and together, falling only slowly. The same 4,096 sequences with the larger model (right)
-# are learned in the same 400 steps, so what the small model lacks is not data. Whether it lacks
+# are learned in the same 400 steps, so what the tiny model lacks is not data. Whether it lacks
 # capacity or training time these curves cannot tell: both are still falling at step 400. Trained
 # four times longer (`TINY.replace(steps=1600)`, the same `fit` call; one seed, run outside the
 # notebook with PyTorch's AVX2 kernels, as `make execute` runs them: appendix B), its training
@@ -1161,8 +1163,9 @@ plt.show()
 # loss flat at about 1.7). A linear warm-up of a few dozen steps is enough for
 # this model (the search below tunes it). The batch size trades the noise of the
 # gradient against the number of updates: section 1 showed that accumulation makes any batch
-# size possible in bounded memory, at the cost of time; the search does not tune it here, so that
-# every trial costs the same.
+# size possible in bounded memory, at the cost of time. This notebook does not measure that
+# trade: the search below keeps the batch fixed, so that every trial costs the same, and
+# exercise 2 adds the batch size to the search, at an equal number of sequences seen.
 
 # %% [markdown]
 # ## 5. A Bayesian search
@@ -1310,7 +1313,9 @@ for sampler, study in studies.items():
 # (a validation loss below 1.0 nats, from 2.5), and together they trained fewer steps than the
 # same trials take without a pruner, $2 \times 12 \times 100$. For scale, the cell also trains
 # the untuned recipe, `SEARCH_BASE` itself: section 2's rate of $3 \times 10^{-3}$ after a
-# 20-step warm-up, no dropout, no decay.
+# 20-step warm-up, no dropout, no decay. It prints every trial of both searches: its knobs (peak
+# rate, warm-up steps, dropout, weight decay) and its result, the last validation loss or the
+# step at which the pruner cut it.
 
 # %% tags=["nbval-ignore-output"]
 for sampler in ("tpe", "random"):
@@ -1333,10 +1338,18 @@ untuned = fit(build_model(SEARCH_BASE), SEARCH_BASE, val_data=val_set,
               eval_every=SEARCH_BASE.steps)["val_loss"][-1]
 print(f"untuned recipe: {untuned:.3f}; best TPE {studies['tpe'].best_value:.3f}, "
       f"best random {studies['random'].best_value:.3f}")
-for sampler, study in studies.items():  # what the trials after the shared start-ups tried
-    after = study.trials[3:]
-    print(f"{sampler:6s} trials 3-{N_TRIALS - 1}: warm-ups {[t.params['warmup'] for t in after]}, "
-          f"dropout {[round(t.params['dropout_p'], 2) for t in after]}")
+
+def trial_row(trial):
+    """A trial's knobs and its result: the last validation loss, or the step the pruner cut it."""
+    result = (f"cut at {trial.last_step}" if trial.state.name == "PRUNED" else f"{trial.value:.3f}")
+    return (f"{trial.params['lr']:8.1e}{trial.params['warmup']:5d}{trial.params['dropout_p']:6.2f}"
+            f"{trial.params['weight_decay']:8.1e}  {result:<10}")
+
+
+print(f"{'':5} | {'TPE':<39}| random search\n{'trial':>5} | "
+      + "| ".join([f"{'lr':>8}{'warm':>5}{'drop':>6}{'decay':>8}  {'result':<10}"] * 2).rstrip())
+for number, pair in enumerate(zip(studies["tpe"].trials, studies["random"].trials, strict=True)):
+    print((f"{number:>5} | " + "| ".join(trial_row(t) for t in pair)).rstrip())
 full_steps = SEARCH_BASE.steps
 search_trained = {}
 for sampler, study in studies.items():
@@ -1449,7 +1462,7 @@ plt.show()
 # panel, from trial 3 on. TPE did not settle on one point: its guided trials also tried rates
 # from $2 \times 10^{-4}$ to $2.4 \times 10^{-2}$ (right panel). But it kept what it had learned
 # about the knob that mattered most here: seven of its nine guided trials had warm-ups of 8 steps
-# or fewer, against 41 to 93 steps for random search's nine (the check printed them).
+# or fewer, against 41 to 93 steps for random search's nine (the check printed every trial).
 #
 # Neither search beat the untuned recipe, 0.417. Section 2 set that recipe's rate by hand, in
 # the good range, with a short warm-up and neither dropout nor decay: the settings the search was
@@ -1544,16 +1557,13 @@ def train_until_solved(
 # recipe for the same number of steps, for comparison (the same model, with dropout). The cell
 # prints both runs' seconds of training, evaluations excluded. Times depend on the machine and,
 # on a shared one, on what else it is doing, so the output is not compared, and one run's
-# seconds cannot say which recipe is faster per step: in earlier executions of this notebook
-# on the course's machine (one thread, the machine not heavily loaded), the tuned recipe's 450 steps took 26 to 68 s and
-# the tutorial's 30 to 62 s, and each recipe was the faster one in some run (appendix B).
+# seconds cannot say which recipe is faster per step: over earlier executions of this notebook
+# each recipe was the faster one in some run (appendix B lists their times).
 #
 # The recipe's target, every seed solved within 60 s of training, is **not** what this cell
 # measures: the target is for six seeds, two threads and an otherwise idle machine, and a script
-# checks it (`benchmarks/tuned_recipe.py`, at the end of this section; its six seeds took 24 to
-# 29 s). This cell trains one seed on one thread, alongside whatever else the machine is doing:
-# the stored execution below took 27 s for the tuned recipe and 32 s for the tutorial's, and an
-# earlier one, on a loaded machine, 115 and 130 s.
+# checks it (`benchmarks/tuned_recipe.py`, at the end of this section). This cell trains one
+# seed on one thread, alongside whatever else the machine is doing.
 
 # %% tags=["nbval-ignore-output"]
 tuned_model, tuned = train_until_solved(TUNED_RECIPE, eval_every=50, stop_when_solved=True)
@@ -1606,27 +1616,18 @@ print(f"tuned: 256/256 at step {tuned['solved_step']}, {fresh_correct}/1024 on f
 #
 # The script prints, for every seed, the step of the first perfect score, the seconds of
 # training (wall clock, evaluations excluded) and the CPU seconds. On this course's build machine
-# (two cores of an AMD EPYC, torch 2.13 CPU, two threads, nothing else running) the tuned
-# recipe solved **every seed 0–5**, at steps 450, 500, 500, 500, 450 and 450, after 28.7, 24.0,
-# 26.2, 26.7, 23.7 and 24.2 s of training: all within the 60-second target, in at most 500 of
-# the tutorial's 6,000 steps (the run is stored in `benchmarks/results/tuned_recipe.json`). The
-# tutorial's recipe, stopped at its first perfect score in the same way (run with the script's
-# `--recipes tutorial`, not stored), needed 1,600 steps for seed 0, the step at which notebook
-# 11's own run of that recipe and seed was first perfect too. For seed 1 it needed 1,900 steps in
-# one run at two threads, but 1,550 in a later rerun at one thread on the same kind of machine:
-# seven evaluations earlier. The thread count changes the order of the floating-point sums and
-# so their rounding, and the score hovers just below 256 for hundreds of steps before it first
-# reaches it (the one-thread run scored 249 to 255 from step 1,000 to 1,500), so a change that
-# small can move the first perfect score by several evaluations. A single run's step is a rough
-# figure; the comparison rests on the gap: at most 500 steps for every seed of the tuned recipe,
-# against 1,550 or more for the tutorial's in these runs, about three times as many. The
-# tutorial's seconds are not quoted here: seconds are a property of the machine, and the one
-# time this notebook measures for the tutorial's recipe is that of its 450 steps above, which
-# in the runs so far lay within the run-to-run spread of the tuned recipe's time for its 450
-# (30 to 62 s against 26 to 68 s in earlier executions; 32 against 27 s in the stored one), so a
-# step of the one costs about what a step of the other does, or a little more, and the steps
-# saved are time saved. None of these numbers says that a
-# model stays solved after its first perfect score: notebook 11's did not.
+# (two threads, nothing else running) the tuned recipe solved **every seed 0–5** within the
+# 60-second target, at step 450 or 500, after 24 to 29 s of training (stored in
+# `benchmarks/results/tuned_recipe.json`). The tutorial's recipe, stopped at its first perfect
+# score in the same way (`--recipes tutorial`, seeds 0 and 1), needed 1,550 steps or more: at
+# most 500 steps for every seed of the tuned recipe, against about three times as many for the
+# tutorial's. One run's step is a rough figure: the tutorial's score hovers just below 256 for
+# hundreds of steps, so a change as small as the thread count, which reorders floating-point
+# sums, moved seed 1's first perfect score by seven evaluations (appendix B). Its seconds are not
+# quoted: the one time this notebook measures for the tutorial's recipe, its 450 steps above, has
+# lain within the run-to-run spread of the tuned recipe's time for its 450 (appendix B), so a
+# step costs about the same in both, and the steps saved are time saved. None of these numbers
+# says that a model stays solved after its first perfect score: notebook 11's did not.
 
 # %% [markdown]
 # ## 7. Training across processes: torchrun and DistributedDataParallel
@@ -2065,18 +2066,18 @@ assert abs(naive_loss - speed_runs[1]["loss"]) > same_loss_tolerance  # the chec
 print("same loss after 40 steps with 1 and 2 processes; the naive weighting fails the tolerance")
 
 # %% [markdown]
-# On this course's two-core machine, two processes were no faster than one in any run we made,
-# at best about as fast. Earlier executions of this notebook measured (one process, two)
-# 2,860 and 1,133, 3,393 and 2,071, 4,197 and 1,788, 4,349 and 3,919, 1,906 and 1,509, and, on a
-# heavily loaded machine, 607 and 604 sequences per second, and two runs of the same two
-# commands while other work loaded the machine 1,214 and 1,226, and 1,210 and 1,088 (appendix
-# B); the cell above prints this run's (the stored execution: 3,772 and 1,895). The throughput
-# varies from run to run with what else the machine is doing, by a factor of about seven for one
-# process (607 to 4,349). The model is
-# tiny: a step of 64 sequences took 15 to 105 ms on one process in these runs. The notebook does not time the
-# parts of a step, so why two processes gain nothing is a reading, not a measurement: they share
-# two cores with everything else on the machine, and every step adds all-reduces through gloo (the gradients, and the
-# token count and loss that make the average exact) that one process does without. Data
+# On this course's two-core machine, two processes were slower than one in most of our runs,
+# down to 0.4 of its throughput; only while other work loaded the machine did they keep up, about
+# as fast in three runs and, in the stored execution (a heavily loaded machine), 1.27 times as
+# fast: 1,020 against 801 sequences per second (this run's throughputs are printed above;
+# appendix B lists the earlier runs'). The throughput varies from run to run with what else the machine is doing, by a factor
+# of about seven for one process (607 to 4,349 sequences per second). The model is tiny: a step
+# of 64 sequences took 15 to 105 ms on one process in these runs. The notebook does not time the
+# parts of a step, so why two processes gain little or nothing is a reading, not a measurement:
+# they share two cores with everything else on the machine, and every step adds all-reduces
+# through gloo (the gradients, and the token count and loss that make the average exact) that one
+# process does without. (On a loaded machine, two processes may simply get a larger share of the
+# contested cores than one; we did not measure that either.) Data
 # parallelism pays when a step's computation dwarfs its communication: large models, large
 # batches, GPUs joined by a fast interconnect (NCCL over NVLink), where DDP also hides much of
 # the all-reduce behind the backward pass.
@@ -2405,11 +2406,11 @@ assert other_pass <= len(other_labels) // 4
 # | §5, the memorising model as objective | section 5's comparison on section 2's memorising model (its last validation loss after 150 steps on the 64 sequences), no pruner, 12 trials, seeds 0–4; AVX-512 | best TPE / random: 1.321 / 1.321, 1.341 / 1.341, 1.345 / 1.373, 1.376 / 1.375, 1.363 / 1.294; means 1.349 / 1.341 |
 # | §5 and exercise 1, five seeds | section 5's search for 30 trials, seeds 0–4 (its first 12 trials are the 12-trial search); AVX2 | best TPE / random after 12 trials: 0.478 / 0.638, 0.484 / 0.544, 0.425 / 0.696, 0.605 / 0.694, 0.498 / 0.475 (means 0.498 / 0.610); after 30: 0.418 / 0.638, 0.484 / 0.451, 0.403 / 0.656, 0.377 / 0.694, 0.336 / 0.475 (means 0.403 / 0.583) |
 # | §5, what the pruner cut | section 5's random search without a pruner, 12 trials, seeds 0–4 (the same trials: its proposals ignore the results); AVX2 | seed 0's trial 8, cut at step 25, would have ended at 0.592, below the best kept (0.638); on seeds 1–4 no cut trial would have beaten the best kept |
-# | §6, seconds of training | earlier executions of this notebook, one thread | tuned recipe's 450 steps 26 to 68 s, the tutorial's 30 to 62 s; on a heavily loaded machine 115 and 130 s |
+# | §6, seconds of training | earlier executions of this notebook, one thread | tuned recipe's 450 steps 26 to 68 s, the tutorial's 30 to 62 s; on a heavily loaded machine 115 and 130 s, and 126 and 127 s (the stored execution) |
 # | §6, the 60-second target | `python benchmarks/tuned_recipe.py --threads 2 --seeds 0 1 2 3 4 5`, nothing else running (stored in `benchmarks/results/tuned_recipe.json`) | first perfect at steps 450, 500, 500, 500, 450 and 450, after 28.7, 24.0, 26.2, 26.7, 23.7 and 24.2 s of training |
-# | §6, the tutorial's recipe | the same script with `--recipes tutorial`, seeds 0 and 1 | first perfect at step 1,600 for seed 0; for seed 1 at 1,900 (two threads) and at 1,550 (one thread) |
+# | §6, the tutorial's recipe | the same script with `--recipes tutorial`, seeds 0 and 1 | first perfect at step 1,600 for seed 0 (where notebook 11's run of that recipe and seed was first perfect too); for seed 1 at 1,900 (two threads) and at 1,550 (one thread; it scored 249 to 255 from step 1,000 to 1,500) |
 # | exercise 5, one change at a time | `TUNED_RECIPE` with one of the tutorial's choices put back, seed 0, `train_until_solved(recipe, stop_when_solved=True)`; AVX2 | first perfect at step 450 (tuned), 500 (dropout 0.1), 550 (peak rate $4.4 \times 10^{-3}$), 550 (400-step warm-up), never within 600 (no decay: 236/256 at the end) |
-# | §7, throughput | earlier executions of this notebook (one of them on a heavily loaded machine), and two runs of the same commands while other work loaded the machine | sequences per second, one process / two: 2,860 / 1,133, 3,393 / 2,071, 4,197 / 1,788, 4,349 / 3,919, 1,906 / 1,509, 607 / 604 (loaded); the two runs: 1,214 / 1,226 and 1,210 / 1,088 |
+# | §7, throughput | executions of this notebook (two of them on a heavily loaded machine, the last the stored one), and two runs of the same commands while other work loaded the machine | sequences per second, one process / two: 2,860 / 1,133, 3,393 / 2,071, 4,197 / 1,788, 4,349 / 3,919, 1,906 / 1,509, 3,772 / 1,895, 607 / 604 (loaded), 801 / 1,020 (loaded: the stored execution); the two runs: 1,214 / 1,226 and 1,210 / 1,088 |
 # | §7, the naive weighting | section 7's 40 updates with each rank's share weighted ½, seeds 0 and 1 | relative difference from one process $3.2$ and $3.7 \times 10^{-5}$ |
 # | §7, with dropout | section 7's 40 updates with `--dropout 0.1` added | loss 2.118 with one process, 2.093 with two |
 # | exercise 3, the smallest training set | section 2's `SMALL` run on the first $n$ of the 4,096 sequences, seed 0; AVX2 | gap 1.73 ($n$ = 128), 0.60 (256), 0.15 (512), 0.04 (1,024), 0.02 (2,048) |

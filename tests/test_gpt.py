@@ -4,7 +4,11 @@ tokenizer, training and generation."""
 
 import dataclasses
 import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import next_token_probs
+from transformer_from_scratch.distributed import TORCHRUN_VARIABLES
 from transformer_from_scratch.gpt import GPT
 from transformer_from_scratch.gpt import GPT2_SMALL
 from transformer_from_scratch.gpt import GPT_CHECKPOINT_FORMAT
@@ -217,6 +222,39 @@ def test_gradients_equal_hugging_faces_gpt2():
         model.tok_emb.weight.grad, reference.transformer.wte.weight.grad
     )  # tied: both uses
     assert_close(model.pos_emb.embedding.weight.grad, reference.transformer.wpe.weight.grad)
+
+
+def test_every_gradient_equals_hugging_faces_gpt2():
+    """All of them, through gpt2_state_dict's mapping applied to the gradients."""
+    model = tiny(dtype=torch.float64).train()
+    reference = to_hf_gpt2(model)
+    tokens, targets = torch.randint(0, V, (2, 16)), torch.randint(0, V, (2, 16))
+    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    F.cross_entropy(reference(tokens).logits.flatten(0, 1), targets.flatten()).backward()
+    grads = tiny(dtype=torch.float64)  # a GPT whose weights are the gradients
+    with torch.no_grad():
+        for p, g in zip(grads.parameters(), model.parameters(), strict=True):
+            p.copy_(g.grad)
+    ours = gpt2_state_dict(grads)
+    theirs = dict(reference.named_parameters())
+    assert len(theirs) == 4 + 12 * model.config.num_layers  # lm_head is wte: not listed twice
+    for name, grad in theirs.items():
+        assert_close(ours[name], grad.grad, atol=1e-12, rtol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_fast_path_equals_the_plain_model(training):
+    """notebook 14's fast path (fused norms and attention): the same function and gradients."""
+    plain, fast = tiny(), tiny(fast=True)
+    fast.load_state_dict(plain.state_dict())
+    plain.train(training), fast.train(training)
+    tokens = torch.randint(0, V, (3, 20))
+    out_plain, out_fast = plain(tokens), fast(tokens)
+    assert_close(out_fast, out_plain, atol=1e-5, rtol=1e-5)
+    out_plain.square().mean().backward()
+    out_fast.square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), fast.parameters(), strict=True):
+        assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_state_dict_layout_and_refusals():
@@ -463,6 +501,17 @@ def test_recipe_refuses_bad_settings():
         LMRecipe(batch_size=0)
     with pytest.raises(ValueError, match="min_lr_ratio"):
         LMRecipe(min_lr_ratio=1.5)
+    with pytest.raises(ValueError, match="betas"):
+        LMRecipe(betas=(0.9, 1.0))
+    with pytest.raises(TypeError, match="betas"):
+        LMRecipe(betas=[0.9, 0.99])
+    with pytest.raises(ValueError, match="weight_decay"):
+        LMRecipe(weight_decay=-0.1)
+    with pytest.raises(ValueError, match="clip_norm"):
+        LMRecipe(clip_norm=0.0)
+    with pytest.raises(ValueError, match="amp_dtype"):
+        LMRecipe(amp_dtype="bf16")
+    assert LMRecipe(amp_dtype="bfloat16").amp_dtype == "bfloat16"
 
 
 def test_train_lm_learns_a_pattern_and_keeps_its_history():
@@ -479,6 +528,37 @@ def test_train_lm_learns_a_pattern_and_keeps_its_history():
     assert history["seconds"] == sorted(history["seconds"])
     assert history["val_loss"][-1] < 0.1 < math.log(7) - 1  # from ln 7 = 1.95 to nearly 0
     assert history["lr"][4] == pytest.approx(3e-3) and history["lr"][-1] < 3e-3 * 0.2
+
+
+def test_train_lm_stops_early_on_the_recipes_schedule():
+    data = torch.arange(3000) % 7
+    recipe = LMRecipe(steps=40, batch_size=4, context=8, lr=3e-3, warmup_steps=5, eval_every=15,
+                      eval_windows=2)  # fmt: skip
+    full = train_lm(tiny(seed=1, vocab_size=7).train(), data, data, recipe, progress=False)
+    early = train_lm(tiny(seed=1, vocab_size=7).train(), data, data, recipe, progress=False,
+                     updates=20)  # fmt: skip
+    assert full["step"] == [15, 30, 40] and early["step"] == [15, 20]  # a last evaluation at 20
+    assert early["lr"] == full["lr"][:20]  # the same schedule, cut: not annealed to its end
+    assert early["loss"] == pytest.approx(full["loss"][:20], rel=1e-4)
+    with pytest.raises(ValueError, match="more than the recipe's steps=40"):
+        train_lm(tiny(vocab_size=7), data, data, recipe, progress=False, updates=41)
+    with pytest.raises(ValueError, match="updates"):
+        train_lm(tiny(vocab_size=7), data, data, recipe, progress=False, updates=0)
+
+
+def test_train_lm_under_bfloat16_autocast():
+    """The GPU recipe's amp_dtype, on the CPU: the forward passes in bfloat16, the weights and
+    their updates in float32, and it still learns."""
+    data = torch.arange(3000) % 7
+    model = tiny(seed=1, vocab_size=7).train()
+    recipe = LMRecipe(steps=40, batch_size=8, context=16, lr=3e-3, warmup_steps=5, eval_every=40,
+                      eval_windows=4, amp_dtype="bfloat16")  # fmt: skip
+    seen = []
+    model.blocks[0].ffn.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    history = train_lm(model, data, data, recipe, progress=False)
+    assert torch.bfloat16 in seen
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert history["loss"][-1] < 0.5 * history["loss"][0]
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -504,3 +584,60 @@ def test_recipe_is_a_frozen_dataclass():
     recipe = LMRecipe()
     with pytest.raises(dataclasses.FrozenInstanceError):
         recipe.steps = 3
+
+
+# ------------------------------------------------------------------------------ several processes
+
+
+def torchrun_gpt(nproc: int, *args: str, env: dict | None = None):
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "transformer_from_scratch.gpt",
+        *args,
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_two_processes_train_the_gpt_as_one(tmp_path):
+    """train_lm_distributed on 2 ranks: every update's loss and the final weights equal train_lm's
+    on the whole batches (the same model, recipe, windows); rank 0 alone writes the checkpoint."""
+    done = torchrun_gpt(2, "--steps", "4", "--batch-size", "6", "--context", "16", "--lr", "3e-3",
+                        "--warmup-steps", "1", "--d-model", "16", "--num-heads", "2",
+                        "--num-layers", "1", "--checkpoint", str(tmp_path / "gpt.pt"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["rank"] == 0 and result["world_size"] == 2 and len(result["loss"]) == 4
+    distributed, meta = load_gpt(tmp_path / "gpt.pt")
+    assert meta == {"updates": 4, "world_size": 2}
+    train_text, valid_text = split_plays(load_plays())
+    chars = CharTokenizer(train_text)
+    torch.manual_seed(0)
+    single = GPT(GPTConfig(vocab_size=chars.vocab_size, max_len=16, d_model=16, num_heads=2,
+                           num_layers=1))  # fmt: skip
+    recipe = LMRecipe(steps=4, batch_size=6, context=16, lr=3e-3, warmup_steps=1)
+    history = train_lm(single, chars.encode(train_text), chars.encode(valid_text[:5000]), recipe,
+                       progress=False)  # fmt: skip
+    assert result["loss"] == pytest.approx(history["loss"], abs=1e-5)
+    for (name, p), q in zip(single.named_parameters(), distributed.parameters(), strict=True):
+        assert_close(q, p, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_gpt_main_refuses_to_run_without_torchrun_and_names_itself():
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    done = subprocess.run([sys.executable, "-m", "transformer_from_scratch.gpt"],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert "-m transformer_from_scratch.gpt" in done.stderr
+    assert "transformer_from_scratch.distributed" not in done.stderr
+
+
+def test_distributed_run_refuses_a_batch_that_does_not_split():
+    done = torchrun_gpt(2, "--steps", "2", "--batch-size", "5", "--warmup-steps", "1",
+                        "--d-model", "16", "--num-heads", "2", "--num-layers", "1")  # fmt: skip
+    assert done.returncode != 0 and "batch_size=5 does not split into 2 processes" in done.stderr

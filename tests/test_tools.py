@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -727,3 +728,24 @@ def test_gpt_reference_schedule_is_nanogpts_and_its_recipe_is_notebook_16s():
     assert eval(f"dict({recipe})") == gpt_reference.COURSE_RECIPE
     assert eval(f"dict({size}, fast=True)") == gpt_reference.COURSE_SIZE
     assert "fast=True, **SIZES[SCALE]" in source
+
+
+def test_notebook_16_quotes_the_committed_reference_run():
+    """Notebook 16 copies tools/gpt_reference.json (Colab has no tools/): the copy must be the
+    file's numbers, rounded as the notebook prints them."""
+    source = (ROOT / "notebooks" / "16_gpt.py").read_text()
+    literal = re.search(r"^REFERENCE = \{.*?^\}  # fmt: skip$", source, re.S | re.M).group(0)
+    quoted = eval(literal.split("=", 1)[1].split("  # fmt: skip")[0])
+    measured = json.loads((ROOT / "tools" / "gpt_reference.json").read_text())
+    assert quoted["threads"] == measured["threads"]
+    runs = {"nanogpt_2000", "nanogpt_6000", "course"}
+    assert set(quoted) - {"threads"} == set(measured["runs"]) == runs
+    for name, run in measured["runs"].items():
+        copy = quoted[name]
+        assert copy["step"] == run["step"] and copy["tokens_per_step"] == run["tokens_per_step"]
+        assert copy["seconds"] == pytest.approx(run["seconds"], abs=0.051)
+        assert copy["val_loss"] == pytest.approx(run["val_loss"], abs=5.1e-5)
+        assert copy["full_val_loss"] == pytest.approx(run["full_val_loss"], abs=5.1e-5)
+    import gpt_reference
+
+    assert measured["runs"]["course"]["recipe"] == gpt_reference.COURSE_RECIPE

@@ -594,6 +594,41 @@ def test_accumulate_gradients_rejects_empty_input():
         accumulate_gradients(tiny_model(), [all_pad])
 
 
+def test_accumulate_gradients_takes_another_tasks_loss_and_count():
+    """A task of its own: a micro-batch is (x, y) for a linear model, the loss a mean squared
+    error per row, every row graded; weighted by rows, two unequal pieces equal the whole."""
+    torch.manual_seed(0)
+    x, y = torch.randn(7, 3), torch.randn(7, 1)
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(len(batch[0]))
+        return F.mse_loss(model(batch[0]), batch[1])
+
+    def count_fn(batch):
+        return len(batch[0])
+
+    whole, split = nn.Linear(3, 1), nn.Linear(3, 1)
+    split.load_state_dict(whole.state_dict())
+    loss_whole = accumulate_gradients(whole, [(x, y)], loss_fn=loss_fn, count_fn=count_fn)
+    loss_split = accumulate_gradients(split, [(x[:2], y[:2]), (x[2:], y[2:])], loss_fn=loss_fn,
+                                      count_fn=count_fn)  # fmt: skip
+    assert seen == [7, 2, 5]
+    assert loss_split == pytest.approx(loss_whole, rel=1e-6)
+    torch.testing.assert_close(flat_grad(split), flat_grad(whole))
+    with pytest.raises(ValueError, match="label_smoothing is sequence_loss's"):
+        accumulate_gradients(whole, [(x, y)], label_smoothing=0.1, loss_fn=loss_fn)
+    trainer = Trainer(split, torch.optim.SGD(split.parameters(), lr=0.1), loss_fn=loss_fn,
+                      count_fn=count_fn)  # fmt: skip
+    assert trainer.count_tokens([(x[:2], y[:2]), (x[2:], y[2:])]) == 7
+    assert trainer.update([(x, y)]) == pytest.approx(F.mse_loss(whole(x), y).item(), rel=1e-6)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        Trainer(split, torch.optim.SGD(split.parameters(), lr=0.1), loss_fn="mse")
+    with pytest.raises(ValueError, match="label_smoothing is sequence_loss's"):
+        Trainer(split, torch.optim.SGD(split.parameters(), lr=0.1), loss_fn=loss_fn,
+                label_smoothing=0.1)  # fmt: skip
+
+
 def make_trainer(model=None, **options):
     model = model if model is not None else tiny_model()
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), **options)

@@ -93,8 +93,11 @@ from .gpt import evaluate_lm
 from .gpt import generate_lm
 from .gpt import gpt2_state_dict
 from .gpt import lm_loss
+from .gpt import lm_optimizer
+from .gpt import lm_targets
 from .gpt import load_gpt
 from .gpt import load_plays
+from .gpt import main
 from .gpt import next_token_distribution
 from .gpt import play_files
 from .gpt import random_windows
@@ -103,6 +106,7 @@ from .gpt import split_plays
 from .gpt import to_hf_gpt2
 from .gpt import top_p_filter
 from .gpt import train_lm
+from .gpt import train_lm_distributed
 from .layers import ACTIVATIONS
 from .layers import BlockCache
 from .layers import Decoder

@@ -2,19 +2,24 @@
 #   notebooks/16_gpt.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
-import contextlib
+import argparse
 import importlib.util
+import json
 import math
 import re
+import sys
+import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from transformer_from_scratch.attention import KeyValueCache
 from transformer_from_scratch.checks import check_bool
@@ -27,6 +32,9 @@ from transformer_from_scratch.checks import validated
 from transformer_from_scratch.decoding import KVCache
 from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.decoding import next_token_probs
+from transformer_from_scratch.distributed import DistributedTrainer
+from transformer_from_scratch.distributed import LaunchError
+from transformer_from_scratch.distributed import torchrun_environment
 from transformer_from_scratch.layers import LayerNorm
 from transformer_from_scratch.layers import _Block
 from transformer_from_scratch.layers import sublayer_connection
@@ -38,6 +46,7 @@ from transformer_from_scratch.practice import warmup_cosine
 from transformer_from_scratch.tokens import check_token_ids
 from transformer_from_scratch.train import Trainer
 from transformer_from_scratch.train import atomic_save
+from transformer_from_scratch.utils import set_seed
 
 
 # Taught in notebook 16 · From the Transformer to GPT
@@ -512,24 +521,20 @@ def generate_lm(
 
 
 # Taught in notebook 16 · From the Transformer to GPT
+def lm_targets(batch: tuple[Tensor, Tensor]) -> int:
+    """The graded tokens of an (inputs, targets) batch: every target."""
+    return batch[1].numel()
+
+
+# Taught in notebook 16 · From the Transformer to GPT
 class LMTrainer(Trainer):
-    """notebook 11's Trainer for a language model: each micro-batch is (inputs, targets), every
-    target is graded, and the loss is lm_loss (the same clipping, schedule, history, callbacks)."""
+    """notebook 11's Trainer for a language model: each micro-batch is (inputs, targets), the
+    loss is lm_loss and every target is graded (the same clipping, schedule, history, callbacks).
+    """
 
-    def count_tokens(self, micro_batches: list[tuple[Tensor, Tensor]]) -> int:
-        return sum(targets.numel() for _, targets in micro_batches)
-
-    def accumulate(self, micro_batches: list[tuple[Tensor, Tensor]]) -> float:
-        """The backward passes of one update: each micro-batch's mean loss weighted by its share
-        of the update's tokens, so the gradient is that of the mean over all of them."""
-        total = self.count_tokens(micro_batches)
-        loss_sum = 0.0
-        for batch in micro_batches:
-            with contextlib.nullcontext() if self.autocast is None else self.autocast():
-                loss = lm_loss(self.model, batch) * (batch[1].numel() / total)
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-            loss_sum += loss.item()
-        return loss_sum
+    def __init__(self, model: nn.Module, optimizer, scheduler=None, **options):
+        super().__init__(model, optimizer, scheduler, loss_fn=lm_loss, count_fn=lm_targets,
+                         **options)  # fmt: skip
 
 
 # Taught in notebook 16 · From the Transformer to GPT
@@ -559,6 +564,27 @@ class LMRecipe:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be < steps={self.steps}")
         check_float("lr", self.lr, low=0.0, low_open=True)
         check_float("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2):
+            raise TypeError(f"betas must be a tuple of two numbers, got {self.betas!r}")
+        for beta in self.betas:
+            check_float("betas", beta, low=0.0, high=1.0, high_open=True)
+        check_float("weight_decay", self.weight_decay, low=0.0)
+        check_float("clip_norm", self.clip_norm, low=0.0, low_open=True)
+        if self.amp_dtype not in (None, "bfloat16", "float16"):
+            raise ValueError(
+                f'amp_dtype must be None, "bfloat16" or "float16", got {self.amp_dtype!r}'
+            )
+
+
+# Taught in notebook 16 · From the Transformer to GPT
+def lm_optimizer(model: nn.Module, recipe: LMRecipe):
+    """train_lm's AdamW (decay on matrices) and its warm-up and cosine schedule, for model."""
+    r = recipe
+    optimizer = make_adamw(model, r.lr, r.weight_decay, r.betas, eps=1e-8)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, r.warmup_steps, r.steps, r.min_lr_ratio)
+    )
+    return optimizer, schedule
 
 
 # Taught in notebook 16 · From the Transformer to GPT
@@ -570,22 +596,25 @@ def train_lm(
     *,
     progress: bool = True,
     on_eval=None,  # called as on_eval(step, model) after each evaluation
+    updates: int | None = None,  # stop after this many updates of the recipe's schedule
 ) -> dict[str, list[float]]:
     """Train model on random windows of train_ids with the recipe; return its history: at each
     evaluation the update count, the training seconds so far, the mean training loss since the
-    last evaluation, the validation loss (nats per token); and every update's loss, lr, norm."""
+    last evaluation, the validation loss (nats per token); and every update's loss, lr, norm.
+    With `updates` < recipe.steps the run stops early on the recipe's schedule (the rate is not
+    annealed to its end), with an evaluation at the last update."""
     r = recipe
+    last = r.steps if updates is None else check_int("updates", updates, minimum=1)
+    if last > r.steps:
+        raise ValueError(f"updates={last} is more than the recipe's steps={r.steps}")
     device = next(model.parameters()).device
-    optimizer = make_adamw(model, r.lr, r.weight_decay, r.betas, eps=1e-8)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine(step, r.warmup_steps, r.steps, r.min_lr_ratio)
-    )
+    optimizer, schedule = lm_optimizer(model, r)
     autocast = None if r.amp_dtype is None else (lambda: amp_autocast(device, r.amp_dtype))
     trainer = LMTrainer(model, optimizer, schedule, clip_norm=r.clip_norm, autocast=autocast)
     history = {"step": [], "seconds": [], "train_loss": [], "val_loss": []}
 
     def evaluate(trainer: Trainer) -> None:
-        if trainer.step % r.eval_every and trainer.step != r.steps:
+        if trainer.step % r.eval_every and trainer.step != last:
             return
         previous = history["step"][-1] if history["step"] else 0
         since = trainer.history["loss"][previous:]  # the updates since the last evaluation
@@ -601,7 +630,7 @@ def train_lm(
     trainer.add_callback("after_update", evaluate)
     generator = torch.Generator().manual_seed(r.seed)
     batches = ([batch] for batch in random_windows(train_ids, r.batch_size, r.context, generator))
-    trainer.fit(batches, r.steps, progress=progress, desc="training")
+    trainer.fit(batches, last, progress=progress, desc="training")
     return history | {name: values for name, values in trainer.history.items()}
 
 
@@ -634,6 +663,101 @@ def load_gpt(path: "str | Path", map_location=None) -> tuple[GPT, dict]:
     return (model if map_location is None else model.to(map_location)).eval(), payload["meta"]
 
 
+# Taught in notebook 16 · From the Transformer to GPT
+def train_lm_distributed(
+    config: GPTConfig,
+    recipe: LMRecipe,
+    train_ids: Tensor,
+    *,
+    seed: int = 0,
+    updates: int | None = None,
+    checkpoint: "str | Path | None" = None,
+) -> dict:
+    """One process's part of a data-parallel run of train_lm's recipe (started by torchrun):
+    the model GPT(config) drawn after set_seed(seed), the global batches of train_lm, this
+    rank's rows of each. Rank 0 saves the model to `checkpoint` if given. Returns the rank, the
+    world size, the seconds and every update's loss (that of the global batch)."""
+    env = torchrun_environment()
+    rank, world = env["rank"], env["world_size"]
+    if recipe.batch_size % world:
+        raise ValueError(f"batch_size={recipe.batch_size} does not split into {world} processes")
+    last = recipe.steps if updates is None else check_int("updates", updates, minimum=1)
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{env['local_rank']}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        set_seed(seed)  # the same weights everywhere (DDP would broadcast rank 0's anyway)
+        model = GPT(config).to(device)
+        optimizer, schedule = lm_optimizer(model, recipe)
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        autocast = (
+            None if recipe.amp_dtype is None else (lambda: amp_autocast(device, recipe.amp_dtype))
+        )
+        trainer = DistributedTrainer(
+            ddp, optimizer, schedule, clip_norm=recipe.clip_norm, autocast=autocast,
+            loss_fn=lm_loss, count_fn=lm_targets,
+        )  # fmt: skip
+        share = recipe.batch_size // world
+        rows = slice(rank * share, (rank + 1) * share)
+        generator = torch.Generator().manual_seed(recipe.seed)  # train_lm's windows
+        windows = random_windows(train_ids, recipe.batch_size, recipe.context, generator)
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.fit(([(x[rows], y[rows])] for x, y in windows), last)
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+        if checkpoint is not None and rank == 0:  # one writer; the others wait at the barrier
+            save_gpt(checkpoint, model, updates=last, world_size=world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {"rank": rank, "world_size": world, "seconds": seconds, "loss": trainer.history["loss"]}
+
+
+# Taught in notebook 16 · From the Transformer to GPT
+def main(argv: list[str] | None = None) -> int:
+    """The command line: train a character-level GPT on the training plays under torchrun."""
+    parser = argparse.ArgumentParser(
+        description="Data-parallel GPT training on the plays (torchrun)"
+    )
+    knobs = dict(steps=1200, batch_size=16, context=128, lr=2e-3, warmup_steps=100)
+    for name, default in knobs.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=type(default), default=default
+        )
+    sizes = dict(d_model=128, num_heads=4, num_layers=4)
+    for name, default in sizes.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
+    parser.add_argument("--updates", type=int, default=None, help="stop early on the schedule")
+    parser.add_argument("--seed", type=int, default=0, help="the model's weights")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    parser.add_argument("--checkpoint", default=None, help="file that rank 0 writes")
+    args = parser.parse_args(argv)
+    try:
+        torchrun_environment()
+    except LaunchError as err:  # its message names notebook 15's module: name this one
+        message = str(err).replace(".distributed", ".gpt")
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    train_text, _ = split_plays(load_plays())
+    chars = CharTokenizer(train_text)
+    recipe = LMRecipe(**{name: getattr(args, name) for name in knobs})
+    config = GPTConfig(vocab_size=chars.vocab_size, max_len=recipe.context,
+                       **{name: getattr(args, name) for name in sizes})  # fmt: skip
+    result = train_lm_distributed(config, recipe, chars.encode(train_text), seed=args.seed,
+                                  updates=args.updates, checkpoint=args.checkpoint)  # fmt: skip
+    if result["rank"] == 0:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__" and "__file__" in globals():  # run by torchrun, not in a notebook
+    raise SystemExit(main())
+
 __all__ = [
     "GPTBlock",
     "GPTConfig",
@@ -657,10 +781,14 @@ __all__ = [
     "top_p_filter",
     "next_token_distribution",
     "generate_lm",
+    "lm_targets",
     "LMTrainer",
     "LMRecipe",
+    "lm_optimizer",
     "train_lm",
     "GPT_CHECKPOINT_FORMAT",
     "save_gpt",
     "load_gpt",
+    "train_lm_distributed",
+    "main",
 ]

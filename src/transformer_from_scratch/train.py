@@ -14,6 +14,7 @@ from collections.abc import Callable
 from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
+from typing import Any
 from typing import ClassVar
 
 import torch
@@ -103,17 +104,26 @@ def accumulate_gradients(
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
     scaler: "torch.amp.GradScaler | None" = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    loss_fn: "Callable[[nn.Module, Any], torch.Tensor] | None" = None,
+    count_fn: "Callable[[Any], int] | None" = None,
 ) -> float:
     """Backward through every micro-batch, each mean loss weighted by its share of the tokens.
 
     The gradients add up to those of one pass over the concatenated batch (the mean over all its
     graded tokens). `total_tokens` and `scale` let a distributed run count every process's tokens;
     `autocast()` wraps each forward pass, `scaler` scales each loss before its backward, and
-    `no_sync()` wraps all but the last micro-batch. Returns the loss of the whole batch (with
-    `total_tokens` of several processes: this process's share of it)."""
+    `no_sync()` wraps all but the last micro-batch. Another task brings its own micro-batches,
+    `loss_fn(model, batch)` (their mean loss per graded token; default: sequence_loss with
+    label_smoothing) and `count_fn(batch)` (their graded tokens; default: num_tokens). Returns
+    the loss of the whole batch (with `total_tokens` of several processes: this process's share
+    of it)."""
     if not micro_batches:
         raise ValueError("accumulate_gradients needs at least one micro-batch")
-    counts = [num_tokens(b) for b in micro_batches]
+    if loss_fn is None:
+        loss_fn = partial(sequence_loss, label_smoothing=label_smoothing)
+    elif label_smoothing:
+        raise ValueError("label_smoothing is sequence_loss's: give loss_fn its own smoothing")
+    counts = [(num_tokens if count_fn is None else count_fn)(b) for b in micro_batches]
     total = sum(counts) if total_tokens is None else total_tokens
     if int(total) == 0:
         raise ValueError("the micro-batches hold no graded token (every target is PAD)")
@@ -122,7 +132,7 @@ def accumulate_gradients(
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if no_sync is None or last else no_sync():
             with contextlib.nullcontext() if autocast is None else autocast():
-                loss = sequence_loss(model, batch, label_smoothing) * (count * scale / total)
+                loss = loss_fn(model, batch) * (count * scale / total)
             (loss if scaler is None else scaler.scale(loss)).backward()
         loss_sum += loss.item()
     return loss_sum / scale
@@ -150,6 +160,8 @@ class Trainer:
         autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         scaler: "torch.amp.GradScaler | None" = None,
         no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+        loss_fn: "Callable[[nn.Module, Any], torch.Tensor] | None" = None,
+        count_fn: "Callable[[Any], int] | None" = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -161,6 +173,12 @@ class Trainer:
         self.label_smoothing = check_probability("label_smoothing", label_smoothing)
         self.clip_norm = check_float("clip_norm", clip_norm, 0.0, low_open=True)
         self.autocast, self.scaler, self.no_sync = autocast, scaler, no_sync
+        if label_smoothing and loss_fn is not None:
+            raise ValueError("label_smoothing is sequence_loss's: give loss_fn its own smoothing")
+        for name, fn in (("loss_fn", loss_fn), ("count_fn", count_fn)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+        self.loss_fn, self.count_fn = loss_fn, count_fn  # None: the translation task's
         self.gradient_scale = 1.0  # a distributed trainer sets the number of processes
         self.callbacks: dict[str, list[Callable]] = {event: [] for event in self.EVENTS}
         # per update: its loss, its rate, and the gradient norm before clipping
@@ -185,13 +203,16 @@ class Trainer:
 
     def count_tokens(self, micro_batches: list[Batch]) -> int:
         """The graded tokens of the whole update (a distributed trainer counts every process's)."""
-        return sum(num_tokens(b) for b in micro_batches)
+        return sum(
+            (num_tokens if self.count_fn is None else self.count_fn)(b) for b in micro_batches
+        )
 
     def accumulate(self, micro_batches: list[Batch]) -> float:
         """The backward passes of one update (accumulate_gradients with this trainer's options)."""
         return accumulate_gradients(
             self.model, micro_batches, self.label_smoothing, self.count_tokens(micro_batches),
             self.gradient_scale, autocast=self.autocast, scaler=self.scaler, no_sync=self.no_sync,
+            loss_fn=self.loss_fn, count_fn=self.count_fn,
         )  # fmt: skip
 
     def update(self, micro_batches: list[Batch]) -> float:
