@@ -302,7 +302,7 @@ assert all(check_int("T", n, minimum=1) == 7 and type(check_int("T", n)) is int 
 # An entry point that has checked its inputs opens the context manager `validated()`, and the
 # entry points it calls skip their checks while it is open (each asks `checking()` first), so
 # a mask is checked once per call, not once per layer. Appendix B defines the two; notebook 02
-# is the first to use them, so you can skip the rest of this paragraph until then. Under `torch.compile` the checks do not run at all (Appendix B says
+# is the first to use them, so you can skip the rest of this paragraph until then. Under `torch.compile` the checks that ask `checking()` do not run (Appendix B says
 # why): a compiled model answers a bad input with whatever error PyTorch raises deep inside, if
 # any, so call the model once uncompiled when you want the course's message.
 
@@ -486,7 +486,8 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 #
 # Every other series (heads, layers, dimensions, variants such as "raw" against "scaled",
 # settings) takes the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
-# that order. Reference lines in a plot (a theory curve, "uniform") are grey. So blue, orange
+# that order, and reference lines in a plot (a theory curve, "uniform") are grey, as most of the
+# course's figures do (notebook 07's activation figures keep colours of their own). So blue, orange
 # and green keep the meanings of the table and are not used for anything else. The rule the
 # course's figures follow: a figure uses blue for queries or for ours, not for both, and
 # likewise orange for keys or for PyTorch's. (Diagrams of

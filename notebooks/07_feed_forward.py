@@ -673,7 +673,7 @@ def forward(self, x: torch.Tensor) -> torch.Tensor:
 # so the package has one ordinary class; notebook 00 explains how.)
 #
 # **Check:** all three variants against a computation written out with plain matrix products and
-# PyTorch's functional activations, the gradients too, and the error for a wrong width.
+# PyTorch's functional activations, and the error for a wrong width.
 
 # %%
 d_hidden = 48
@@ -681,17 +681,12 @@ x_gated = torch.randn(B, T, d_model).to(device)
 for act, fn in [("silu", F.silu), ("gelu", F.gelu), ("relu", F.relu)]:
     gated = GatedFeedForward(d_model, d_hidden, activation=act).to(device)
     W, V, W_2 = gated.W.weight.T, gated.V.weight.T, gated.W_2.weight.T  # paper orientation
-    x_a = x_gated.clone().requires_grad_(True)
-    x_b = x_gated.clone().requires_grad_(True)
-    out = gated(x_a)  # (B, T, d_model)
-    manual = (fn(x_b @ W) * (x_b @ V)) @ W_2
+    out = gated(x_gated)  # (B, T, d_model)
+    manual = (fn(x_gated @ W) * (x_gated @ V)) @ W_2
     assert out.shape == (B, T, d_model)
     assert_close(out, manual)
-    out.sum().backward()
-    manual.sum().backward()
-    # equal functions of the same weights have equal gradients; this line would catch only a
-    # custom backward, which GatedFeedForward does not have
-    assert_close(x_a.grad, x_b.grad)
+    # (no gradient check: both sides are the same autograd operations, so equal outputs mean
+    # equal gradients; GatedFeedForward has no backward of its own to test)
 
 with_bias = GatedFeedForward(d_model, d_hidden, bias=True).to(device)
 manual = (F.silu(with_bias.W(x_gated)) * with_bias.V(x_gated)) @ with_bias.W_2.weight.T + with_bias.W_2.bias

@@ -746,8 +746,10 @@ print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
 # $m \approx 87.3$ in float32 and $m \approx 9.7$ in float16, the gradient is infinite and NaN
 # from $m = \ln \text{max} \approx 88.7$ and $\approx 11.1$, and the loss is infinite from
 # $m \approx 104$ and $\approx 17.3$. The loss's digits are hit later than the first limit: on the
-# machine that built this page the naive loss first differs from the fused one at $m = 92$ in
-# float32 and $m = 12.5$ in float16 (printed in the appendix).
+# machine that built this page, once $e^{-m}$ is subnormal, the naive loss first comes out worse
+# than the fused one at $m = 92$ in float32 and $m = 12.5$ in float16, and it leaves the band of
+# two ULPs around the exact loss at 95.5 and 14.5 (printed in the appendix), after its gradient
+# has already broken.
 
 # %%
 def underflow_margins(dtype: torch.dtype) -> tuple[float, float, float]:
@@ -1270,9 +1272,9 @@ for dtype, (subnormal_from, _, zero_from) in limits.items():
 # naive route's lost digits, tens of thousands of ULPs in float32, fit on the same axis. While
 # $e^{-m}$ is a normal number the two routes stay within one ULP on the machine that built this
 # page (the check allows the naive route four) and mostly coincide: the fused route's thick line
-# shows under the naive route's dashes. Past that point the naive route climbs out of the band;
-# its gradient breaks soon after, at the light red region, and its curve stops where its loss
-# is infinite.
+# shows under the naive route's dashes. Past that point the naive route's gradient breaks first,
+# at the light red region, while its loss is still close; the loss climbs out of the band only
+# later, inside that region, and its curve stops where the loss is infinite.
 
 # %% jupyter={"source_hidden": true}
 fig, axes = plt.subplots(2, 2, figsize=(12, 7.6), sharex="col", layout="constrained", height_ratios=[1.2, 1.6])

@@ -650,7 +650,7 @@ if (src_tokenizer.fingerprint(), tgt_tokenizer.fingerprint()) == STORED_TOKENIZE
 # while the pairs inside the word repeat many times. Such a pair is merged only when one first
 # piece starts many sentences: in these tokenizers "▁" + "neunhundert" (a ninth of the numbers
 # from 100,000 up start with it), and no other. So about nine in ten German sentences start with
-# a lone "▁" token, the others with "▁neunhundert" (both counted below). In English, where every
+# a lone "▁" token, the others with "▁neunhundert" (the lone "▁" share is printed below). In English, where every
 # sentence has many words, pieces with the marker are frequent: "▁and", "▁hundred". Which
 # first piece, if any, is merged with "▁" depends on the sentences the tokenizer learnt from:
 # the list is asserted for the stored run's tokenizers, and for any tokenizers only that most
@@ -1744,8 +1744,11 @@ def layer_grad_norms(model: nn.Module) -> dict[str, float]:
 # gradients, and steps the optimizer, the scaler and the scheduler. Each epoch ends with a
 # validation pass (mean loss per token and token accuracy), early stopping and the two
 # checkpoints. One `tqdm.auto` progress bar over the whole run shows the steps in JupyterLab
-# and Colab, redrawn at most every 2 seconds, and disappears when training ends
-# (`leave=False`); the cell that trains prints a line per epoch afterwards.
+# and Colab, redrawn at most every 2 seconds; a run that completes removes its bar
+# (`leave=False`), and the cell that trains prints a line per epoch afterwards. A run that ends
+# before its last step (the first training call below stops after epoch 1, and early stopping
+# would too) leaves its bar where it stopped, drawn in red in JupyterLab: tqdm marks a loop that
+# ended short of its total that way; it is not an error.
 
 # %%
 #| export practice
@@ -1903,7 +1906,8 @@ def _end_epoch(
 # **Stage 3, the checkpoints.** `last.pt` holds everything a resumed run needs; `best.pt` the
 # weights of the best epoch so far. Both also hold the fingerprints of the tokenizers that made
 # the ids (when the caller gives them): a resumed run with other tokenizers is refused, like one
-# with another configuration (only `epochs` may grow), since the same ids would mean other
+# with another configuration (only `epochs` may differ, and a different number of epochs
+# stretches or shrinks the schedule from the resume on), since the same ids would mean other
 # pieces.
 
 # %%
@@ -2459,7 +2463,7 @@ assert min(history["val_loss"]) - smoothing_floor < 0.03  # within 0.03 nats of 
 # same validation set through the same weights, in float32 and under autocast (the loss and
 # accuracy over the whole set; the logits and top tokens over its first batch; the whole
 # gradient of each batch). In the stored output bfloat16 moved the validation loss by
-# $6.4 \times 10^{-6}$ (in its fifth significant figure), the logits by at most 0.066, and no
+# $6.4 \times 10^{-6}$ (in its sixth significant figure), the logits by at most 0.066, and no
 # predicted token (the digits depend a little on the processor, whose bfloat16 instructions
 # oneDNN picks); the asserts fail if the loss moves by 0.01, the accuracy by half a point, or a
 # top token in a hundred changes.

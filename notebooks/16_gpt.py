@@ -579,6 +579,8 @@ try:
     to_hf_gpt2(ours).load_state_dict(broken_ffn)
 except RuntimeError as err:
     print("FFN:", str(err).splitlines()[-1].strip())
+else:
+    raise AssertionError("the untransposed FFN projection loaded")
 broken["transformer.h.0.attn.c_proj.weight"] = ours.blocks[0].self_attn.W_o.weight.detach()
 silent = to_hf_gpt2(ours).eval()
 silent.load_state_dict(broken)  # loads: the shape is right, the layout is not
@@ -1103,6 +1105,8 @@ try:
     Trainer(model_whole, torch.optim.SGD(model_whole.parameters(), lr=0.1)).update([batch])
 except (ValueError, TypeError, IndexError) as err:
     print(f"notebook 11's Trainer: {type(err).__name__}: {str(err)[:90]}")
+else:
+    raise AssertionError("notebook 11's loss took a language model's batch")
 
 
 # %% [markdown]
@@ -1301,7 +1305,8 @@ counts = torch.bincount(train_ids, minlength=chars.vocab_size).double() + 1  # a
 unigram_loss = -(counts / counts.sum()).log()[valid_ids].mean().item()
 print(f"unigram model: {unigram_loss:.3f} nats per character on the held-out plays")
 assert char_val < unigram_loss - 1.2
-assert char_val - char_train < 0.25
+if SCALE == "cpu":  # the GPU recipe reads the training plays about 19 times: not bounded here
+    assert char_val - char_train < 0.25
 
 # %% [markdown]
 # ### Against the reference
@@ -1404,13 +1409,15 @@ assert loss_at(long_run, end) < course["val_loss"][-1]  # the file's finding: na
 # - **Per character read, nanoGPT's recipe learns faster.** Its 6,000-iteration run, at the
 #   2.5 M characters this recipe reads, is already lower than this recipe at its end, though its
 #   rate is still far from annealed. It makes more updates from the same characters (batches of 768
-#   characters against 2,048); at this size more, smaller updates are worth more than the longer
-#   window.
+#   characters against 2,048), with shorter windows and half the peak rate; these curves do not
+#   say which of those differences buys the lead.
 # - **Per second, the two are about equally fast:** between 5,600 and 6,800 characters a second
-#   on one thread, so the gap per second is the gap per character. At the 6 minutes this
-#   recipe takes, nanoGPT's run is ahead.
-# - **The course's target, under 1.65 nats within 4 minutes, is not reached by either recipe on
-#   one thread.** nanoGPT's recipe got to 1.643 only after 4.6 M characters, 12 minutes here. At
+#   on one thread, so the gap per second is the gap per character. At the 362 s this recipe took
+#   in the reference run, nanoGPT's run is ahead (on 256 validation windows against this
+#   recipe's 64: a noisier estimate, not a biased one).
+# - **nanoGPT's README number, 1.88, is passed** (1.826 here, on plays never seen). **The stretch
+#   target this course set itself, under 1.65 nats within 4 minutes, is not reached by either
+#   recipe on one thread.** nanoGPT's recipe got to 1.643 only after 4.6 M characters, 12 minutes here. At
 #   this machine's rate, 1.65 in 4 minutes needs about three times the characters a second
 #   (a second thread, a faster step) and the better per-character recipe together; neither is
 #   measured here.
@@ -1451,7 +1458,7 @@ cheat_seen = evaluate_lm(cheater, valid_ids, 64, max_windows=256)  # as it train
 cheat_honest = evaluate_lm(cheater.model, valid_ids, 64, max_windows=256)  # under the mask
 honest = evaluate_lm(char_model, valid_ids, recipe.context, max_windows=256)
 print(f"after {cheat_steps} updates, validation loss read without the mask: {cheat_seen:.3f} nats "
-      f"per character; the honest model after {recipe.steps}: {honest:.3f} (the same 256 windows)")
+      f"per character; the honest model after {recipe.steps}: {honest:.3f} (256 windows each)")
 print(f"its training loss over the last 50 updates: {cheat_history['train_loss'][-1]:.3f} nats")
 print(f"the same cheater under the causal mask: {cheat_honest:.3f} nats")
 cheat_text = generate_lm(cheater, chars.encode(PROMPT)[None].to(device), 56, temperature=0.8,
@@ -1657,7 +1664,7 @@ for settings in (dict(temperature=0.5), dict(temperature=1.0), dict(temperature=
 #
 # ### Keeping the model
 #
-# Notebook 17 starts from this model. `save_gpt` writes its configuration and weights
+# The next notebook starts from this model. `save_gpt` writes its configuration and weights
 # atomically (notebook 11's `atomic_save`), `load_gpt` rebuilds it.
 
 # %%
@@ -1713,7 +1720,8 @@ print(f"saved {checkpoint} ({checkpoint.stat().st_size / 1e6:.1f} MB); reloaded:
 #
 #     torchrun --standalone --nproc_per_node 2 -m transformer_from_scratch.gpt --steps 1200
 #
-# which trains on the plays and has rank 0 save the model with `save_gpt`.
+# which trains on the plays; given `--checkpoint FILE`, rank 0 saves the model there with
+# `save_gpt`.
 
 # %%
 #| export

@@ -13,9 +13,11 @@ wrote: transformers' GPT2LMHeadModel, which is nanoGPT's architecture (GPT-2's),
 as nanoGPT's; unlike nanoGPT's default it has biases (about 1 % more parameters). Then it trains
 the course's GPT with notebook 16's recipe in the same process, so that the two clocks compare.
 
-Every run records, every `--eval-every` iterations, the training seconds so far (the updates'
-time, not the evaluations') and the validation loss on 256 windows spread over the held-out
-plays; at the end, the loss on the whole of them. Writes tools/gpt_reference.json.
+Every run records the training seconds so far (the updates' time, not the evaluations') and the
+validation loss on windows spread over the held-out plays: nanoGPT's runs every `--eval-every`
+iterations on 256 windows, the course's run as notebook 16 does (every 100 updates, on its
+recipe's 64 windows); at the end, each the loss on the whole of them. Writes
+tools/gpt_reference.json.
 
     python tools/gpt_reference.py                  # 2 threads, as the issue's measurements
     python tools/gpt_reference.py --iters 2000     # one reference run only
@@ -125,7 +127,7 @@ def course_run(train_ids, valid_ids, vocab_size: int) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=vocab_size, max_len=recipe.context, **COURSE_SIZE))
     history = train_lm(model, train_ids, valid_ids, recipe, progress=False)
-    # the notebook's runs evaluate on recipe.eval_windows windows; here 256 of 64, as above
+    # evaluated as in the notebook: recipe.eval_windows (64) windows, not nanoGPT's runs' 256
     record = {k: history[k] for k in ("step", "seconds", "val_loss")}
     record["full_val_loss"] = evaluate_lm(model, valid_ids, recipe.context)
     record["parameters"] = sum(p.numel() for p in model.parameters())
