@@ -297,7 +297,8 @@ print(f"positions 0..{t}: unchanged by later tokens with the causal mask, change
 # divided by *all* $B \times T$ slots (padding counted as a zero loss), which is another number.
 # This checks our reading of PyTorch's loss, not our code; section 4 checks the course's own
 # `token_loss` against it. An untrained model guesses near uniformly, so the loss is close to
-# $\ln V$.
+# $\ln V$, a little above it: random logits cost more than equal ones (by about half their
+# variance), and how much depends on the draw of the weights.
 
 # %%
 with torch.no_grad():
@@ -309,7 +310,9 @@ with torch.no_grad():
     graded = target != PAD  # (B, T): the L symbols and the EOS of each sequence
     assert_close(loss, -log_p[graded].mean())  # the mean over the N graded positions
     assert not torch.isclose(loss, -log_p[graded].sum() / graded.numel(), rtol=0.05)  # not / (B T)
-    assert abs(loss.item() - math.log(VOCAB)) < 0.1
+    # random initial logits cost a little more than a uniform guess: over the seed offsets
+    # 0, 1000, ..., 8000 the untrained loss lay 0.00 to 0.30 above ln V (0.02 here)
+    assert -0.05 < loss.item() - math.log(VOCAB) < 0.5
 print(f"untrained loss {loss.item():.3f} over N = {int(graded.sum())} graded positions of "
       f"{graded.numel()} slots,  vs  ln V = {math.log(VOCAB):.3f} (a uniform guess)")
 
