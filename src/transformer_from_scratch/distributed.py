@@ -42,16 +42,18 @@ class LaunchError(RuntimeError):
 
 
 # Taught in notebook 15 · Tuning and generalisation
-def torchrun_environment(environ: dict | None = None) -> dict[str, int]:
+def torchrun_environment(
+    environ: dict | None = None, module: str = "transformer_from_scratch.distributed"
+) -> dict[str, int]:
     """The rank, local rank and world size that torchrun put in the environment; a LaunchError
-    that says how to start the script when they are missing."""
+    that says how to start the script (`python -m module`) when they are missing."""
     environ = os.environ if environ is None else environ
     missing = [name for name in TORCHRUN_VARIABLES if name not in environ]
     if missing:
         raise LaunchError(
             f"the environment lacks {', '.join(missing)}: this script runs one process of a "
             "group that torchrun starts. Launch it as\n"
-            "  torchrun --standalone --nproc_per_node 2 -m transformer_from_scratch.distributed"
+            f"  torchrun --standalone --nproc_per_node 2 -m {module}"
         )
     env = {
         key: int(environ[name])

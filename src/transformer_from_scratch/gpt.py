@@ -737,10 +737,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default=None, help="file that rank 0 writes")
     args = parser.parse_args(argv)
     try:
-        torchrun_environment()
-    except LaunchError as err:  # its message names notebook 15's module: name this one
-        message = str(err).replace(".distributed", ".gpt")
-        print(f"error: {message}", file=sys.stderr)
+        torchrun_environment(module="transformer_from_scratch.gpt")
+    except LaunchError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     train_text, _ = split_plays(load_plays())
