@@ -142,6 +142,7 @@ from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.decoding import next_token_probs
 from transformer_from_scratch.distributed import DistributedTrainer
 from transformer_from_scratch.distributed import LaunchError
+from transformer_from_scratch.distributed import process_group
 from transformer_from_scratch.distributed import torchrun_environment
 from transformer_from_scratch.layers import LayerNorm
 from transformer_from_scratch.layers import _Block
@@ -1738,21 +1739,17 @@ def train_lm_distributed(
     the model GPT(config) drawn after set_seed(seed), the global batches of train_lm, this
     rank's rows of each. Rank 0 saves the model to `checkpoint` if given. Returns the rank, the
     world size, the seconds and every update's loss (that of the global batch)."""
-    env = torchrun_environment()
+    env = torchrun_environment(module="transformer_from_scratch.gpt")
     rank, world = env["rank"], env["world_size"]
     if recipe.batch_size % world:
         raise ValueError(f"batch_size={recipe.batch_size} does not split into {world} processes")
     last = recipe.steps if updates is None else check_int("updates", updates, minimum=1)
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{env['local_rank']}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    try:
+    with process_group(module="transformer_from_scratch.gpt") as (_, device):
         set_seed(seed)  # the same weights everywhere (DDP would broadcast rank 0's anyway)
         model = GPT(config).to(device)
+        gpu = [device.index] if device.type == "cuda" else None
         optimizer, schedule = lm_optimizer(model, recipe)
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        ddp = DistributedDataParallel(model, device_ids=gpu)
         autocast = None if recipe.amp_dtype is None else (lambda: amp_autocast(device, recipe.amp_dtype))
         trainer = DistributedTrainer(
             ddp, optimizer, schedule, clip_norm=recipe.clip_norm, autocast=autocast,
@@ -1765,14 +1762,12 @@ def train_lm_distributed(
         dist.barrier()
         start = time.perf_counter()
         trainer.fit(([(x[rows], y[rows])] for x, y in windows), last)
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         if checkpoint is not None and rank == 0:  # one writer; the others wait at the barrier
             save_gpt(checkpoint, model, updates=last, world_size=world)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     return {"rank": rank, "world_size": world, "seconds": seconds, "loss": trainer.history["loss"]}
 
 

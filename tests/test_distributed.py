@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from transformer_from_scratch.data import make_batch
@@ -15,6 +16,7 @@ from transformer_from_scratch.distributed import TORCHRUN_VARIABLES
 from transformer_from_scratch.distributed import LaunchError
 from transformer_from_scratch.distributed import main
 from transformer_from_scratch.distributed import parse_arguments
+from transformer_from_scratch.distributed import process_group
 from transformer_from_scratch.distributed import rank_batches
 from transformer_from_scratch.distributed import torchrun_environment
 from transformer_from_scratch.distributed import train_distributed
@@ -178,6 +180,40 @@ def test_torchrun_environment_reads_and_checks_the_variables(monkeypatch):
     with pytest.raises(LaunchError):
         train_distributed(RECIPE, make_batch(32, 8, 12))
     assert main([]) == 2
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_process_group_joins_for_the_block_and_leaves_after_an_error(monkeypatch):
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(LaunchError, match="-m transformer_from_scratch.gpt"):
+        with process_group(module="transformer_from_scratch.gpt"):
+            pass
+    assert not dist.is_initialized()
+    # A group of one process, as torchrun would describe it.
+    world = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
+    for name, value in {**world, "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with process_group() as (env, device):
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert env == {"rank": 0, "local_rank": 0, "world_size": 1} and device.type == "cpu"
+        total = torch.tensor([2.0])
+        dist.all_reduce(total)
+        assert total.item() == 2.0
+    assert not dist.is_initialized()  # left on the way out
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(RuntimeError, match="a rank fails"):
+        with process_group():
+            raise RuntimeError("a rank fails")
+    assert not dist.is_initialized()  # left after the error too
 
 
 def test_rank_batches_partition_each_epoch():

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,24 @@ def torchrun_environment(
     if not 0 <= env["rank"] < env["world_size"]:
         raise LaunchError(f"RANK={env['rank']} is outside a world of {env['world_size']}")
     return env
+
+
+# Taught in notebook 15 · Tuning and generalisation
+@contextmanager
+def process_group(module: str = "transformer_from_scratch.distributed"):
+    """Join the group torchrun started for the `with` block; yield torchrun's environment and
+    this process's device (its GPU, or the CPU). The backend is NCCL on GPUs and gloo on CPUs;
+    the group is left on the way out, also after an error, so a failing rank does not hang."""
+    env = torchrun_environment(module=module)
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{env['local_rank']}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")  # reads MASTER_ADDR, MASTER_PORT, RANK
+    try:
+        yield env, device
+    finally:
+        dist.destroy_process_group()
 
 
 # Taught in notebook 15 · Tuning and generalisation
@@ -153,17 +172,13 @@ def train_distributed(
             f"batch_size={recipe.batch_size} does not split into {world} processes x "
             f"{recipe.accum_steps} micro-batches"
         )
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{env['local_rank']}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo")  # reads MASTER_ADDR, MASTER_PORT, RANK
-    try:
+    with process_group() as (_, device):
         # The same seed gives the same weights everywhere; DDP would not need it, since its
         # constructor broadcasts rank 0's parameters and buffers to every rank.
         model = build_model(recipe).to(device)
         torch.manual_seed(recipe.seed + 1000 * (rank + 1))  # but each rank its own dropout
-        ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+        gpu = [device.index] if device.type == "cuda" else None
+        ddp = DistributedDataParallel(model, device_ids=gpu)
         # Clipping sees the synchronised gradients: the same on all ranks.
         trainer = recipe_trainer(ddp, recipe, DistributedTrainer)
         losses = []
@@ -182,14 +197,12 @@ def train_distributed(
         dist.barrier()
         start = time.perf_counter()
         trainer.fit((split_batch(batch, recipe.accum_steps) for batch in stream), recipe.steps)
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         if checkpoint is not None and rank == 0:  # one writer; the others wait at the barrier
             save_checkpoint(checkpoint, model, steps=recipe.steps, world_size=world)
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
     return {
         "rank": rank,
         "world_size": world,
@@ -253,6 +266,7 @@ __all__ = [
     "TORCHRUN_VARIABLES",
     "LaunchError",
     "torchrun_environment",
+    "process_group",
     "rank_batches",
     "DistributedTrainer",
     "train_distributed",
