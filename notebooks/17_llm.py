@@ -49,7 +49,6 @@ if "google.colab" in sys.modules:
 import dataclasses
 import itertools
 import math
-import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -390,15 +389,14 @@ assert mixed > 0.5
 print(f"same q, k in the two conventions without reordering: scores differ by up to {mixed:.1f}")
 
 # %% [markdown]
-# The picture: which feature each feature is paired with, in each convention, and the reordering
-# that maps one onto the other.
+# The picture: which two features each convention rotates together (one colour per pair).
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 2.6), constrained_layout=True)
 for ax, (name, partner) in zip(axes, [
     ("interleaved: (x_2j, x_2j+1)", [i ^ 1 for i in range(d_k)]),
     ("halves: (x_j, x_j+d/2)", [(i + d_k // 2) % d_k for i in range(d_k)]),
-]):  # fmt: skip
+], strict=True):  # fmt: skip
     pairs = sorted({tuple(sorted((i, p))) for i, p in enumerate(partner)})
     for j, (a, b) in enumerate(pairs):
         ax.annotate("", xy=(b, 0), xytext=(a, 0), arrowprops=dict(
@@ -732,7 +730,7 @@ for s in range(w):
         if slots[s, p] >= 0:
             ax2.text(p, s, int(slots[s, p]), ha="center", va="center",
                      color="white" if slots[s, p] < 6 else "black", fontsize=9)  # fmt: skip
-ax2.set(title="Ring buffer: the position each slot holds", xlabel="tokens seen - 1 (step)",
+ax2.set(title="Ring buffer: the position each slot holds", xlabel="after writing position t",
         ylabel="slot (position mod w)", xticks=range(12), yticks=range(w))  # fmt: skip
 fig.colorbar(image, ax=ax2, label="position held")
 save_figure(fig, "llm_sliding_window")
@@ -1049,11 +1047,11 @@ variants = {
     "multi-query, 1 kv head": LLMConfig(**seven_b, num_kv_heads=1),
     "8 kv heads, window 4096": LLMConfig(**seven_b, num_kv_heads=8, window=4096),
 }
-lengths = torch.arange(0, 32769, 512)
+lengths = torch.arange(256, 32769, 256)
 fig, ax = plt.subplots(figsize=(7.5, 4.2), constrained_layout=True)
 for (name, config), color in zip(variants.items(), OTHER_COLORS, strict=False):
     gib = [kv_cache_bytes(config, 1, int(n), bytes_per_number=2) / 2**30 for n in lengths]
-    ax.plot(lengths, gib, label=name, color=color, lw=2)
+    ax.plot(lengths, gib, label=name, color=color, lw=2, ls="--" if config.window else "-")
     print(f"{name:26s} at 32,768 tokens: {gib[-1]:6.2f} GiB")
 ax.set(xlabel="tokens in the cache (one sequence)", ylabel="KV cache (GiB, bfloat16)",
        title="KV cache of a 7B-shaped model (32 layers, 32 heads of 128)", yscale="log")  # fmt: skip
@@ -1773,7 +1771,7 @@ speedups, acceptance, rounds = {}, {}, {}
 for k in range(1, 9):
     tokens, stats = speculative_generate(target, draft, prompt, new_tokens, k=k)
     assert torch.equal(tokens, plain), k
-    seconds = time_call(lambda: speculative_generate(target, draft, prompt, new_tokens, k=k),
+    seconds = time_call(lambda k=k: speculative_generate(target, draft, prompt, new_tokens, k=k),
                         warmup=0, repeats=3)  # fmt: skip
     speedups[k], acceptance[k], rounds[k] = plain_seconds / seconds, stats.acceptance_rate, stats.rounds
     print(f"k = {k}: {stats.acceptance_rate:.0%} of proposals accepted, {stats.rounds:3d} target "

@@ -87,7 +87,8 @@ def test_rmsnorm_keeps_the_dtype_and_computes_the_statistic_in_float32():
     out = norm(x)
     assert out.dtype == torch.bfloat16
     wide = x.float()
-    assert torch.equal(out, (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16())
+    expected = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+    assert torch.equal(out, expected)
     double = torch.randn(2, 8, dtype=torch.float64)
     assert RMSNorm(8).double()(double).dtype == torch.float64  # never narrowed
 
@@ -165,9 +166,10 @@ def test_gqa_is_mha_with_shared_key_value_heads(kv):
     gqa = GroupedQueryAttention(32, 4, num_kv_heads=kv).eval()
     mha = MultiHeadAttention(32, 4).eval()
     state = dict(gqa.state_dict())
-    for name in ("W_k", "W_v"):
-        state[f"{name}.weight"] = state[f"{name}.weight"].view(kv, 8, 32).repeat_interleave(4 // kv, 0).flatten(0, 1)
-        state[f"{name}.bias"] = state[f"{name}.bias"].view(kv, 8).repeat_interleave(4 // kv, 0).flatten()
+    for name in ("W_k", "W_v"):  # each shared head's rows, once per query head of its group
+        weight, bias = state[f"{name}.weight"], state[f"{name}.bias"]
+        state[f"{name}.weight"] = weight.view(kv, 8, 32).repeat_interleave(4 // kv, 0).flatten(0, 1)
+        state[f"{name}.bias"] = bias.view(kv, 8).repeat_interleave(4 // kv, 0).flatten()
     mha.load_state_dict(state)
     x = torch.randn(2, 9, 32)
     mask = causal_prefix_mask(9)
@@ -359,7 +361,8 @@ def test_parity_with_hugging_face_logits_and_gradients(case):
     ours = drawn_large(LLM(LLMConfig(vocab_size=61, max_len=64, d_model=32, num_heads=4,
                                      num_layers=2, **(LLAMA | CASES[case])))).eval()  # fmt: skip
     twin = to_hf_llama(ours).eval()
-    assert type(twin).__name__ == ("MistralForCausalLM" if case == "mistral" else "LlamaForCausalLM")
+    expected = "MistralForCausalLM" if case == "mistral" else "LlamaForCausalLM"
+    assert type(twin).__name__ == expected
     ids = torch.randint(0, 61, (2, 17))
     a, b = ours(ids), twin(ids).logits
     assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -378,8 +381,10 @@ def test_cached_greedy_decoding_matches_hugging_face_generate(case):
     twin = to_hf_llama(ours).eval()
     prompt = torch.randint(0, 61, (2, 5))
     mine = generate_lm(ours, prompt, 30, greedy=True, use_cache=True)
-    theirs = twin.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
-                           min_new_tokens=30, do_sample=False, use_cache=True, pad_token_id=0)  # fmt: skip
+    settings = dict(max_new_tokens=30, min_new_tokens=30, do_sample=False, use_cache=True)
+    theirs = twin.generate(
+        prompt, attention_mask=torch.ones_like(prompt), pad_token_id=0, **settings
+    )
     assert torch.equal(mine, theirs)
 
 
@@ -389,8 +394,8 @@ def test_hugging_face_twin_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="no biases"):
         to_hf_llama(LLM(tiny(**(LLAMA | dict(bias=True)), window=4)))
     with pytest.raises(KeyError, match="no counterpart"):
-        llama_state_dict({"tok_emb.weight": torch.zeros(1), "pos_emb.embedding.weight": torch.zeros(1)},
-                         tiny(**LLAMA))
+        tensors = {"tok_emb.weight": torch.zeros(1), "pos_emb.embedding.weight": torch.zeros(1)}
+        llama_state_dict(tensors, tiny(**LLAMA))
 
 
 # ---------------------------------------------------------------- ablation
@@ -415,7 +420,9 @@ def test_ablation_rows_have_equal_parameters():
 
 def test_run_ablation_is_deterministic_for_a_seed():
     text = torch.randint(0, 20, (5000,))
-    recipe = LMRecipe(steps=3, batch_size=2, context=16, warmup_steps=1, eval_every=3, eval_windows=4)
+    recipe = LMRecipe(
+        steps=3, batch_size=2, context=16, warmup_steps=1, eval_every=3, eval_windows=4
+    )
     runs = [run_ablation("+ RoPE", 1, text, text[:800], 20, recipe=recipe)[1] for _ in range(2)]
     assert runs[0]["val_nats"] == runs[1]["val_nats"]
     assert runs[0]["val_bits"] == pytest.approx(runs[0]["val_nats"] / 0.6931471805599453)

@@ -2,7 +2,8 @@
 
 Each row of `ABLATION_ROWS` (transformer_from_scratch.llm) adds one change to the row above; every
 row has the GPT-2 row's parameter count (its FFN width is matched) and the same budget
-(`ABLATION_RECIPE`, notebook 16's: 1,200 updates of 16 windows of 128 characters), and is trained with each seed
+(`ABLATION_RECIPE`, notebook 16's: 1,200 updates of 16 windows of 128 characters), and is
+trained with each seed
 (the seed draws both the weights and the training windows) on notebook 16's plays split, one
 thread per run, exactly as `run_ablation` does in the notebook. The score is the validation loss
 in bits per character over `ABLATION_EVAL_WINDOWS` windows of the held-out plays.
@@ -55,8 +56,8 @@ def one_run(row: str, seed: int, threads: int) -> dict:
     start = time.perf_counter()
     _, record = run_ablation(row, seed, train_ids, valid_ids, chars.vocab_size)
     record["wall_seconds"] = time.perf_counter() - start
-    print(f"{row:14s} seed {seed}: {record['val_bits']:.4f} bits/char, "
-          f"{1000 * record['seconds_per_step']:.0f} ms/step", flush=True)  # fmt: skip
+    bits, ms = record["val_bits"], 1000 * record["seconds_per_step"]
+    print(f"{row:14s} seed {seed}: {bits:.4f} bits/char, {ms:.0f} ms/step", flush=True)
     return record
 
 
@@ -69,8 +70,9 @@ def table(records: list[dict]) -> str:
             continue
         bits = [r["val_bits"] for r in mine]
         ms = statistics.mean(1000 * r["seconds_per_step"] for r in mine)
+        mean, low, high = statistics.mean(bits), min(bits), max(bits)
         lines.append(f"| {row} | {mine[0]['parameters']:,} | {mine[0]['d_ff']} | "
-                     f"{statistics.mean(bits):.4f} | {min(bits):.4f} | {max(bits):.4f} | {ms:.0f} |")  # fmt: skip
+                     f"{mean:.4f} | {low:.4f} | {high:.4f} | {ms:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         futures = [pool.submit(one_run, row, seed, args.threads) for row, seed in runs]
         records = [f.result() for f in futures]
     result = {
-        "command": "python tools/llm_ablation.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join(["python tools/llm_ablation.py", *(argv or sys.argv[1:])]),
         "recipe": dataclasses.asdict(ABLATION_RECIPE),
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
