@@ -57,7 +57,8 @@ if "google.colab" in sys.modules:
 #
 # CI re-executes every notebook with **nbval**, a pytest plugin that runs each code cell again
 # and compares the text of its outputs with the text stored in the `.ipynb` ("strict mode": any
-# difference fails, memory addresses aside). Figures are not compared, so a changed picture
+# difference fails; the course's sanitizer, `tests/nbval_sanitize.cfg`, first replaces memory
+# addresses, which differ on every run). Figures are not compared, so a changed picture
 # passes; everything *printed* here must come out the same on every run. Three habits make that
 # work: fixed seeds; rounded prints; and, on a cell whose output depends on the machine (versions,
 # timings), the tag `nbval-ignore-output`, which tells nbval not to compare that cell, followed
@@ -113,14 +114,19 @@ assert torch_major_minor >= (2, 5), "the course needs torch 2.5 or newer"
 # (`cuda`). We ask for the best one available, in that order of preference: CUDA, then MPS, then
 # the CPU. Every notebook makes this choice once, at its top: `device = get_device()`. You can
 # also name a device, `get_device("cpu")`, to run on the CPU although a GPU is there. A device
-# named that this machine does not have is refused, not swapped for another one: a run that
+# named must be one this machine has: `cpu` and `meta` always, `cuda` and `mps` when PyTorch
+# finds them, and any other accelerator (`xpu`, `mtia`, ...) when its module in PyTorch
+# (`torch.xpu`, ...) reports it available. Anything else (a device this machine lacks, or a type
+# that PyTorch has no module to ask about) is refused, not swapped for another one: a run that
 # silently fell back to the CPU would only look slow.
 
 # %%
 #| export
 def get_device(prefer: str | torch.device | None = None) -> torch.device:
     """The best available device: cuda, then mps, then cpu. `prefer` names one instead ("cpu",
-    "cuda:1", a torch.device); a cuda or mps device it names must exist on this machine."""
+    "cuda:1", a torch.device), which must exist on this machine: cpu and meta always do; cuda and
+    mps when PyTorch finds them; another type (xpu, mtia, ...) when torch.<type>.is_available()
+    says so. A device index must be below the type's device_count() where torch has one."""
     has_cuda = torch.cuda.is_available()
     has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if prefer is None:
@@ -136,20 +142,35 @@ def get_device(prefer: str | torch.device | None = None) -> torch.device:
         raise ValueError(
             f"prefer must name a device such as 'cpu', 'cuda' or 'mps', got {prefer!r}"
         ) from None
-    if (device.type == "cuda" and not has_cuda) or (device.type == "mps" and not has_mps):
+    if device.type in ("cpu", "meta"):
+        return device
+    if device.type == "mps":
+        available, device_count = has_mps, None
+    else:  # cuda, and any other accelerator that has a module in torch (torch.xpu, ...)
+        module = getattr(torch, device.type, None)
+        is_available = getattr(module, "is_available", None)
+        if not callable(is_available):
+            raise ValueError(
+                f"prefer={prefer!r}, but PyTorch has no torch.{device.type}.is_available() to "
+                "say whether this machine has that device"
+            )
+        available = is_available()
+        device_count = getattr(module, "device_count", None)
+    if not available:
         raise ValueError(f"prefer={prefer!r}, but this machine has no {device.type} device")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+    if device_count is not None and (device.index or 0) >= device_count():
         raise ValueError(
-            f"prefer={prefer!r}, but this machine's cuda devices are numbered 0 to "
-            f"{torch.cuda.device_count() - 1}"
+            f"prefer={prefer!r}, but this machine's {device.type} devices are numbered 0 to "
+            f"{device_count() - 1}"
         )
     return device
 
 
 # %% [markdown]
 # **Check** the order of preference, and what happens to a device asked for by name. The
-# machines are pretended: `mock.patch` swaps what PyTorch reports as available, so the cell
-# tests the same cases, and prints the same refusals, on a laptop and on a GPU server.
+# machines are pretended: `mock.patch` swaps what PyTorch reports as available (CUDA, MPS, and
+# Intel's `xpu` for the other accelerators), so the cell tests the same cases, and prints the
+# same refusals, on a laptop and on a GPU server.
 
 # %%
 import contextlib
@@ -157,11 +178,15 @@ from unittest import mock
 
 
 @contextlib.contextmanager
-def pretend(cuda: bool, mps: bool):
-    """Inside, PyTorch reports CUDA (one device) and MPS as available or not, as given."""
-    with (mock.patch("torch.cuda.is_available", return_value=cuda),
+def pretend(cuda: bool, mps: bool, xpu: bool = False):
+    """Inside, PyTorch reports CUDA (one device), MPS and XPU (one device) as available or not,
+    as given, and has no module torch.xla (as where the torch_xla package is not installed)."""
+    with (mock.patch("torch.xla", None, create=True),
+          mock.patch("torch.cuda.is_available", return_value=cuda),
           mock.patch("torch.cuda.device_count", return_value=int(cuda)),
-          mock.patch("torch.backends.mps.is_available", return_value=mps)):
+          mock.patch("torch.backends.mps.is_available", return_value=mps),
+          mock.patch("torch.xpu.is_available", return_value=xpu),
+          mock.patch("torch.xpu.device_count", return_value=int(xpu))):
         yield
 
 
@@ -172,14 +197,18 @@ for has_cuda, has_mps, best in ((True, True, "cuda"), (False, True, "mps"), (Fal
     with pretend(has_cuda, has_mps):
         assert get_device() == torch.device(best), (has_cuda, has_mps)
 # A device named is returned as named when the machine has it: "meta" (shapes without data)
-# exists on every machine, "cuda:0" on one with a GPU.
+# exists on every machine, "cuda:0" on one with a GPU, "xpu" on one with an Intel GPU.
 with pretend(cuda=True, mps=False):
     assert get_device("meta") == torch.device("meta") and get_device("cpu") == torch.device("cpu")
     assert get_device(torch.device("cuda", 0)) == torch.device("cuda:0")
-# ... and refused, with the policy of the next section, when it does not.
+with pretend(cuda=False, mps=False, xpu=True):
+    assert get_device("xpu") == torch.device("xpu")
+# ... and refused, with the policy of the next section, when it does not: also an accelerator
+# that PyTorch has no module to ask about ("xla" needs the separate torch_xla package).
 refusals = []
 for cuda, mps, asked, expected in ((False, False, "cuda", ValueError), (True, False, "cuda:1", ValueError),
-                                   (False, False, "mps", ValueError), (False, False, "gpu", ValueError),
+                                   (False, False, "mps", ValueError), (False, False, "xpu", ValueError),
+                                   (False, False, "xla", ValueError), (False, False, "gpu", ValueError),
                                    (False, False, 0, TypeError)):
     try:
         with pretend(cuda, mps):
@@ -219,6 +248,9 @@ print(device)
 # array) or a 0-d tensor (`lengths.max()`); all three are accepted and returned as a plain Python
 # `int`. A bool is never a number here, whether Python's, NumPy's or a bool tensor: `True`
 # passed as a width is a mistake, not a 1.
+#
+# The cell opens with all of the module's imports: `check_int` needs `operator`, `sys` and
+# `torch`; the rest serve the checks of Appendices A and B.
 
 # %%
 #| export checks
@@ -298,13 +330,9 @@ assert all(check_int("T", n, minimum=1) == 7 and type(check_int("T", n)) is int 
 # (`check_choice`), tensors (`check_tensor`) and attention masks (`check_mask`). Appendix A, at
 # the end, defines and tests them; read each there when a later notebook first calls it.
 #
-# Where do the checks run? At the **public boundary**: the function or module a reader calls.
-# An entry point that has checked its inputs opens the context manager `validated()`, and the
-# entry points it calls skip their checks while it is open (each asks `checking()` first), so
-# a mask is checked once per call, not once per layer. Appendix B defines the two; notebook 02
-# is the first to use them, so you can skip the rest of this paragraph until then. Under `torch.compile` the checks that ask `checking()` do not run (Appendix B says
-# why): a compiled model answers a bad input with whatever error PyTorch raises deep inside, if
-# any, so call the model once uncompiled when you want the course's message.
+# Where do the checks run? At the **public boundary**, the function or module a reader calls:
+# once per call, not again in every layer the input passes through. Appendix B shows how
+# (notebook 02 is the first to need it).
 
 # %% [markdown]
 # ## Seeding
@@ -484,17 +512,19 @@ def save_figure(fig, name: str, directory: Path | None = None, dpi: int = 110) -
 # | green | values |
 # | red | the accent: the one thing a figure wants you to look at |
 #
-# Every other series (heads, layers, dimensions, variants such as "raw" against "scaled",
-# settings) takes the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
-# that order, and reference lines in a plot (a theory curve, "uniform") are grey, as most of the
-# course's figures do (notebook 07's activation figures keep colours of their own). So blue, orange
-# and green keep the meanings of the table and are not used for anything else. The rule the
-# course's figures follow: a figure uses blue for queries or for ours, not for both, and
-# likewise orange for keys or for PyTorch's. (Diagrams of
-# a whole layer, in notebooks 06-10, colour each part with `PART_COLORS`: some of the other
-# colours, a dark cyan for cross-attention, and greys for the embeddings and the output head.)
-# Heatmaps use colour *maps* instead: a sequential one (`Blues`) for weights in $[0, 1]$, a
-# diverging one (`RdBu_r`, centred on zero) for signed numbers.
+# The rest of the rule, in short:
+#
+# - **Other series** (heads, layers, dimensions, variants such as "raw" against "scaled",
+#   settings) take the other colours, `OTHER_COLORS`: purple, brown, pink, olive and cyan, in
+#   that order. So blue, orange and green keep the meanings of the table and nothing else.
+# - **One meaning per figure:** a figure uses blue for queries or for ours, not for both, and
+#   orange for keys or for PyTorch's, not for both.
+# - **Reference lines** (a theory curve, "uniform") are grey.
+# - **Parts of a layer**, in the diagrams of notebooks 06-10, take `PART_COLORS`: some of the
+#   other colours, a dark cyan for cross-attention, and greys for the embeddings and the output
+#   head. (Notebook 07's activation figures keep colours of their own.)
+# - **Heatmaps** use colour *maps* instead: a sequential one (`Blues`) for weights in $[0, 1]$, a
+#   diverging one (`RdBu_r`, centred on zero) for signed numbers.
 
 # %%
 #| export
@@ -599,7 +629,7 @@ assert [text_color(c) for c in (COLORS["query"], COLORS["accent"], OTHER_COLORS[
 #
 # | piece | where | what it gives |
 # |---|---|---|
-# | device choice | `get_device()`, `get_device("cpu")` | `cuda` → `mps` → `cpu`; a named device, if this machine has it |
+# | device choice | `get_device()`, `get_device("cpu")` | `cuda` → `mps` → `cpu`; a named device, if PyTorch reports this machine has it |
 # | input checks | `check_int` here; `check_float`, `check_mask`, ... in Appendix A | `TypeError` for a wrong type, `ValueError` for a wrong value |
 # | seeding | `set_seed(0)`; `torch.Generator().manual_seed(k)` | the same numbers on every run of the same setup (torch version, kind of machine) |
 # | a class across cells | `@add_to_class(C)` | one idea per cell, ordinary classes in `src/` |
@@ -805,12 +835,14 @@ def check_mask(
 # argument (the `refusal` helper of the main part asserts both); and the three kinds of number
 # pass, returned as plain Python floats. NumPy's bool is among the mistakes because it must be
 # named in `_is_bool`: NumPy 1 (which the course supports) lets it pass as an index,
-# `operator.index(np.True_) == 1`, so `check_int` would otherwise take it for a 1.
+# `operator.index(np.True_) == 1`, so `check_int` would otherwise take it for a 1. NumPy 2 refuses
+# that, so under NumPy 2 the cell pretends to be NumPy 1 (`mock.patch` swaps `operator.index` for
+# one that takes `np.True_` as 1): the refusal must then come from `_is_bool`, and its message
+# says "the bool".
 
 # %%
 mistakes = {  # the functions just defined above, not the installed package's copies
     "num_layers=tensor(True)": (lambda: check_int("num_layers", torch.tensor(True)), TypeError),
-    "num_layers=np.True_": (lambda: check_int("num_layers", np.True_, minimum=1), TypeError),
     "dropout_p=1.0": (lambda: check_probability("dropout_p", 1.0), ValueError),
     "dropout_p='0.1'": (lambda: check_probability("dropout_p", "0.1"), TypeError),
     "dropout_p=np.True_": (lambda: check_probability("dropout_p", np.True_), TypeError),
@@ -829,7 +861,20 @@ mistakes = {  # the functions just defined above, not the installed package's co
         TypeError,
     ),
 }
-print("\n".join(refusal(label, call, expected) for label, (call, expected) in mistakes.items()))
+mistakes["num_layers=np.True_, NumPy 1"] = (
+    lambda: check_int("num_layers", np.True_, minimum=1), TypeError)
+
+
+def numpy1_index(value, index=operator.index):
+    """operator.index as NumPy 1 has it: np.True_ passes as 1."""
+    return 1 if isinstance(value, np.bool_) else index(value)
+
+
+with mock.patch("operator.index", numpy1_index):
+    assert operator.index(np.True_) == 1  # what check_int would take, were it not for _is_bool
+    mistake_lines = [refusal(label, call, expected) for label, (call, expected) in mistakes.items()]
+print("\n".join(mistake_lines))
+assert all("got the bool True" in line for line in mistake_lines if "np.True_" in line)
 # What passes: the three kinds of number, returned as plain Python floats.
 accepted_floats = (0.5, np.float32(0.5), torch.tensor(0.5), *accepted_ints)
 assert all(type(check_float("lr", x, 0.0, low_open=True)) is float for x in accepted_floats)
@@ -844,10 +889,13 @@ assert check_probability("dropout_p", np.float64(0.1)) == 0.1
 # ask `checking()` before they check. The flag lives in a `contextvars.ContextVar` rather than a
 # global variable, so that a thread (or an asyncio task) that opens `validated()` switches the
 # checks off for itself only, not for another one running the model at the same time; and
-# `reset(token)` restores the value from before, so `validated()` blocks nest. Under
-# `torch.compile` the variable is not used at all: `checking()` asks
-# `torch.compiler.is_compiling()` first and is off while a function is traced, and `validated()`
-# then sets nothing. The reason is the compiler's tracer, TorchDynamo: in torch 2.13 each call
+# `reset(token)` restores the value from before, so `validated()` blocks nest.
+#
+# Under `torch.compile` the checks that ask `checking()` do not run: a compiled model answers a
+# bad input with whatever error PyTorch raises deep inside, if any, so call the model once
+# uncompiled when you want the course's message. The variable is not used there at all:
+# `checking()` asks `torch.compiler.is_compiling()` first and is off while a function is traced,
+# and `validated()` then sets nothing. The reason is the compiler's tracer, TorchDynamo: in torch 2.13 each call
 # of a `ContextVar`'s `get`, `set` or `reset` is a graph break (the model is cut into separate
 # graphs, with Python in between). `tests/test_checks.py` counts the graphs of a 2-layer
 # Transformer: one as written below, more than 20 if the variable were used under the compiler.
@@ -932,9 +980,9 @@ assert still_checking and checking()
 # CPU, and in builds without MKL, the mask comes from PyTorch's own generator: entry $i$ is kept
 # when the $i$-th float64 `torch.rand` draw is below $1-p$ (so reads the kernel in the torch
 # versions we checked; a release may change it). The cell below tests which stream your machine
-# uses. On the machine that stored the course's outputs (an AMD EPYC, torch 2.13 built with MKL)
-# it printed `True`; on an Intel CPU it may print `False`, and then the course's dropout masks
-# differ from the stored ones. So a cell whose printout depends on a dropout mask is tagged
+# uses. On the machine that stored the course's outputs (vendor `AuthenticAMD`, torch 2.13
+# built with MKL) it printed `True`; on an Intel CPU it may print `False`, and then the course's
+# dropout masks differ from the stored ones. So a cell whose printout depends on a dropout mask is tagged
 # `nbval-ignore-output`, like this one, and asserts what holds for any mask (here: about a
 # fraction $1-p$ kept).
 

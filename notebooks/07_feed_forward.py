@@ -8,7 +8,7 @@
 # and as a 1×1 convolution), count where a block's parameters live, compare ReLU with GELU, and
 # build the gated variant (SwiGLU/GEGLU) that most recent language models use instead.
 #
-# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/07_feed_forward.ipynb) · Assumes: [02 · Self-attention](02_self_attention.ipynb) and [03 · Multi-head attention](03_multi_head_attention.ipynb) (what attention computes and its four projections).
+# [Open in Colab](https://colab.research.google.com/github/transformer-from-scratch/transformer-from-scratch/blob/main/notebooks/07_feed_forward.ipynb) · Assumes: [02 · Self-attention](02_self_attention.ipynb) and [03 · Multi-head attention](03_multi_head_attention.ipynb) (what attention computes and its four projections), [06 · Layer norm and dropout](06_layer_norm_and_dropout.ipynb) (the `layers` module this notebook adds to, and the colours of a layer's parts).
 
 # %%
 # Setup. On Colab, install the course's package (Colab's own torch is kept as it is).
@@ -31,6 +31,7 @@ if "google.colab" in sys.modules:
 
 # %%
 import math
+import re
 import warnings
 from contextlib import contextmanager
 
@@ -46,7 +47,7 @@ from transformer_from_scratch.utils import PART_COLORS, add_to_class, get_device
 set_seed(0)
 device = get_device()
 # colours of the sub-layers (notebook 06's PART_COLORS) and of the three activations
-RELU_COLOR, GELU_COLOR, SILU_COLOR = "#7f7f7f", "#8c564b", "#e7ba52"  # grey, brown, gold
+RELU_COLOR, GELU_COLOR, SILU_COLOR = "black", "#8c564b", "#e7ba52"  # black, brown, gold
 ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = PART_COLORS["attention"], PART_COLORS["ffn"], PART_COLORS["layer_norm"]
 
 # %% [markdown]
@@ -104,7 +105,14 @@ ATTENTION_COLOR, FFN_COLOR, LAYER_NORM_COLOR = PART_COLORS["attention"], PART_CO
 import torch
 from torch import nn
 
-from transformer_from_scratch.checks import check_bool, check_choice, check_int, check_probability
+from transformer_from_scratch.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_probability,
+    check_tensor,
+    checking,
+)
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}  # the names a block accepts
 
@@ -152,17 +160,21 @@ assert -0.18 < gelu_exact(xs).min() < -0.16
 
 # %% [markdown]
 # On the grid from $-6$ to $6$ the approximation is off by less than $5 \cdot 10^{-4}$ (asserted),
-# most near $|x| = 2.7$: small but not zero, so
+# most near $|x| = 2.7$ (the right panel of the figure below): small but not zero, so
 # swapping one for the other in a trained model changes its outputs a little; run a model with
 # the variant it was trained with.
 #
 # The derivatives tell the real difference. ReLU's gradient is a step: exactly zero for every
 # negative input, so a unit whose pre-activation is negative for all inputs gets a zero gradient
 # on every input, and the loss's gradient never changes its incoming weights again (a "dead"
-# unit; weight decay, which notebook 13's AdamW applies, still shrinks them towards zero). GELU's derivative, $\Phi(x) + x\,\varphi(x)$ with $\varphi$ the normal density, is
-# smooth and slightly negative below $x \approx -0.75$. At $x = 0$ ReLU has no derivative, and
-# PyTorch's autograd takes it to be 0; the grid holds $x = 0$ exactly, so the check covers that
-# point too, and a ReLU written with `t >= 0`, whose autograd derivative at 0 is 1, fails it.
+# unit; weight decay, which notebook 13's AdamW applies, still shrinks them towards zero).
+# GELU's derivative, $\Phi(x) + x\,\varphi(x)$ with $\varphi$ the normal density, is smooth and
+# slightly negative below $x \approx -0.75$.
+#
+# At $x = 0$ ReLU has no derivative, and PyTorch's autograd takes it to be 0. The grid holds
+# $x = 0$ exactly, so the check below covers that point too: a ReLU written with `t >= 0`, whose
+# autograd derivative at 0 is 1, fails it.
+#
 # **Check:** autograd agrees with both derivatives.
 
 # %%
@@ -190,26 +202,29 @@ print("GELU'(-2), GELU'(0), GELU'(2):",
       [round(v, 4) for v in derivative(F.gelu, torch.tensor([-2.0, 0.0, 2.0])).tolist()])
 
 # %% jupyter={"source_hidden": true}
-fig, (ax_f, ax_d) = plt.subplots(1, 2, figsize=(10, 3.8))
+fig, (ax_f, ax_d, ax_gap) = plt.subplots(1, 3, figsize=(14, 3.8))
 x_plot = torch.linspace(-4, 4, 801, dtype=torch.float64)
-curves = [  # activations are variants, not parts: grey, brown, gold (setup cell)
+curves = [  # activations are variants, not parts: black, brown, gold (setup cell)
     ("ReLU", F.relu, dict(color=RELU_COLOR, lw=2)),
     ("GELU  $x\\Phi(x)$", F.gelu, dict(color=GELU_COLOR, lw=2)),
-    ("GELU, tanh approx.", lambda t: F.gelu(t, approximate="tanh"),
-     dict(color="black", lw=1, ls="--")),
     ("SiLU  $x\\sigma(x)$", F.silu, dict(color=SILU_COLOR, lw=2, ls=":")),
 ]
 for label, fn, style in curves:
     ax_f.plot(x_plot, fn(x_plot), label=label, **style)
     ax_d.plot(x_plot, derivative(fn, x_plot), label=label, **style)
+# The tanh approximation would hide under the exact GELU at this scale: plot the difference.
+ax_gap.plot(x_plot, (gelu_exact(x_plot) - gelu_tanh(x_plot)) * 1e4, color=GELU_COLOR, lw=2)
 ax_f.set(title="Activations", xlabel="pre-activation $x$", ylabel="output", ylim=(-0.6, 4))
 ax_d.set(title="Their derivatives (autograd)", xlabel="pre-activation $x$",
          ylabel="d output / d$x$", ylim=(-0.2, 1.2))
-for ax in (ax_f, ax_d):
+ax_gap.set(title="GELU: exact minus its tanh approximation", xlabel="pre-activation $x$",
+           ylabel="exact $-$ tanh approximation ($\\times 10^{-4}$)")
+for ax in (ax_f, ax_d, ax_gap):
     ax.axhline(0, color="grey", lw=0.5)
     ax.axvline(0, color="grey", lw=0.5)
     ax.grid(alpha=0.3)
-ax_f.legend(loc="upper left", fontsize=9)
+for ax in (ax_f, ax_d):  # the third panel has one curve, named by its title and axis label
+    ax.legend(loc="upper left", fontsize=9)
 fig.tight_layout()
 save_figure(fig, "ffn_activations")
 plt.show()
@@ -259,14 +274,19 @@ print(feed_forward(d_model=512, d_ff=2048))
 
 # %% [markdown]
 # **Check:** the layout, the shapes for any number of leading dimensions, and the formula itself,
-# $\max(0, xW_1 + b_1)W_2 + b_2$, written with the weights of the module. (An `nn.Linear` stores
-# its matrix as `(out, in)`, so the paper's $W_1$ is `ffn[0].weight.T`.)
+# $\max(0, xW_1 + b_1)W_2 + b_2$, written with the weights of the module.
+#
+# > **Orientation.** The paper multiplies row vectors from the right, $y = xW$, so
+# > $W_1 \in \mathbb{R}^{d_\text{model} \times d_{ff}}$. An `nn.Linear` stores its matrix as
+# > `(out, in)`, which is $W^\top$: the paper's $W_1$ is `ffn[0].weight.T` and its $W_2$ is
+# > `ffn[2].weight.T`. The rest of the notebook uses this without saying it again.
 
 # %%
 d_model, d_ff = 16, 64
 ffn = feed_forward(d_model, d_ff).to(device)
 assert [type(m) for m in ffn] == [nn.Linear, nn.ReLU, nn.Linear]
-assert type(feed_forward(8, 32, activation="gelu", dropout_p=0.1)[3]) is nn.Dropout
+ffn_dropout = feed_forward(8, 32, activation="gelu", dropout_p=0.1)
+assert type(ffn_dropout[3]) is nn.Dropout and ffn_dropout[3].p == 0.1  # the p asked for
 with torch.random.fork_rng(devices=[]):  # leaves the global random stream as it was
     ffn_gelu = feed_forward(8, 32, activation="gelu")  # the activation argument is used, not just checked
     x_gelu = torch.randn(3, 8)  # (N, d_model)
@@ -342,8 +362,8 @@ print(f"{d_ff} keys and {d_ff} values, each of length {d_model}; the sum of the 
 # \frac{\partial y_t}{\partial x_s} = 0 \;\; (s \ne t), \qquad
 # \frac{\partial y_t}{\partial x_t} = W_2^\top \operatorname{diag}\bigl(\mathbb{1}[x_t W_1 + b_1 > 0]\bigr) W_1^\top.$$
 #
-# (Row vectors, as in the paper's $y = xW$. `nn.Linear` stores its `weight` as $(\text{out}, \text{in})$,
-# which is $W^\top$, so in code the diagonal block is `ffn[2].weight @ diag(.) @ ffn[0].weight`.)
+# (With the orientation above, the diagonal block in code is
+# `ffn[2].weight @ diag(.) @ ffn[0].weight`: no `.T`.)
 #
 # The Jacobian of the whole sequence map, a $(T d_\text{model}) \times (T d_\text{model})$ matrix,
 # is block-diagonal. Four demonstrations make this concrete. They hold for any stack of `Linear`,
@@ -396,14 +416,16 @@ assert torch.count_nonzero(blocks[off_diagonal]) == 0  # exactly zero, not just 
 
 for t in range(T):
     active = (ffn[0](x_seq[t]) > 0).to(x_seq.dtype)  # which of the d_ff ReLUs pass, (d_ff,)
-    # nn.Linear stores its weight as (out, in), the transpose of the row-vector W: ffn[0].weight is
-    # W_1^T and ffn[2].weight is W_2^T, so no .T is needed here.
     analytic = ffn[2].weight @ torch.diag(active) @ ffn[0].weight  # W_2^T diag(.) W_1^T, (d_model, d_model)
     assert_close(blocks[t, t], analytic)
-print(f"Jacobian {tuple(J.shape)}: {int(off_diagonal.sum())} off-diagonal blocks, all exactly zero")
+# The diagonal blocks differ from one another (next paragraph): no two positions share one.
+assert all(not torch.equal(blocks[t, t], blocks[s, s]) for t in range(T) for s in range(t))
+print(f"Jacobian {tuple(J.shape)}: {int(off_diagonal.sum())} off-diagonal blocks, all exactly zero; "
+      f"the {T} diagonal blocks all differ")
 
 # %% [markdown]
-# The diagonal blocks are not equal to each other: each depends on which ReLUs $x_t$ switches on.
+# The diagonal blocks are not equal to each other (asserted above): each depends on which ReLUs
+# $x_t$ switches on.
 # The *function* is shared across positions; its local linearisation is not, which is the point of
 # having a nonlinearity.
 #
@@ -537,12 +559,15 @@ configs = {  # name: (d_model, num_heads, d_ff)
     "course": (128, 4, 512),  # the model of notebooks 10-12
 }
 counts = {name: block_counts(*cfg) for name, cfg in configs.items()}
+count_lines = []
 for name, (d, _, dff) in configs.items():
     c = counts[name]
     encoder_block = c["attention"] + c["ffn"] + 2 * c["layernorm"]
     decoder_block = 2 * c["attention"] + c["ffn"] + 3 * c["layernorm"]
-    print(f"{name:>10}: d={d}, d_ff={dff} | attention {c['attention']:>9,} | FFN {c['ffn']:>9,} "
-          f"| FFN share: encoder block {c['ffn'] / encoder_block:.1%}, decoder block {c['ffn'] / decoder_block:.1%}")
+    count_lines.append(
+        f"{name:>10}: d={d}, d_ff={dff} | attention {c['attention']:>9,} | FFN {c['ffn']:>9,} "
+        f"| FFN share: encoder block {c['ffn'] / encoder_block:.1%}, decoder block {c['ffn'] / decoder_block:.1%}")
+print("\n".join(count_lines))  # one write, so the output is one stream
 
 # %% [markdown]
 # **Check:** the counts equal the formulas, the sum of the parts equals PyTorch's own encoder and
@@ -651,6 +676,7 @@ class GatedFeedForward(nn.Module):
         super().__init__()
         self.d_model = check_int("d_model", d_model, minimum=1)
         self.d_ff = check_int("d_ff", d_ff, minimum=1)
+        check_bool("bias", bias)
         self.W = nn.Linear(d_model, d_ff, bias=bias)  # gate branch, goes through the activation
         self.V = nn.Linear(d_model, d_ff, bias=bias)  # linear branch, multiplied by the gate
         self.W_2 = nn.Linear(d_ff, d_model, bias=bias)  # back to d_model
@@ -662,8 +688,13 @@ class GatedFeedForward(nn.Module):
 @add_to_class(GatedFeedForward)
 def forward(self, x: torch.Tensor) -> torch.Tensor:
     """(..., d_model) -> (..., d_model), each position on its own."""
-    if x.dim() == 0 or x.shape[-1] != self.d_model:
-        raise ValueError(f"expected input of shape (..., {self.d_model}), got {tuple(x.shape)}")
+    if checking():  # the course's policy for a public entry point (notebook 00)
+        check_tensor("x", x, kind="float")
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
+            raise ValueError(
+                f"GatedFeedForward({self.d_model}, {self.d_ff}) expects x of shape "
+                f"(..., {self.d_model}), got {tuple(x.shape)}"
+            )
     hidden = self.activation(self.W(x)) * self.V(x)  # (..., d_model) -> (..., d_ff)
     return self.W_2(hidden)  # (..., d_ff) -> (..., d_model)
 
@@ -673,7 +704,9 @@ def forward(self, x: torch.Tensor) -> torch.Tensor:
 # so the package has one ordinary class; notebook 00 explains how.)
 #
 # **Check:** all three variants against a computation written out with plain matrix products and
-# PyTorch's functional activations, and the error for a wrong width.
+# PyTorch's functional activations; then the refusals, by the course's input policy (notebook
+# 00): a wrong width is a `ValueError`, a list where a tensor goes and a `1` where a bool goes are
+# `TypeError`s, each message naming the argument.
 
 # %%
 d_hidden = 48
@@ -691,12 +724,20 @@ for act, fn in [("silu", F.silu), ("gelu", F.gelu), ("relu", F.relu)]:
 with_bias = GatedFeedForward(d_model, d_hidden, bias=True).to(device)
 manual = (F.silu(with_bias.W(x_gated)) * with_bias.V(x_gated)) @ with_bias.W_2.weight.T + with_bias.W_2.bias
 assert_close(with_bias(x_gated), manual)
-try:
-    with_bias(torch.randn(B, T, d_model + 1).to(device))
-except ValueError as err:
-    print(f"ValueError: {err}")
-else:
-    raise AssertionError("an input of the wrong width was accepted")
+gated_mistakes = {
+    "x of width d_model + 1": (lambda: with_bias(torch.randn(B, T, d_model + 1).to(device)), ValueError),
+    "x as a list": (lambda: with_bias(x_gated.tolist()), TypeError),
+    "bias=1": (lambda: GatedFeedForward(d_model, d_hidden, bias=1), TypeError),
+}
+for label, (call, expected) in gated_mistakes.items():
+    try:
+        call()
+    except expected as err:
+        argument = re.match(r"\w+", label)[0]  # "x" in "x as a list"
+        assert re.search(rf"\b{argument}\b", str(err)), (label, str(err))  # the message names it
+        print(f"{label:<23} {type(err).__name__}: {err}")
+    else:
+        raise AssertionError(f"{label} was accepted")
 
 
 # %% [markdown]
@@ -728,7 +769,6 @@ for name, d, dff in [("Shazeer's T5 base", 768, 3072), ("paper base", 512, 2048)
     assert abs(gated - standard) / standard < 1e-3
     print(f"{name:>17}: FFN d_ff={dff} {standard:>9,} | gated d_ff'={matched_d_ff(dff)} {gated:>9,} "
           f"({gated / standard - 1:+.4%}) | gated at d_ff={dff} {unmatched:>9,}")
-assert matched_d_ff(3072) == 2048  # Shazeer's T5 choice (arithmetic, a reminder rather than a test)
 
 # %% [markdown]
 # What a single hidden unit computes, as a function of its two pre-activations $a = x\cdot w$ (the

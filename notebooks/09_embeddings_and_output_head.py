@@ -94,7 +94,9 @@ UNK = 3  # an unknown symbol: notebook 13's tokenizer writes it for a character 
 # The embeddings and the output head go into the package's `model` module, which this notebook
 # starts and notebook 10 completes. Its imports name `checking`, notebook 00's switch that says
 # whether inputs are still to be checked; the section *A clear error for a bad id* uses it, with
-# the `check_token_ids` it defines (`make export` adds that import to `src/`).
+# `check_token_ids`, which that section adds to the `tokens` module. `make export` adds
+# `from transformer_from_scratch.tokens import check_token_ids` to `src/`'s `model.py`; if you copy
+# these cells into a module of your own, add that line to its imports.
 
 # %%
 #| export
@@ -198,8 +200,9 @@ plt.show()
 # An embedding is a trainable matrix $E \in \mathbb{R}^{V \times d_\text{model}}$ whose row $v$
 # is the vector of token $v$. Looking a token up is the same as multiplying its one-hot vector by
 # $E$: $\operatorname{onehot}(v)^\top E = E_v$. `nn.Embedding` does the lookup without building
-# the one-hot matrix, and its backward pass only touches the rows that were used: row $v$ gets
-# the sum of the gradients of every position where token $v$ appears.
+# the one-hot matrix. Its gradient is a full $(V \times d_\text{model})$ tensor, but only the
+# rows of tokens that were used get a non-zero gradient: row $v$ gets the sum of the gradients of
+# every position where token $v$ appears.
 #
 # **Check:** the lookup equals the one-hot product, and so does its gradient; rows of tokens
 # absent from the batch get a zero gradient.
@@ -294,6 +297,11 @@ assert (emb.weight[symbol_rows] != drawn[symbol_rows]).any(dim=1).all()  # every
 # where $w_t$ is the token id at position $t$ and $E_{w_t}$ its row of the table. Vaswani et al.
 # (2017, §3.4) write only that "in the embedding layers, we multiply those weights by
 # $\sqrt{d_\text{model}}$".
+#
+# The upshot, measured below: **multiply by $\sqrt{d_\text{model}}$ only a table drawn from
+# $\mathcal{N}(0, 1/d_\text{model})$** (what `init_token_embedding` does); PyTorch's default
+# $\mathcal{N}(0, 1)$ table, multiplied, makes the token vectors 16 times as long as the
+# positional encoding at $d_\text{model} = 128$, and the gap grows with the width.
 #
 # The section compares three set-ups: the course's table, drawn from $\mathcal{N}(0, 1/d_\text{model})$
 # and multiplied; a table drawn from $\mathcal{N}(0, 1)$ and not multiplied; and PyTorch's default
@@ -745,11 +753,9 @@ print(f"cross-entropy over {int(keep.sum())} real positions: {ce.item():.4f}"
 # The three limits, as margins $m$, follow from `torch.finfo`: $p_2$ starts losing precision from
 # $m \approx 87.3$ in float32 and $m \approx 9.7$ in float16, the gradient is infinite and NaN
 # from $m = \ln \text{max} \approx 88.7$ and $\approx 11.1$, and the loss is infinite from
-# $m \approx 104$ and $\approx 17.3$. The loss's digits are hit later than the first limit: on the
-# machine that built this page, once $e^{-m}$ is subnormal, the naive loss first comes out worse
-# than the fused one at $m = 92$ in float32 and $m = 12.5$ in float16, and it leaves the band of
-# two ULPs around the exact loss at 95.5 and 14.5 (printed in the appendix), after its gradient
-# has already broken.
+# $m \approx 104$ and $\approx 17.3$. In short: the gradient breaks from $m \approx 88.7$
+# (float32) and $m \approx 11.1$ (float16), the loss only later. (How many digits the loss loses
+# before it becomes infinite is measured in the appendix.)
 
 # %%
 def underflow_margins(dtype: torch.dtype) -> tuple[float, float, float]:
@@ -769,8 +775,9 @@ for dtype, (subnormal_from, overflow_from, zero_from) in limits.items():
 # `F.log_softmax` (what `F.cross_entropy` uses), both computed in the format itself. The grid is
 # computed on the CPU, whatever the device, because the limits above assume that subnormal
 # numbers are kept; a GPU may flush them to zero for speed (Apple's Metal compiles its kernels
-# with fast math by default), and then softmax-then-log would fail from the first limit instead
-# of the second.
+# with fast math by default). There $e^{-m}$ becomes 0 as soon as it would be subnormal, and
+# softmax-then-log would fail, its gradient and its loss alike, from the first limit: the
+# gradient instead of from the second, the loss instead of from the third.
 
 # %%
 margins = torch.arange(0.0, 130.5, 0.5)  # (M,)
@@ -860,7 +867,9 @@ print(f"under torch.autocast('cpu', bfloat16): logits {amp_logits.dtype}, softma
       f" cross_entropy {amp_loss.dtype}")
 assert amp_logits.dtype == amp_softmax.dtype == torch.bfloat16  # softmax is not on the CPU's float32 list
 assert amp_loss.dtype == torch.float32  # cross_entropy is
-assert_close(amp_loss, F.cross_entropy(amp_logits.float(), amp_targets))  # float32 on the bf16 logits
+# computed in float32 on the bf16 logits; a bf16 loss cast to float32 afterwards, with the
+# right dtype, would be off by bf16's rounding (a relative error of up to 0.2 %) and fail this
+assert_close(amp_loss, F.cross_entropy(amp_logits.float(), amp_targets))
 
 # %% [markdown]
 # ### The double softmax
@@ -877,6 +886,9 @@ assert_close(amp_loss, F.cross_entropy(amp_logits.float(), amp_targets))  # floa
 # that gives the right token a logit $+c$ and the eleven others $-c$, the double-softmax loss and
 # its gradient with respect to the logits as the confidence $c$ grows: the loss settles on the
 # floor while the gradient falls towards zero. The logits route's loss, beside it, goes to 0.
+# The sweep runs in float64 on the CPU, whatever the device: in float32 the right token's
+# probability at $c = 10$, $1 - 2.3 \cdot 10^{-8}$, rounds to exactly 1, so its component of
+# the gradient comes out 0 and the norm about a third of the exact one.
 
 # %%
 confident = torch.full((1, V), -50.0, device=device)
@@ -890,10 +902,10 @@ print(f"cross_entropy(softmax(z)) of a perfect model: {double.item():.4f} = log(
       f" cross_entropy(z): {F.cross_entropy(confident, y).item():.1e}")
 
 # %%
-y_conf = torch.tensor([5], device=device)  # the right token
+y_conf = torch.tensor([5])  # the right token
 double_grad_norms = []
 for c in (1.0, 2.0, 3.0, 5.0, 10.0):  # the confidence: logit +c on the right token, -c elsewhere
-    z_conf = torch.full((1, V), -c, device=device)
+    z_conf = torch.full((1, V), -c, dtype=torch.float64)  # on the CPU, in float64
     z_conf[0, 5] = c
     z_conf.requires_grad_(True)
     double_c = F.cross_entropy(torch.softmax(z_conf, dim=-1), y_conf)
@@ -903,6 +915,7 @@ for c in (1.0, 2.0, 3.0, 5.0, 10.0):  # the confidence: logit +c on the right to
           f" its gradient's norm {double_grad_norms[-1]:.1e}; cross_entropy(z) {F.cross_entropy(z_conf, y_conf).item():.4f}")
 assert all(a > b for a, b in itertools.pairwise(double_grad_norms))  # falls as c grows
 assert double_grad_norms[-1] < 1e-7 and abs(double_c.item() - floor) < 1e-6  # at the floor, no gradient left
+assert grad_c[0, 5] < 0  # the right token's component, which float32 rounds to 0, is still there
 
 
 # %% [markdown]
@@ -1228,7 +1241,10 @@ print("my_log_softmax matches F.log_softmax, and gives (0, -120) at (0, -120) an
 # PyTorch does not promise a correctly rounded `exp` (its vectorised CPU kernels approximate
 # it), so the check allows it four while $e^{-m}$ is a normal number; on the machine that built
 # this page it stays within one. Some
-# way into the subnormal range, as the bits run out, it leaves that band. And once the term
+# way into the subnormal range, as the bits run out, it leaves that band: on the machine that
+# built this page (printed below), its loss first comes out worse than the fused one at $m = 92$
+# in float32 and $m = 12.5$ in float16, and it leaves the band of two ULPs around the exact loss
+# at 95.5 and 14.5, after its gradient has already broken (from 88.7 and 11.1). And once the term
 # $\log(1 + e^{-m})$ is below half an ULP of $m$, the exact loss rounds to $m$ itself, and the
 # fused route returns exactly $m$: its error is then the term, a vanishing fraction of an ULP.
 # Where that starts is computed from the float64 reference.

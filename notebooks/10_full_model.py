@@ -33,6 +33,7 @@ if "google.colab" in sys.modules:
 
 # %%
 import copy
+import dataclasses
 import math
 import warnings
 from typing import Protocol, runtime_checkable
@@ -45,6 +46,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.lines import Line2D
 from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Patch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.testing import assert_close
 
 # What this notebook builds on: the blocks, masks, positional encoding and embeddings of notebooks 04-09.
@@ -259,8 +261,13 @@ ax.bar(labels, rms, color=colors)
 ax.axhline(1.0, color="black", lw=0.8, ls="--")
 for i, r in enumerate(rms):
     ax.text(i, r + 0.02, f"{r:.2f}", ha="center", va="bottom", fontsize=9)
+ax.legend(handles=[Patch(color=colors[0], label="the input, N(0, 1) entries"),
+                   Patch(color=COLORS["ours"], label="after a pre-norm encoder block"),
+                   Patch(color=colors[-1], label="after the stack's final LayerNorm"),
+                   Line2D([], [], color="black", lw=0.8, ls="--", label="RMS 1")],
+          loc="upper left", ncols=2, fontsize=9)
 ax.set(ylabel="RMS of the residual stream", xlabel="where it is measured: the input, after each block, the stack's output",
-       ylim=(0, max(rms) * 1.15),
+       ylim=(0, max(rms) * 1.45),
        title=r"A 6-block pre-norm encoder at initialisation ($d_\mathrm{model}$ = 128): the stream grows, the final norm resets it")
 save_figure(fig, "model_stack_rms")
 plt.show()
@@ -366,6 +373,7 @@ else:
 # model written out in a cell, and makes the config itself; `Transformer(config)` is for a config
 # that already exists (one read back from a checkpoint). `Transformer.from_config(config)` is the
 # second call under a name that says what it does, and refuses anything but a `TransformerConfig`.
+# The subsection *The config, checked*, once the model is written, shows each of these claims.
 
 # %%
 #| export
@@ -514,7 +522,9 @@ def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> tor
 # pass a `cache` of the keys and values of the tokens before: then `tgt` holds only the new
 # tokens, which sit at positions `cache.length`, `cache.length + 1`, ..., and the positional
 # encoding is taken from there (notebook 04's `offset`). In this notebook `cache` is always
-# `None` and the offset 0.
+# `None` and the offset 0: the lines of `decode` that handle a cache (the offset, and the check
+# that several new tokens after cached ones come with a causal `self_mask`) are notebook 12's
+# subject, where the cache is built, and can be skipped until then.
 
 # %%
 #| export
@@ -599,7 +609,11 @@ def forward(
     src_mask: torch.Tensor | None = None,  # (B, 1, 1, T_src) source padding, True = real token
     tgt_mask: torch.Tensor | None = None,  # causal (1, 1, T, T); with padding (B, 1, T, T)
 ) -> torch.Tensor:
-    """Logits (B, T_tgt, tgt_vocab_size) for every target position; no softmax."""
+    """Logits (B, T_tgt, tgt_vocab_size) for every target position; no softmax.
+
+    Like nn.Transformer, no mask is applied that is not given: tgt_mask=None means no mask at
+    all, so the decoder reads later target tokens. Build both masks with make_masks(src, tgt).
+    """
     if checking():
         _check_tokens("src", src, self.src_embed.num_embeddings, self.max_len)
         _check_tokens("tgt", tgt, self.tgt_embed.num_embeddings, self.max_len)
@@ -648,6 +662,95 @@ def make_masks(
 
 
 # %% [markdown]
+# ### The config, checked
+#
+# What *The model* says about the config, shown on a model whose settings are none of the
+# defaults: post-norm blocks with GELU, $d_\text{model} = 64$, three layers. `model.config`
+# holds every setting, the untouched defaults filled in:
+
+# %%
+set_seed(0)
+short = Transformer(12, 12, d_model=64, d_ff=256, num_layers=3, activation="gelu", norm_first=False).to(device)
+print(short.config)
+assert short.config == TransformerConfig(12, 12, 64, 4, 256, 3, 0.1, 512, "gelu", True, False, False)
+
+
+# %% [markdown]
+# **Check:** `Transformer(short.config)` and `Transformer.from_config(short.config)`, after the
+# same seed, rebuild `short`: the same config, the same `state_dict` (names, shapes, values) and,
+# in evaluation mode, the same logits on a small batch. The logits are compared too because two
+# of the settings, the activation and the arrangement of the norms, leave no trace in the
+# parameters: the same weights loaded into a model with the default block settings (ReLU,
+# pre-norm) give other logits, so a setting lost on the way would show.
+
+# %%
+def same_tensors(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two modules hold the same state_dict: the same names, shapes and values."""
+    state_a, state_b = a.state_dict(), b.state_dict()
+    return state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+rebuilt = {}
+for route, build in (("Transformer(short.config)", lambda: Transformer(short.config)),
+                     ("Transformer.from_config(short.config)", lambda: Transformer.from_config(short.config))):
+    set_seed(0)  # the seed `short` was built after
+    rebuilt[route] = build().to(device)
+default_blocks = Transformer(12, 12, d_model=64, d_ff=256, num_layers=3).to(device)  # ReLU, pre-norm
+default_blocks.load_state_dict(short.state_dict())  # the same names and shapes: the weights fit
+src_cfg = torch.tensor([[5, 9, 3, 11, 7], [8, 3, 6, 4, 10]]).to(device)  # (B, T_src)
+tgt_cfg = torch.cat([torch.full((2, 1), BOS), src_cfg.cpu().flip(1)], dim=1).to(device)  # (B, T_tgt)
+with torch.no_grad():
+    logits_cfg = {name: m.eval()(src_cfg, tgt_cfg, *make_masks(src_cfg, tgt_cfg))  # (B, T_tgt, V)
+                  for name, m in [("short", short), *rebuilt.items(), ("default blocks", default_blocks)]}
+for route, m in rebuilt.items():
+    assert m.config == short.config and same_tensors(m, short), route
+    assert torch.equal(logits_cfg[route], logits_cfg["short"]), route
+    print(f"{route:>37}: the same config, state_dict and logits as short")
+gap_defaults = (logits_cfg["default blocks"] - logits_cfg["short"]).abs().max().item()
+print(f"{'the same weights, ReLU and pre-norm':>37}: logits differ by up to {gap_defaults:.1f}")
+assert gap_defaults > 0.1
+
+# %% [markdown]
+# **Check:** a bad setting is refused before a single layer is made. A hook of PyTorch's
+# (`register_module_parameter_registration_hook`) records every parameter any module creates;
+# the refused calls create none, while one good model, built under the same hook, creates all of
+# its own. The last two are the refusals of the constructor itself: a config passed together
+# with fields, and `from_config` given anything but a `TransformerConfig` (here the config as a
+# dict).
+
+# %%
+bad_builds = {
+    "d_model=130, num_heads=4": lambda: Transformer(12, 12, d_model=130, num_heads=4),
+    "activation='tanh'": lambda: Transformer(12, 12, activation="tanh"),
+    "src_vocab_size=3": lambda: Transformer(3, 12),
+    "dropout_p=1.5": lambda: Transformer(12, 12, dropout_p=1.5),
+    "a misspelt field": lambda: Transformer(12, 12, d_modle=64),
+    "a config and a field": lambda: Transformer(short.config, d_model=128),
+    "from_config of a dict": lambda: Transformer.from_config(dataclasses.asdict(short.config)),
+}
+created = []  # the name of every parameter a module registers while the hook is on
+hook = register_module_parameter_registration_hook(lambda module, name, param: created.append(name))
+try:
+    for what, build in bad_builds.items():
+        try:
+            build()
+        except (ValueError, TypeError) as err:
+            print(f"{what:>24} -> {type(err).__name__}: {err}")
+        else:
+            raise AssertionError(f"{what}: accepted")
+    created_by_refused = len(created)
+    good_model = Transformer(12, 12)  # for comparison: a good config
+finally:
+    hook.remove()
+print(f"parameters created: {created_by_refused} by the refused calls,"
+      f" {len(created) - created_by_refused} by Transformer(12, 12)")
+assert created_by_refused == 0
+assert len(created) - created_by_refused == len(list(good_model.parameters()))  # the hook sees every one
+
+# %% [markdown]
+# **One `TransformerConfig` describes the architecture: the constructor checks it before it
+# builds anything, and `Transformer(model.config)` builds the same model again.**
+#
 # ## 930,828 parameters
 #
 # The configuration of the blog tutorial "Deep Learning: Transformers", the course's main source
@@ -786,16 +889,13 @@ with torch.no_grad():
 assert enc_out.shape == (B, T_src, d_model) and dec_out.shape == (B, T_tgt, d_model)
 
 # %% [markdown]
-# The loss of the 14 real targets is one sample, which moves by a few tenths with the seed.
-# Averaged over all 12 possible targets instead, the loss is $-\tfrac{1}{V}\sum_v \log p_v$,
-# never below $\log V$ and equal to it for a uniform guess; notebook 09's exercise 2 estimated
-# the excess for small logits of variance $s^2$ (across the vocabulary) as $s^2/2$, and the
-# print shows the two side by side (an expansion that holds for any small logits, so it tests
-# nothing of the model and is not asserted). **Check:** the untrained model's guess is close to
-# uniform (less than 0.3 above $\log 12$), and what keeps it there is the decoder's final norm,
-# which hands `out_proj` vectors of unit scale: a copy of the model with that norm replaced by
-# the identity starts more than 1.5 times as far above $\log 12$ (the ratio ranged from 2.5 to
-# 5.2 over models built after `set_seed(0)` to `set_seed(39)`).
+# How close to a uniform guess is the untrained model? The loss of the 14 real targets is one
+# sample, which moves by a few tenths with the seed. Averaged over all 12 possible targets
+# instead, the loss is $-\tfrac{1}{V}\sum_v \log p_v$, never below $\log V$ and equal to it for
+# a uniform guess. Notebook 09's exercise 2 estimated the excess for small logits of variance
+# $s^2$ (across the vocabulary) as $s^2/2$; the print shows the two side by side (an expansion
+# that holds for any small logits, so it tests nothing of the model and is not asserted).
+# **Check:** the averaged loss is less than 0.3 above $\log 12$.
 
 # %%
 real = tgt_out != PAD  # (B, T_tgt)
@@ -806,6 +906,13 @@ print(f"averaged over the targets: {averaged:.3f} = log 12 + {averaged - math.lo
       f" s^2/2 = {half_var:.3f}; this batch's 14 targets: {loss.item():.3f}")
 assert averaged - math.log(VOCAB) < 0.3  # close to a uniform guess
 
+# %% [markdown]
+# What keeps it there is the decoder's final norm, which hands `out_proj` vectors of unit scale.
+# **Check:** a copy of the model with that norm replaced by the identity starts more than 1.5
+# times as far above $\log 12$ (the ratio ranged from 2.5 to 5.2 over models built after
+# `set_seed(0)` to `set_seed(39)`).
+
+# %%
 no_final_norm = copy.deepcopy(model)
 no_final_norm.decoder.norm = nn.Identity()  # the stream of the last block goes to out_proj as it is
 with torch.no_grad():
@@ -1592,7 +1699,8 @@ assert all(torch.equal(heads[:, i], queries[..., i * d_k:(i + 1) * d_k]) for i i
 # naming the argument and the shapes or values involved. For comparison, `nn.Transformer` answers
 # the first one with `RuntimeError: the batch number of src and tgt must be equal`, and
 # `nn.Embedding` answers an id out of range with `IndexError: index out of range in self` on the
-# CPU and a device-side assertion on a GPU.
+# CPU and a device-side assertion on a GPU. (The mistakes of building a model, a bad setting or a
+# config passed with fields, are refused by the constructor: *The config, checked* lists them.)
 
 # %%
 long_src = torch.full((B, 513), 5, device=device)  # one more than max_len

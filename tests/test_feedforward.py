@@ -240,7 +240,37 @@ def test_gated_value_errors(kwargs, match):
 
 def test_gated_wrong_width():
     gated = GatedFeedForward(8, 24)
-    with pytest.raises(ValueError, match=r"expected input of shape \(\.\.\., 8\), got \(2, 5, 9\)"):
+    message = r"GatedFeedForward\(8, 24\) expects x of shape \(\.\.\., 8\), got \(2, 5, 9\)"
+    with pytest.raises(ValueError, match=message):
         gated(torch.randn(2, 5, 9))
     with pytest.raises(ValueError, match="got \\(\\)"):
         gated(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        ([[0.0] * 8], "x must be a torch.Tensor, got list"),
+        (
+            torch.ones(2, 8, dtype=torch.int64),
+            "x must be a floating-point tensor, got dtype torch.int64",
+        ),
+    ],
+)
+def test_gated_refuses_an_input_that_is_not_a_float_tensor(x, match):
+    with pytest.raises(TypeError, match=match):
+        GatedFeedForward(8, 24)(x)
+
+
+def test_gated_skips_its_input_checks_inside_validated():
+    from transformer_from_scratch.checks import validated
+
+    gated = GatedFeedForward(8, 24)
+    with validated(), pytest.raises(RuntimeError):  # torch's own error, not the course's
+        gated(torch.randn(2, 9))
+
+
+@pytest.mark.parametrize("bias", [1, 0, "False", None])
+def test_gated_refuses_a_bias_that_is_not_a_bool(bias):
+    with pytest.raises(TypeError, match="bias must be a bool"):
+        GatedFeedForward(8, 24, bias=bias)

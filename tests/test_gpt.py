@@ -605,8 +605,10 @@ def torchrun_gpt(nproc: int, *args: str, env: dict | None = None):
 
 
 def test_two_processes_train_the_gpt_as_one(tmp_path):
-    """train_lm_distributed on 2 ranks: every update's loss and the final weights equal train_lm's
-    on the whole batches (the same model, recipe, windows); rank 0 alone writes the checkpoint."""
+    """train_lm_distributed on 2 ranks: each rank reads its own half of every global batch (B/W
+    windows at each update, rows rB/W..(r+1)B/W - 1 of train_lm's batch), every update's loss and
+    the final weights equal train_lm's on the whole batches (the same model, recipe, windows);
+    rank 0 alone writes the checkpoint."""
     done = torchrun_gpt(2, "--steps", "4", "--batch-size", "6", "--context", "16", "--lr", "3e-3",
                         "--warmup-steps", "1", "--d-model", "16", "--num-heads", "2",
                         "--num-layers", "1", "--checkpoint", str(tmp_path / "gpt.pt"))  # fmt: skip
@@ -621,8 +623,17 @@ def test_two_processes_train_the_gpt_as_one(tmp_path):
     single = GPT(GPTConfig(vocab_size=chars.vocab_size, max_len=16, d_model=16, num_heads=2,
                            num_layers=1))  # fmt: skip
     recipe = LMRecipe(steps=4, batch_size=6, context=16, lr=3e-3, warmup_steps=1)
-    history = train_lm(single, chars.encode(train_text), chars.encode(valid_text[:5000]), recipe,
-                       progress=False)  # fmt: skip
+    train_ids = chars.encode(train_text)
+    # The split. Equal losses alone would not show it: DistributedTrainer weights each rank's
+    # loss by its share of the global batch's tokens, so ranks that each read the whole batch
+    # would take the same updates.
+    reads = result["reads"]
+    assert len(reads) == 2
+    assert [read["rows"] for read in reads] == [[3] * 4, [3] * 4]  # B / W windows, each update
+    first = next(random_windows(train_ids, 6, 16, torch.Generator().manual_seed(recipe.seed)))[0]
+    assert torch.equal(torch.tensor(reads[0]["first_inputs"]), first[:3])  # rank 0: rows 0-2
+    assert torch.equal(torch.tensor(reads[1]["first_inputs"]), first[3:])  # rank 1: rows 3-5
+    history = train_lm(single, train_ids, chars.encode(valid_text[:5000]), recipe, progress=False)
     assert result["loss"] == pytest.approx(history["loss"], abs=1e-5)
     for (name, p), q in zip(single.named_parameters(), distributed.parameters(), strict=True):
         assert_close(q, p, atol=1e-5, rtol=1e-4, msg=name)

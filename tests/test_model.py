@@ -250,6 +250,38 @@ def test_config_rejects_bad_block_settings(field, value, error, match):
         TransformerConfig(V, V, **{field: value})
 
 
+def test_a_bad_config_is_refused_before_any_parameter_is_made():
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    created = []
+    hook = register_module_parameter_registration_hook(lambda m, name, p: created.append(name))
+    try:
+        for kwargs in (dict(d_model=130, num_heads=4), dict(activation="tanh"), dict(d_modle=64)):
+            with pytest.raises((ValueError, TypeError)):
+                Transformer(V, V, **kwargs)
+        assert created == []
+        good = Transformer(V, V, d_model=32, num_heads=4, d_ff=64)
+    finally:
+        hook.remove()
+    assert len(created) == len(list(good.parameters())) > 0
+
+
+def test_the_config_routes_give_the_same_logits_and_the_settings_matter():
+    fields = dict(d_model=32, num_heads=4, d_ff=64, activation="gelu", norm_first=False)
+    torch.manual_seed(0)
+    a = Transformer(V, V, **fields).eval()
+    torch.manual_seed(0)
+    b = Transformer.from_config(a.config).eval()
+    defaults = Transformer(V, V, d_model=32, num_heads=4, d_ff=64).eval()  # relu, pre-norm
+    defaults.load_state_dict(a.state_dict())
+    src = torch.tensor([[5, 6, 7, 8]])
+    tgt = torch.tensor([[BOS, 8, 7, 6, 5]])
+    with torch.no_grad():
+        logits_a = a(src, tgt, *make_masks(src, tgt))
+        assert torch.equal(b(src, tgt, *make_masks(src, tgt)), logits_a)
+        assert not torch.allclose(defaults(src, tgt, *make_masks(src, tgt)), logits_a, atol=1e-2)
+
+
 def test_pe_is_a_buffer_not_a_parameter():
     model = Transformer(V, V)
     assert "pos.pe" in model.state_dict()

@@ -55,6 +55,25 @@ def test_get_device_refuses_a_cuda_index_beyond_the_devices(monkeypatch):
         utils.get_device("cuda:1")
 
 
+def test_get_device_asks_the_module_of_another_accelerator(monkeypatch):
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
+    monkeypatch.setattr(torch.xpu, "device_count", lambda: 2)
+    assert utils.get_device("xpu:1") == torch.device("xpu:1")
+    message = r"prefer='xpu:2', but this machine's xpu devices are numbered 0 to 1"
+    with pytest.raises(ValueError, match=message):
+        utils.get_device("xpu:2")
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"prefer='xpu', but this machine has no xpu device"):
+        utils.get_device("xpu")
+
+
+def test_get_device_refuses_a_type_torch_has_no_module_to_ask_about(monkeypatch):
+    monkeypatch.setattr(torch, "xla", None, raising=False)
+    message = r"prefer='xla', but PyTorch has no torch.xla.is_available\(\) to say"
+    with pytest.raises(ValueError, match=message):
+        utils.get_device("xla")
+
+
 def test_set_seed_repeats_every_stream():
     import random
 

@@ -420,9 +420,9 @@ def evaluate_lm(
     batch_size: int = 32,
     max_windows: int | None = None,
 ) -> float:
-    """Mean nats per token over the non-overlapping windows of context + 1 ids of the 1-D `data`
-    (all of them, or max_windows spread evenly over it), in eval mode: each window grades the
-    context ids after its first."""
+    """Mean nats per token over windows of context + 1 ids of the 1-D `data`, consecutive ones
+    sharing their boundary id (all of them, or max_windows spread evenly over it), in eval mode:
+    each window grades the context ids after its first, so no id is graded twice."""
     check_tensor("data", data, dim=1, kind="int")
     context = check_int("context", context, minimum=1)
     windows = (data.numel() - 1) // context
@@ -677,7 +677,9 @@ def train_lm_distributed(
     """One process's part of a data-parallel run of train_lm's recipe (started by torchrun):
     the model GPT(config) drawn after set_seed(seed), the global batches of train_lm, this
     rank's rows of each. Rank 0 saves the model to `checkpoint` if given. Returns the rank, the
-    world size, the seconds and every update's loss (that of the global batch)."""
+    world size, the seconds, every update's loss (that of the global batch) and `reads`: for each
+    rank, in rank order, the windows its model was given at each update ("rows") and the ids of
+    its first update's inputs ("first_inputs"), so that a caller can check the split."""
     env = torchrun_environment(module="transformer_from_scratch.gpt")
     rank, world = env["rank"], env["world_size"]
     if recipe.batch_size % world:
@@ -700,16 +702,29 @@ def train_lm_distributed(
         rows = slice(rank * share, (rank + 1) * share)
         generator = torch.Generator().manual_seed(recipe.seed)  # train_lm's windows
         windows = random_windows(train_ids, recipe.batch_size, recipe.context, generator)
+        read = {"rows": [], "first_inputs": None}  # what this rank's model is given
+
+        def my_share() -> Iterator[list[tuple[Tensor, Tensor]]]:
+            for x, y in windows:  # (B, T) each, the same on every rank
+                x, y = x[rows], y[rows]  # (B / W, T): this rank's rows
+                read["rows"].append(x.size(0))
+                if read["first_inputs"] is None:
+                    read["first_inputs"] = x.tolist()
+                yield [(x, y)]
+
         dist.barrier()
         start = time.perf_counter()
-        trainer.fit(([(x[rows], y[rows])] for x, y in windows), last)
+        trainer.fit(my_share(), last)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
+        reads = [None] * world
+        dist.all_gather_object(reads, read)  # every rank's record, in rank order
         if checkpoint is not None and rank == 0:  # one writer; the others wait at the barrier
             save_gpt(checkpoint, model, updates=last, world_size=world)
         dist.barrier()
-    return {"rank": rank, "world_size": world, "seconds": seconds, "loss": trainer.history["loss"]}
+    return {"rank": rank, "world_size": world, "seconds": seconds, "loss": trainer.history["loss"],
+            "reads": reads}  # fmt: skip
 
 
 # Taught in notebook 16 · From the Transformer to GPT

@@ -103,6 +103,7 @@ class GatedFeedForward(nn.Module):
         super().__init__()
         self.d_model = check_int("d_model", d_model, minimum=1)
         self.d_ff = check_int("d_ff", d_ff, minimum=1)
+        check_bool("bias", bias)
         self.W = nn.Linear(d_model, d_ff, bias=bias)  # gate branch, goes through the activation
         self.V = nn.Linear(d_model, d_ff, bias=bias)  # linear branch, multiplied by the gate
         self.W_2 = nn.Linear(d_ff, d_model, bias=bias)  # back to d_model
@@ -110,8 +111,13 @@ class GatedFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_model) -> (..., d_model), each position on its own."""
-        if x.dim() == 0 or x.shape[-1] != self.d_model:
-            raise ValueError(f"expected input of shape (..., {self.d_model}), got {tuple(x.shape)}")
+        if checking():  # the course's policy for a public entry point (notebook 00)
+            check_tensor("x", x, kind="float")
+            if x.dim() == 0 or x.shape[-1] != self.d_model:
+                raise ValueError(
+                    f"GatedFeedForward({self.d_model}, {self.d_ff}) expects x of shape "
+                    f"(..., {self.d_model}), got {tuple(x.shape)}"
+                )
         hidden = self.activation(self.W(x)) * self.V(x)  # (..., d_model) -> (..., d_ff)
         return self.W_2(hidden)  # (..., d_ff) -> (..., d_model)
 

@@ -201,7 +201,11 @@ class Transformer(nn.Module):
         src_mask: torch.Tensor | None = None,  # (B, 1, 1, T_src) source padding, True = real token
         tgt_mask: torch.Tensor | None = None,  # causal (1, 1, T, T); with padding (B, 1, T, T)
     ) -> torch.Tensor:
-        """Logits (B, T_tgt, tgt_vocab_size) for every target position; no softmax."""
+        """Logits (B, T_tgt, tgt_vocab_size) for every target position; no softmax.
+
+        Like nn.Transformer, no mask is applied that is not given: tgt_mask=None means no mask at
+        all, so the decoder reads later target tokens. Build both masks with make_masks(src, tgt).
+        """
         if checking():
             _check_tokens("src", src, self.src_embed.num_embeddings, self.max_len)
             _check_tokens("tgt", tgt, self.tgt_embed.num_embeddings, self.max_len)

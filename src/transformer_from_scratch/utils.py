@@ -22,7 +22,9 @@ from transformer_from_scratch.checks import check_int
 # Taught in notebook 00 · Setup and conventions
 def get_device(prefer: str | torch.device | None = None) -> torch.device:
     """The best available device: cuda, then mps, then cpu. `prefer` names one instead ("cpu",
-    "cuda:1", a torch.device); a cuda or mps device it names must exist on this machine."""
+    "cuda:1", a torch.device), which must exist on this machine: cpu and meta always do; cuda and
+    mps when PyTorch finds them; another type (xpu, mtia, ...) when torch.<type>.is_available()
+    says so. A device index must be below the type's device_count() where torch has one."""
     has_cuda = torch.cuda.is_available()
     has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     if prefer is None:
@@ -38,12 +40,26 @@ def get_device(prefer: str | torch.device | None = None) -> torch.device:
         raise ValueError(
             f"prefer must name a device such as 'cpu', 'cuda' or 'mps', got {prefer!r}"
         ) from None
-    if (device.type == "cuda" and not has_cuda) or (device.type == "mps" and not has_mps):
+    if device.type in ("cpu", "meta"):
+        return device
+    if device.type == "mps":
+        available, device_count = has_mps, None
+    else:  # cuda, and any other accelerator that has a module in torch (torch.xpu, ...)
+        module = getattr(torch, device.type, None)
+        is_available = getattr(module, "is_available", None)
+        if not callable(is_available):
+            raise ValueError(
+                f"prefer={prefer!r}, but PyTorch has no torch.{device.type}.is_available() to "
+                "say whether this machine has that device"
+            )
+        available = is_available()
+        device_count = getattr(module, "device_count", None)
+    if not available:
         raise ValueError(f"prefer={prefer!r}, but this machine has no {device.type} device")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+    if device_count is not None and (device.index or 0) >= device_count():
         raise ValueError(
-            f"prefer={prefer!r}, but this machine's cuda devices are numbered 0 to "
-            f"{torch.cuda.device_count() - 1}"
+            f"prefer={prefer!r}, but this machine's {device.type} devices are numbered 0 to "
+            f"{device_count() - 1}"
         )
     return device
 
