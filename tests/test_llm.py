@@ -32,6 +32,7 @@ from transformer_from_scratch.llm import Rotary
 from transformer_from_scratch.llm import SpeculativeStats
 from transformer_from_scratch.llm import WindowCache
 from transformer_from_scratch.llm import ablation_config
+from transformer_from_scratch.llm import ablation_model
 from transformer_from_scratch.llm import accept_or_resample
 from transformer_from_scratch.llm import distinct_parameters
 from transformer_from_scratch.llm import halves_order
@@ -409,6 +410,8 @@ def test_ablation_rows_have_equal_parameters():
             counts.append(distinct_parameters(LLM(config)))
     assert max(counts) / min(counts) - 1 < 0.002
     assert ablation_config("+ GQA", 76).num_kv_heads == 2
+    assert type(ablation_model("GPT-2 block", 76)) is GPT  # notebook 16's class, its draws
+    assert isinstance(ablation_model("+ RMSNorm", 76).norm, RMSNorm)
     with pytest.raises(ValueError, match="row"):
         ablation_config("+ MoE", 76)
     matched = match_ffn_width(tiny(ffn="swiglu"), 60_000)

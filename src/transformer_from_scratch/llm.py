@@ -608,6 +608,18 @@ def ablation_config(row: str, vocab_size: int) -> LLMConfig:
 
 
 # Taught in notebook 17 · Today's LLM block
+def ablation_model(row: str, vocab_size: int) -> nn.Module:
+    """A freshly drawn model of the ablation's `row` (on the default generator): notebook 16's
+    GPT class itself for the GPT-2 row, so that its seed-0 run is notebook 16's run."""
+    config = ablation_config(row, vocab_size)
+    if row == "GPT-2 block":
+        return GPT(
+            GPTConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(GPTConfig)})
+        )
+    return LLM(config)
+
+
+# Taught in notebook 17 · Today's LLM block
 def run_ablation(
     row: str,
     seed: int,
@@ -620,19 +632,14 @@ def run_ablation(
     """Train the ablation's `row` with `seed` (its weights and its training windows) on the
     recipe; return the model and its record: parameters, FFN width, validation nats and bits per
     character over ABLATION_EVAL_WINDOWS windows, training seconds, and the validation curve."""
-    config = ablation_config(row, vocab_size)
     set_seed(seed)
-    device = train_ids.device
-    if row == "GPT-2 block":  # notebook 16's class itself: the same draws as its run
-        gpt_fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(GPTConfig)}
-        model = GPT(GPTConfig(**gpt_fields)).to(device)
-    else:
-        model = LLM(config).to(device)
+    model = ablation_model(row, vocab_size).to(train_ids.device)
     recipe = dataclasses.replace(recipe, seed=seed)
     history = train_lm(model, train_ids, valid_ids, recipe, progress=progress)
     nats = evaluate_lm(model, valid_ids, recipe.context, max_windows=ABLATION_EVAL_WINDOWS)
     record = {
-        "row": row, "seed": seed, "parameters": distinct_parameters(model), "d_ff": config.ffn_width,
+        "row": row, "seed": seed, "parameters": distinct_parameters(model),
+        "d_ff": ablation_config(row, vocab_size).ffn_width,
         "val_nats": nats, "val_bits": nats / math.log(2), "seconds": history["seconds"][-1],
         "seconds_per_step": history["seconds"][-1] / recipe.steps,
         "curve": {"step": history["step"], "val_loss": history["val_loss"]},
@@ -820,6 +827,7 @@ __all__ = [
     "ABLATION_ROWS",
     "match_ffn_width",
     "ablation_config",
+    "ablation_model",
     "run_ablation",
     "SpeculativeStats",
     "accept_or_resample",
