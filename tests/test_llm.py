@@ -3,6 +3,7 @@
 and Mistral), the caches against full passes, speculative decoding against plain decoding, and
 the refusals of bad input."""
 
+import copy
 import dataclasses
 import itertools
 
@@ -19,6 +20,7 @@ from transformer_from_scratch.gpt import GPTConfig
 from transformer_from_scratch.gpt import LMRecipe
 from transformer_from_scratch.gpt import causal_prefix_mask
 from transformer_from_scratch.gpt import generate_lm
+from transformer_from_scratch.gpt import next_token_distribution
 from transformer_from_scratch.llm import ABLATION_ROWS
 from transformer_from_scratch.llm import FFNS
 from transformer_from_scratch.llm import LLAMA
@@ -421,6 +423,30 @@ def test_ablation_rows_have_equal_parameters():
     assert abs(got - 60_000) <= abs(below - 60_000)
 
 
+def test_ablation_rows_read_the_same_windows_for_a_seed(monkeypatch):
+    import transformer_from_scratch.gpt as gpt_module
+
+    first_batches = []
+    original = gpt_module.random_windows
+
+    def recorded(*args, **kwargs):
+        windows = original(*args, **kwargs)
+        first = next(windows)
+        first_batches.append(first[0].clone())
+        return itertools.chain([first], windows)
+
+    monkeypatch.setattr(gpt_module, "random_windows", recorded)
+    text = torch.randint(0, 20, (5000,))
+    recipe = LMRecipe(
+        steps=2, batch_size=2, context=16, warmup_steps=1, eval_every=2, eval_windows=2
+    )
+    for row in ("GPT-2 block", "+ GQA"):
+        run_ablation(row, 3, text, text[:400], 20, recipe=recipe)
+    run_ablation("+ GQA", 4, text, text[:400], 20, recipe=recipe)
+    assert torch.equal(first_batches[0], first_batches[1])  # the same seed: the same windows
+    assert not torch.equal(first_batches[1], first_batches[2])  # another seed: others
+
+
 def test_run_ablation_is_deterministic_for_a_seed():
     text = torch.randint(0, 20, (5000,))
     recipe = LMRecipe(
@@ -491,7 +517,16 @@ def test_greedy_speculative_decoding_is_the_targets_greedy_decoding():
         assert torch.equal(tokens, plain)
         assert stats.emitted == 40 and stats.rounds <= 40
     tokens, stats = speculative_generate(target, target, prompt, 40, k=3)
-    assert torch.equal(tokens, plain) and stats.acceptance_rate == 1.0 and stats.rounds == 10
+    assert torch.equal(tokens, plain) and stats.alpha == 1.0 and stats.rounds == 10
+    noisy = copy.deepcopy(target)  # agrees often, not always: rounds end at every position
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    for k in (2, 5):
+        tokens, stats = speculative_generate(target, noisy, prompt, 40, k=k)
+        assert torch.equal(tokens, plain)
+        assert stats.accepted > 0 and stats.rejected > 0 and 0.2 < stats.alpha < 0.95
+        assert stats.kept_share <= stats.alpha
     gpt = GPT(GPTConfig(vocab_size=50, max_len=64, d_model=32, num_heads=4, num_layers=1)).eval()
     tokens, _ = speculative_generate(target, gpt, prompt, 12, k=2)  # a GPT drafts as well
     assert torch.equal(tokens, plain[:, :17])
@@ -503,8 +538,37 @@ def test_sampled_speculative_decoding_with_its_own_draft_accepts_every_proposal(
     gen = torch.Generator().manual_seed(0)
     tokens, stats = speculative_generate(target, target, torch.zeros(1, 2, dtype=torch.long), 30,
                                          k=4, greedy=False, generator=gen)  # fmt: skip
-    assert tokens.shape == (1, 32) and stats.acceptance_rate == 1.0
-    assert SpeculativeStats(rounds=2, proposed=8, accepted=6, emitted=10).tokens_per_round == 5.0
+    assert tokens.shape == (1, 32) and stats.alpha == 1.0 and stats.rejected == 0
+    made = SpeculativeStats(rounds=2, proposed=8, accepted=5, rejected=1, emitted=7)
+    assert (made.tokens_per_round, made.kept_share, made.alpha) == (3.5, 5 / 8, 5 / 6)
+
+
+def test_sampled_speculative_decoding_draws_the_targets_joint_distribution():
+    torch.manual_seed(4)
+    five = dict(vocab_size=5, max_len=8, d_model=16, num_heads=2, num_layers=1, **LLAMA)
+    target, draft = LLM(LLMConfig(**five)).eval(), LLM(LLMConfig(**five)).eval()
+    with torch.no_grad():
+        for p in [*target.parameters(), *draft.parameters()]:
+            p.normal_(0.0 if p.dim() > 1 else 1.0, 0.5)
+        start = torch.tensor([[1, 3]])
+        p1 = next_token_distribution(target(start)[0, -1], temperature=0.6)
+        follow = torch.cat([start.expand(5, 2), torch.arange(5)[:, None]], dim=1)
+        p2 = next_token_distribution(target(follow)[:, -1], temperature=0.6)
+    joint = (p1[:, None] * p2).flatten().double()
+    gen = torch.Generator().manual_seed(0)
+
+    def p_value(sampler) -> float:
+        counts = torch.zeros(25, dtype=torch.float64)
+        for _ in range(2500):
+            ys = sampler()
+            counts[5 * ys[0, 2] + ys[0, 3]] += 1
+        expected = joint * counts.sum()
+        chi2 = ((counts - expected) ** 2 / expected).sum()
+        return torch.special.gammaincc(torch.tensor(12.0, dtype=torch.float64), chi2 / 2).item()
+
+    settings = dict(k=1, greedy=False, temperature=0.6, generator=gen)
+    assert p_value(lambda: speculative_generate(target, draft, start, 2, **settings)[0]) > 0.001
+    assert p_value(lambda: generate_lm(draft, start, 2, temperature=0.6, generator=gen)) < 0.001
 
 
 def test_speculative_generate_refuses_bad_input():

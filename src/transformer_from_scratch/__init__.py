@@ -139,6 +139,7 @@ from .llm import Rotary
 from .llm import SpeculativeStats
 from .llm import WindowCache
 from .llm import ablation_config
+from .llm import ablation_model
 from .llm import accept_or_resample
 from .llm import distinct_parameters
 from .llm import halves_order

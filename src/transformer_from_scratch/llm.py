@@ -650,18 +650,27 @@ def run_ablation(
 # Taught in notebook 17 · Today's LLM block
 @dataclass
 class SpeculativeStats:
-    """What a speculative run did: rounds (target passes after the prompt), proposals made and
-    accepted, and tokens emitted."""
+    """What a speculative run did: rounds (target passes; the first also reads the prompt),
+    proposals made, proposals accepted, rounds that ended in a rejection, tokens emitted."""
 
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+    rejected: int = 0
     emitted: int = 0
 
     @property
-    def acceptance_rate(self) -> float:
-        """Accepted proposals / proposals."""
+    def kept_share(self) -> float:
+        """Accepted proposals / proposals: it counts as lost the proposals made after a round's
+        first rejection, which the target never judged, so it falls with k."""
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """The acceptance rate of a proposal the target judged: accepted / (accepted + rejected),
+        the estimate of the alpha in (1 - alpha^(k+1)) / (1 - alpha) (Leviathan et al., 2023)."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else 0.0
 
     @property
     def tokens_per_round(self) -> float:
@@ -787,11 +796,10 @@ def speculative_generate(
                 p = next_token_distribution(t_logits.float(), temperature, top_k, top_p)
                 emitted = accept_or_resample(p, torch.stack(q), proposed, generator).to(device)
                 n = emitted.numel() - 1
-            stats.rounds, stats.proposed, stats.accepted = (
-                stats.rounds + 1,
-                stats.proposed + k_now,
-                stats.accepted + n,
-            )
+            stats.rounds += 1
+            stats.proposed += k_now
+            stats.accepted += n
+            stats.rejected += n < k_now  # the round ended at a rejected proposal
             ys = torch.cat([ys, emitted[None]], dim=1)[:, :total]
             # 4) Roll both caches back to the accepted tokens (the newest token is unread).
             for cache in (t_cache, d_cache):
