@@ -37,7 +37,6 @@ from transformer_from_scratch.layers import LayerNorm
 from transformer_from_scratch.positional import LearnedPositionalEmbedding
 from transformer_from_scratch.positional import RotaryEmbedding
 from transformer_from_scratch.tokens import check_token_ids
-from transformer_from_scratch.utils import add_to_class
 from transformer_from_scratch.utils import set_seed
 
 
@@ -512,7 +511,8 @@ def llama_state_dict(tensors: dict[str, Tensor], config: LLMConfig) -> dict[str,
     parts = {"norm1": "input_layernorm", "norm2": "post_attention_layernorm",
              "self_attn.W_q": "self_attn.q_proj", "self_attn.W_k": "self_attn.k_proj",
              "self_attn.W_v": "self_attn.v_proj", "self_attn.W_o": "self_attn.o_proj",
-             "ffn.W": "mlp.gate_proj", "ffn.V": "mlp.up_proj", "ffn.W_2": "mlp.down_proj"}  # fmt: skip
+             "ffn.W": "mlp.gate_proj", "ffn.V": "mlp.up_proj",
+             "ffn.W_2": "mlp.down_proj"}  # fmt: skip
     for i in range(c.num_layers):
         for ours, theirs in parts.items():
             for kind in ("weight", "bias"):
@@ -613,9 +613,8 @@ def ablation_model(row: str, vocab_size: int) -> nn.Module:
     GPT class itself for the GPT-2 row, so that its seed-0 run is notebook 16's run."""
     config = ablation_config(row, vocab_size)
     if row == "GPT-2 block":
-        return GPT(
-            GPTConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(GPTConfig)})
-        )
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(GPTConfig)}
+        return GPT(GPTConfig(**fields))
     return LLM(config)
 
 
