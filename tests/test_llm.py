@@ -549,26 +549,27 @@ def test_sampled_speculative_decoding_draws_the_targets_joint_distribution():
     target, draft = LLM(LLMConfig(**five)).eval(), LLM(LLMConfig(**five)).eval()
     with torch.no_grad():
         for p in [*target.parameters(), *draft.parameters()]:
-            p.normal_(0.0 if p.dim() > 1 else 1.0, 0.5)
+            p.normal_(0.0 if p.dim() > 1 else 1.0, 0.3)
         start = torch.tensor([[1, 3]])
-        p1 = next_token_distribution(target(start)[0, -1], temperature=0.6)
+        p1 = next_token_distribution(target(start)[0, -1], temperature=0.8)
         follow = torch.cat([start.expand(5, 2), torch.arange(5)[:, None]], dim=1)
-        p2 = next_token_distribution(target(follow)[:, -1], temperature=0.6)
+        p2 = next_token_distribution(target(follow)[:, -1], temperature=0.8)
     joint = (p1[:, None] * p2).flatten().double()
+    assert (joint * 5000).min() >= 5  # no rare outcome: the chi-square approximation holds
     gen = torch.Generator().manual_seed(0)
 
     def p_value(sampler) -> float:
         counts = torch.zeros(25, dtype=torch.float64)
-        for _ in range(2500):
+        for _ in range(5000):
             ys = sampler()
             counts[5 * ys[0, 2] + ys[0, 3]] += 1
         expected = joint * counts.sum()
         chi2 = ((counts - expected) ** 2 / expected).sum()
         return torch.special.gammaincc(torch.tensor(12.0, dtype=torch.float64), chi2 / 2).item()
 
-    settings = dict(k=1, greedy=False, temperature=0.6, generator=gen)
+    settings = dict(k=1, greedy=False, temperature=0.8, generator=gen)
     assert p_value(lambda: speculative_generate(target, draft, start, 2, **settings)[0]) > 0.001
-    assert p_value(lambda: generate_lm(draft, start, 2, temperature=0.6, generator=gen)) < 0.001
+    assert p_value(lambda: generate_lm(draft, start, 2, temperature=0.8, generator=gen)) < 0.001
 
 
 def test_speculative_generate_refuses_bad_input():
