@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Number prefixes that limit execute/figures/nbval to some notebooks, e.g. NB="01 02".
 NB ?=
-# pytest-xdist workers for the notebook run.
+# Notebooks that nbval runs side by side (tools/notebooks.py: lanes; 12 after 11, 17 after 16).
 JOBS ?= 2
 # The kernels that store outputs and those that check them share one environment, defined in
 # tools/kernel.env (tools/notebooks.py reads the same file).

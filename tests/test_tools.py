@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import nbformat
@@ -629,6 +630,60 @@ def test_nbval_runs_a_copy_so_the_repository_stays_as_it_was(tmp_path):
     nbformat.write(nb, path)
     assert notebooks.nbval_in_scratch([path], jobs=1, quiet=True) == 0
     assert not (ROOT / "figures" / "nbval_probe.txt").exists()
+
+
+def test_a_notebook_that_loads_a_checkpoint_runs_after_the_one_that_saves_it():
+    names = ["00_a", "11_training", "12_generation", "13_t", "15_t", "16_gpt", "17_llm"]
+    units = notebooks.nbval_units([Path(f"{n}.ipynb") for n in names])
+    stems = [[path.stem for path in unit] for unit in units]
+    assert ["11_training", "12_generation"] in stems and ["16_gpt", "17_llm"] in stems
+    assert sorted(sum(stems, [])) == names  # each notebook once
+    assert stems[0] == ["11_training", "12_generation"] and stems[-1] == ["00_a"]  # longest first
+    # Alone, 12 is a unit of its own (it trains the model again), and a chain of three holds.
+    assert [[p.stem for p in u] for u in notebooks.nbval_units([Path("12_g.ipynb")])] == [["12_g"]]
+    chain = notebooks.nbval_units([Path(f"{n}.ipynb") for n in ["01_a", "02_b", "03_c"]],
+                                  after={"02": "01", "03": "02"})  # fmt: skip
+    assert [[p.stem for p in u] for u in chain] == [["01_a", "02_b", "03_c"]]
+
+
+def test_nbval_lanes_run_a_reader_after_its_writer(tmp_path):
+    """With two lanes, the notebook that reads a file runs after the one that writes it, in the
+    same scratch folder, while a third runs beside them; the merged report holds every cell."""
+
+    def write_notebook(name: str, code: str, printed: str) -> Path:
+        nb = nbformat.v4.new_notebook()
+        cell = nbformat.v4.new_code_cell(code, execution_count=1)
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=printed + "\n")]
+        nb.cells = [cell]
+        nb.metadata["kernelspec"] = notebooks.KERNELSPEC
+        path = tmp_path / f"{name}.ipynb"
+        nbformat.write(nb, path)
+        return path
+
+    # The writer waits (up to 15 s) for the reader to have started before it writes: side by
+    # side, the reader then looks before the file exists, however slowly kernels start.
+    writer = write_notebook(
+        "97_writer",
+        "import os, time\n"
+        "end = time.time() + 15\n"
+        "while not os.path.exists('reading.txt') and time.time() < end:\n"
+        "    time.sleep(0.05)\n"
+        "open('made.txt', 'w').write('x')\n"
+        "print('ok')",
+        "ok",
+    )
+    reader = write_notebook(
+        "98_reader",
+        "import os\nopen('reading.txt', 'w').close()\nprint(os.path.exists('made.txt'))",
+        "True",
+    )
+    other = write_notebook("99_other", "print(2 + 2)", "4")
+    paths = [writer, reader, other]
+    junit = tmp_path / "junit.xml"
+    assert notebooks.nbval_in_scratch(paths, 2, junit, quiet=True, after={"98": "97"}) == 0
+    assert len(list(ET.parse(junit).iter("testcase"))) == 3
+    # Without the pairing the reader starts beside the writer, finds no file and fails.
+    assert notebooks.nbval_in_scratch(paths[:2], 2, quiet=True, after={}) != 0
 
 
 def test_notebook_numbers_may_follow_an_option():

@@ -25,6 +25,7 @@ their outputs, which nbval compares in CI. Outputs are only ever stored by `exec
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import os
 import re
@@ -32,7 +33,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,14 +147,50 @@ def scratch_copy(prefix: str) -> Iterator[Path]:
         yield scratch / "notebooks"
 
 
+# A notebook that loads a checkpoint an earlier one saves (12 loads 11's model, 17 loads 16's)
+# runs right after it in the same lane, so that it loads the checkpoint, as a reader going through
+# the course does, instead of training the model again (minutes). Under pytest-xdist's
+# `--dist loadfile` the two usually ran side by side, and the second trained it again.
+AFTER = {"12": "11", "17": "16"}
+# About how many seconds each notebook takes under nbval on one quiet CPU thread (a fresh clone's
+# `make nbval`, 2 cores, 2026-12-05): only to start the longest first, so that the lanes end
+# together. A wrong guess costs balance, never correctness; unlisted notebooks count 20 s.
+NBVAL_SECONDS = {"11": 330, "12": 100, "13": 190, "14": 60, "15": 330, "16": 260, "17": 70}
+
+
+def nbval_units(notebooks: list[Path], after: dict[str, str] = AFTER) -> list[list[Path]]:
+    """The notebooks grouped into units that one pytest process runs in order: a notebook joins
+    the unit of the notebook it loads a checkpoint from (`after`) when that one runs too. The
+    units come longest first (`NBVAL_SECONDS`), each in course order."""
+    units: dict[str, list[Path]] = {}
+    for path in notebooks:  # in course order, so that an earlier notebook has its unit already
+        prefix = path.name[:2]
+        first = after.get(prefix)
+        while first in after and first not in units:  # a chain: 17 after 16 after ...
+            first = after[first]
+        units.setdefault(first if first in units else prefix, []).append(path)
+
+    def seconds(unit: list[Path]) -> int:
+        return sum(NBVAL_SECONDS.get(path.name[:2], 20) for path in unit)
+
+    return sorted(units.values(), key=seconds, reverse=True)  # stable: ties keep course order
+
+
 def nbval_in_scratch(
-    notebooks: list[Path], jobs: int = 2, junit: Path | None = None, quiet: bool = False
+    notebooks: list[Path],
+    jobs: int = 2,
+    junit: Path | None = None,
+    quiet: bool = False,
+    after: dict[str, str] = AFTER,
 ) -> int:
-    """nbval strict on copies of `notebooks` (.ipynb) in a scratch folder; pytest's exit code.
+    """nbval strict on copies of `notebooks` (.ipynb) in a scratch folder; 0 when every cell
+    passed, else the first failing pytest exit code.
 
     The copies run where their figures, checkpoints and data land in the scratch folder, so a
     test run leaves the repository as it was (another machine draws other pixels), and no
-    checkpoint left by an earlier run is loaded.
+    checkpoint left by an earlier run is loaded. With `jobs` > 1, `jobs` lanes take the units of
+    `nbval_units` (longest first) as they come free, one pytest process per unit, so a notebook
+    that loads an earlier one's checkpoint finds it; each unit's report is printed as it ends.
     """
     with scratch_copy("course-nbval-") as folder:
         for notebook in notebooks:
@@ -161,19 +200,53 @@ def nbval_in_scratch(
             "--nbval", "--nbval-current-env", "--nbval-sanitize-with",
             str(ROOT / "tests" / "nbval_sanitize.cfg"), "--rootdir", str(folder.parent),
         ]  # fmt: skip
-        if jobs > 1:
-            command += ["-n", str(jobs), "--dist", "loadfile"]
-        if junit is not None:
-            command += ["--junitxml", str(junit)]
         if quiet:
             command += ["-q", "--no-header"]
-        command += [str(folder / notebook.name) for notebook in notebooks]
         tools = str(Path(__file__).resolve().parent)  # where nbval_patience.py lives
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [tools, os.environ.get("PYTHONPATH")])),
         }
-        return subprocess.run(command, cwd=folder.parent, env=env).returncode
+        if jobs <= 1:
+            if junit is not None:
+                command += ["--junitxml", str(junit)]
+            command += [str(folder / notebook.name) for notebook in notebooks]
+            return subprocess.run(command, cwd=folder.parent, env=env).returncode
+
+        units = nbval_units(notebooks, after)
+        names = [", ".join(path.stem for path in unit) for unit in units]
+        reports = [folder.parent / f"junit-{i}.xml" for i in range(len(units))]
+        started = time.perf_counter()
+
+        def run_unit(i: int) -> int:
+            print(f"nbval: started {names[i]}", flush=True)
+            start = time.perf_counter()
+            done = subprocess.run(
+                command + ["--junitxml", str(reports[i])]
+                + [str(folder / path.name) for path in units[i]],
+                cwd=folder.parent, env=env, capture_output=True, text=True,
+            )  # fmt: skip
+            with lock:  # one unit's report at a time
+                print(f"\n===== nbval: {names[i]}: exit code {done.returncode}, "
+                      f"{time.perf_counter() - start:.0f} s =====")  # fmt: skip
+                print(done.stdout + done.stderr, end="", flush=True)
+            return done.returncode
+
+        lock = threading.Lock()
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            codes = list(pool.map(run_unit, range(len(units))))
+        failed = [name for name, code in zip(names, codes, strict=True) if code]
+        print(f"\nnbval: {len(units)} units on {jobs} lanes in "
+              f"{time.perf_counter() - started:.0f} s; "
+              + (f"FAILED: {'; '.join(failed)}" if failed else "all passed"))  # fmt: skip
+        if junit is not None:
+            merged = ET.Element("testsuites")
+            for report in reports:
+                if report.exists():
+                    root = ET.parse(report).getroot()
+                    merged.extend(root.iter("testsuite") if root.tag == "testsuites" else [root])
+            ET.ElementTree(merged).write(junit)
+        return next((code for code in codes if code), 0)
 
 
 def report_failure(what: str, err: Exception, lines: int = 20) -> None:
@@ -466,7 +539,7 @@ def main() -> int:
         "command",
         choices=["execute", "figures", "run", "nbval", "twice", "links", "fork", "check"],
     )
-    parser.add_argument("--jobs", type=int, default=2, help="for nbval: pytest-xdist workers")
+    parser.add_argument("--jobs", type=int, default=2, help="for nbval: notebooks run side by side")
     parser.add_argument("args", nargs="*", help="number prefixes (e.g. 01 02), or OWNER/NAME")
     parser.add_argument("--branch", default="main", help="for fork: the branch to link to")
     ns = parser.parse_intermixed_args()  # "nbval --jobs 2 12": numbers after an option too
