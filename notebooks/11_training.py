@@ -482,6 +482,7 @@ def sequence_loss(
     model: Transformer, batch: Batch, label_smoothing: float = 0.0, reduction: str = "mean"
 ) -> torch.Tensor:
     """token_loss of a (src, tgt_in, tgt_out, src_lengths) batch: the model with both masks."""
+    _check_seq2seq_batch(batch, "sequence_loss")
     device = next(model.parameters()).device
     src, tgt_in, tgt_out, lengths = (t.to(device) for t in batch)
     src_mask = padding_mask(lengths, src.size(1))  # (B, 1, 1, T_src): hide the source's padding
@@ -492,7 +493,19 @@ def sequence_loss(
 
 def num_tokens(batch: Batch) -> int:
     """How many target positions of a batch the loss grades (everything but PAD)."""
+    _check_seq2seq_batch(batch, "num_tokens")
     return int((batch[2] != PAD).sum())
+
+
+def _check_seq2seq_batch(batch: Batch, name: str) -> None:
+    """A TypeError, naming the way out, for a batch that is not (src, tgt_in, tgt_out, lengths):
+    the Trainer's defaults are this task's; another task brings loss_fn and count_fn."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 4:
+        got = f"{len(batch)} items" if isinstance(batch, (tuple, list)) else type(batch).__name__
+        raise TypeError(
+            f"{name} wants an encoder-decoder batch (src, tgt_in, tgt_out, src_lengths), got "
+            f"{got}; for another model give the Trainer its own loss_fn and count_fn"
+        )
 
 
 # %% [markdown]

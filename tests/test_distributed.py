@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from transformer_from_scratch.data import make_batch
 from transformer_from_scratch.distributed import TORCHRUN_VARIABLES
 from transformer_from_scratch.distributed import LaunchError
+from transformer_from_scratch.distributed import data_parallel
 from transformer_from_scratch.distributed import main
 from transformer_from_scratch.distributed import parse_arguments
 from transformer_from_scratch.distributed import process_group
@@ -208,6 +210,9 @@ def test_process_group_joins_for_the_block_and_leaves_after_an_error(monkeypatch
         total = torch.tensor([2.0])
         dist.all_reduce(total)
         assert total.item() == 2.0
+        wrapped = data_parallel(nn.Linear(3, 2), device)  # on a CPU: no device_ids
+        assert isinstance(wrapped, DistributedDataParallel) and wrapped.device_ids is None
+        assert wrapped(torch.ones(1, 3)).shape == (1, 2)
     assert not dist.is_initialized()  # left on the way out
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(RuntimeError, match="a rank fails"):

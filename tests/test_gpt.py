@@ -200,12 +200,16 @@ def test_logits_equal_hugging_faces_gpt2_with_padding():
     model = tiny(dtype=torch.float64)
     reference = to_hf_gpt2(model).eval()
     tokens = torch.randint(0, V, (3, 20))
-    keep = padding_mask(torch.tensor([20, 13, 4]), 20)
+    # Padded on the left: on the right the causal mask alone hides the pads, and a broken
+    # padding mask would pass.
+    keep = padding_mask(torch.tensor([20, 13, 4]), 20).flip(-1)
     real = keep[:, 0, 0]
     with torch.no_grad():
         ours = model(tokens, mask=causal_mask(20) & keep)
+        unmasked = model(tokens)
         theirs = reference(tokens, attention_mask=real.long()).logits
     assert_close(ours[real], theirs[real], atol=1e-12, rtol=0)
+    assert (unmasked[real] - theirs[real]).abs().max() > 1e-3  # the mask is what made them agree
 
 
 def test_gradients_equal_hugging_faces_gpt2():
@@ -488,7 +492,7 @@ def test_lm_trainer_accumulates_like_one_batch():
     assert split_loss == pytest.approx(whole_loss, rel=1e-6)
     for a, b in zip(whole.parameters(), split.parameters(), strict=True):
         assert_close(a, b, atol=1e-6, rtol=1e-5)
-    with pytest.raises(IndexError):  # notebook 11's loss wants encoder-decoder batches
+    with pytest.raises(TypeError, match="loss_fn and count_fn"):  # notebook 11's are seq2seq
         Trainer(whole, torch.optim.SGD(whole.parameters(), lr=0.1)).update([(inputs, targets)])
 
 

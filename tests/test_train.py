@@ -496,6 +496,11 @@ def test_num_tokens_counts_what_the_loss_grades():
 
     batch = make_batch(16, 8, 12, torch.Generator().manual_seed(0))
     assert num_tokens(batch) == int((batch[2] != PAD).sum()) == int(batch[3].sum()) + 16
+    # A language model's (inputs, targets): a TypeError that names the way out, not an IndexError.
+    with pytest.raises(TypeError, match=r"num_tokens .*got 2 items.*count_fn"):
+        num_tokens(batch[:2])
+    with pytest.raises(TypeError, match=r"sequence_loss .*got Tensor"):
+        sequence_loss(tiny_model(), batch[0])
 
 
 def test_atomic_save_leaves_the_old_file_whole_when_a_write_fails(tmp_path, monkeypatch):

@@ -152,10 +152,11 @@ def scratch_copy(prefix: str) -> Iterator[Path]:
 # the course does, instead of training the model again (minutes). Under pytest-xdist's
 # `--dist loadfile` the two usually ran side by side, and the second trained it again.
 AFTER = {"12": "11", "17": "16"}
-# About how many seconds each notebook takes under nbval on one quiet CPU thread (a fresh clone's
-# `make nbval`, 2 cores, 2026-12-05): only to start the longest first, so that the lanes end
-# together. A wrong guess costs balance, never correctness; unlisted notebooks count 20 s.
-NBVAL_SECONDS = {"11": 330, "12": 100, "13": 190, "14": 60, "15": 330, "16": 260, "17": 70}
+# About how many seconds each notebook takes under nbval, one thread each, two side by side
+# (`make nbval` on 2 cores, 2026-12-05: 11 and 12 together 654 s, 16 and 17 595 s, 15 325 s, 13
+# 189 s, 14 68 s): only to start the longest first, so that the lanes end together. A wrong
+# guess costs balance, never correctness; unlisted notebooks count 20 s.
+NBVAL_SECONDS = {"11": 500, "12": 150, "13": 190, "14": 70, "15": 330, "16": 480, "17": 120}
 
 
 def nbval_units(notebooks: list[Path], after: dict[str, str] = AFTER) -> list[list[Path]]:
@@ -219,7 +220,8 @@ def nbval_in_scratch(
         started = time.perf_counter()
 
         def run_unit(i: int) -> int:
-            print(f"nbval: started {names[i]}", flush=True)
+            with lock:  # whole lines: print writes the text and its newline apart
+                print(f"nbval: started {names[i]}", flush=True)
             start = time.perf_counter()
             done = subprocess.run(
                 command + ["--junitxml", str(reports[i])]

@@ -88,6 +88,14 @@ def process_group(module: str = "transformer_from_scratch.distributed"):
 
 
 # Taught in notebook 15 · Tuning and generalisation
+def data_parallel(model: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """`model`, already on `device`, wrapped in DDP: on a GPU, DDP is told which one it is."""
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+
+
+# Taught in notebook 15 · Tuning and generalisation
 def rank_batches(
     data: Batch, batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0
 ) -> Iterator[Batch]:
@@ -165,20 +173,18 @@ def train_distributed(
     on the concatenated batch. Rank 0 alone writes the checkpoint, and, if `gradients` names a
     file, the gradients of the last update (synchronised, before clipping), by parameter name.
     Returns timings and the loss."""
-    env = torchrun_environment()
-    rank, world = env["rank"], env["world_size"]
-    if recipe.batch_size % (world * recipe.accum_steps) != 0:
-        raise ValueError(
-            f"batch_size={recipe.batch_size} does not split into {world} processes x "
-            f"{recipe.accum_steps} micro-batches"
-        )
-    with process_group() as (_, device):
+    with process_group() as (env, device):  # an error below leaves the group on every rank
+        rank, world = env["rank"], env["world_size"]
+        if recipe.batch_size % (world * recipe.accum_steps) != 0:
+            raise ValueError(
+                f"batch_size={recipe.batch_size} does not split into {world} processes x "
+                f"{recipe.accum_steps} micro-batches"
+            )
         # The same seed gives the same weights everywhere; DDP would not need it, since its
         # constructor broadcasts rank 0's parameters and buffers to every rank.
         model = build_model(recipe).to(device)
         torch.manual_seed(recipe.seed + 1000 * (rank + 1))  # but each rank its own dropout
-        gpu = [device.index] if device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=gpu)
+        ddp = data_parallel(model, device)
         # Clipping sees the synchronised gradients: the same on all ranks.
         trainer = recipe_trainer(ddp, recipe, DistributedTrainer)
         losses = []
@@ -196,9 +202,8 @@ def train_distributed(
         stream = rank_batches(data, recipe.batch_size, world, rank, seed=recipe.seed + 1)
         dist.barrier()
         start = time.perf_counter()
+        # (on a GPU the Trainer waits for each update's work: the time is the work's)
         trainer.fit((split_batch(batch, recipe.accum_steps) for batch in stream), recipe.steps)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         if checkpoint is not None and rank == 0:  # one writer; the others wait at the barrier
             save_checkpoint(checkpoint, model, steps=recipe.steps, world_size=world)
@@ -267,6 +272,7 @@ __all__ = [
     "LaunchError",
     "torchrun_environment",
     "process_group",
+    "data_parallel",
     "rank_batches",
     "DistributedTrainer",
     "train_distributed",

@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from transformer_from_scratch.attention import KeyValueCache
 from transformer_from_scratch.checks import check_bool
@@ -34,6 +33,7 @@ from transformer_from_scratch.decoding import eval_mode
 from transformer_from_scratch.decoding import next_token_probs
 from transformer_from_scratch.distributed import DistributedTrainer
 from transformer_from_scratch.distributed import LaunchError
+from transformer_from_scratch.distributed import data_parallel
 from transformer_from_scratch.distributed import process_group
 from transformer_from_scratch.distributed import torchrun_environment
 from transformer_from_scratch.layers import LayerNorm
@@ -680,17 +680,17 @@ def train_lm_distributed(
     world size, the seconds, every update's loss (that of the global batch) and `reads`: for each
     rank, in rank order, the windows its model was given at each update ("rows") and the ids of
     its first update's inputs ("first_inputs"), so that a caller can check the split."""
-    env = torchrun_environment(module="transformer_from_scratch.gpt")
-    rank, world = env["rank"], env["world_size"]
-    if recipe.batch_size % world:
-        raise ValueError(f"batch_size={recipe.batch_size} does not split into {world} processes")
     last = recipe.steps if updates is None else check_int("updates", updates, minimum=1)
-    with process_group(module="transformer_from_scratch.gpt") as (_, device):
+    with process_group(module="transformer_from_scratch.gpt") as (env, device):
+        rank, world = env["rank"], env["world_size"]
+        if recipe.batch_size % world:  # an error leaves the group on every rank
+            raise ValueError(
+                f"batch_size={recipe.batch_size} does not split into {world} processes"
+            )
         set_seed(seed)  # the same weights everywhere (DDP would broadcast rank 0's anyway)
         model = GPT(config).to(device)
-        gpu = [device.index] if device.type == "cuda" else None
         optimizer, schedule = lm_optimizer(model, recipe)
-        ddp = DistributedDataParallel(model, device_ids=gpu)
+        ddp = data_parallel(model, device)
         autocast = (
             None if recipe.amp_dtype is None else (lambda: amp_autocast(device, recipe.amp_dtype))
         )
@@ -714,9 +714,7 @@ def train_lm_distributed(
 
         dist.barrier()
         start = time.perf_counter()
-        trainer.fit(my_share(), last)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        trainer.fit(my_share(), last)  # on a GPU it waits for each update's work
         seconds = time.perf_counter() - start
         reads = [None] * world
         dist.all_gather_object(reads, read)  # every rank's record, in rank order
