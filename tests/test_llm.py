@@ -567,8 +567,9 @@ def test_sampled_speculative_decoding_draws_the_targets_joint_distribution():
         chi2 = ((counts - expected) ** 2 / expected).sum()
         return torch.special.gammaincc(torch.tensor(12.0, dtype=torch.float64), chi2 / 2).item()
 
-    settings = dict(k=1, greedy=False, temperature=0.8, generator=gen)
-    assert p_value(lambda: speculative_generate(target, draft, start, 2, **settings)[0]) > 0.001
+    for k in (1, 2):  # k = 2 pairs two proposals with two q's in one round
+        settings = dict(k=k, greedy=False, temperature=0.8, generator=gen)
+        assert p_value(lambda s=settings: speculative_generate(target, draft, start, 2, **s)[0]) > 0.001
     assert p_value(lambda: generate_lm(draft, start, 2, temperature=0.8, generator=gen)) < 0.001
 
 
