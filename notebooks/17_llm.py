@@ -1200,6 +1200,9 @@ def to_hf_llama(model: LLM):
         num_key_value_heads=c.kv_heads, head_dim=c.d_head, max_position_embeddings=c.max_len,
         rms_norm_eps=c.norm_eps, rope_theta=c.rope_base, tie_word_embeddings=c.tie_weights,
         hidden_act="silu", attention_dropout=c.dropout_p, attn_implementation="eager",
+        # No special tokens: Llama's defaults (BOS 1, EOS 2) would make `generate` stop at
+        # token 2, or, under min_new_tokens, refuse it where the model's own choice is 2.
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     state = llama_state_dict(model.state_dict(), c)
     if c.window is None:
@@ -1252,28 +1255,33 @@ for name, options in cases.items():
     print(f"{name:25s}: logits equal to float32 tolerance, all {compared} parameters' gradients too")
 
 # %% [markdown]
-# The padded case: a batch whose second row has 6 padding positions at its end. Our model takes
-# a boolean mask, the causal band and the padding together (notebook 05's way); Hugging Face's
-# takes an `attention_mask` of ones and zeros and builds the rest itself. On the real positions
-# the logits agree.
+# The padded case: a batch whose second row has 6 padding positions at its start (padded on the
+# left, as prompts are for generation; on the right, the causal band alone would hide the pads
+# from every real position, and a broken padding mask would pass). Our model takes a boolean
+# mask, the band and the padding together (notebook 05's way); Hugging Face's takes an
+# `attention_mask` of ones and zeros and builds the rest itself. On the real positions the
+# logits agree, and without our padding mask they do not.
 
 # %%
 ours, twin = llama_pair(window=5)
 lengths = torch.tensor([24, 18])
-real = torch.arange(24)[None, :] < lengths[:, None]  # (B, T): True on real tokens
+real = torch.arange(24)[None, :] >= 24 - lengths[:, None]  # (B, T): True on real tokens, at the end
 band = sliding_window_mask(24, 0, 5)  # (1, 1, T, T)
 mask = band & real[:, None, None, :]  # (B, 1, T, T): no padding key is read
 with torch.no_grad():
     ours_logits, twin_logits = ours(ids[:2], mask=mask), twin(ids[:2], attention_mask=real.long()).logits
-for b, n in enumerate(lengths.tolist()):
-    assert_close(ours_logits[b, :n], twin_logits[b, :n], rtol=1e-4, atol=1e-5)
-print("padded batch: equal on every real position")
+    unpadded_logits = ours(ids[:2], mask=band)  # the pads read as if they were text
+assert_close(ours_logits[real], twin_logits[real], rtol=1e-4, atol=1e-5)
+assert (unpadded_logits[real] - twin_logits[real]).abs().max() > 1e-2
+print("padded batch: equal on every real position; without our padding mask, not")
 
 # %% [markdown]
 # **Check: generation.** Our cached greedy decoding (notebook 16's `generate_lm`, which takes an
 # `LLM` as it is, the ring buffers included) against `generate(do_sample=False, use_cache=True)`,
 # 40 new tokens after a prompt of 8: for Llama, and for Mistral with a window of 5, where the
-# ring buffer wraps around many times. The tokens are the same, one by one.
+# ring buffer wraps around many times. The tokens are the same, one by one. (`to_hf_llama` gives
+# the twin no special tokens: with Llama's default end-of-sequence token, 2, `generate` would
+# stop there, or refuse it where our model, rightly, chooses 2.)
 
 # %%
 prompt = torch.randint(0, 97, (2, 8))
@@ -1281,7 +1289,7 @@ for name, options in (("Llama", {}), ("Mistral, window 5", dict(window=5))):
     ours, twin = llama_pair(**options)
     mine = generate_lm(ours, prompt, 40, greedy=True, use_cache=True)
     theirs = twin.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
-                           min_new_tokens=40, do_sample=False, use_cache=True, pad_token_id=0)  # fmt: skip
+                           do_sample=False, use_cache=True)  # fmt: skip
     assert torch.equal(mine, theirs)
     print(f"{name:18s}: {theirs.shape[1] - 8} greedy tokens identical in both rows")
 
@@ -1504,6 +1512,10 @@ for row in study_rows:
     print(f"{row:12s} {ms[row]:6.0f} ms per update ({ms[row] / ms['GPT-2 block']:.2f} x GPT-2's)")
 
 # %%
+# The same work within a factor of two, whatever the machine: no row is a different kind of cost.
+assert all(0.5 < ms[row] / ms["GPT-2 block"] < 2.0 for row in study_rows), ms
+
+# %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
 positions = range(len(study_rows))
 for i, row in enumerate(study_rows):
@@ -1545,10 +1557,11 @@ plt.show()
 #
 # The time panel compares implementations as much as architectures. The GPT-2 row runs the GPT
 # class, whose fast path (notebook 14) packs $Q$, $K$ and $V$ into one matmul; from the RMSNorm
-# row on the model is `LLM`, which runs three. In the stored run every `LLM` row took 4-16 % more
-# time per update than the GPT-2 row, and the differences between `LLM` rows (a few percent,
-# either way) are within what one timing on a shared machine resolves. At this size the changes
-# buy loss, not measurable speed (GQA's saving is in the cache, section 5).
+# row on the model is `LLM`, which runs three. The ratios printed above move from run to run on
+# a shared machine by as much as they differ from one another: in earlier runs of this cell every
+# `LLM` row was slower than the GPT-2 row, by 3 to 20 %, in the stored one most were faster. What
+# holds in every run is that each row is within a factor of two of the GPT-2 row (asserted). At
+# this size the changes buy loss, not measurable speed (GQA's saving is in the cache, section 5).
 #
 # **The live row.** Notebook 16 trained the GPT-2 row with seed 0 and saved it; here it is
 # scored as the study scores every run. If that checkpoint is missing (a fresh Colab runtime) or
@@ -1904,29 +1917,35 @@ assert stats.alpha == 1.0 and stats.rounds == 9  # itself: 7 tokens a pass, 60 =
 # temperature 0.8, with $k = 1$ and with $k = 2$ (the second pairs two proposals with two $q$s
 # in one round, where a mix-up would show): the target's exact joint distribution of the two
 # tokens, 25 outcomes, is computed by enumeration, and 5,000 speculative samples at each $k$ are
-# compared with it by the $\chi^2$ test at 0.001. The weights are drawn so that no
-# outcome is rare (each expects at least 5 draws, the condition under which the $\chi^2$
-# approximation holds; with one outcome taking nearly all the mass, even greedy decoding would
-# pass) and the draft disagrees with the target often enough (its first proposal is rejected
-# about a quarter of the time) for the residual draws to matter. The control: the draft's own
+# compared with it by the $\chi^2$ test at 0.001 (a correct sampler fails one of the two with
+# probability about 0.002). The weights are the first draw (seed 4 on) with no rare outcome (each
+# expects at least 5 draws, the condition under which the $\chi^2$ approximation holds; with one
+# outcome taking nearly all the mass, even greedy decoding would pass) and a draft that disagrees
+# with the target often enough for the residual draws to matter (its first proposal accepted
+# with probability below 0.9; 0.75 in the stored run). The control: the draft's own
 # samples, which the same test rejects.
 
 # %% tags=["nbval-ignore-output"]
-set_seed(4)
 five = dict(vocab_size=5, max_len=8, d_model=16, num_heads=2, num_layers=1, **LLAMA)
-pair_target, pair_draft = LLM(LLMConfig(**five)).eval(), LLM(LLMConfig(**five)).eval()
-with torch.no_grad():
-    for p in [*pair_target.parameters(), *pair_draft.parameters()]:
-        p.normal_(0.0 if p.dim() > 1 else 1.0, 0.3)
-    start = torch.tensor([[1, 3]])  # the target's joint of (x1, x2), by enumeration:
-    p1 = next_token_distribution(pair_target(start)[0, -1], temperature=0.8)  # (5,)
-    follow = torch.cat([start.expand(5, 2), torch.arange(5)[:, None]], dim=1)  # (5, 3)
-    p2 = next_token_distribution(pair_target(follow)[:, -1], temperature=0.8)  # (5, 5)
-    q1 = next_token_distribution(pair_draft(start)[0, -1], temperature=0.8)
-joint = (p1[:, None] * p2).flatten().double()  # (25,)
-draws = 5000
+start, draws = torch.tensor([[1, 3]]), 5000
+for weights_seed in range(4, 200):  # the first draw of weights with no rare outcome (seed 4 here)
+    set_seed(weights_seed)
+    pair_target, pair_draft = LLM(LLMConfig(**five)).eval(), LLM(LLMConfig(**five)).eval()
+    with torch.no_grad():
+        for p in [*pair_target.parameters(), *pair_draft.parameters()]:
+            p.normal_(0.0 if p.dim() > 1 else 1.0, 0.3)
+        # the target's joint of (x1, x2), by enumeration:
+        p1 = next_token_distribution(pair_target(start)[0, -1], temperature=0.8)  # (5,)
+        follow = torch.cat([start.expand(5, 2), torch.arange(5)[:, None]], dim=1)  # (5, 3)
+        p2 = next_token_distribution(pair_target(follow)[:, -1], temperature=0.8)  # (5, 5)
+        q1 = next_token_distribution(pair_draft(start)[0, -1], temperature=0.8)
+    joint = (p1[:, None] * p2).flatten().double()  # (25,)
+    accepted = torch.minimum(p1, q1).sum()  # the first proposal's acceptance probability
+    if (joint * draws).min() >= 5 and accepted < 0.9:  # no rare outcome; rejections matter
+        break
 assert (joint * draws).min() >= 5  # every outcome expects 5 draws or more
-print(f"the draft's first proposal is accepted with probability {torch.minimum(p1, q1).sum():.2f}")
+print(f"weights drawn with seed {weights_seed}; the draft's first proposal is accepted with "
+      f"probability {accepted:.2f}")
 sampler = torch.Generator().manual_seed(0)
 counts = {k: torch.zeros(25, dtype=torch.float64) for k in (1, 2)}
 control = torch.zeros(25, dtype=torch.float64)
@@ -2029,11 +2048,21 @@ for k in alphas:
           f"predicted; speed-up {speedups[k]:.2f}x measured, {predicted[k]:.2f}x predicted")
 best = max(speedups, key=speedups.get)
 print(f"best measured: k = {best}, {speedups[best]:.2f}x")
+per_layer = (c_target[1] - c_draft) / (target.config.num_layers - draft.config.num_layers)
+fixed = c_draft - draft.config.num_layers * per_layer
+print(f"read as fixed + per layer: {1e3 * fixed:.2f} ms fixed, {1e3 * per_layer:.2f} ms per layer")
+c_ratio, five_ratio = c_draft / c_target[1], c_target[5] / c_target[1]
+needed = (expected_tokens[4] / 1.5 - five_ratio) / 4  # S(4) = E(4) / (4c + ratio) = 1.5
+print(f"draft pass / target pass c = {c_ratio:.2f}; target pass over 5 tokens / over 1: "
+      f"{five_ratio:.2f}; S(4) reaches 1.5x at c <= {needed:.2f}")
 
 # %%
 assert 0.4 < alphas[1] < 1.0  # a useful draft, and not a copy of the target
 assert all(per_pass[k] > 1.3 for k in range(2, 9))  # most passes emit more than one token
-assert all(abs(per_pass[k] - expected_tokens[k]) < 0.35 * expected_tokens[k] for k in alphas)
+# The formula describes the run: tokens per pass within 15 % of it at every k. (It reads alpha
+# off the same rounds, so this checks that acceptances behave like independent draws at one
+# rate, as the formula assumes, not an independent prediction.)
+assert all(abs(per_pass[k] - expected_tokens[k]) < 0.15 * expected_tokens[k] for k in alphas)
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
@@ -2058,22 +2087,23 @@ save_figure(fig, "llm_speculative")
 plt.show()
 
 # %% [markdown]
-# **What the stored run shows.** The text is the target's, token for token, at every $k$
-# (asserted). The draft is good: $\hat\alpha$ = 0.66 to 0.76, and at $k = 4$ a target pass yields
-# 2.9 tokens instead of one, close to the formula's 3.05. Yet speculative decoding is *slower* on
-# this CPU: 0.83× at its best $k$ (3). The pass costs say why. The one-layer draft's pass costs
-# 0.42 ms against the four-layer target's 1.00 ms: read as a fixed part plus a part per layer,
-# about 0.23 ms fixed (the embedding, the head, the Python around them) and 0.19 ms per layer, so
-# a quarter of the layers is about 40 % of the time, and $k$ draft passes eat the gain (a rough
+# **What the stored run shows** (its numbers are printed above; a timing moves from run to run).
+# The text is the target's, token for token, at every $k$ (asserted). The draft is good:
+# $\hat\alpha$ = 0.66 to 0.76, and at $k = 4$ a target pass yields 2.86 tokens instead of one,
+# close to the formula's 3.05. Yet speculative decoding is *slower* on this CPU: 0.81× at its
+# best $k$. The pass costs say why. The one-layer draft's pass costs 0.42 ms against the
+# four-layer target's 1.09 ms ($c = 0.38$): read as a fixed part plus a part per layer, about
+# 0.19 ms fixed (the embedding, the head, the Python around them) and 0.22 ms per layer, so a
+# quarter of the layers is about 40 % of the time, and $k$ draft passes eat the gain (a rough
 # fit: the two models differ in more than depth, the draft has grouped keys and values and the
 # target packed projections). The prediction from the pass costs sits near 1.0× at small $k$
 # and falls as $k$ grows and draft passes add up; the measurement lies below it, by the loop's
-# own bookkeeping (sampling, comparing, cropping) that the formula leaves out. What would it take: with $\hat\alpha = 0.75$ and a target
-# pass over 5 tokens costing 1.45 of one over one, $S(4) = 3.05 / (4c + 1.45)$ reaches 1.5× when
-# the draft's pass costs at most $c = 0.15$ of the target's: a draft about 7 times cheaper per
-# pass, or a target about 7 times heavier, as at the sizes where this is used (a GPU reading
-# billions of weights per pass, where a pass over $k + 1$ tokens costs about one over one).
-#
+# own bookkeeping (sampling, comparing, cropping) that the formula leaves out. What would it
+# take: with $\hat\alpha = 0.75$ and a target pass over 5 tokens costing 1.49 of one over one,
+# $S(4) = 3.05 / (4c + 1.49)$ reaches 1.5× when the draft's pass costs at most $c = 0.14$ of the
+# target's (the last line printed above): a draft about 7 times cheaper per pass, or a target
+# about 7 times heavier, as at the sizes where this is used (a GPU reading billions of weights
+# per pass, where a pass over $k + 1$ tokens costs about one over one).
 #
 # **Sampling, too.** At temperature 0.8 the speculative sampler draws from the target's
 # distribution at temperature 0.8 (the check above); here it writes, with its $\hat\alpha$ at

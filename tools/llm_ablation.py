@@ -11,8 +11,9 @@ in bits per character over `ABLATION_EVAL_WINDOWS` windows of the held-out plays
     python tools/llm_ablation.py --seeds 0-1 --jobs 2 --out tools/llm_ablation.json
 
 prints a table (markdown) and writes the JSON that notebook 17 copies (tests/test_tools.py checks
-the copy). Expect about five minutes per run on one free core of this project's machine. The
-GPT-2 row with seed 0 is notebook 16's own run (its class, seed, recipe and windows).
+the copy). Expect six to ten minutes per run on one core of this project's machine (the stored
+study: 12 runs, two at a time, in 3,512 s). The GPT-2 row with seed 0 is notebook 16's own run
+(its class, seed, recipe and windows).
 """
 
 from __future__ import annotations

@@ -548,6 +548,9 @@ def to_hf_llama(model: LLM):
         num_key_value_heads=c.kv_heads, head_dim=c.d_head, max_position_embeddings=c.max_len,
         rms_norm_eps=c.norm_eps, rope_theta=c.rope_base, tie_word_embeddings=c.tie_weights,
         hidden_act="silu", attention_dropout=c.dropout_p, attn_implementation="eager",
+        # No special tokens: Llama's defaults (BOS 1, EOS 2) would make `generate` stop at
+        # token 2, or, under min_new_tokens, refuse it where the model's own choice is 2.
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip
     state = llama_state_dict(model.state_dict(), c)
     if c.window is None:
