@@ -19,7 +19,7 @@ iterations on 256 windows, the course's run as notebook 16 does (every 100 updat
 recipe's 64 windows); at the end, each the loss on the whole of them. Writes
 tools/gpt_reference.json.
 
-    python tools/gpt_reference.py                  # 2 threads, as the issue's measurements
+    python tools/gpt_reference.py                  # 1 thread, as tools/gpt_reference.json
     python tools/gpt_reference.py --iters 2000     # one reference run only
 """
 
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, nargs="+", default=[2000, 6000])
     parser.add_argument("--eval-every", type=int, default=250)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--skip-course", action="store_true")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
