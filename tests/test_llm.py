@@ -594,7 +594,8 @@ def test_sampled_speculative_decoding_draws_the_targets_joint_distribution():
 
     for k in (1, 2):  # k = 2 pairs two proposals with two q's in one round
         settings = dict(k=k, greedy=False, temperature=0.8, generator=gen)
-        assert p_value(lambda s=settings: speculative_generate(target, draft, start, 2, **s)[0]) > 0.001
+        sample = lambda s=settings: speculative_generate(target, draft, start, 2, **s)[0]  # noqa: E731
+        assert p_value(sample) > 0.001
     assert p_value(lambda: generate_lm(draft, start, 2, temperature=0.8, generator=gen)) < 0.001
 
 
