@@ -1557,11 +1557,12 @@ plt.show()
 #
 # The time panel compares implementations as much as architectures. The GPT-2 row runs the GPT
 # class, whose fast path (notebook 14) packs $Q$, $K$ and $V$ into one matmul; from the RMSNorm
-# row on the model is `LLM`, which runs three. The ratios printed above move from run to run on
-# a shared machine by as much as they differ from one another: in earlier runs of this cell every
-# `LLM` row was slower than the GPT-2 row, by 3 to 20 %, in the stored one most were faster. What
-# holds in every run is that each row is within a factor of two of the GPT-2 row (asserted). At
-# this size the changes buy loss, not measurable speed (GQA's saving is in the cache, section 5).
+# row on the model is `LLM`, which runs three (and, from the same seed, draws other weights: the
+# RMSNorm row changes the class as well as the norm). In the stored run every `LLM` row took
+# longer per update than the GPT-2 row, 5 to 17 % (printed above); on a machine shared with
+# other work such ratios move from run to run by as much, so the notebook asserts only that each
+# row is within a factor of two of the GPT-2 row. At this size the changes buy loss, not a speed that one timing on a
+# shared machine can show (GQA's saving is in the cache, section 5).
 #
 # **The live row.** Notebook 16 trained the GPT-2 row with seed 0 and saved it; here it is
 # scored as the study scores every run. If that checkpoint is missing (a fresh Colab runtime) or
@@ -1879,7 +1880,7 @@ assert p_value < 0.001
 # %% [markdown]
 # **Check: greedy speculative decoding is the target's greedy decoding.** On small random models,
 # for $k$ from 1 to 6, with three drafts: the target with noise added to its weights (it agrees
-# often but not always, so rounds end at every position), an unrelated small model (it almost
+# often but not always, so some rounds end early and some keep every proposal), an unrelated small model (it almost
 # never agrees), and the target itself (it always agrees). The tokens equal those of
 # `generate_lm` every time.
 
@@ -1980,7 +1981,8 @@ set_seed(0)
 draft = LLM(draft_config).to(device)
 draft_recipe = LMRecipe(steps=300, batch_size=16, context=128, lr=2e-3, warmup_steps=30,
                         eval_every=100)  # fmt: skip
-train_lm(draft, train_ids.to(device), valid_ids.to(device), draft_recipe)
+draft_history = train_lm(draft, train_ids.to(device), valid_ids.to(device), draft_recipe)
+print(f"the draft: {draft_history['step'][-1]} updates, {draft_history['seconds'][-1]:.0f} s of training")
 draft.eval()
 draft_nats = evaluate_lm(draft, valid_ids.to(device), 128, max_windows=ABLATION_EVAL_WINDOWS)
 draft_bits = draft_nats / math.log(2)
@@ -2059,10 +2061,11 @@ print(f"draft pass / target pass c = {c_ratio:.2f}; target pass over 5 tokens / 
 # %%
 assert 0.4 < alphas[1] < 1.0  # a useful draft, and not a copy of the target
 assert all(per_pass[k] > 1.3 for k in range(2, 9))  # most passes emit more than one token
-# The formula describes the run: tokens per pass within 15 % of it at every k. (It reads alpha
+# The formula describes the run: tokens per pass within 15 % of it for k >= 2. (It reads alpha
 # off the same rounds, so this checks that acceptances behave like independent draws at one
-# rate, as the formula assumes, not an independent prediction.)
-assert all(abs(per_pass[k] - expected_tokens[k]) < 0.15 * expected_tokens[k] for k in alphas)
+# rate, as the formula assumes, not an independent prediction; at k = 1 it is 1 + alpha by
+# construction, so k = 1 is left out.)
+assert all(abs(per_pass[k] - expected_tokens[k]) < 0.15 * expected_tokens[k] for k in range(2, 9))
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), constrained_layout=True)
@@ -2090,19 +2093,20 @@ plt.show()
 # **What the stored run shows** (its numbers are printed above; a timing moves from run to run).
 # The text is the target's, token for token, at every $k$ (asserted). The draft is good:
 # $\hat\alpha$ = 0.66 to 0.76, and at $k = 4$ a target pass yields 2.86 tokens instead of one,
-# close to the formula's 3.05. Yet speculative decoding is *slower* on this CPU: 0.81× at its
-# best $k$. The pass costs say why. The one-layer draft's pass costs 0.42 ms against the
-# four-layer target's 1.09 ms ($c = 0.38$): read as a fixed part plus a part per layer, about
-# 0.19 ms fixed (the embedding, the head, the Python around them) and 0.22 ms per layer, so a
+# close to the formula's 3.05. Yet speculative decoding is *slower* on this CPU: 0.88× at its
+# best $k$ (3). The pass costs say why. The one-layer draft's pass costs 0.41 ms against the
+# four-layer target's 0.98 ms ($c = 0.42$): read as a fixed part plus a part per layer, about
+# 0.22 ms fixed (the embedding, the head, the Python around them) and 0.19 ms per layer, so a
 # quarter of the layers is about 40 % of the time, and $k$ draft passes eat the gain (a rough
 # fit: the two models differ in more than depth, the draft has grouped keys and values and the
 # target packed projections). The prediction from the pass costs sits near 1.0× at small $k$
-# and falls as $k$ grows and draft passes add up; the measurement lies below it, by the loop's
-# own bookkeeping (sampling, comparing, cropping) that the formula leaves out. What would it
-# take: with $\hat\alpha = 0.75$ and a target pass over 5 tokens costing 1.49 of one over one,
-# $S(4) = 3.05 / (4c + 1.49)$ reaches 1.5× when the draft's pass costs at most $c = 0.14$ of the
-# target's (the last line printed above): a draft about 7 times cheaper per pass, or a target
-# about 7 times heavier, as at the sizes where this is used (a GPU reading billions of weights
+# and falls as $k$ grows and draft passes add up; the measurement lies below it, by what the
+# formula leaves out (the loop's own work of sampling, comparing and cropping, among others: not
+# measured here). What would it
+# take: with $\hat\alpha = 0.75$ and a target pass over 5 tokens costing 1.48 of one over one,
+# $S(4) = 3.05 / (4c + 1.48)$ reaches 1.5× when the draft's pass costs at most $c = 0.14$ of the
+# target's (the last line printed above), 3 times less than the 0.42 measured: a smaller
+# draft, or a heavier target, as at the sizes where this is used (a GPU reading billions of weights
 # per pass, where a pass over $k + 1$ tokens costs about one over one).
 #
 # **Sampling, too.** At temperature 0.8 the speculative sampler draws from the target's
