@@ -804,3 +804,31 @@ def test_notebook_16_quotes_the_committed_reference_run():
     import gpt_reference
 
     assert measured["runs"]["course"]["recipe"] == gpt_reference.COURSE_RECIPE
+
+
+def test_notebook_17_quotes_the_committed_ablation_study():
+    """Notebook 17 copies tools/llm_ablation.json (Colab has no tools/): the copy must be the
+    file's numbers, rounded as the notebook prints them, and the study must have run the
+    library's rows and recipe with at least two seeds."""
+    import dataclasses
+
+    from transformer_from_scratch.llm import ABLATION_RECIPE
+    from transformer_from_scratch.llm import ABLATION_ROWS
+
+    source = (ROOT / "notebooks" / "17_llm.py").read_text()
+    literal = re.search(r"^STUDY = \{.*?^\}  # fmt: skip$", source, re.S | re.M).group(0)
+    quoted = eval(literal.split("=", 1)[1].split("  # fmt: skip")[0])
+    measured = json.loads((ROOT / "tools" / "llm_ablation.json").read_text())
+    for key in ("command", "machine", "torch", "threads_per_run"):
+        assert quoted[key] == measured[key]
+    key = lambda run: (run["row"], run["seed"])  # noqa: E731
+    assert sorted(map(key, quoted["runs"])) == sorted(map(key, measured["runs"]))
+    copies = {key(run): run for run in quoted["runs"]}
+    for run in measured["runs"]:
+        copy = copies[key(run)]
+        assert (copy["parameters"], copy["d_ff"]) == (run["parameters"], run["d_ff"])
+        assert copy["val_bits"] == pytest.approx(run["val_bits"], abs=5.1e-5)
+        assert copy["seconds_per_step"] == pytest.approx(run["seconds_per_step"], abs=5.1e-4)
+    assert measured["recipe"] == json.loads(json.dumps(dataclasses.asdict(ABLATION_RECIPE)))
+    assert {run["row"] for run in measured["runs"]} == set(ABLATION_ROWS)
+    assert len({run["seed"] for run in measured["runs"]}) >= 2

@@ -15,6 +15,7 @@
 #   notebooks/14_efficient_attention.py
 #   notebooks/15_tuning.py
 #   notebooks/16_gpt.py
+#   notebooks/17_llm.py
 # Do not edit it: edit the notebook (or its .py pair), then run `make export`.
 
 """The Transformer from scratch: the library that the course's notebooks build."""
@@ -29,6 +30,7 @@ from . import decoding
 from . import efficient
 from . import gpt
 from . import layers
+from . import llm
 from . import masks
 from . import model
 from . import positional
@@ -119,6 +121,37 @@ from .layers import LayerNorm
 from .layers import feed_forward
 from .layers import get_activation
 from .layers import sublayer_connection
+from .llm import ABLATION_EVAL_WINDOWS
+from .llm import ABLATION_RECIPE
+from .llm import ABLATION_ROWS
+from .llm import ABLATION_SIZE
+from .llm import FFNS
+from .llm import LLAMA
+from .llm import LLM
+from .llm import NORMS
+from .llm import POSITIONS
+from .llm import ROPE_PAIRINGS
+from .llm import GroupedQueryAttention
+from .llm import LLMBlock
+from .llm import LLMConfig
+from .llm import RMSNorm
+from .llm import Rotary
+from .llm import SpeculativeStats
+from .llm import WindowCache
+from .llm import ablation_config
+from .llm import ablation_model
+from .llm import accept_or_resample
+from .llm import distinct_parameters
+from .llm import halves_order
+from .llm import kv_cache_bytes
+from .llm import llama_state_dict
+from .llm import make_norm
+from .llm import match_ffn_width
+from .llm import run_ablation
+from .llm import sliding_window_mask
+from .llm import speculative_generate
+from .llm import swiglu_width
+from .llm import to_hf_llama
 from .masks import causal_mask
 from .masks import padding_mask
 from .model import Transformer
@@ -266,5 +299,6 @@ __all__ = [
     *tuning.__all__,
     *regularization.__all__,
     *gpt.__all__,
+    *llm.__all__,
     *_LAZY_NAMES,
 ]
