@@ -218,6 +218,7 @@ def nbval_in_scratch(
         names = [", ".join(path.stem for path in unit) for unit in units]
         reports = [folder.parent / f"junit-{i}.xml" for i in range(len(units))]
         started = time.perf_counter()
+        lock = threading.Lock()  # one unit's lines at a time
 
         def run_unit(i: int) -> int:
             with lock:  # whole lines: print writes the text and its newline apart
@@ -234,7 +235,6 @@ def nbval_in_scratch(
                 print(done.stdout + done.stderr, end="", flush=True)
             return done.returncode
 
-        lock = threading.Lock()
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             codes = list(pool.map(run_unit, range(len(units))))
         failed = [name for name, code in zip(names, codes, strict=True) if code]
